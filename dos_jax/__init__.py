@@ -1,0 +1,16 @@
+"""dos_jax: Deep Optimizer States for JAX.
+
+Optax transforms whose optimizer state lives in host memory, split into subgroups
+that are updated partly on the device (streamed through free device memory) and
+partly on the host, in one jitted step.
+"""
+
+from dos_jax.policies import AllDevice as AllDevice
+from dos_jax.policies import AllHost as AllHost
+from dos_jax.policies import DeviceFraction as DeviceFraction
+from dos_jax.policies import Plan as Plan
+from dos_jax.policies import Policy as Policy
+from dos_jax.policies import Stride as Stride
+from dos_jax.policies import SubgroupSpec as SubgroupSpec
+
+__version__ = '0.1.0'

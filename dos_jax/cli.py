@@ -1,0 +1,35 @@
+"""The `dos-jax` command: subcommands `train`, `prepare` and `plan`.
+
+Each subcommand lives next to the code it drives and registers itself through a
+`register(subparsers)` function, so this file only dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog='dos-jax',
+      description='Train transformers whose optimizer state lives in host memory.',
+  )
+  subparsers = parser.add_subparsers(dest='command', required=True)
+  # Imported here so that `dos-jax --help` stays fast and each module stays optional.
+  from dos_jax.train import cli as train_cli  # pylint: disable=import-outside-toplevel
+  from dos_jax import plan_cli  # pylint: disable=import-outside-toplevel
+
+  train_cli.register(subparsers)
+  plan_cli.register(subparsers)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  return int(args.handler(args) or 0)
+
+
+if __name__ == '__main__':
+  sys.exit(main())

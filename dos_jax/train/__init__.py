@@ -1,0 +1,1 @@
+"""The pretraining runner: config, model, data, mesh, step, checkpoints, CLI."""

@@ -1,0 +1,1 @@
+"""Update kernels: a Pallas fused AdamW for the device path, a native AdamW for the host path."""
