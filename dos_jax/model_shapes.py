@@ -1,0 +1,71 @@
+"""Transformer shapes by name: the one place the preset sizes are written down.
+
+Used by the runner (`model.preset` in a run config) and by `dos-jax plan`. The 7b-70b
+shapes are the ones the Deep Optimizer States paper trained (Llama-style: SwiGLU MLP,
+untied embeddings); 125m and 1.3b follow GPT-3's widths; `tiny` is the CPU default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """The sizes that determine a decoder-only transformer's parameter count.
+
+  Attributes:
+    dim: model (residual stream) width.
+    ffn_dim: hidden width of the SwiGLU MLP.
+    n_layers: number of decoder blocks.
+    n_heads: attention heads (head_dim = dim // n_heads).
+    vocab_size: embedding rows; the output projection is untied.
+  """
+
+  dim: int
+  ffn_dim: int
+  n_layers: int
+  n_heads: int
+  vocab_size: int = 32000
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f'ModelShape.{field.name} must be a positive integer, got {value!r}')
+    if self.dim % self.n_heads:
+      raise ValueError(
+          f'ModelShape.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})'
+      )
+
+  @property
+  def head_dim(self) -> int:
+    return self.dim // self.n_heads
+
+  def num_params(self) -> int:
+    """Parameters of the Llama-style model: attention (4 d^2), SwiGLU (3 d f), 2 RMSNorms
+    per block, a final norm, input embedding and untied output projection."""
+    per_block = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+    return self.n_layers * per_block + self.dim + 2 * self.vocab_size * self.dim
+
+
+PRESETS: dict[str, ModelShape] = {
+    'tiny': ModelShape(dim=128, ffn_dim=384, n_layers=4, n_heads=4, vocab_size=256),
+    '125m': ModelShape(dim=768, ffn_dim=2048, n_layers=12, n_heads=12, vocab_size=50304),
+    '1.3b': ModelShape(dim=2048, ffn_dim=5504, n_layers=24, n_heads=16, vocab_size=50304),
+    '7b': ModelShape(dim=4096, ffn_dim=11008, n_layers=32, n_heads=32),
+    '13b': ModelShape(dim=5120, ffn_dim=13824, n_layers=40, n_heads=40),
+    '20b': ModelShape(dim=5120, ffn_dim=20480, n_layers=40, n_heads=64),
+    '30b': ModelShape(dim=6656, ffn_dim=17920, n_layers=60, n_heads=52),
+    '70b': ModelShape(dim=8192, ffn_dim=28672, n_layers=80, n_heads=64),
+}
+
+
+def preset(name: str) -> ModelShape:
+  """Looks up a preset by name, with an error that lists the known names."""
+  try:
+    return PRESETS[name]
+  except KeyError:
+    raise ValueError(
+        f'unknown model preset {name!r}; known: {", ".join(PRESETS)}'
+    ) from None
