@@ -103,7 +103,7 @@ def pack(coeffs: Coefficients) -> jax.Array:
   return jnp.stack(values + pad)
 
 
-def check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype) -> None:
+def check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype, lowp_out=None) -> None:
   """Raises a one-line error naming the argument that breaks the kernel contract."""
   if jnp.ndim(master) != 1 or master.shape[0] < 1:
     raise ValueError(f'master must be a non-empty 1-D array, got shape {jnp.shape(master)}')
@@ -121,5 +121,9 @@ def check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype) -> None:
   if jnp.dtype(lowp_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                                    jnp.dtype(jnp.float32)):
     raise ValueError(f'lowp_dtype must be bfloat16, float16 or float32, got {lowp_dtype}')
+  if lowp_out is not None and (lowp_out.shape != master.shape or
+                                lowp_out.dtype != jnp.dtype(lowp_dtype)):
+    raise ValueError(f'lowp_out must be {jnp.dtype(lowp_dtype).name}{list(master.shape)}, '
+                     f'got {lowp_out.dtype.name}{list(lowp_out.shape)}')
   if jnp.ndim(decay_limit) != 0:
     raise ValueError(f'decay_limit must be a scalar, got shape {jnp.shape(decay_limit)}')

@@ -12,12 +12,16 @@
 // its f32 reciprocal, which is what XLA's algebraic simplifier turns them into; and
 // denormals are flushed to zero as XLA:CPU does while it runs.
 
+#ifndef DOS_JAX_NO_PYTHON  // defined by standalone C++ benchmarks of the loop
 #include <Python.h>
+#endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -242,6 +246,8 @@ class ScopedFlushDenormals {
 
 constexpr int64_t kAlign = 16;  // elements: one 64-byte line of f32
 constexpr int64_t kMinPerThread = int64_t{1} << 15;
+constexpr int64_t kMinChunk = int64_t{1} << 14;
+constexpr int64_t kChunksPerThread = 16;
 
 struct Problem {
   ChunkFn fn;
@@ -332,44 +338,79 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> master, ffi::AnyBuffer mu,
             nullptr, lowp_out->untyped_data()};
   pb.mu_bytes = ffi::ByteWidth(mu.element_type());
 
-  // Chunks of at least kMinPerThread elements, cut at cache-line boundaries.
+  // Threads take chunks from a shared counter rather than one fixed slice each, so a
+  // thread slowed by a busy core does not hold the others up at the join.
   const int64_t want = std::max<int64_t>(1, num_threads);
   const int64_t threads = std::clamp<int64_t>(pb.total / kMinPerThread, 1, want);
-  const int64_t per = ((pb.total + threads - 1) / threads + kAlign - 1) / kAlign * kAlign;
+  const int64_t chunk =
+      std::max(kMinChunk, (pb.total / (threads * kChunksPerThread) + kAlign - 1) / kAlign * kAlign);
+  std::atomic<int64_t> next{0};
+  auto work = [&pb, &next, chunk] {
+    for (int64_t begin; (begin = next.fetch_add(chunk)) < pb.total;) {
+      RunRange(pb, begin, std::min(pb.total, begin + chunk));
+    }
+  };
   std::vector<std::thread> workers;
   workers.reserve(threads - 1);
   for (int64_t t = 1; t < threads; ++t) {
-    const int64_t begin = std::min(pb.total, t * per);
-    const int64_t end = std::min(pb.total, begin + per);
-    if (begin < end) workers.emplace_back(RunRange, std::cref(pb), begin, end);
+    try {
+      workers.emplace_back(work);
+    } catch (const std::system_error&) {  // no more threads to be had: go on with fewer
+      break;
+    }
   }
-  RunRange(pb, 0, std::min(pb.total, per));
+  work();
   for (auto& w : workers) w.join();
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHost, AdamWImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // master
-                                  .Arg<ffi::AnyBuffer>()  // mu
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // nu
-                                  .Arg<ffi::AnyBuffer>()  // grad
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // coefficients
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // decay_limit
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // master (aliased)
-                                  .Ret<ffi::AnyBuffer>()  // mu (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // nu (aliased)
-                                  .Ret<ffi::AnyBuffer>()  // low-precision params
-                                  .Attr<int64_t>("num_threads")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<int64_t>("isa"));
+// The handler's argument list; `lowp_in` (with Extra) is a dead buffer of the result's
+// shape and dtype that XLA aliases to the low-precision result, so it needs no
+// fresh allocation (a fresh one costs a page fault per 4 KiB on first touch).
+#define DOS_ADAMW_BINDING(...)                                  \
+  ffi::Ffi::Bind()                                              \
+      .Arg<ffi::Buffer<ffi::F32>>() /* master */                \
+      .Arg<ffi::AnyBuffer>() /* mu */                           \
+      .Arg<ffi::Buffer<ffi::F32>>() /* nu */                    \
+      .Arg<ffi::AnyBuffer>() /* grad */                         \
+      .Arg<ffi::Buffer<ffi::F32>>() /* coefficients */          \
+      .Arg<ffi::Buffer<ffi::S32>>() /* decay_limit */           \
+      __VA_ARGS__                                               \
+      .Ret<ffi::Buffer<ffi::F32>>() /* master (aliased) */      \
+      .Ret<ffi::AnyBuffer>() /* mu (aliased) */                 \
+      .Ret<ffi::Buffer<ffi::F32>>() /* nu (aliased) */          \
+      .Ret<ffi::AnyBuffer>() /* low-precision params */         \
+      .Attr<int64_t>("num_threads")                             \
+      .Attr<bool>("nesterov")                                   \
+      .Attr<int64_t>("isa")
 
-// The Python module: the handler as a capsule for jax.ffi.register_ffi_target, and
+ffi::Error AdamWLowpInImpl(ffi::Buffer<ffi::F32> master, ffi::AnyBuffer mu,
+                           ffi::Buffer<ffi::F32> nu, ffi::AnyBuffer grad,
+                           ffi::Buffer<ffi::F32> coeffs, ffi::Buffer<ffi::S32> decay_limit,
+                           ffi::AnyBuffer /*lowp_in*/, ffi::ResultBuffer<ffi::F32> master_out,
+                           ffi::Result<ffi::AnyBuffer> mu_out,
+                           ffi::ResultBuffer<ffi::F32> nu_out,
+                           ffi::Result<ffi::AnyBuffer> lowp_out, int64_t num_threads,
+                           bool nesterov, int64_t isa) {
+  return AdamWImpl(master, mu, nu, grad, coeffs, decay_limit, master_out, mu_out, nu_out,
+                   lowp_out, num_threads, nesterov, isa);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHost, AdamWImpl, DOS_ADAMW_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLowpIn, AdamWLowpInImpl,
+                              DOS_ADAMW_BINDING(.Arg<ffi::AnyBuffer>() /* lowp_in */));
+
+#ifndef DOS_JAX_NO_PYTHON
+// The Python module: the handlers as capsules for jax.ffi.register_ffi_target, and
 // the instruction sets this CPU supports (bit i set = Isa i usable).
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHost), nullptr, nullptr);
+}
+
+static PyObject* HandlerLowpIn(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHostLowpIn), nullptr, nullptr);
 }
 
 static PyObject* IsaMask(PyObject*, PyObject*) {
@@ -378,6 +419,8 @@ static PyObject* IsaMask(PyObject*, PyObject*) {
 
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The XLA FFI handler of the host AdamW."},
+    {"handler_lowp_in", HandlerLowpIn, METH_NOARGS,
+     "The same, taking a buffer to alias to the low-precision output."},
     {"isa_mask", IsaMask, METH_NOARGS, "Bit i set: instruction set i is usable here."},
     {nullptr, nullptr, 0, nullptr},
 };
@@ -386,3 +429,4 @@ static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_host_adamw",
                               "Native host AdamW (XLA FFI).", -1, kMethods};
 
 PyMODINIT_FUNC PyInit__host_adamw() { return PyModule_Create(&kModule); }
+#endif  // DOS_JAX_NO_PYTHON

@@ -22,6 +22,7 @@ from dos_jax.kernels import adamw_scalars
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 
 _TARGET = 'dos_jax_adamw_host'
+_TARGET_LOWP_IN = 'dos_jax_adamw_host_lowp_in'  # also takes a buffer for the lowp output
 
 
 class HostIsa(enum.IntEnum):
@@ -42,6 +43,8 @@ def _load() -> tuple[Any, str]:
     return None, f'native host AdamW not built or not loadable: {e}'
   try:
     jax.ffi.register_ffi_target(_TARGET, _host_adamw.handler(), platform='cpu')
+    jax.ffi.register_ffi_target(
+        _TARGET_LOWP_IN, _host_adamw.handler_lowp_in(), platform='cpu')
   except Exception as e:  # pylint: disable=broad-except
     return None, f'registering the native host AdamW with XLA failed: {e}'
   return _host_adamw, ''
@@ -75,28 +78,30 @@ def default_num_threads() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=('lowp_dtype', 'nesterov', 'num_threads', 'isa'))
-def _adamw_call(packed, limit, master, mu, nu, grad, *, lowp_dtype, nesterov, num_threads,
-                isa):
+def _adamw_call(packed, limit, master, mu, nu, grad, lowp_out, *, lowp_dtype, nesterov,
+                num_threads, isa):
+  reuse = lowp_out is not None
   call = jax.ffi.ffi_call(
-      _TARGET,
+      _TARGET_LOWP_IN if reuse else _TARGET,
       (
           jax.ShapeDtypeStruct(master.shape, master.dtype),
           jax.ShapeDtypeStruct(mu.shape, mu.dtype),
           jax.ShapeDtypeStruct(nu.shape, nu.dtype),
           jax.ShapeDtypeStruct(master.shape, lowp_dtype),
       ),
-      input_output_aliases={0: 0, 1: 1, 2: 2},
+      input_output_aliases={0: 0, 1: 1, 2: 2, **({6: 3} if reuse else {})},
       # Under vmap every argument gains the batch axis, the coefficients and the decay
       # limit included: the kernel then reads one set per subgroup.
       vmap_method='broadcast_all',
   )
-  return call(master, mu, nu, grad, packed, limit, num_threads=np.int64(num_threads),
-              nesterov=nesterov, isa=np.int64(isa))
+  args = (master, mu, nu, grad, packed, limit) + ((lowp_out,) if reuse else ())
+  return call(*args, num_threads=np.int64(num_threads), nesterov=nesterov,
+              isa=np.int64(isa))
 
 
 def adamw_host(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
                lowp_dtype: Any, nesterov: bool = False, num_threads: int | None = None,
-               isa: HostIsa = HostIsa.AUTO):
+               isa: HostIsa = HostIsa.AUTO, lowp_out=None):
   """One AdamW step on a flat subgroup with the native, multi-threaded host kernel.
 
   Arguments and results as `adamw_pallas` (see there); in addition:
@@ -106,13 +111,16 @@ def adamw_host(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
       Subgroups smaller than 32768 elements per thread use fewer threads.
     isa: instruction set of the loop; AUTO picks the widest the CPU supports. All give
       identical results.
+    lowp_out: optional dead array of shape (S,) and dtype `lowp_dtype` (e.g. last
+      step's low-precision params) to write the low-precision result into; donated
+      under jit it spares XLA a fresh allocation every step.
 
   Raises:
     RuntimeError: the native library is missing (`host_kernel_available()` is False).
   """
   if not host_kernel_available():
     raise RuntimeError(host_kernel_unavailable_reason())
-  adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype)
+  adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype, lowp_out)
   threads = default_num_threads() if num_threads is None else num_threads
   if not isinstance(threads, int) or threads < 1:
     raise ValueError(f'num_threads must be a positive int, got {num_threads!r}')
@@ -122,6 +130,6 @@ def adamw_host(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
                      f'supported: {[i.name for i in supported_isas()]}')
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
   limit = jnp.asarray(decay_limit, jnp.int32)
-  return _adamw_call(packed, limit, master, mu, nu, grad,
+  return _adamw_call(packed, limit, master, mu, nu, grad, lowp_out,
                      lowp_dtype=jnp.dtype(lowp_dtype), nesterov=nesterov,
                      num_threads=threads, isa=int(isa))
