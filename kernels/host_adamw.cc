@@ -92,7 +92,7 @@ struct F16 {
     const uint32_t sub = FloatToBits(BitsToFloat(a) + 0.5f) - 0x3f000000u;
     uint32_t h = a < 0x38800000u ? sub : normal;
     h = a >= 0x47800000u ? 0x7c00u : h;  // >= 65536 overflows to inf
-    h = a > 0x7f800000u ? 0x7e00u : h;  // NaN
+    h = a > 0x7f800000u ? 0x7e00u | (a >> 13) : h;  // NaN: quiet, top payload bits kept
     return static_cast<uint16_t>(sign | h);
   }
 };
