@@ -83,9 +83,11 @@ def _ieee_sqrt(x):
 
 
 def _adamw_kernel(
-    coeffs_ref, limit_ref, master_ref, mu_ref, nu_ref, grad_ref,  # inputs
-    master_out_ref, mu_out_ref, nu_out_ref, lowp_ref,  # outputs (first three aliased)
-    *, size: int, block_size: int, nesterov: bool, exact_ops: bool):
+    coeffs_ref, limit_ref, master_ref, mu_ref, nu_ref, grad_ref, *refs,
+    size: int, block_size: int, nesterov: bool, exact_ops: bool):
+  # refs: [lowp_in_ref (only aliased, never read)], then the outputs master, mu, nu,
+  # lowp; the first three aliased to their inputs.
+  master_out_ref, mu_out_ref, nu_out_ref, lowp_ref = refs[-4:]
   idx = pl.program_id(0) * block_size + jnp.arange(block_size, dtype=jnp.int32)
   in_bounds = idx < size  # the last block may run past the end: mask, never pad
   load = functools.partial(plgpu.load, mask=in_bounds, other=0)
@@ -105,8 +107,8 @@ def _adamw_kernel(
 
 @functools.partial(
     jax.jit, static_argnames=('lowp_dtype', 'nesterov', 'config', 'interpret'))
-def _adamw_call(packed, limit, master, mu, nu, grad, *, lowp_dtype, nesterov, config,
-                interpret):
+def _adamw_call(packed, limit, master, mu, nu, grad, lowp_out, *, lowp_dtype, nesterov,
+                config, interpret):
   size = master.shape[0]
   block = config.block_size
   kernel = functools.partial(
@@ -114,10 +116,11 @@ def _adamw_call(packed, limit, master, mu, nu, grad, *, lowp_dtype, nesterov, co
       exact_ops=not interpret)
   state_spec = pl.BlockSpec((block,), lambda i: (i,))
   whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))
+  reuse = lowp_out is not None
   return pl.pallas_call(
       kernel,
       grid=(pl.cdiv(size, block),),
-      in_specs=[whole(adamw_scalars.NUM_SLOTS), whole(1)] + [state_spec] * 4,
+      in_specs=[whole(adamw_scalars.NUM_SLOTS), whole(1)] + [state_spec] * (5 if reuse else 4),
       out_specs=[state_spec] * 4,
       out_shape=[
           jax.ShapeDtypeStruct(master.shape, master.dtype),
@@ -125,17 +128,18 @@ def _adamw_call(packed, limit, master, mu, nu, grad, *, lowp_dtype, nesterov, co
           jax.ShapeDtypeStruct(nu.shape, nu.dtype),
           jax.ShapeDtypeStruct(master.shape, lowp_dtype),
       ],
-      input_output_aliases={2: 0, 3: 1, 4: 2},
+      input_output_aliases={2: 0, 3: 1, 4: 2, **({6: 3} if reuse else {})},
       compiler_params=plgpu.CompilerParams(
           num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name='dos_jax_adamw',
-  )(packed, limit, master, mu, nu, grad)
+  )(packed, limit, master, mu, nu, grad, *([lowp_out] if reuse else []))
 
 
 def adamw_pallas(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
                  lowp_dtype: Any, nesterov: bool = False,
-                 config: BlockConfig = DEFAULT_CONFIG, interpret: bool = False):
+                 config: BlockConfig = DEFAULT_CONFIG, interpret: bool = False,
+                 lowp_out=None):
   """One AdamW step on a flat subgroup, fused into one Pallas kernel.
 
   Args:
@@ -149,14 +153,17 @@ def adamw_pallas(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
     nesterov: optax's Nesterov variant (needs `scalars.bc1_next`).
     config: block sizes.
     interpret: run the kernel in the Pallas interpreter (any backend, CPU included).
+    lowp_out: optional dead array of shape (S,) and dtype `lowp_dtype` (e.g. last
+      step's low-precision params), aliased to the low-precision result so that a
+      donated call allocates nothing.
 
   Returns:
     (new_master, new_mu, new_nu, new_master.astype(lowp_dtype)).
   """
-  adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype)
+  adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype, lowp_out)
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
   limit = jnp.reshape(jnp.asarray(decay_limit, jnp.int32), (1,))
-  return _adamw_call(packed, limit, master, mu, nu, grad,
+  return _adamw_call(packed, limit, master, mu, nu, grad, lowp_out,
                      lowp_dtype=jnp.dtype(lowp_dtype), nesterov=nesterov,
                      config=config, interpret=interpret)
 
