@@ -118,12 +118,13 @@ def check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype, lowp_out=None) -
     if x.dtype not in [jnp.dtype(d) for d in dtypes]:
       allowed = ', '.join(jnp.dtype(d).name for d in dtypes)
       raise ValueError(f'{name} has dtype {x.dtype}; supported: {allowed}')
-  if jnp.dtype(lowp_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
-                                   jnp.dtype(jnp.float32)):
-    raise ValueError(f'lowp_dtype must be bfloat16, float16 or float32, got {lowp_dtype}')
-  if lowp_out is not None and (lowp_out.shape != master.shape or
+  if lowp_dtype is not None and jnp.dtype(lowp_dtype) not in (
+      jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+    raise ValueError(
+        f'lowp_dtype must be bfloat16, float16, float32 or None, got {lowp_dtype}')
+  if lowp_out is not None and (lowp_dtype is None or lowp_out.shape != master.shape or
                                 lowp_out.dtype != jnp.dtype(lowp_dtype)):
-    raise ValueError(f'lowp_out must be {jnp.dtype(lowp_dtype).name}{list(master.shape)}, '
-                     f'got {lowp_out.dtype.name}{list(lowp_out.shape)}')
+    want = 'None' if lowp_dtype is None else f'{jnp.dtype(lowp_dtype).name}{list(master.shape)}'
+    raise ValueError(f'lowp_out must be {want}, got {lowp_out.dtype.name}{list(lowp_out.shape)}')
   if jnp.ndim(decay_limit) != 0:
     raise ValueError(f'decay_limit must be a scalar, got shape {jnp.shape(decay_limit)}')

@@ -23,6 +23,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -97,6 +98,11 @@ struct F16 {
   }
 };
 
+// No low-precision copy wanted (its result has zero elements).
+struct NoLowp {
+  using Storage = uint16_t;
+};
+
 struct Pointers {
   float* master;
   void* mu;
@@ -131,7 +137,7 @@ DOS_INLINE void UpdateRange(const Coeffs& c, float* __restrict master,
     master[i] = p_new;
     mu[i] = M::Store(m);
     nu[i] = v;
-    lowp[i] = L::Store(p_new);
+    if constexpr (!std::is_same_v<L, NoLowp>) lowp[i] = L::Store(p_new);
   }
 }
 
@@ -207,6 +213,7 @@ ChunkFn SelectNesterov(bool nesterov, int64_t isa) {
 template <class G, class M>
 ChunkFn SelectLowp(ffi::DataType lowp, bool nesterov, int64_t isa) {
   switch (lowp) {
+    case ffi::DataType::INVALID: return SelectNesterov<G, M, NoLowp>(nesterov, isa);
     case ffi::DataType::F32: return SelectNesterov<G, M, F32>(nesterov, isa);
     case ffi::DataType::BF16: return SelectNesterov<G, M, BF16>(nesterov, isa);
     case ffi::DataType::F16: return SelectNesterov<G, M, F16>(nesterov, isa);
@@ -258,7 +265,7 @@ struct Problem {
   const int32_t* limits;  // one per subgroup, or one for all
   int64_t limit_stride;
   Pointers in, out;
-  size_t mu_bytes, grad_bytes, lowp_bytes;
+  size_t mu_bytes;
 };
 
 // Copies the state into the outputs when XLA did not alias them (not donated).
@@ -323,8 +330,13 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> master, ffi::AnyBuffer mu,
   } else if (!((SupportedIsaMask() >> isa) & 1)) {
     return ffi::Error::InvalidArgument("dos_jax_adamw_host: this CPU lacks the ISA asked for");
   }
+  const bool has_lowp = lowp_out->element_count() != 0;
+  if (has_lowp && lowp_out->element_count() != master.element_count()) {
+    return ffi::Error::InvalidArgument("dos_jax_adamw_host: bad low-precision output");
+  }
   pb.fn = SelectKernel(grad.element_type(), mu.element_type(),
-                       lowp_out->element_type(), nesterov, isa);
+                       has_lowp ? lowp_out->element_type() : ffi::DataType::INVALID,
+                       nesterov, isa);
   if (pb.fn == nullptr) {
     return ffi::Error::InvalidArgument("dos_jax_adamw_host: unsupported dtypes");
   }

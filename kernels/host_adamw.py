@@ -87,7 +87,9 @@ def _adamw_call(packed, limit, master, mu, nu, grad, lowp_out, *, lowp_dtype, ne
           jax.ShapeDtypeStruct(master.shape, master.dtype),
           jax.ShapeDtypeStruct(mu.shape, mu.dtype),
           jax.ShapeDtypeStruct(nu.shape, nu.dtype),
-          jax.ShapeDtypeStruct(master.shape, lowp_dtype),
+          # Zero elements (per subgroup) when no low-precision copy is wanted.
+          jax.ShapeDtypeStruct(master.shape[:-1] + (0,) if lowp_dtype is None else
+                               master.shape, lowp_dtype or jnp.float32),
       ),
       input_output_aliases={0: 0, 1: 1, 2: 2, **({6: 3} if reuse else {})},
       # Under vmap every argument gains the batch axis, the coefficients and the decay
@@ -95,8 +97,9 @@ def _adamw_call(packed, limit, master, mu, nu, grad, lowp_out, *, lowp_dtype, ne
       vmap_method='broadcast_all',
   )
   args = (master, mu, nu, grad, packed, limit) + ((lowp_out,) if reuse else ())
-  return call(*args, num_threads=np.int64(num_threads), nesterov=nesterov,
-              isa=np.int64(isa))
+  out = call(*args, num_threads=np.int64(num_threads), nesterov=nesterov,
+             isa=np.int64(isa))
+  return (*out[:3], None if lowp_dtype is None else out[3])
 
 
 def adamw_host(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
@@ -131,5 +134,6 @@ def adamw_host(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
   limit = jnp.asarray(decay_limit, jnp.int32)
   return _adamw_call(packed, limit, master, mu, nu, grad, lowp_out,
-                     lowp_dtype=jnp.dtype(lowp_dtype), nesterov=nesterov,
+                     lowp_dtype=None if lowp_dtype is None else jnp.dtype(lowp_dtype),
+                     nesterov=nesterov,
                      num_threads=threads, isa=int(isa))

@@ -84,10 +84,10 @@ def _ieee_sqrt(x):
 
 def _adamw_kernel(
     coeffs_ref, limit_ref, master_ref, mu_ref, nu_ref, grad_ref, *refs,
-    size: int, block_size: int, nesterov: bool, exact_ops: bool):
-  # refs: [lowp_in_ref (only aliased, never read)], then the outputs master, mu, nu,
-  # lowp; the first three aliased to their inputs.
-  master_out_ref, mu_out_ref, nu_out_ref, lowp_ref = refs[-4:]
+    size: int, block_size: int, nesterov: bool, exact_ops: bool, has_lowp: bool):
+  # refs: [lowp_in_ref (only aliased, never read)], then the outputs master, mu, nu
+  # (aliased to their inputs) and, unless lowp_dtype is None, lowp.
+  master_out_ref, mu_out_ref, nu_out_ref, *lowp_ref = refs[-4:] if has_lowp else refs[-3:]
   idx = pl.program_id(0) * block_size + jnp.arange(block_size, dtype=jnp.int32)
   in_bounds = idx < size  # the last block may run past the end: mask, never pad
   load = functools.partial(plgpu.load, mask=in_bounds, other=0)
@@ -102,7 +102,8 @@ def _adamw_kernel(
   store(master_out_ref, new_master)
   store(mu_out_ref, new_mu.astype(mu_out_ref.dtype))
   store(nu_out_ref, new_nu)
-  store(lowp_ref, new_master.astype(lowp_ref.dtype))
+  if has_lowp:
+    store(lowp_ref[0], new_master.astype(lowp_ref[0].dtype))
 
 
 @functools.partial(
@@ -113,27 +114,29 @@ def _adamw_call(packed, limit, master, mu, nu, grad, lowp_out, *, lowp_dtype, ne
   block = config.block_size
   kernel = functools.partial(
       _adamw_kernel, size=size, block_size=block, nesterov=nesterov,
-      exact_ops=not interpret)
+      exact_ops=not interpret, has_lowp=lowp_dtype is not None)
   state_spec = pl.BlockSpec((block,), lambda i: (i,))
   whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))
   reuse = lowp_out is not None
-  return pl.pallas_call(
+  out_shape = [
+      jax.ShapeDtypeStruct(master.shape, master.dtype),
+      jax.ShapeDtypeStruct(mu.shape, mu.dtype),
+      jax.ShapeDtypeStruct(nu.shape, nu.dtype),
+  ] + ([] if lowp_dtype is None else [jax.ShapeDtypeStruct(master.shape, lowp_dtype)])
+  out = pl.pallas_call(
       kernel,
       grid=(pl.cdiv(size, block),),
-      in_specs=[whole(adamw_scalars.NUM_SLOTS), whole(1)] + [state_spec] * (5 if reuse else 4),
-      out_specs=[state_spec] * 4,
-      out_shape=[
-          jax.ShapeDtypeStruct(master.shape, master.dtype),
-          jax.ShapeDtypeStruct(mu.shape, mu.dtype),
-          jax.ShapeDtypeStruct(nu.shape, nu.dtype),
-          jax.ShapeDtypeStruct(master.shape, lowp_dtype),
-      ],
+      in_specs=([whole(adamw_scalars.NUM_SLOTS), whole(1)] +
+                [state_spec] * (5 if reuse else 4)),
+      out_specs=[state_spec] * len(out_shape),
+      out_shape=out_shape,
       input_output_aliases={2: 0, 3: 1, 4: 2, **({6: 3} if reuse else {})},
       compiler_params=plgpu.CompilerParams(
           num_warps=config.num_warps, num_stages=config.num_stages),
       interpret=interpret,
       name='dos_jax_adamw',
   )(packed, limit, master, mu, nu, grad, *([lowp_out] if reuse else []))
+  return (*out[:3], out[3] if lowp_dtype is not None else None)
 
 
 def adamw_pallas(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
@@ -149,7 +152,8 @@ def adamw_pallas(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
     grad: f32[S] or bf16[S] gradient, multiplied by `scalars.grad_scale` first.
     scalars: the step's `AdamWScalars`.
     decay_limit: int32 scalar (may be traced); weight decay applies to indices below it.
-    lowp_dtype: dtype of the parameter copy written in the same pass (bf16, f16, f32).
+    lowp_dtype: dtype of the parameter copy written in the same pass (bf16, f16, f32),
+      or None for no copy (then the fourth result is None).
     nesterov: optax's Nesterov variant (needs `scalars.bc1_next`).
     config: block sizes.
     interpret: run the kernel in the Pallas interpreter (any backend, CPU included).
@@ -158,13 +162,14 @@ def adamw_pallas(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
       donated call allocates nothing.
 
   Returns:
-    (new_master, new_mu, new_nu, new_master.astype(lowp_dtype)).
+    (new_master, new_mu, new_nu, new_master.astype(lowp_dtype) or None).
   """
   adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype, lowp_out)
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
   limit = jnp.reshape(jnp.asarray(decay_limit, jnp.int32), (1,))
   return _adamw_call(packed, limit, master, mu, nu, grad, lowp_out,
-                     lowp_dtype=jnp.dtype(lowp_dtype), nesterov=nesterov,
+                     lowp_dtype=None if lowp_dtype is None else jnp.dtype(lowp_dtype),
+                     nesterov=nesterov,
                      config=config, interpret=interpret)
 
 
@@ -177,4 +182,5 @@ def adamw_reference(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
   new_master, new_mu, new_nu = _adam_math(
       coeffs, master, mu, nu, grad, decayed, nesterov=nesterov, div=jnp.divide,
       sqrt=jnp.sqrt)
-  return new_master, new_mu.astype(mu.dtype), new_nu, new_master.astype(lowp_dtype)
+  lowp = None if lowp_dtype is None else new_master.astype(lowp_dtype)
+  return new_master, new_mu.astype(mu.dtype), new_nu, lowp

@@ -247,3 +247,13 @@ def test_bad_thread_count_and_isa_are_clear_errors():
   with pytest.raises(ValueError, match='lowp_out'):
     kernels.adamw_host(x, x, x, x, step_scalars(Hyper(), 1), decay_limit=8,
                        lowp_dtype=jnp.bfloat16, lowp_out=jnp.zeros(8, jnp.float16))
+
+
+def test_no_low_precision_copy_when_lowp_dtype_is_none():
+  size, hyper = 70_001, Hyper()
+  rng = np.random.default_rng(14)
+  state, grad = random_state(rng, size), random_grad(rng, size)
+  got = _host(hyper, 3, state, grad, decay_limit=size // 2, lowp_dtype=None)
+  assert got[3] is None
+  with_copy = _host(hyper, 3, state, grad, decay_limit=size // 2)
+  assert_trees_equal(got[:3], with_copy[:3])

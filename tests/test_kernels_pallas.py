@@ -117,6 +117,16 @@ class PallasAdamWTests:
         assert [x.unsafe_buffer_pointer() for x in state] == pointers
     assert step._cache_size() == 1
 
+  def test_no_low_precision_copy_when_lowp_dtype_is_none(self):
+    size, hyper = self.SIZES[2], Hyper()
+    rng = np.random.default_rng(15)
+    state, grad = random_state(rng, size), random_grad(rng, size)
+    got = self._pallas(hyper, 2, state, grad, decay_limit=size, lowp_dtype=None)
+    assert got[3] is None
+    want = self._pallas(hyper, 2, state, grad, decay_limit=size)
+    for g, w in zip(got[:3], want[:3]):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
   def test_bad_block_config_is_a_clear_error(self):
     with pytest.raises(ValueError, match='block_size'):
       kernels.BlockConfig(block_size=1000)
