@@ -44,6 +44,18 @@ setup(
             extra_link_args=['-pthread'],
             language='c++',
             optional=True,
-        )
+        ),
+        # The same loop over chosen rows of the stacked state; compiled as one unit
+        # with host_adamw.cc, which it includes.
+        Extension(
+            'dos_jax.kernels._host_adamw_rows',
+            sources=['kernels/host_adamw_rows.cc'],
+            depends=['kernels/host_adamw.cc'],
+            include_dirs=[_ffi_include_dir()],
+            extra_compile_args=_compile_args(),
+            extra_link_args=['-pthread'],
+            language='c++',
+            optional=True,
+        ),
     ],
 )

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dos_jax.fused import FusedAdamW
 from dos_jax.offload import Offload
 from dos_jax.transform import offloaded
 
@@ -146,4 +147,6 @@ def adamw(
       decay_where_row(weight_decay),
       optax.scale_by_learning_rate(learning_rate),
   )
-  return offloaded(inner, offload, mask=mask)
+  fused = FusedAdamW(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                     weight_decay=weight_decay, nesterov=nesterov, mu_dtype=mu_dtype)
+  return offloaded(inner, offload, mask=mask, fused=fused)

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
 from dos_jax import paths
 from dos_jax import slots as slots_lib
@@ -124,6 +125,7 @@ def offloaded(
     *,
     mask: PyTree | Callable[[PyTree], PyTree] | None = None,
     validate: Callable[[PyTree], None] | None = None,
+    fused: fused_lib.FusedAdamW | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Runs an element-wise optax transform on host-resident subgroups.
 
@@ -133,6 +135,8 @@ def offloaded(
     offload: subgroup size, placement policy, mesh; `None` means `Offload()`.
     mask: weight-decay mask (pytree or callable) used to group decayed leaves.
     validate: called with the params at `init`, to reject unsupported transforms early.
+    fused: set when `inner` is AdamW's chain (see `fused.FusedAdamW`): the host path
+      may then run as one native call (`offload.host_impl`, see `fused.usable`).
 
   Returns:
     A transform whose update also accepts `plan=` (a `Plan`, static under jit) to
@@ -204,7 +208,12 @@ def offloaded(
       stacked, new_scalars, out = paths.device_stream(
           plan.device, step, out=out, buffers=plan.buffers, stream=not plan.resident, **arrays)
       arrays['stacked'] = stacked
-    if plan.host:
+    if plan.host and fused_lib.usable(fused, offload, step, arrays['stacked'], grads,
+                                      sharded=layout in shardings_by_layout):
+      stacked, new_scalars, out = fused_lib.host_update(
+          plan.host, step, fused, out=out, num_threads=offload.host_threads, **arrays)
+      arrays['stacked'] = stacked
+    elif plan.host:
       stacked, new_scalars, out = paths.host_update(plan.host, step, out=out, **arrays)
       arrays['stacked'] = stacked
     stacked = arrays['stacked']

@@ -1,0 +1,145 @@
+"""The host path of `dos_jax.adamw` as one native call per step.
+
+`paths.host_update` runs the wrapped optax transforms row by row in an XLA loop; that
+is general (any element-wise chain) but, to stay in place, XLA materializes each new
+row behind an optimization barrier, which makes it several times slower than
+`jax.jit(optax.adamw)` on a CPU. When the transform is known to be AdamW, its
+hyperparameters are handed to the core as a `FusedAdamW` and `host_update` here
+updates every host row with one call of the native kernel
+(`kernels.host_adamw_rows`), in place, multi-threaded over all host elements.
+
+The step's scalars come from the wrapped transforms themselves: their update is run on
+zero-length rows, so the step counts advance exactly as on the XLA path, and the
+bias corrections and learning rate are computed from the same counts with optax's
+expressions. Results are bit-identical to the XLA path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax._src import numerics
+
+from dos_jax import paths
+from dos_jax import slots as slots_lib
+from dos_jax.kernels import host_adamw_rows
+from dos_jax.kernels.adamw_scalars import AdamWScalars
+from dos_jax.offload import Offload
+from dos_jax.offload import UpdateImpl
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusedAdamW:
+  """AdamW's hyperparameters, for a fused update of the chain `dos_jax.adamw` builds:
+  `(scale_by_adam, decay_where_row, scale_by_learning_rate)`, in that order.
+
+  Values may be Python floats or (under `optax.inject_hyperparams`) arrays; the
+  learning rate may be a schedule.
+  """
+
+  learning_rate: optax.ScalarOrSchedule
+  b1: Any = 0.9
+  b2: Any = 0.999
+  eps: Any = 1e-8
+  eps_root: Any = 0.0
+  weight_decay: Any = 1e-4
+  nesterov: bool = False
+  mu_dtype: Any = None
+
+  def scalars(self, inner_state, new_inner_state) -> AdamWScalars:
+    """The step's `AdamWScalars` from the chain's state before and after the step."""
+    count = new_inner_state[0].count  # scale_by_adam's safe_increment(count)
+    if callable(self.learning_rate):
+      # scale_by_schedule evaluates the schedule at the count before the step.
+      lr = self.learning_rate(inner_state[2].count)
+    else:
+      lr = self.learning_rate
+    # optax.tree.bias_correction: `1 - decay**count` with the incremented count.
+    return AdamWScalars(
+        lr=lr, b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,
+        weight_decay=self.weight_decay, bc1=1 - self.b1**count, bc2=1 - self.b2**count,
+        bc1_next=(1 - self.b1**numerics.safe_increment(count)) if self.nesterov else None)
+
+
+def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] | None:
+  """`(master_k or -1, mu_k, nu_k)` in the single stacked group, or None if the state
+  is not laid out as one group holding (master,) mu, nu."""
+  if len(slots.groups) != 1 or slots.groups[0] != 'float32':
+    return None
+  master, inner = slots.treedef.unflatten(slots.places)
+  try:
+    mu, nu = inner[0].mu, inner[0].nu
+  except (AttributeError, IndexError, TypeError):
+    return None
+  places = (master,) if has_master else ()
+  if any(group != 0 for group, _ in places + (mu, nu)):
+    return None
+  return (master[1] if has_master else -1, mu[1], nu[1])
+
+
+def usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep, stacked,
+           grads, sharded: bool) -> bool:
+  """Whether this step's host rows can go through the native kernel."""
+  return (
+      fused is not None
+      and offload.host_impl == UpdateImpl.KERNEL
+      and not sharded  # the call has no sharding rule: sharded state stays on XLA
+      and host_adamw_rows.rows_kernel_available()
+      and slot_rows(step.slots, step.has_master) is not None
+      and jnp.dtype(stacked[0].dtype) == jnp.float32
+      and jnp.dtype(grads.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+      and jnp.dtype(step.out_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                                        jnp.dtype(jnp.float16))
+  )
+
+
+def _step_scalars(fused: FusedAdamW, step: paths.RowStep, scalars):
+  """(AdamWScalars, new scalar state): the wrapped update run on zero-length rows."""
+  empty = tuple(jnp.zeros((n, 0), dtype) for n, dtype in
+                zip(step.slots.group_sizes, step.slots.groups))
+  master, inner_state = slots_lib.join(empty, scalars, step.slots, axis=0)
+  zero = jnp.zeros((0,), step.state_dtype)
+  _, new_inner = step.row_update(zero, inner_state, zero, True)
+  _, new_scalars = slots_lib.split((master, new_inner), step.slots, axis=0)
+  new_scalars = tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
+  return fused.scalars(inner_state, new_inner), new_scalars
+
+
+def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, grads,
+                params, out, num_threads: int | None = None):
+  """`paths.host_update` with one native call; returns (stacked, new_scalars, out)."""
+  adam_scalars, new_scalars = _step_scalars(fused, step, scalars)
+  kernel_args = dict(
+      slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
+  order = jnp.asarray(rows, jnp.int32)
+  if jax.default_backend() == 'cpu':
+    # One memory: the kernel reads grads and params by subgroup and writes the host
+    # rows of `out` in place (the device rows are already there): no gather, no scatter.
+    new_state, out = host_adamw_rows.adamw_host_rows(
+        stacked[0], grads, params, order, adam_scalars, out=out, indexed=True,
+        **kernel_args)
+    # A custom call's results are typed as device memory; the state stays host-typed
+    # (on CPU both are one memory, and this is no copy: see the memory test).
+    return (jax.device_put(new_state, paths.HOST),), new_scalars, out
+  # Accelerators: only the host rows' gradients (and params) cross to host memory, the
+  # update runs there, and only the new out rows come back.
+  everything = rows == tuple(range(grads.shape[0]))
+  grads_h = jax.device_put(grads if everything else grads[order], paths.HOST)
+  params_h = None
+  if params is not None:
+    params_h = jax.device_put(params if everything else params[order], paths.HOST)
+  order_h = jax.device_put(order, paths.HOST)
+
+  def run(state, grads_h, params_h, order_h):
+    return host_adamw_rows.adamw_host_rows(
+        state, grads_h, params_h, order_h, adam_scalars, **kernel_args)
+
+  new_state, out_h = paths.on_host(run)(stacked[0], grads_h, params_h, order_h)
+  out_d = jax.device_put(out_h, paths.DEVICE)
+  out = out_d if everything else out.at[order].set(out_d)
+  return (new_state,), new_scalars, out

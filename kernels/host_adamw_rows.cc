@@ -1,0 +1,330 @@
+// Native AdamW over chosen rows of the stacked optimizer state: an XLA FFI custom call
+// for the CPU platform, the host path of the offloaded transform in one call per step.
+//
+// The state is one f32 (G, K, S) array (dos_jax/slots.py): per subgroup g, K rows of S
+// elements, among them the fp32 master (when params are 16-bit), mu and nu. One call
+// updates the subgroups listed in `rows`, in place, and leaves every other subgroup
+// untouched. All R * S elements are split over the threads at once, so a call on many
+// small subgroups is as parallel as a call on one large one.
+//
+// This file is compiled as one translation unit with host_adamw.cc: the element types
+// and their rounding, the coefficient slots, the ISA detection and the denormal
+// flushing are that kernel's, and the loop follows the same rules (explicit FMAs where
+// XLA:CPU contracts, reciprocal multiplies), so results agree bit for bit with the XLA
+// row loop of dos_jax and with jax.jit(optax.adamw) (see there and below).
+
+#include <Python.h>
+
+#define DOS_JAX_NO_PYTHON  // host_adamw.cc without its Python module
+#include "host_adamw.cc"
+#undef DOS_JAX_NO_PYTHON
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// Where one subgroup's rows are: state slots and the row of grads, params and out.
+struct RowPointers {
+  float* master;  // nullptr without a master: the param is read from `param`
+  float* mu;
+  float* nu;
+  const void* grad;
+  const float* param;
+  void* out;
+};
+
+// Elements [begin, end) of one subgroup row. With a master, the param is the master
+// and the new master (and its cast to L) is written; without one (fp32 params) the
+// param comes from the param rows and the update -lr * u is the output.
+//
+// The moments contract a different product into the FMA for 16-bit gradients: when
+// the gradient is converted from bf16 inside the program, XLA:CPU fuses b1 * mu (not
+// (1 - b1) * g) into the FMA, so jit(optax.adamw) on bf16 gradients, and the XLA row
+// loop of dos_jax, round that way. With f32 gradients this is host_adamw.cc's order.
+template <class G, class L, bool kMaster, bool kNesterov, bool kDecay>
+DOS_INLINE void RowRangeFixed(const Coeffs& c, const RowPointers& ptr, int64_t begin,
+                              int64_t end) {
+  float* __restrict master = ptr.master;
+  float* __restrict mu = ptr.mu;
+  float* __restrict nu = ptr.nu;
+  auto* __restrict grad = static_cast<const typename G::Storage*>(ptr.grad);
+  const float* __restrict param = ptr.param;
+  auto* __restrict out = static_cast<typename L::Storage*>(ptr.out);
+  constexpr bool kWideGrad = std::is_same_v<G, F32>;
+  for (int64_t i = begin; i < end; ++i) {
+    const float g = G::Load(grad[i]) * c.gscale;
+    const float p = kMaster ? master[i] : param[i];
+    const float m = kWideGrad ? __builtin_fmaf(c.omb1, g, c.b1 * mu[i])
+                              : __builtin_fmaf(c.b1, mu[i], c.omb1 * g);
+    const float v = kWideGrad ? __builtin_fmaf(c.omb2, g * g, c.b2 * nu[i])
+                              : __builtin_fmaf(c.b2, nu[i], c.omb2 * (g * g));
+    float m_hat;
+    if constexpr (kNesterov) {
+      m_hat = __builtin_fmaf(c.b1, m * c.inv_bc1_next, c.omb1 * (g * c.inv_bc1));
+    } else {
+      m_hat = m * c.inv_bc1;
+    }
+    const float v_hat = __builtin_fmaf(v, c.inv_bc2, c.eps_root);
+    float u = m_hat / (__builtin_sqrtf(v_hat) + c.eps);
+    if constexpr (kDecay) u = __builtin_fmaf(c.wd, p, u);
+    mu[i] = m;
+    nu[i] = v;
+    if constexpr (kMaster) {
+      const float p_new = __builtin_fmaf(c.neg_lr, u, p);
+      master[i] = p_new;
+      out[i] = L::Store(p_new);
+    } else {
+      out[i] = L::Store(c.neg_lr * u);
+    }
+  }
+}
+
+template <class G, class L, bool kMaster, bool kNesterov>
+DOS_INLINE void RowRange(const Coeffs& c, const RowPointers& p, int64_t begin,
+                         int64_t end, bool decay) {
+  if (decay) {
+    RowRangeFixed<G, L, kMaster, kNesterov, true>(c, p, begin, end);
+  } else {
+    RowRangeFixed<G, L, kMaster, kNesterov, false>(c, p, begin, end);
+  }
+}
+
+using RowFn = void (*)(const Coeffs&, const RowPointers&, int64_t, int64_t, bool);
+
+template <class G, class L, bool kM, bool kN>
+void RowsBaseline(const Coeffs& c, const RowPointers& p, int64_t b, int64_t e, bool d) {
+  RowRange<G, L, kM, kN>(c, p, b, e, d);
+}
+
+#if DOS_X86
+template <class G, class L, bool kM, bool kN>
+__attribute__((target("avx2,fma,f16c"))) void RowsAvx2(
+    const Coeffs& c, const RowPointers& p, int64_t b, int64_t e, bool d) {
+  RowRange<G, L, kM, kN>(c, p, b, e, d);
+}
+
+template <class G, class L, bool kM, bool kN>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+void RowsAvx512(const Coeffs& c, const RowPointers& p, int64_t b, int64_t e, bool d) {
+  RowRange<G, L, kM, kN>(c, p, b, e, d);
+}
+#endif
+
+template <class G, class L, bool kM, bool kN>
+RowFn RowsForIsa(int64_t isa) {
+  switch (isa) {
+#if DOS_X86
+    case kAvx512: return &RowsAvx512<G, L, kM, kN>;
+    case kAvx2: return &RowsAvx2<G, L, kM, kN>;
+#endif
+    default: return &RowsBaseline<G, L, kM, kN>;
+  }
+}
+
+template <class G, class L, bool kM>
+RowFn RowsForNesterov(bool nesterov, int64_t isa) {
+  return nesterov ? RowsForIsa<G, L, kM, true>(isa) : RowsForIsa<G, L, kM, false>(isa);
+}
+
+// The master case writes the new master in the out dtype; without a master the out
+// rows are the f32 update.
+template <class G>
+RowFn RowsForOut(bool has_master, ffi::DataType out, bool nesterov, int64_t isa) {
+  if (!has_master) {
+    return out == ffi::DataType::F32 ? RowsForNesterov<G, F32, false>(nesterov, isa)
+                                     : nullptr;
+  }
+  switch (out) {
+    case ffi::DataType::F32: return RowsForNesterov<G, F32, true>(nesterov, isa);
+    case ffi::DataType::BF16: return RowsForNesterov<G, BF16, true>(nesterov, isa);
+    case ffi::DataType::F16: return RowsForNesterov<G, F16, true>(nesterov, isa);
+    default: return nullptr;
+  }
+}
+
+RowFn SelectRows(ffi::DataType grad, bool has_master, ffi::DataType out, bool nesterov,
+                 int64_t isa) {
+  switch (grad) {
+    case ffi::DataType::F32: return RowsForOut<F32>(has_master, out, nesterov, isa);
+    case ffi::DataType::BF16: return RowsForOut<BF16>(has_master, out, nesterov, isa);
+    default: return nullptr;
+  }
+}
+
+// Runs fn(begin, end) over [0, total) in chunks taken from a shared counter by
+// `threads` threads (a thread slowed by a busy core does not hold up the join).
+template <class Fn>
+void ParallelFor(int64_t total, int64_t threads, const Fn& fn) {
+  const int64_t chunk = std::max(
+      kMinChunk, (total / (threads * kChunksPerThread) + kAlign - 1) / kAlign * kAlign);
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t begin; (begin = next.fetch_add(chunk)) < total;) {
+      fn(begin, std::min(total, begin + chunk));
+    }
+  };
+  std::vector<std::thread> workers;
+  workers.reserve(threads - 1);
+  for (int64_t t = 1; t < threads; ++t) {
+    try {
+      workers.emplace_back(work);
+    } catch (const std::system_error&) {  // no more threads to be had: go on with fewer
+      break;
+    }
+  }
+  work();
+  for (auto& w : workers) w.join();
+}
+
+int64_t ThreadsFor(int64_t total, int64_t num_threads) {
+  return std::clamp<int64_t>(total / kMinPerThread, 1, std::max<int64_t>(1, num_threads));
+}
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("dos_jax_adamw_host_rows: " + what);
+}
+
+ffi::Error RowsImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
+                    ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::S32> rows,
+                    ffi::Buffer<ffi::F32> coeffs, ffi::ResultBuffer<ffi::F32> stacked_out,
+                    ffi::Result<ffi::AnyBuffer> out, int64_t master_k, int64_t mu_k,
+                    int64_t nu_k, int64_t decayed_rows, bool indexed, int64_t num_threads,
+                    bool nesterov, int64_t isa) {
+  const auto dims = stacked.dimensions();
+  if (dims.size() != 3) return Invalid("stacked must be (G, K, S)");
+  const int64_t G = dims[0], K = dims[1], S = dims[2];
+  const int64_t R = static_cast<int64_t>(rows.element_count());
+  const bool has_master = master_k >= 0;
+  for (int64_t k : {mu_k, nu_k, has_master ? master_k : mu_k}) {
+    if (k < 0 || k >= K) return Invalid("slot index out of range");
+  }
+  if (mu_k == nu_k || (has_master && (master_k == mu_k || master_k == nu_k))) {
+    return Invalid("slots must be distinct");
+  }
+  const int64_t io_rows = indexed ? G : R;  // leading dimension of grads/params/out
+  if (static_cast<int64_t>(grads.element_count()) != io_rows * S) {
+    return Invalid("grads must be (R, S), or (G, S) when indexed");
+  }
+  if (static_cast<int64_t>(out->element_count()) != io_rows * S) {
+    return Invalid("out must be (R, S), or (G, S) when indexed");
+  }
+  if (!has_master && static_cast<int64_t>(params.element_count()) != io_rows * S) {
+    return Invalid("params rows are needed without a master slot");
+  }
+  if (coeffs.element_count() != kNumSlots) return Invalid("bad coefficient vector");
+  const int32_t* row_ids = rows.typed_data();
+  std::vector<bool> seen(G, false);
+  for (int64_t j = 0; j < R; ++j) {
+    const int32_t g = row_ids[j];
+    if (g < 0 || g >= G || seen[g]) return Invalid("rows must be distinct, in [0, G)");
+    seen[g] = true;
+  }
+  if (isa == kAuto) {
+    const int64_t mask = SupportedIsaMask();
+    isa = (mask >> kAvx512) & 1 ? kAvx512 : (mask >> kAvx2) & 1 ? kAvx2 : kBaseline;
+  } else if (!((SupportedIsaMask() >> isa) & 1)) {
+    return Invalid("this CPU lacks the ISA asked for");
+  }
+  const RowFn fn = SelectRows(grads.element_type(), has_master, out->element_type(),
+                              nesterov, isa);
+  if (fn == nullptr) return Invalid("unsupported dtypes");
+
+  float* state = stacked_out->typed_data();
+  const float* state_in = stacked.typed_data();
+  const int64_t state_size = G * K * S;
+  if (state != state_in) {  // XLA did not alias the state (not donated): copy it first
+    ParallelFor(state_size, ThreadsFor(state_size, num_threads),
+                [&](int64_t b, int64_t e) {
+                  std::memcpy(state + b, state_in + b, (e - b) * sizeof(float));
+                });
+  }
+  const Coeffs c(coeffs.typed_data());
+  const size_t grad_bytes = ffi::ByteWidth(grads.element_type());
+  const size_t out_bytes = ffi::ByteWidth(out->element_type());
+  auto* grad_base = static_cast<const char*>(grads.untyped_data());
+  auto* out_base = static_cast<char*>(out->untyped_data());
+  const float* param_base = params.typed_data();
+  const int64_t total = R * S;
+  ParallelFor(total, ThreadsFor(total, num_threads), [&](int64_t begin, int64_t end) {
+    ScopedFlushDenormals flush;
+    while (begin < end) {
+      const int64_t j = begin / S;
+      const int64_t offset = begin - j * S;
+      const int64_t stop = std::min(end - j * S, S);
+      const int64_t g = row_ids[j];
+      const int64_t io = indexed ? g : j;
+      float* sub = state + g * K * S;
+      const RowPointers p{has_master ? sub + master_k * S : nullptr,
+                          sub + mu_k * S,
+                          sub + nu_k * S,
+                          grad_base + io * S * grad_bytes,
+                          has_master ? nullptr : param_base + io * S,
+                          out_base + io * S * out_bytes};
+      fn(c, p, offset, stop, g < decayed_rows);
+      begin = j * S + stop;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error RowsOutInImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
+                         ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::S32> rows,
+                         ffi::Buffer<ffi::F32> coeffs, ffi::AnyBuffer /*out_in*/,
+                         ffi::ResultBuffer<ffi::F32> stacked_out,
+                         ffi::Result<ffi::AnyBuffer> out, int64_t master_k, int64_t mu_k,
+                         int64_t nu_k, int64_t decayed_rows, bool indexed,
+                         int64_t num_threads, bool nesterov, int64_t isa) {
+  return RowsImpl(stacked, grads, params, rows, coeffs, stacked_out, out, master_k, mu_k,
+                  nu_k, decayed_rows, indexed, num_threads, nesterov, isa);
+}
+
+}  // namespace
+
+// `out_in` (the second handler) is a buffer XLA aliases to `out`: rows of `out` that
+// the call does not update keep their values (the indexed form writes only the listed
+// rows of a (G, S) array that the device path has filled in).
+#define DOS_ROWS_BINDING(...)                                     \
+  ffi::Ffi::Bind()                                                \
+      .Arg<ffi::Buffer<ffi::F32>>() /* stacked (G, K, S) */       \
+      .Arg<ffi::AnyBuffer>() /* grads */                          \
+      .Arg<ffi::Buffer<ffi::F32>>() /* params (or empty) */       \
+      .Arg<ffi::Buffer<ffi::S32>>() /* rows (R,) */               \
+      .Arg<ffi::Buffer<ffi::F32>>() /* coefficients */            \
+      __VA_ARGS__                                                 \
+      .Ret<ffi::Buffer<ffi::F32>>() /* stacked (aliased) */       \
+      .Ret<ffi::AnyBuffer>() /* out */                            \
+      .Attr<int64_t>("master_k")                                  \
+      .Attr<int64_t>("mu_k")                                      \
+      .Attr<int64_t>("nu_k")                                      \
+      .Attr<int64_t>("decayed_rows")                              \
+      .Attr<bool>("indexed")                                      \
+      .Attr<int64_t>("num_threads")                               \
+      .Attr<bool>("nesterov")                                     \
+      .Attr<int64_t>("isa")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostRows, RowsImpl, DOS_ROWS_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostRowsOutIn, RowsOutInImpl,
+                              DOS_ROWS_BINDING(.Arg<ffi::AnyBuffer>() /* out_in */));
+
+static PyObject* Handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHostRows), nullptr, nullptr);
+}
+
+static PyObject* HandlerOutIn(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHostRowsOutIn), nullptr,
+                       nullptr);
+}
+
+static PyMethodDef kMethods[] = {
+    {"handler", Handler, METH_NOARGS, "The XLA FFI handler of the row-wise host AdamW."},
+    {"handler_out_in", HandlerOutIn, METH_NOARGS,
+     "The same, taking a buffer to alias to the out rows."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_host_adamw_rows",
+                              "Native host AdamW over rows of the stacked state (XLA FFI).",
+                              -1, kMethods};
+
+PyMODINIT_FUNC PyInit__host_adamw_rows() { return PyModule_Create(&kModule); }

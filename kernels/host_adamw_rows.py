@@ -1,0 +1,156 @@
+"""Native AdamW over chosen subgroup rows of the stacked state, in place, in one call.
+
+The offloaded transform stores its fp32 state as one `(G, K, S)` array: per subgroup,
+K rows of S elements holding the master weights (for 16-bit params), `mu` and `nu`
+(see `dos_jax.slots`). `adamw_host_rows` updates the subgroups listed in `rows` with
+the native host kernel (host_adamw_rows.cc, which shares host_adamw.cc's element loop
+and so its bit-for-bit agreement with `jax.jit(optax.adamw)`). The state is aliased
+input to output: under jit with the state donated, nothing state-sized is copied or
+allocated, and subgroups not listed keep their bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dos_jax.kernels import adamw_scalars
+from dos_jax.kernels.adamw_scalars import AdamWScalars
+from dos_jax.kernels.host_adamw import default_num_threads
+from dos_jax.kernels.host_adamw import HostIsa
+from dos_jax.kernels.host_adamw import supported_isas
+
+_TARGET = 'dos_jax_adamw_host_rows'
+_TARGET_OUT_IN = 'dos_jax_adamw_host_rows_out_in'  # also takes a buffer to alias to out
+
+_GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@functools.cache
+def _load() -> tuple[Any, str]:
+  """Imports the native module and registers its FFI targets; (module, '') or (None, why)."""
+  try:
+    from dos_jax.kernels import _host_adamw_rows  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    return None, f'native row-wise host AdamW not built or not loadable: {e}'
+  try:
+    jax.ffi.register_ffi_target(_TARGET, _host_adamw_rows.handler(), platform='cpu')
+    jax.ffi.register_ffi_target(
+        _TARGET_OUT_IN, _host_adamw_rows.handler_out_in(), platform='cpu')
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f'registering the row-wise host AdamW with XLA failed: {e}'
+  return _host_adamw_rows, ''
+
+
+def rows_kernel_available() -> bool:
+  """Whether the row-wise native host AdamW is built, loadable and registered."""
+  return _load()[0] is not None
+
+
+def rows_kernel_unavailable_reason() -> str:
+  """Why `rows_kernel_available()` is False ('' when it is True)."""
+  return _load()[1]
+
+
+def _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed) -> None:
+  """Raises a one-line error naming the argument that breaks the contract."""
+  if stacked.ndim != 3 or stacked.dtype != jnp.float32:
+    raise ValueError(f'stacked must be f32 (G, K, S), got {stacked.dtype}{list(stacked.shape)}')
+  num_groups, k, size = stacked.shape
+  if rows.ndim != 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
+    raise ValueError(f'rows must be a 1-D integer array, got {rows.dtype}{list(rows.shape)}')
+  io_rows = num_groups if indexed else rows.shape[0]
+  form = '(G, S) since indexed=True' if indexed else '(R, S), R = len(rows)'
+  if grads.shape != (io_rows, size) or grads.dtype not in _GRAD_DTYPES:
+    raise ValueError(f'grads must be f32 or bf16 {form} = {(io_rows, size)}, got '
+                     f'{grads.dtype}{list(grads.shape)}')
+  master_k, mu_k, nu_k = slots
+  used = [s for s in slots if s >= 0]
+  if len(set(used)) != len(used) or any(s >= k for s in used) or min(mu_k, nu_k) < 0:
+    raise ValueError(f'slots={slots} must be distinct rows in [0, {k}) (master may be -1)')
+  if master_k < 0:
+    if params is None or params.shape != (io_rows, size) or params.dtype != jnp.float32:
+      got = None if params is None else f'{params.dtype}{list(params.shape)}'
+      raise ValueError(f'without a master slot, params must be f32 {form}, got {got}')
+    if jnp.dtype(lowp_dtype) != jnp.float32:
+      raise ValueError(f'without a master slot the out rows are the f32 update; '
+                       f'lowp_dtype must be float32, got {jnp.dtype(lowp_dtype)}')
+  if jnp.dtype(lowp_dtype) not in _LOWP_DTYPES:
+    raise ValueError(f'lowp_dtype must be float32, bfloat16 or float16, got {lowp_dtype}')
+  if out is not None and (out.shape != (io_rows, size) or out.dtype != jnp.dtype(lowp_dtype)):
+    raise ValueError(f'out must be {jnp.dtype(lowp_dtype).name} {form}, got '
+                     f'{out.dtype}{list(out.shape)}')
+
+
+def adamw_host_rows(stacked, grads, params, rows, scalars: AdamWScalars, *,
+                    slots: tuple[int, int, int], decayed_rows: int, lowp_dtype: Any,
+                    out=None, indexed: bool = False, nesterov: bool = False,
+                    num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO):
+  """One AdamW step on subgroups `rows` of the stacked state, in place, on the host.
+
+  Per element, optax.adamw's op order in fp32: g = grad * grad_scale;
+  mu' = (1-b1) g + b1 mu; nu' = (1-b2) g^2 + b2 nu; u = (mu'/bc1) / (sqrt(nu'/bc2 +
+  eps_root) + eps); u += weight_decay * p on subgroups g < decayed_rows; u = -lr u;
+  master' = master + u.
+
+  Args:
+    stacked: f32 `(G, K, S)` state; updated in place (aliased to the first result).
+    grads: f32 or bf16 gradient rows: `(R, S)` with row j belonging to subgroup
+      `rows[j]`, or `(G, S)` indexed by subgroup when `indexed`.
+    params: None when the master is in `stacked`; else the f32 param rows, in the
+      same form as `grads`.
+    rows: int `(R,)` distinct subgroup indices to update.
+    scalars: the step's `AdamWScalars`.
+    slots: `(master_k, mu_k, nu_k)`, rows of the K axis; master_k = -1 when params
+      are fp32 and there is no master.
+    decayed_rows: subgroups below this index get weight decay.
+    lowp_dtype: dtype of the out rows: the new master cast to it (bf16, f16 or f32),
+      or, without a master, float32 (the out rows are the update u).
+    out: optional buffer of the out rows' form, aliased to the second result; with
+      `indexed`, rows not in `rows` keep its values (e.g. the device path's rows).
+    indexed: grads, params and out are `(G, S)` indexed by subgroup (no gather or
+      scatter of the host rows needed) rather than `(R, S)` in the order of `rows`.
+    nesterov: Nesterov momentum (needs `scalars.bc1_next`).
+    num_threads: threads over all R * S elements (default: the cores available).
+    isa: instruction set of the loop; all give identical results.
+
+  Returns:
+    `(new_stacked, new_out)`.
+
+  Raises:
+    RuntimeError: the native library is missing (`rows_kernel_available()` is False).
+  """
+  if not rows_kernel_available():
+    raise RuntimeError(rows_kernel_unavailable_reason())
+  rows = jnp.asarray(rows)
+  _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed)
+  threads = default_num_threads() if num_threads is None else num_threads
+  if not isinstance(threads, int) or threads < 1:
+    raise ValueError(f'num_threads must be a positive int, got {num_threads!r}')
+  isa = HostIsa(isa)
+  if isa != HostIsa.AUTO and isa not in supported_isas():
+    raise ValueError(f'isa={isa.name} is not supported by this CPU; '
+                     f'supported: {[i.name for i in supported_isas()]}')
+  packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
+  if params is None:
+    params = jnp.zeros((0,), jnp.float32)
+  num_groups, _, size = stacked.shape
+  io_rows = num_groups if indexed else rows.shape[0]
+  reuse = out is not None
+  call = jax.ffi.ffi_call(
+      _TARGET_OUT_IN if reuse else _TARGET,
+      (jax.ShapeDtypeStruct(stacked.shape, stacked.dtype),
+       jax.ShapeDtypeStruct((io_rows, size), jnp.dtype(lowp_dtype))),
+      input_output_aliases={0: 0, **({5: 1} if reuse else {})},
+  )
+  args = (stacked, grads, params, rows.astype(jnp.int32), packed) + ((out,) if reuse else ())
+  master_k, mu_k, nu_k = (int(s) for s in slots)
+  return tuple(call(
+      *args, master_k=np.int64(master_k), mu_k=np.int64(mu_k), nu_k=np.int64(nu_k),
+      decayed_rows=np.int64(decayed_rows), indexed=bool(indexed),
+      num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa))))
