@@ -87,6 +87,9 @@ def usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep, stac
   return (
       fused is not None
       and offload.host_impl == UpdateImpl.KERNEL
+      # The kernel rounds Nesterov's sum an ulp apart from XLA's program in a few
+      # elements; the fused path promises bit-identical results, so XLA keeps it.
+      and not fused.nesterov
       and not sharded  # the call has no sharding rule: sharded state stays on XLA
       and host_adamw_rows.rows_kernel_available()
       and slot_rows(step.slots, step.has_master) is not None
@@ -117,18 +120,19 @@ def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalar
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
   order = jnp.asarray(rows, jnp.int32)
+  everything = rows == tuple(range(grads.shape[0]))
   if jax.default_backend() == 'cpu':
     # One memory: the kernel reads grads and params by subgroup and writes the host
     # rows of `out` in place (the device rows are already there): no gather, no scatter.
+    # When it writes every row, a fresh buffer spares zeroing `out` first.
     new_state, out = host_adamw_rows.adamw_host_rows(
-        stacked[0], grads, params, order, adam_scalars, out=out, indexed=True,
-        **kernel_args)
+        stacked[0], grads, params, order, adam_scalars, out=None if everything else out,
+        indexed=True, **kernel_args)
     # A custom call's results are typed as device memory; the state stays host-typed
     # (on CPU both are one memory, and this is no copy: see the memory test).
     return (jax.device_put(new_state, paths.HOST),), new_scalars, out
   # Accelerators: only the host rows' gradients (and params) cross to host memory, the
   # update runs there, and only the new out rows come back.
-  everything = rows == tuple(range(grads.shape[0]))
   grads_h = jax.device_put(grads if everything else grads[order], paths.HOST)
   params_h = None
   if params is not None:

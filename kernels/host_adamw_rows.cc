@@ -42,15 +42,16 @@ struct RowPointers {
 // the gradient is converted from bf16 inside the program, XLA:CPU fuses b1 * mu (not
 // (1 - b1) * g) into the FMA, so jit(optax.adamw) on bf16 gradients, and the XLA row
 // loop of dos_jax, round that way. With f32 gradients this is host_adamw.cc's order.
+//
+// The pointers are restrict-qualified parameters (not locals): GCC vectorizes only
+// then, when all of them are float.
 template <class G, class L, bool kMaster, bool kNesterov, bool kDecay>
-DOS_INLINE void RowRangeFixed(const Coeffs& c, const RowPointers& ptr, int64_t begin,
+DOS_INLINE void RowRangeFixed(const Coeffs& c, float* __restrict master,
+                              float* __restrict mu, float* __restrict nu,
+                              const typename G::Storage* __restrict grad,
+                              const float* __restrict param,
+                              typename L::Storage* __restrict out, int64_t begin,
                               int64_t end) {
-  float* __restrict master = ptr.master;
-  float* __restrict mu = ptr.mu;
-  float* __restrict nu = ptr.nu;
-  auto* __restrict grad = static_cast<const typename G::Storage*>(ptr.grad);
-  const float* __restrict param = ptr.param;
-  auto* __restrict out = static_cast<typename L::Storage*>(ptr.out);
   constexpr bool kWideGrad = std::is_same_v<G, F32>;
   for (int64_t i = begin; i < end; ++i) {
     const float g = G::Load(grad[i]) * c.gscale;
@@ -83,10 +84,14 @@ DOS_INLINE void RowRangeFixed(const Coeffs& c, const RowPointers& ptr, int64_t b
 template <class G, class L, bool kMaster, bool kNesterov>
 DOS_INLINE void RowRange(const Coeffs& c, const RowPointers& p, int64_t begin,
                          int64_t end, bool decay) {
+  auto* grad = static_cast<const typename G::Storage*>(p.grad);
+  auto* out = static_cast<typename L::Storage*>(p.out);
   if (decay) {
-    RowRangeFixed<G, L, kMaster, kNesterov, true>(c, p, begin, end);
+    RowRangeFixed<G, L, kMaster, kNesterov, true>(c, p.master, p.mu, p.nu, grad, p.param,
+                                                  out, begin, end);
   } else {
-    RowRangeFixed<G, L, kMaster, kNesterov, false>(c, p, begin, end);
+    RowRangeFixed<G, L, kMaster, kNesterov, false>(c, p.master, p.mu, p.nu, grad, p.param,
+                                                   out, begin, end);
   }
 }
 

@@ -1,0 +1,127 @@
+"""The native host path of dos_jax.adamw (host_impl=KERNEL) against the XLA host path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dos_jax
+from dos_jax.kernels import host_adamw_rows
+
+try:  # tests/ is a package on main
+  from tests.test_adamw import decay_mask, random_grads, random_tree, SCHEDULE
+except ImportError:
+  from test_adamw import decay_mask, random_grads, random_tree, SCHEDULE
+
+pytestmark = pytest.mark.skipif(
+    not host_adamw_rows.rows_kernel_available(),
+    reason=f'not available: {host_adamw_rows.rows_kernel_unavailable_reason()}')
+
+KERNEL, XLA = dos_jax.UpdateImpl.KERNEL, dos_jax.UpdateImpl.XLA
+TARGET = 'dos_jax_adamw_host_rows'
+POLICIES = [dos_jax.AllHost(), dos_jax.Stride(2),
+            dos_jax.DeviceFraction(0.4), dos_jax.AllDevice()]
+
+
+def _offload(policy, impl, subgroup_size=23):
+  return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, host_impl=impl)
+
+
+def _trajectory(opt, params, steps: int, seed: int):
+  """Runs `steps` jitted steps; returns (params, state, lowered text, cache sizes)."""
+  state = opt.init(params)
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  text = step.lower(params, state, params).as_text()
+  sizes = []
+  for i in range(steps):
+    params, state = step(params, state, random_grads(params, i, seed))
+    sizes.append(step._cache_size())  # pylint: disable=protected-access
+  return params, state, text, sizes
+
+
+def _assert_bit_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(np.atleast_1d(x).view(np.uint8),
+                                  np.atleast_1d(y).view(np.uint8))
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('policy', POLICIES, ids=repr)
+def test_kernel_path_is_bit_identical_to_xla_path(policy, dtype):
+  seed = np.random.randint(1 << 30)
+  params = random_tree(seed, dtype)
+  results = {}
+  for impl in (KERNEL, XLA):
+    opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask,
+                        offload=_offload(policy, impl))
+    results[impl] = _trajectory(opt, params, steps=6, seed=seed)
+  (p_k, s_k, text_k, sizes_k), (p_x, s_x, text_x, _) = results[KERNEL], results[XLA]
+  _assert_bit_equal((p_k, s_k.stacked, s_k.scalars), (p_x, s_x.stacked, s_x.scalars))
+  has_host_rows = not isinstance(policy, dos_jax.AllDevice)
+  assert (TARGET in text_k) == has_host_rows
+  assert TARGET not in text_x
+  # The first step's state comes from init; after that one plan never recompiles.
+  assert len(set(sizes_k[1:])) == 1, sizes_k
+  assert {x.sharding.memory_kind for x in s_k.stacked} == (
+      {'pinned_host'} if has_host_rows else {'device'})
+
+
+@pytest.mark.parametrize('make', [
+    lambda o: dos_jax.adamw(1e-2, mu_dtype=jnp.bfloat16, offload=o),
+    lambda o: dos_jax.adamw(1e-2, nesterov=True, offload=o),
+    lambda o: dos_jax.chain(optax.scale_by_adam(), optax.add_decayed_weights(0.1),
+                            optax.scale_by_learning_rate(1e-2), offload=o),
+], ids=['bf16_mu', 'nesterov', 'chain'])
+def test_xla_path_where_the_kernel_does_not_apply(make):
+  params = random_tree(0)
+  text = _trajectory(make(_offload(dos_jax.AllHost(), KERNEL)), params, 1, 0)[2]
+  assert TARGET not in text
+
+
+def test_under_clipping_and_inject_hyperparams():
+  params = random_tree(3, jnp.bfloat16)
+  results = []
+  for impl in (KERNEL, XLA):
+    opt = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(dos_jax.adamw)(
+            learning_rate=3e-2, b1=0.8, weight_decay=0.1,
+            offload=_offload(dos_jax.Stride(2), impl)))
+    results.append(_trajectory(opt, params, steps=4, seed=3))
+  assert TARGET in results[0][2]
+  _assert_bit_equal(results[0][:2], results[1][:2])
+
+
+@pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
+def test_no_state_sized_temporary(policy):
+  """With params and state donated, the native host path adds no temporary beyond the
+  packed gradient rows and the new parameter rows, never a copy of the state."""
+  params = {'a': jnp.zeros((600, 500), jnp.bfloat16), 'b': jnp.zeros((70_001,), jnp.bfloat16)}
+  temps = {}
+  for impl in (KERNEL, XLA):
+    opt = dos_jax.adamw(1e-3, offload=_offload(policy, impl, subgroup_size=40_000))
+    state = opt.init(params)
+
+    def step(p, s, g, opt=opt):
+      u, s = opt.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    assert (TARGET in compiled.as_text()) == (impl == KERNEL)
+    temps[impl] = compiled.memory_analysis().temp_size_in_bytes
+  rows_bytes = state.layout.num_subgroups * state.layout.subgroup_size * 2  # bf16 rows
+  # The streamed device rows have temporaries of their own (the same on both paths).
+  assert temps[KERNEL] <= temps[XLA], temps
+  if isinstance(policy, dos_jax.AllHost):
+    # 12-byte-per-element state: 4.8 MB; packed gradients + new rows: 1.6 MB.
+    assert temps[KERNEL] <= 2 * rows_bytes + (1 << 16), (temps, rows_bytes)

@@ -1,0 +1,274 @@
+"""Tests of the row-wise native host AdamW against optax, the flat host kernel and itself."""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dos_jax import kernels
+from dos_jax.kernels import host_adamw_rows
+from dos_jax.kernels.host_adamw_rows import adamw_host_rows
+try:  # tests/ is a package on main; the kernels branch imports its helpers flat
+  from tests.test_kernels_scalars import Hyper
+  from tests.test_kernels_scalars import step_scalars
+except ImportError:
+  from test_kernels_scalars import Hyper
+  from test_kernels_scalars import step_scalars
+
+_MUST_HAVE = platform.system() == 'Linux' and platform.machine() in ('x86_64', 'AMD64')
+
+pytestmark = pytest.mark.skipif(
+    not _MUST_HAVE and not host_adamw_rows.rows_kernel_available(),
+    reason=f'not available: {host_adamw_rows.rows_kernel_unavailable_reason()}')
+
+MASTER = (0, 2, 1)  # (master_k, mu_k, nu_k): not the natural order, to catch mix-ups
+NO_MASTER = (-1, 1, 0)
+
+
+def test_available_on_x86_64_linux():
+  if _MUST_HAVE:
+    assert host_adamw_rows.rows_kernel_available(), (
+        host_adamw_rows.rows_kernel_unavailable_reason())
+
+
+def random_stacked(rng, groups: int, size: int, slots) -> np.ndarray:
+  """A plausible mid-training state (weights ~N(0,1), m ~1e-3, v ~1e-6) in `slots`."""
+  master_k, mu_k, nu_k = slots
+  stacked = np.empty((groups, 3 if master_k >= 0 else 2, size), np.float32)
+  if master_k >= 0:
+    stacked[:, master_k] = rng.standard_normal((groups, size))
+  stacked[:, mu_k] = rng.standard_normal((groups, size)) * 1e-3
+  stacked[:, nu_k] = rng.random((groups, size)) * 1e-6
+  return stacked
+
+
+def optax_row(hyper: Hyper, count: int, param, mu, nu, grad, decayed: bool):
+  """jit(optax.adamw) on one flat row, the gradient cast to f32 inside the program (as
+  the core does); returns (new_param, update, mu, nu) as numpy."""
+  opt = optax.adamw(hyper.lr, hyper.b1, hyper.b2, hyper.eps, hyper.eps_root,
+                    weight_decay=hyper.weight_decay if decayed else 0.0,
+                    nesterov=hyper.nesterov)
+
+  @jax.jit
+  def step(p, mu, nu, g):
+    state = opt.init(p)
+    state = (state[0]._replace(count=jnp.int32(count - 1), mu=mu, nu=nu),) + state[1:]
+    u, state = opt.update(g.astype(jnp.float32), state, p)
+    return optax.apply_updates(p, u), u, state[0].mu, state[0].nu
+
+  return tuple(np.asarray(x) for x in step(param, mu, nu, grad))
+
+
+def _bits(x) -> np.ndarray:
+  x = np.asarray(x)
+  return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def _run(hyper, count, stacked, grads, params, rows, slots, decayed_rows, lowp, **kw):
+  return adamw_host_rows(
+      jnp.asarray(stacked), grads, params, jnp.asarray(rows, jnp.int32),
+      step_scalars(hyper, count), slots=slots, decayed_rows=decayed_rows,
+      lowp_dtype=lowp, nesterov=hyper.nesterov, **kw)
+
+
+def _check_rows(hyper, groups, size, rows, master, grad_dtype, *, exact):
+  rng = np.random.default_rng(size * 7 + len(rows))
+  slots = MASTER if master else NO_MASTER
+  stacked = random_stacked(rng, groups, size, slots)
+  decayed_rows = int(rng.integers(0, groups + 1))
+  grads = jnp.asarray(rng.standard_normal((len(rows), size)) * 1e-2, grad_dtype)
+  params = None if master else jnp.asarray(rng.standard_normal((len(rows), size)),
+                                           jnp.float32)
+  lowp = jnp.bfloat16 if master else jnp.float32
+  count = int(rng.integers(1, 50))
+  new, out = _run(hyper, count, stacked, grads, params, rows, slots, decayed_rows, lowp)
+  new = np.asarray(new)
+  master_k, mu_k, nu_k = slots
+  for j, g in enumerate(rows):
+    p = stacked[g, master_k] if master else params[j]
+    want_p, want_u, want_mu, want_nu = optax_row(
+        hyper, count, p, stacked[g, mu_k], stacked[g, nu_k], grads[j], g < decayed_rows)
+    checks = [(new[g, mu_k], want_mu, 'mu', 1e-3), (new[g, nu_k], want_nu, 'nu', 1e-6)]
+    if master:
+      checks.append((new[g, master_k], want_p, 'master', hyper.lr))
+      np.testing.assert_array_equal(_bits(out[j]), _bits(want_p.astype(jnp.bfloat16)))
+    else:
+      checks.append((out[j], want_u, 'update', hyper.lr))
+    for got, want, name, scale in checks:
+      if exact:
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f'{name} of row {g}')
+      else:
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6 * scale,
+                                   err_msg=f'{name} of row {g}')
+
+
+# Sizes: odd, and 4 x 70_001 elements, which really use two threads.
+@pytest.mark.parametrize('groups,size,rows', [(5, 7, [4, 0, 2]), (6, 70_001, [5, 1, 2, 0])])
+@pytest.mark.parametrize('master', [True, False], ids=['master', 'no_master'])
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
+def test_matches_optax_row_by_row_bit_for_bit(groups, size, rows, master, grad_dtype):
+  _check_rows(Hyper(), groups, size, rows, master, grad_dtype, exact=True)
+
+
+# XLA compiles Nesterov's sum, and programs on 1-element arrays, with other FMA
+# contractions than the kernel's: an ulp apart, hence a tolerance here.
+@pytest.mark.parametrize('groups,size,rows,nesterov', [(3, 1, [1], False), (3, 1, [2, 0], True),
+                                                       (4, 5000, [3, 1], True)])
+@pytest.mark.parametrize('master', [True, False], ids=['master', 'no_master'])
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
+def test_nesterov_and_one_element_rows_close_to_optax(groups, size, rows, nesterov, master,
+                                                      grad_dtype):
+  _check_rows(Hyper(nesterov=nesterov), groups, size, rows, master, grad_dtype, exact=False)
+
+
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('lowp', [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_matches_flat_host_kernel(grad_dtype, lowp):
+  """Against the flat `adamw_host` applied row by row: bit for bit with f32 gradients;
+  with bf16 gradients the two round one FMA differently (see host_adamw_rows.cc), so
+  within rtol 1e-6 (+ atol 1e-6 of the scale where sums cancel)."""
+  hyper = Hyper()
+  rng = np.random.default_rng(11)
+  groups, size, rows, decayed_rows = 5, 40_003, [3, 0, 4], 2
+  stacked = random_stacked(rng, groups, size, MASTER)
+  grads = jnp.asarray(rng.standard_normal((len(rows), size)) * 1e-2, grad_dtype)
+  new, out = _run(hyper, 3, stacked, grads, None, rows, MASTER, decayed_rows, lowp)
+  exact = grad_dtype == jnp.float32
+  for j, g in enumerate(rows):
+    want = kernels.adamw_host(
+        jnp.asarray(stacked[g, 0]), jnp.asarray(stacked[g, 2]), jnp.asarray(stacked[g, 1]),
+        grads[j], step_scalars(hyper, 3), decay_limit=size if g < decayed_rows else 0,
+        lowp_dtype=lowp)
+    got = (new[g, 0], new[g, 2], new[g, 1], out[j])
+    lowp_ulp = {2: 2**-7 if lowp == jnp.bfloat16 else 2**-10, 4: 1e-6}
+    for i, (name, scale) in enumerate(
+        (('master', hyper.lr), ('mu', 1e-3), ('nu', 1e-6), ('lowp', hyper.lr))):
+      a, b = np.asarray(got[i], np.float32), np.asarray(want[i], np.float32)
+      if exact:
+        np.testing.assert_array_equal(a, b, err_msg=name)
+      else:  # an ulp of the f32 master may flip one rounding of the low-precision copy
+        rtol = lowp_ulp[jnp.dtype(lowp).itemsize] if name == 'lowp' else 1e-6
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize('master', [True, False], ids=['master', 'no_master'])
+def test_only_listed_rows_change(master):
+  rng = np.random.default_rng(5)
+  groups, size, rows = 7, 33_333, [6, 2, 3]
+  slots = MASTER if master else NO_MASTER
+  stacked = random_stacked(rng, groups, size, slots)
+  others = [g for g in range(groups) if g not in rows]
+  stacked[others] = np.nan  # poison: any read of these rows would spread NaNs
+  stacked[others, 0, :5] = [1.5, -0.0, np.inf, 3e-39, 7.0]  # odd bit patterns
+  grads = jnp.asarray(rng.standard_normal((groups, size)) * 1e-2, jnp.float32)
+  params = None if master else jnp.asarray(rng.standard_normal((groups, size)), jnp.float32)
+  lowp = jnp.bfloat16 if master else jnp.float32
+  out = jnp.full((groups, size), -3.25, lowp)
+  new, new_out = _run(Hyper(), 2, stacked, grads, params, rows, slots, groups, lowp,
+                      out=out, indexed=True)
+  np.testing.assert_array_equal(_bits(np.asarray(new)[others]), _bits(stacked[others]))
+  np.testing.assert_array_equal(np.asarray(new_out)[others], np.asarray(out)[others])
+  assert np.isfinite(np.asarray(new)[rows]).all()
+  assert np.isfinite(np.asarray(new_out, np.float32)[rows]).all()
+
+
+@pytest.mark.parametrize('master', [True, False], ids=['master', 'no_master'])
+def test_indexed_form_equals_gathered_form(master):
+  rng = np.random.default_rng(8)
+  groups, size, rows = 6, 9_001, [5, 0, 3]
+  slots = MASTER if master else NO_MASTER
+  stacked = random_stacked(rng, groups, size, slots)
+  grads = jnp.asarray(rng.standard_normal((groups, size)) * 1e-2, jnp.bfloat16)
+  params = None if master else jnp.asarray(rng.standard_normal((groups, size)), jnp.float32)
+  lowp = jnp.float16 if master else jnp.float32
+  order = np.asarray(rows)
+  gathered = _run(Hyper(), 4, stacked, grads[order], None if master else params[order],
+                  rows, slots, 4, lowp)
+  indexed = _run(Hyper(), 4, stacked, grads, params, rows, slots, 4, lowp,
+                 out=jnp.zeros((groups, size), lowp), indexed=True)
+  np.testing.assert_array_equal(np.asarray(gathered[0]), np.asarray(indexed[0]))
+  np.testing.assert_array_equal(_bits(gathered[1]), _bits(np.asarray(indexed[1])[order]))
+
+
+def test_thread_counts_and_isas_agree_bit_for_bit():
+  rng = np.random.default_rng(3)
+  groups, size, rows = 4, 50_001, [2, 0, 3]
+  stacked = random_stacked(rng, groups, size, MASTER)
+  grads = jnp.asarray(rng.standard_normal((len(rows), size)) * 1e-2, jnp.bfloat16)
+  results = [
+      _run(Hyper(), 2, stacked, grads, None, rows, MASTER, 2, jnp.bfloat16,
+           num_threads=threads, isa=isa)
+      for threads in (1, 3) for isa in kernels.supported_isas()
+  ]
+  for new, out in results[1:]:
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(results[0][0]))
+    np.testing.assert_array_equal(_bits(out), _bits(results[0][1]))
+
+
+def test_in_place_under_jit_with_donation():
+  groups, size = 8, 50_000
+  rng = np.random.default_rng(2)
+  scalars = step_scalars(Hyper(), 1)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 2))
+  def step(stacked, grads, out):
+    return adamw_host_rows(stacked, grads, None, jnp.arange(0, groups, 2), scalars,
+                           slots=MASTER, decayed_rows=groups, lowp_dtype=jnp.bfloat16,
+                           out=out, indexed=True)
+
+  stacked = jnp.asarray(random_stacked(rng, groups, size, MASTER))
+  grads = jnp.asarray(rng.standard_normal((groups, size)) * 1e-2, jnp.bfloat16)
+  out = jnp.zeros((groups, size), jnp.bfloat16)
+  compiled = step.lower(stacked, grads, out).compile()
+  memory = compiled.memory_analysis()
+  # No copy of the state (stacked.nbytes = 9.6 MB) nor of out: only the tiny operands.
+  assert memory.temp_size_in_bytes < 1 << 16, memory
+  assert memory.alias_size_in_bytes == stacked.nbytes + out.nbytes
+  before = stacked.unsafe_buffer_pointer()
+  stacked, out = step(stacked, grads, out)
+  assert stacked.unsafe_buffer_pointer() == before
+
+
+def test_not_donated_copies_the_state_first():
+  """Without donation XLA does not alias: the kernel copies the state, the input keeps
+  its values and the result is the same as in place."""
+  rng = np.random.default_rng(4)
+  stacked = jnp.asarray(random_stacked(rng, 3, 70_000, MASTER))
+  grads = jnp.asarray(rng.standard_normal((3, 70_000)) * 1e-2, jnp.float32)
+  keep = np.asarray(stacked).copy()
+  new, _ = jax.jit(lambda s, g: _run(Hyper(), 1, s, g, None, [1, 2], MASTER, 3,
+                                     jnp.bfloat16, indexed=False, out=None))(stacked,
+                                                                           grads[1:])
+  np.testing.assert_array_equal(np.asarray(stacked), keep)
+  np.testing.assert_array_equal(np.asarray(new)[0], keep[0])
+  assert not np.array_equal(np.asarray(new)[1:], keep[1:])
+
+
+def test_bad_inputs_are_clear_errors():
+  stacked = jnp.zeros((4, 3, 8))
+  grads = jnp.zeros((2, 8))
+  run = functools.partial(adamw_host_rows, scalars=step_scalars(Hyper(), 1),
+                          decayed_rows=4, lowp_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match='grads must be'):
+    run(stacked, jnp.zeros((3, 8)), None, jnp.array([0, 1]), slots=MASTER)
+  with pytest.raises(ValueError, match='slots='):
+    run(stacked, grads, None, jnp.array([0, 1]), slots=(0, 1, 1))
+  with pytest.raises(ValueError, match='params must be'):
+    run(stacked[:, :2], grads, None, jnp.array([0, 1]), slots=NO_MASTER)
+  with pytest.raises(ValueError, match='lowp_dtype must be float32'):
+    run(stacked[:, :2], grads, grads, jnp.array([0, 1]), slots=NO_MASTER)
+  with pytest.raises(ValueError, match='out must be'):
+    run(stacked, grads, None, jnp.array([0, 1]), slots=MASTER, out=jnp.zeros((2, 8)))
+  with pytest.raises(ValueError, match='num_threads'):
+    run(stacked, grads, None, jnp.array([0, 1]), slots=MASTER, num_threads=0)
+  # Row indices are data: checked by the kernel when it runs.
+  with pytest.raises(Exception, match='rows must be distinct'):
+    jax.block_until_ready(run(stacked, grads, None, jnp.array([1, 1]), slots=MASTER))
+  with pytest.raises(Exception, match='rows must be distinct'):
+    jax.block_until_ready(run(stacked, grads, None, jnp.array([0, 4]), slots=MASTER))
