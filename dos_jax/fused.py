@@ -82,8 +82,9 @@ def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] 
 
 
 def usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep, stacked,
-           grads, sharded: bool) -> bool:
+           grad_leaves, sharded: bool) -> bool:
   """Whether this step's host rows can go through the native kernel."""
+  grad_dtypes = {jnp.dtype(g.dtype) for g in grad_leaves}
   return (
       fused is not None
       and offload.host_impl == UpdateImpl.KERNEL
@@ -94,7 +95,10 @@ def usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep, stac
       and host_adamw_rows.rows_kernel_available()
       and slot_rows(step.slots, step.has_master) is not None
       and jnp.dtype(stacked[0].dtype) == jnp.float32
-      and jnp.dtype(grads.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+      # One gradient dtype: XLA rounds a moment's FMA by whether the gradient arrives as
+      # bf16 or f32 (see host_adamw_rows.cc); packed rows of mixed leaves blur that.
+      and len(grad_dtypes) == 1
+      and grad_dtypes.pop() in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
       and jnp.dtype(step.out_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                                         jnp.dtype(jnp.float16))
   )
@@ -112,9 +116,28 @@ def _step_scalars(fused: FusedAdamW, step: paths.RowStep, scalars):
   return fused.scalars(inner_state, new_inner), new_scalars
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Leaves:
+  """The gradient (and, for fp32 params, param) leaves and their flat offsets in the
+  layout, for the kernel to read in place of the packed rows."""
+
+  grads: list[Any]
+  params: list[Any] | None
+  offsets: tuple[int, ...]
+
+  def usable(self, has_master: bool) -> bool:
+    """Gradient leaves of one dtype (checked by `usable`), f32 params if no master."""
+    return has_master or (self.params is not None and all(
+        jnp.dtype(p.dtype) == jnp.float32 for p in self.params))
+
+
 def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, grads,
-                params, out, num_threads: int | None = None):
-  """`paths.host_update` with one native call; returns (stacked, new_scalars, out)."""
+                params, out, num_threads: int | None = None, leaves: Leaves | None = None):
+  """`paths.host_update` with one native call; returns (stacked, new_scalars, out).
+
+  On a CPU backend, `leaves` (when given and of one supported dtype) are read directly,
+  so the packed `grads` and `params` rows need not be built for the host rows.
+  """
   adam_scalars, new_scalars = _step_scalars(fused, step, scalars)
   kernel_args = dict(
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
@@ -125,9 +148,15 @@ def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalar
     # One memory: the kernel reads grads and params by subgroup and writes the host
     # rows of `out` in place (the device rows are already there): no gather, no scatter.
     # When it writes every row, a fresh buffer spares zeroing `out` first.
-    new_state, out = host_adamw_rows.adamw_host_rows(
-        stacked[0], grads, params, order, adam_scalars, out=None if everything else out,
-        indexed=True, **kernel_args)
+    if leaves is not None and leaves.usable(step.has_master):
+      new_state, out = host_adamw_rows.adamw_host_leaves(
+          stacked[0], leaves.grads, None if step.has_master else leaves.params, order,
+          adam_scalars, offsets=leaves.offsets, out=None if everything else out,
+          **kernel_args)
+    else:
+      new_state, out = host_adamw_rows.adamw_host_rows(
+          stacked[0], grads, params, order, adam_scalars, out=None if everything else out,
+          indexed=True, **kernel_args)
     # A custom call's results are typed as device memory; the state stays host-typed
     # (on CPU both are one memory, and this is no copy: see the memory test).
     return (jax.device_put(new_state, paths.HOST),), new_scalars, out

@@ -208,10 +208,14 @@ def offloaded(
       stacked, new_scalars, out = paths.device_stream(
           plan.device, step, out=out, buffers=plan.buffers, stream=not plan.resident, **arrays)
       arrays['stacked'] = stacked
-    if plan.host and fused_lib.usable(fused, offload, step, arrays['stacked'], grads,
+    if plan.host and fused_lib.usable(fused, offload, step, arrays['stacked'], grad_leaves,
                                       sharded=layout in shardings_by_layout):
+      leaves = fused_lib.Leaves(
+          grads=grad_leaves, offsets=layout.offsets,
+          params=None if params is None else layout.treedef.flatten_up_to(params))
       stacked, new_scalars, out = fused_lib.host_update(
-          plan.host, step, fused, out=out, num_threads=offload.host_threads, **arrays)
+          plan.host, step, fused, out=out, num_threads=offload.host_threads, leaves=leaves,
+          **arrays)
       arrays['stacked'] = stacked
     elif plan.host:
       stacked, new_scalars, out = paths.host_update(plan.host, step, out=out, **arrays)

@@ -190,39 +190,44 @@ ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("dos_jax_adamw_host_rows: " + what);
 }
 
-ffi::Error RowsImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
-                    ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::S32> rows,
-                    ffi::Buffer<ffi::F32> coeffs, ffi::ResultBuffer<ffi::F32> stacked_out,
-                    ffi::Result<ffi::AnyBuffer> out, int64_t master_k, int64_t mu_k,
-                    int64_t nu_k, int64_t decayed_rows, bool indexed, int64_t num_threads,
-                    bool nesterov, int64_t isa) {
+// What every form of the call shares: the state, the rows, the step's constants, the
+// loop, and the out buffer.
+struct Setup {
+  int64_t G, K, S, R;
+  int64_t master_k, mu_k, nu_k, decayed_rows, threads;
+  bool has_master;
+  const int32_t* rows;
+  float* state;
+  RowFn fn;
+  char* out;
+  size_t out_bytes;
+};
+
+// Checks the state, slots, rows and dtypes, picks the loop, and makes the state output
+// hold the input state (a copy when XLA did not alias them).
+ffi::Error Prepare(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& rows,
+                   ffi::Buffer<ffi::F32>& coeffs, ffi::DataType grad_type,
+                   ffi::ResultBuffer<ffi::F32>& stacked_out,
+                   ffi::Result<ffi::AnyBuffer>& out, int64_t master_k, int64_t mu_k,
+                   int64_t nu_k, int64_t decayed_rows, int64_t num_threads,
+                   bool nesterov, int64_t isa, Setup& su) {
   const auto dims = stacked.dimensions();
   if (dims.size() != 3) return Invalid("stacked must be (G, K, S)");
-  const int64_t G = dims[0], K = dims[1], S = dims[2];
-  const int64_t R = static_cast<int64_t>(rows.element_count());
-  const bool has_master = master_k >= 0;
-  for (int64_t k : {mu_k, nu_k, has_master ? master_k : mu_k}) {
-    if (k < 0 || k >= K) return Invalid("slot index out of range");
+  su.G = dims[0], su.K = dims[1], su.S = dims[2];
+  su.R = static_cast<int64_t>(rows.element_count());
+  su.has_master = master_k >= 0;
+  for (int64_t k : {mu_k, nu_k, su.has_master ? master_k : mu_k}) {
+    if (k < 0 || k >= su.K) return Invalid("slot index out of range");
   }
-  if (mu_k == nu_k || (has_master && (master_k == mu_k || master_k == nu_k))) {
+  if (mu_k == nu_k || (su.has_master && (master_k == mu_k || master_k == nu_k))) {
     return Invalid("slots must be distinct");
   }
-  const int64_t io_rows = indexed ? G : R;  // leading dimension of grads/params/out
-  if (static_cast<int64_t>(grads.element_count()) != io_rows * S) {
-    return Invalid("grads must be (R, S), or (G, S) when indexed");
-  }
-  if (static_cast<int64_t>(out->element_count()) != io_rows * S) {
-    return Invalid("out must be (R, S), or (G, S) when indexed");
-  }
-  if (!has_master && static_cast<int64_t>(params.element_count()) != io_rows * S) {
-    return Invalid("params rows are needed without a master slot");
-  }
   if (coeffs.element_count() != kNumSlots) return Invalid("bad coefficient vector");
-  const int32_t* row_ids = rows.typed_data();
-  std::vector<bool> seen(G, false);
-  for (int64_t j = 0; j < R; ++j) {
-    const int32_t g = row_ids[j];
-    if (g < 0 || g >= G || seen[g]) return Invalid("rows must be distinct, in [0, G)");
+  su.rows = rows.typed_data();
+  std::vector<bool> seen(su.G, false);
+  for (int64_t j = 0; j < su.R; ++j) {
+    const int32_t g = su.rows[j];
+    if (g < 0 || g >= su.G || seen[g]) return Invalid("rows must be distinct, in [0, G)");
     seen[g] = true;
   }
   if (isa == kAuto) {
@@ -231,44 +236,87 @@ ffi::Error RowsImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
   } else if (!((SupportedIsaMask() >> isa) & 1)) {
     return Invalid("this CPU lacks the ISA asked for");
   }
-  const RowFn fn = SelectRows(grads.element_type(), has_master, out->element_type(),
-                              nesterov, isa);
-  if (fn == nullptr) return Invalid("unsupported dtypes");
-
-  float* state = stacked_out->typed_data();
+  su.fn = SelectRows(grad_type, su.has_master, out->element_type(), nesterov, isa);
+  if (su.fn == nullptr) return Invalid("unsupported dtypes");
+  su.master_k = master_k, su.mu_k = mu_k, su.nu_k = nu_k, su.decayed_rows = decayed_rows;
+  su.threads = num_threads;
+  su.out = static_cast<char*>(out->untyped_data());
+  su.out_bytes = ffi::ByteWidth(out->element_type());
+  su.state = stacked_out->typed_data();
   const float* state_in = stacked.typed_data();
-  const int64_t state_size = G * K * S;
-  if (state != state_in) {  // XLA did not alias the state (not donated): copy it first
+  const int64_t state_size = su.G * su.K * su.S;
+  if (su.state != state_in) {  // XLA did not alias the state (not donated): copy it first
     ParallelFor(state_size, ThreadsFor(state_size, num_threads),
                 [&](int64_t b, int64_t e) {
-                  std::memcpy(state + b, state_in + b, (e - b) * sizeof(float));
+                  std::memcpy(su.state + b, state_in + b, (e - b) * sizeof(float));
                 });
+  }
+  return ffi::Error::Success();
+}
+
+// Runs segment(j, g, begin, end) over all R * S elements of the listed rows: row j of
+// the call is subgroup g; [begin, end) are offsets within the subgroup.
+template <class Segment>
+void ForEachSegment(const Setup& su, const Segment& segment) {
+  const int64_t total = su.R * su.S;
+  ParallelFor(total, ThreadsFor(total, su.threads), [&](int64_t begin, int64_t end) {
+    ScopedFlushDenormals flush;
+    while (begin < end) {
+      const int64_t j = begin / su.S;
+      const int64_t offset = begin - j * su.S;
+      const int64_t stop = std::min(end - j * su.S, su.S);
+      segment(j, static_cast<int64_t>(su.rows[j]), offset, stop);
+      begin = j * su.S + stop;
+    }
+  });
+}
+
+// The state rows of subgroup g from element `at` on.
+RowPointers StateAt(const Setup& su, int64_t g, int64_t at) {
+  float* sub = su.state + g * su.K * su.S;
+  return RowPointers{su.has_master ? sub + su.master_k * su.S + at : nullptr,
+                     sub + su.mu_k * su.S + at, sub + su.nu_k * su.S + at,
+                     nullptr, nullptr, nullptr};
+}
+
+ffi::Error RowsImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
+                    ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::S32> rows,
+                    ffi::Buffer<ffi::F32> coeffs, ffi::ResultBuffer<ffi::F32> stacked_out,
+                    ffi::Result<ffi::AnyBuffer> out, int64_t master_k, int64_t mu_k,
+                    int64_t nu_k, int64_t decayed_rows, bool indexed, int64_t num_threads,
+                    bool nesterov, int64_t isa) {
+  Setup su;
+  const int64_t dims = stacked.dimensions().size();
+  if (dims == 3) {
+    const int64_t G = stacked.dimensions()[0], S = stacked.dimensions()[2];
+    const int64_t io_rows = indexed ? G : static_cast<int64_t>(rows.element_count());
+    if (static_cast<int64_t>(grads.element_count()) != io_rows * S) {
+      return Invalid("grads must be (R, S), or (G, S) when indexed");
+    }
+    if (static_cast<int64_t>(out->element_count()) != io_rows * S) {
+      return Invalid("out must be (R, S), or (G, S) when indexed");
+    }
+    if (master_k < 0 && static_cast<int64_t>(params.element_count()) != io_rows * S) {
+      return Invalid("params rows are needed without a master slot");
+    }
+  }
+  if (ffi::Error e = Prepare(stacked, rows, coeffs, grads.element_type(), stacked_out, out,
+                             master_k, mu_k, nu_k, decayed_rows, num_threads, nesterov,
+                             isa, su);
+      e.failure()) {
+    return e;
   }
   const Coeffs c(coeffs.typed_data());
   const size_t grad_bytes = ffi::ByteWidth(grads.element_type());
-  const size_t out_bytes = ffi::ByteWidth(out->element_type());
   auto* grad_base = static_cast<const char*>(grads.untyped_data());
-  auto* out_base = static_cast<char*>(out->untyped_data());
   const float* param_base = params.typed_data();
-  const int64_t total = R * S;
-  ParallelFor(total, ThreadsFor(total, num_threads), [&](int64_t begin, int64_t end) {
-    ScopedFlushDenormals flush;
-    while (begin < end) {
-      const int64_t j = begin / S;
-      const int64_t offset = begin - j * S;
-      const int64_t stop = std::min(end - j * S, S);
-      const int64_t g = row_ids[j];
-      const int64_t io = indexed ? g : j;
-      float* sub = state + g * K * S;
-      const RowPointers p{has_master ? sub + master_k * S : nullptr,
-                          sub + mu_k * S,
-                          sub + nu_k * S,
-                          grad_base + io * S * grad_bytes,
-                          has_master ? nullptr : param_base + io * S,
-                          out_base + io * S * out_bytes};
-      fn(c, p, offset, stop, g < decayed_rows);
-      begin = j * S + stop;
-    }
+  ForEachSegment(su, [&](int64_t j, int64_t g, int64_t begin, int64_t end) {
+    const int64_t io = (indexed ? g : j) * su.S;
+    RowPointers p = StateAt(su, g, 0);
+    p.grad = grad_base + io * grad_bytes;
+    p.param = su.has_master ? nullptr : param_base + io;
+    p.out = su.out + io * su.out_bytes;
+    su.fn(c, p, begin, end, g < su.decayed_rows);
   });
   return ffi::Error::Success();
 }
@@ -282,6 +330,76 @@ ffi::Error RowsOutInImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
                          int64_t num_threads, bool nesterov, int64_t isa) {
   return RowsImpl(stacked, grads, params, rows, coeffs, stacked_out, out, master_k, mu_k,
                   nu_k, decayed_rows, indexed, num_threads, nesterov, isa);
+}
+
+// The leaves form: gradients (and, without a master, params) are read from the
+// parameter tree's leaves where they lie, not from packed (G, S) rows. Leaf i holds the
+// flat elements [offsets[i], offsets[i] + sizes[i]) of the (G * S) vector; leaves are
+// sorted by offset. Elements between leaves are padding: zero in the state, never read
+// from out, so they are skipped. `out` is (G, S), indexed by subgroup.
+ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
+                      ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
+                      ffi::ResultBuffer<ffi::F32> stacked_out,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> offsets,
+                      ffi::Span<const int64_t> sizes, bool out_in, int64_t master_k,
+                      int64_t mu_k, int64_t nu_k, int64_t decayed_rows,
+                      int64_t num_threads, bool nesterov, int64_t isa) {
+  const size_t n = offsets.size();
+  const size_t sources = master_k >= 0 ? n : 2 * n;  // grad leaves, then param leaves
+  if (n == 0 || sizes.size() != n || leaves.size() != sources + (out_in ? 1 : 0)) {
+    return Invalid("leaves, offsets and sizes do not match");
+  }
+  std::vector<const char*> grad(n);
+  std::vector<const float*> param(n, nullptr);
+  std::vector<int64_t> ends(n);
+  ffi::DataType grad_type = ffi::DataType::INVALID;
+  for (size_t i = 0; i < n; ++i) {
+    auto g = leaves.get<ffi::AnyBuffer>(i);
+    if (!g.has_value()) return g.error();
+    if (i == 0) grad_type = g->element_type();
+    if (g->element_type() != grad_type || static_cast<int64_t>(g->element_count()) != sizes[i]) {
+      return Invalid("gradient leaves must share one dtype and match sizes");
+    }
+    grad[i] = static_cast<const char*>(g->untyped_data());
+    ends[i] = offsets[i] + sizes[i];
+    if (i > 0 && offsets[i] < ends[i - 1]) return Invalid("leaves overlap or are unsorted");
+    if (master_k < 0) {
+      auto p = leaves.get<ffi::Buffer<ffi::F32>>(n + i);
+      if (!p.has_value()) return p.error();
+      if (static_cast<int64_t>(p->element_count()) != sizes[i]) {
+        return Invalid("param leaves must be f32 and match sizes");
+      }
+      param[i] = p->typed_data();
+    }
+  }
+  const auto dims = stacked.dimensions();
+  if (dims.size() == 3 && (ends[n - 1] > dims[0] * dims[2] ||
+                           static_cast<int64_t>(out->element_count()) != dims[0] * dims[2])) {
+    return Invalid("leaves beyond the state, or out is not (G, S)");
+  }
+  Setup su;
+  if (ffi::Error e = Prepare(stacked, rows, coeffs, grad_type, stacked_out, out, master_k,
+                             mu_k, nu_k, decayed_rows, num_threads, nesterov, isa, su);
+      e.failure()) {
+    return e;
+  }
+  const Coeffs c(coeffs.typed_data());
+  const size_t grad_bytes = ffi::ByteWidth(grad_type);
+  ForEachSegment(su, [&](int64_t, int64_t g, int64_t begin, int64_t end) {
+    const int64_t row = g * su.S, f0 = row + begin, f1 = row + end;
+    const bool decay = g < su.decayed_rows;
+    size_t i = std::upper_bound(ends.begin(), ends.end(), f0) - ends.begin();
+    for (; i < n && offsets[i] < f1; ++i) {
+      const int64_t a = std::max(f0, offsets[i]), b = std::min(f1, ends[i]);
+      if (a >= b) continue;
+      RowPointers p = StateAt(su, g, a - row);
+      p.grad = grad[i] + (a - offsets[i]) * grad_bytes;
+      p.param = su.has_master ? nullptr : param[i] + (a - offsets[i]);
+      p.out = su.out + a * su.out_bytes;
+      su.fn(c, p, 0, b - a, decay);
+    }
+  });
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -312,6 +430,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostRows, RowsImpl, DOS_ROWS_BINDING())
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostRowsOutIn, RowsOutInImpl,
                               DOS_ROWS_BINDING(.Arg<ffi::AnyBuffer>() /* out_in */));
 
+// Leaves form: stacked, rows, coefficients, then the gradient leaves, the param leaves
+// (without a master) and, when `out_in`, a buffer XLA aliases to out.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeaves, LeavesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
+                                  .Attr<bool>("out_in")
+                                  .Attr<int64_t>("master_k")
+                                  .Attr<int64_t>("mu_k")
+                                  .Attr<int64_t>("nu_k")
+                                  .Attr<int64_t>("decayed_rows")
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<int64_t>("isa"));
+
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHostRows), nullptr, nullptr);
 }
@@ -321,10 +460,16 @@ static PyObject* HandlerOutIn(PyObject*, PyObject*) {
                        nullptr);
 }
 
+static PyObject* HandlerLeaves(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHostLeaves), nullptr, nullptr);
+}
+
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The XLA FFI handler of the row-wise host AdamW."},
     {"handler_out_in", HandlerOutIn, METH_NOARGS,
      "The same, taking a buffer to alias to the out rows."},
+    {"handler_leaves", HandlerLeaves, METH_NOARGS,
+     "The same, reading gradients and params from the parameter tree's leaves."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -26,6 +26,7 @@ from dos_jax.kernels.host_adamw import supported_isas
 
 _TARGET = 'dos_jax_adamw_host_rows'
 _TARGET_OUT_IN = 'dos_jax_adamw_host_rows_out_in'  # also takes a buffer to alias to out
+_TARGET_LEAVES = 'dos_jax_adamw_host_leaves'  # gradients read from the tree's leaves
 
 _GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -42,6 +43,8 @@ def _load() -> tuple[Any, str]:
     jax.ffi.register_ffi_target(_TARGET, _host_adamw_rows.handler(), platform='cpu')
     jax.ffi.register_ffi_target(
         _TARGET_OUT_IN, _host_adamw_rows.handler_out_in(), platform='cpu')
+    jax.ffi.register_ffi_target(
+        _TARGET_LEAVES, _host_adamw_rows.handler_leaves(), platform='cpu')
   except Exception as e:  # pylint: disable=broad-except
     return None, f'registering the row-wise host AdamW with XLA failed: {e}'
   return _host_adamw_rows, ''
@@ -87,6 +90,17 @@ def _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed) -> Non
                      f'{out.dtype}{list(out.shape)}')
 
 
+def _check_threads_and_isa(num_threads, isa) -> tuple[int, HostIsa]:
+  threads = default_num_threads() if num_threads is None else num_threads
+  if not isinstance(threads, int) or threads < 1:
+    raise ValueError(f'num_threads must be a positive int, got {num_threads!r}')
+  isa = HostIsa(isa)
+  if isa != HostIsa.AUTO and isa not in supported_isas():
+    raise ValueError(f'isa={isa.name} is not supported by this CPU; '
+                     f'supported: {[i.name for i in supported_isas()]}')
+  return threads, isa
+
+
 def adamw_host_rows(stacked, grads, params, rows, scalars: AdamWScalars, *,
                     slots: tuple[int, int, int], decayed_rows: int, lowp_dtype: Any,
                     out=None, indexed: bool = False, nesterov: bool = False,
@@ -129,13 +143,7 @@ def adamw_host_rows(stacked, grads, params, rows, scalars: AdamWScalars, *,
     raise RuntimeError(rows_kernel_unavailable_reason())
   rows = jnp.asarray(rows)
   _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed)
-  threads = default_num_threads() if num_threads is None else num_threads
-  if not isinstance(threads, int) or threads < 1:
-    raise ValueError(f'num_threads must be a positive int, got {num_threads!r}')
-  isa = HostIsa(isa)
-  if isa != HostIsa.AUTO and isa not in supported_isas():
-    raise ValueError(f'isa={isa.name} is not supported by this CPU; '
-                     f'supported: {[i.name for i in supported_isas()]}')
+  threads, isa = _check_threads_and_isa(num_threads, isa)
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
   if params is None:
     params = jnp.zeros((0,), jnp.float32)
@@ -154,3 +162,77 @@ def adamw_host_rows(stacked, grads, params, rows, scalars: AdamWScalars, *,
       *args, master_k=np.int64(master_k), mu_k=np.int64(mu_k), nu_k=np.int64(nu_k),
       decayed_rows=np.int64(decayed_rows), indexed=bool(indexed),
       num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa))))
+
+
+def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWScalars, *,
+                      offsets, slots: tuple[int, int, int], decayed_rows: int,
+                      lowp_dtype: Any, out=None, nesterov: bool = False,
+                      num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO):
+  """`adamw_host_rows` reading gradients (and params) from the parameter tree's leaves.
+
+  The packed `(G, S)` gradient (and param) rows are never built: leaf i supplies the
+  elements `[offsets[i], offsets[i] + leaf.size)` of the flat `G * S` vector, the
+  layout's packing. Elements no leaf covers are padding, zero in the state, and are
+  left alone (in `out` too: they are never read from it). Out rows are `(G, S)`,
+  indexed by subgroup, as with `indexed=True`.
+
+  Args:
+    grad_leaves: gradient leaves, one dtype (f32 or bf16), any shapes.
+    param_leaves: None with a master slot; else the f32 param leaves, same shapes.
+    offsets: static ints, the flat offset of each leaf; leaves must not overlap.
+    Others as `adamw_host_rows`.
+
+  Returns:
+    `(new_stacked, new_out)`.
+  """
+  if not rows_kernel_available():
+    raise RuntimeError(rows_kernel_unavailable_reason())
+  rows = jnp.asarray(rows)
+  num_groups, k, size = stacked.shape
+  grad_leaves = [jnp.ravel(g) for g in grad_leaves]
+  sizes = [int(g.shape[0]) for g in grad_leaves]
+  offsets = [int(o) for o in offsets]
+  if not grad_leaves or len(offsets) != len(grad_leaves):
+    raise ValueError(f'one offset per gradient leaf: {len(offsets)} offsets, '
+                     f'{len(grad_leaves)} leaves')
+  dtypes = {g.dtype for g in grad_leaves}
+  if len(dtypes) != 1 or dtypes.pop() not in _GRAD_DTYPES:
+    raise ValueError(f'gradient leaves must all be f32 or all bf16, got '
+                     f'{sorted({g.dtype.name for g in grad_leaves})}')
+  order = sorted(range(len(offsets)), key=offsets.__getitem__)
+  for a, b in zip(order, order[1:]):
+    if offsets[a] + sizes[a] > offsets[b]:
+      raise ValueError(f'leaves {a} and {b} overlap: offsets {offsets[a]}, {offsets[b]}')
+  if offsets[order[0]] < 0 or offsets[order[-1]] + sizes[order[-1]] > num_groups * size:
+    raise ValueError(f'leaves reach beyond the {num_groups} x {size} state')
+  master_k = slots[0]
+  if master_k < 0:
+    if param_leaves is None or len(param_leaves) != len(grad_leaves):
+      raise ValueError('without a master slot, params must be one f32 leaf per gradient leaf')
+    param_leaves = [jnp.ravel(p) for p in param_leaves]
+    if any(p.dtype != jnp.float32 or p.shape[0] != n for p, n in zip(param_leaves, sizes)):
+      raise ValueError('param leaves must be f32 and the size of their gradient leaves')
+  fake = jax.ShapeDtypeStruct((num_groups, size), grad_leaves[0].dtype)
+  _check(stacked, fake, None if master_k >= 0 else
+         jax.ShapeDtypeStruct((num_groups, size), jnp.float32), rows, slots, out, lowp_dtype,
+         indexed=True)
+  threads, isa = _check_threads_and_isa(num_threads, isa)
+  packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
+  sources = [grad_leaves[i] for i in order]
+  if master_k < 0:
+    sources += [param_leaves[i] for i in order]
+  reuse = out is not None
+  call = jax.ffi.ffi_call(
+      _TARGET_LEAVES,
+      (jax.ShapeDtypeStruct(stacked.shape, stacked.dtype),
+       jax.ShapeDtypeStruct((num_groups, size), jnp.dtype(lowp_dtype))),
+      input_output_aliases={0: 0, **({3 + len(sources): 1} if reuse else {})},
+  )
+  args = (stacked, rows.astype(jnp.int32), packed, *sources) + ((out,) if reuse else ())
+  _, mu_k, nu_k = (int(s) for s in slots)
+  return tuple(call(
+      *args, offsets=np.asarray([offsets[i] for i in order], np.int64),
+      sizes=np.asarray([sizes[i] for i in order], np.int64), out_in=reuse,
+      master_k=np.int64(master_k), mu_k=np.int64(mu_k), nu_k=np.int64(nu_k),
+      decayed_rows=np.int64(decayed_rows), num_threads=np.int64(threads),
+      nesterov=bool(nesterov), isa=np.int64(int(isa))))

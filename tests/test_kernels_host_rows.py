@@ -272,3 +272,72 @@ def test_bad_inputs_are_clear_errors():
     jax.block_until_ready(run(stacked, grads, None, jnp.array([1, 1]), slots=MASTER))
   with pytest.raises(Exception, match='rows must be distinct'):
     jax.block_until_ready(run(stacked, grads, None, jnp.array([0, 4]), slots=MASTER))
+
+
+# Leaves of a (5, 1000) layout: listed out of order, with padding gaps between them, one
+# leaf crossing two subgroup boundaries, one ending a subgroup exactly.
+LEAF_SHAPES = ((300,), (40, 10), (7,), (1200,), (2, 100))
+LEAF_OFFSETS = (1500, 0, 420, 2100, 3800)
+
+
+def _leaves_case(rng, master, grad_dtype):
+  groups, size = 5, 1000
+  slots = MASTER if master else NO_MASTER
+  stacked = random_stacked(rng, groups, size, slots)
+  covered = np.zeros(groups * size, bool)
+  for shape, off in zip(LEAF_SHAPES, LEAF_OFFSETS):
+    covered[off:off + int(np.prod(shape))] = True
+  padding = ~covered.reshape(groups, 1, size)
+  stacked[np.broadcast_to(padding, stacked.shape)] = 0  # as the layout keeps it
+  grads = [jnp.asarray(rng.standard_normal(s) * 1e-2, grad_dtype) for s in LEAF_SHAPES]
+  params = None if master else [jnp.asarray(rng.standard_normal(s), jnp.float32)
+                                for s in LEAF_SHAPES]
+
+  def pack(leaves, dtype):
+    flat = np.zeros(groups * size, np.float32)
+    for leaf, off in zip(leaves, LEAF_OFFSETS):
+      flat[off:off + leaf.size] = np.asarray(leaf, np.float32).ravel()
+    return jnp.asarray(flat.reshape(groups, size), dtype)
+
+  packed = (pack(grads, grad_dtype), None if master else pack(params, jnp.float32))
+  return stacked, grads, params, packed, covered.reshape(groups, size)
+
+
+@pytest.mark.parametrize('master', [True, False], ids=['master', 'no_master'])
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
+def test_leaves_form_equals_packed_rows(master, grad_dtype):
+  rng = np.random.default_rng(21)
+  stacked, grads, params, (packed_g, packed_p), covered = _leaves_case(rng, master, grad_dtype)
+  slots = MASTER if master else NO_MASTER
+  lowp = jnp.bfloat16 if master else jnp.float32
+  rows = jnp.asarray([3, 0, 1], jnp.int32)
+  common = dict(slots=slots, decayed_rows=2, lowp_dtype=lowp)
+  scalars = step_scalars(Hyper(), 5)
+  want, want_out = adamw_host_rows(jnp.asarray(stacked), packed_g, packed_p, rows, scalars,
+                                   out=jnp.zeros((5, 1000), lowp), indexed=True, **common)
+  sentinel = jnp.full((5, 1000), 7.0, lowp)
+  got, got_out = host_adamw_rows.adamw_host_leaves(
+      jnp.asarray(stacked), grads, params, rows, scalars, offsets=LEAF_OFFSETS, out=sentinel,
+      **common)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+  listed = np.zeros_like(covered)
+  listed[np.asarray(rows)] = True
+  np.testing.assert_array_equal(_bits(np.asarray(got_out)[covered & listed]),
+                                _bits(np.asarray(want_out)[covered & listed]))
+  # Padding and unlisted rows of `out` are left as they were.
+  assert (np.asarray(got_out, np.float32)[~(covered & listed)] == 7.0).all()
+  np.testing.assert_array_equal(_bits(np.asarray(got)[2]), _bits(stacked[2]))
+
+
+def test_leaves_form_bad_inputs_are_clear_errors():
+  run = functools.partial(host_adamw_rows.adamw_host_leaves, jnp.zeros((2, 3, 8)),
+                          scalars=step_scalars(Hyper(), 1), rows=jnp.array([0]),
+                          slots=MASTER, decayed_rows=2, lowp_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match='overlap'):
+    run([jnp.zeros(4), jnp.zeros(4)], None, offsets=(0, 3))
+  with pytest.raises(ValueError, match='must all be f32 or all bf16'):
+    run([jnp.zeros(4), jnp.zeros(4, jnp.bfloat16)], None, offsets=(0, 4))
+  with pytest.raises(ValueError, match='beyond'):
+    run([jnp.zeros(4)], None, offsets=(14,))
+  with pytest.raises(ValueError, match='one offset per'):
+    run([jnp.zeros(4)], None, offsets=(0, 4))
