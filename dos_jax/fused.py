@@ -131,6 +131,11 @@ class Leaves:
         jnp.dtype(p.dtype) == jnp.float32 for p in self.params))
 
 
+def _one_memory() -> bool:
+  """Whether host and device memory are one (a CPU backend)."""
+  return jax.default_backend() == 'cpu'
+
+
 def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, grads,
                 params, out, num_threads: int | None = None, leaves: Leaves | None = None):
   """`paths.host_update` with one native call; returns (stacked, new_scalars, out).
@@ -144,7 +149,7 @@ def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalar
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
   order = jnp.asarray(rows, jnp.int32)
   everything = rows == tuple(range(grads.shape[0]))
-  if jax.default_backend() == 'cpu':
+  if _one_memory():
     # One memory: the kernel reads grads and params by subgroup and writes the host
     # rows of `out` in place (the device rows are already there): no gather, no scatter.
     # When it writes every row, a fresh buffer spares zeroing `out` first.
@@ -167,12 +172,22 @@ def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalar
   if params is not None:
     params_h = jax.device_put(params if everything else params[order], paths.HOST)
   order_h = jax.device_put(order, paths.HOST)
+  # Array scalars (schedule value, bias corrections) cross too; Python floats stay
+  # Python floats (closed over, never traced), which `AdamWScalars` rounds as optax does.
+  scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
+  is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
+  arrays_h = [jax.device_put(x, paths.HOST) for x, a in zip(scalar_leaves, is_array) if a]
 
-  def run(state, grads_h, params_h, order_h):
+  def run(state, grads_h, params_h, order_h, arrays_h):
+    it = iter(arrays_h)
+    scalars_h = scalar_tree.unflatten(
+        [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
     return host_adamw_rows.adamw_host_rows(
-        state, grads_h, params_h, order_h, adam_scalars, **kernel_args)
+        state, grads_h, params_h, order_h, scalars_h, **kernel_args)
 
-  new_state, out_h = paths.on_host(run)(stacked[0], grads_h, params_h, order_h)
+  # Not yet run on a GPU (none was available): the FFI target is registered for the
+  # "cpu" platform, which is what XLA compiles host regions for.
+  new_state, out_h = paths.on_host(run)(stacked[0], grads_h, params_h, order_h, arrays_h)
   out_d = jax.device_put(out_h, paths.DEVICE)
   out = out_d if everything else out.at[order].set(out_d)
-  return (new_state,), new_scalars, out
+  return (jax.device_put(new_state, paths.HOST),), new_scalars, out

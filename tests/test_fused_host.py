@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import dos_jax
+from dos_jax import fused
 from dos_jax.kernels import host_adamw_rows
 
 try:  # tests/ is a package on main
@@ -136,3 +137,21 @@ def test_mixed_gradient_dtypes_stay_on_the_xla_path():
   params['emb'] = params['emb'].astype(jnp.bfloat16)
   opt = dos_jax.adamw(1e-2, offload=_offload(dos_jax.AllHost(), KERNEL))
   assert not TARGET.search(_trajectory(opt, params, 1, 5)[2])
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
+def test_accelerator_form_on_cpu(policy, dtype, monkeypatch):
+  """The form used where host and device memory differ (gathered host rows copied to
+  host memory, the call in a host region, out rows copied back and scattered), run on
+  the CPU: the same results as the XLA path. On a GPU the region is real (untested)."""
+  monkeypatch.setattr(fused, '_one_memory', lambda: False)
+  params = random_tree(9, dtype)
+  results = []
+  for impl in (KERNEL, XLA):
+    opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask,
+                        offload=_offload(policy, impl))
+    results.append(_trajectory(opt, params, steps=4, seed=9))
+  assert 'dos_jax_adamw_host_rows' in results[0][2]
+  _assert_bit_equal((results[0][0], results[0][1].stacked),
+                    (results[1][0], results[1][1].stacked))
