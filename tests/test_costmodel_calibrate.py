@@ -3,6 +3,7 @@
 import math
 
 import jax
+import pytest
 
 from dos_jax import calibrate
 from dos_jax.costmodel import HardwareProfile
@@ -39,3 +40,13 @@ def test_cached_profile_measures_once(tmp_path, monkeypatch):
   assert calibrate.cached_profile(seconds_budget=0.3, sizes=(1 << 14,)) == first
   again = calibrate.cached_profile(refresh=True, seconds_budget=0.3, sizes=(1 << 14,))
   _valid(again)
+
+
+@pytest.mark.gpu
+def test_calibrate_on_gpu_sees_pcie_and_hbm():
+  profile = calibrate.calibrate(2.0, sizes=(1 << 24,))
+  _valid(profile)
+  assert not profile.device_is_host
+  # PCIe is far slower than HBM: the device update must beat the link by a wide margin.
+  assert profile.device_adamw_gparams * 12 > 3 * profile.h2d_gbps
+  assert 1 < profile.h2d_gbps < 1000 and profile.device_free_bytes > 1e9

@@ -1,0 +1,144 @@
+"""Predicted vs measured update time of `dos_jax.adamw` for several plans on this machine.
+
+Calibrates this machine (`dos_jax.calibrate.calibrate`), then for each plan jits one
+offloaded AdamW step (update + `optax.apply_updates`, params and state donated) over a
+state of `--elements` fp32 parameters, and times it (median of `--reps`). The cost
+model's prediction for the same plan sits next to it, with the error. `jax.jit` of
+`optax.adamw` on the same params is timed in the same run as the baseline.
+
+  python experiments/bench_costmodel.py [--elements 64e6] [--subgroup-size 8e6] [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import dos_jax
+from dos_jax import calibrate
+from dos_jax import costmodel
+from dos_jax.policies import SubgroupSpec
+
+
+def _median_seconds(fn, reps: int) -> float:
+  fn()  # compile and warm up
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def make_params(elements: int, seed: int = 0) -> dict:
+  """A few leaves of mixed shapes whose sizes add up to about `elements`."""
+  rng = np.random.default_rng(seed)
+  width = 4096
+  rows = elements // width
+  a, b = rows // 2, rows - rows // 2 - 1
+  return {
+      'embed': jnp.asarray(rng.standard_normal((a, width), dtype=np.float32)),
+      'mlp': jnp.asarray(rng.standard_normal((b, width), dtype=np.float32)),
+      'norm': jnp.asarray(rng.standard_normal((width,), dtype=np.float32)),
+      'bias': jnp.asarray(rng.standard_normal((elements - (a + b + 1) * width,), dtype=np.float32)),
+  }
+
+
+def spec_for(params, subgroup_size: int) -> SubgroupSpec:
+  """The core's SubgroupSpec when it has one; else the fp32 layout written by hand."""
+  layout = getattr(dos_jax, 'layout', None)
+  if layout is not None and hasattr(layout, 'spec_for'):
+    return layout.spec_for(params, subgroup_size)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  return SubgroupSpec(math.ceil(n / subgroup_size), subgroup_size, n, 8, 4, 4)
+
+
+def time_plan(params, policy, subgroup_size: int, reps: int) -> float:
+  tx = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=subgroup_size, policy=policy))
+  state = tx.init(params)
+  grads = jax.tree.map(lambda x: x * 1e-3, params)
+  params = jax.tree.map(jnp.copy, params)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(p, s, g):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  box = [params, state]
+
+  def run():
+    box[0], box[1] = step(box[0], box[1], grads)
+    jax.block_until_ready(box)
+
+  return _median_seconds(run, reps)
+
+
+def time_optax(params, reps: int) -> float:
+  tx = optax.adamw(1e-3, weight_decay=1e-4)
+  state = tx.init(params)
+  grads = jax.tree.map(lambda x: x * 1e-3, params)
+  params = jax.tree.map(jnp.copy, params)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(p, s, g):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  box = [params, state]
+
+  def run():
+    box[0], box[1] = step(box[0], box[1], grads)
+    jax.block_until_ready(box)
+
+  return _median_seconds(run, reps)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--elements', type=float, default=64e6)
+  parser.add_argument('--subgroup-size', type=float, default=8e6)
+  parser.add_argument('--reps', type=int, default=7)
+  parser.add_argument('--calibrate-seconds', type=float, default=3.0)
+  args = parser.parse_args(argv)
+  if not hasattr(dos_jax, 'adamw'):
+    print('dos_jax.adamw is not available yet (the core has not landed)', file=sys.stderr)
+    return 1
+  elements, subgroup = int(args.elements), int(args.subgroup_size)
+
+  profile = calibrate.calibrate(args.calibrate_seconds, sizes=(subgroup,))
+  print(f'# profile: {profile.to_json()}')
+  params = make_params(elements)
+  spec = spec_for(params, subgroup)
+  baseline = time_optax(params, args.reps)
+  policies = [
+      ('AllHost', dos_jax.AllHost()), ('Stride(2)', dos_jax.Stride(2)), ('Stride(4)', dos_jax.Stride(4)),
+      ('DeviceFraction(0.25)', dos_jax.DeviceFraction(0.25)), ('AllDevice', dos_jax.AllDevice()),
+  ]
+  print(f'\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {elements:,} fp32 params in'
+        f' {spec.num_subgroups} subgroups of {subgroup:,}; median of {args.reps}')
+  print(f'jax.jit(optax.adamw) baseline: {baseline * 1e3:.1f} ms\n')
+  print('| plan | predicted ms | measured ms | error | vs optax |')
+  print('|---|---|---|---|---|')
+  errors = []
+  for name, policy in policies:
+    measured = time_plan(params, policy, subgroup, args.reps)
+    predicted = costmodel.predict(profile, spec, policy.plan(spec)).update_seconds
+    err = (predicted - measured) / measured
+    errors.append(abs(err))
+    print(f'| {name} | {predicted * 1e3:.1f} | {measured * 1e3:.1f} | {err:+.1%} |'
+          f' {measured / baseline:.2f}x |')
+  print(f'\nmax |error| {max(errors):.1%}, mean {statistics.mean(errors):.1%}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
