@@ -1,7 +1,7 @@
 """`Auto`: the placement policy that asks the cost model, and re-plans when it was wrong.
 
 `choose` predicts every plan of a small fixed candidate set (device fractions on a
-grid, the paper's strides, two orders, 1-3 buffers) and keeps
+grid, the paper's strides, two orders, 1-3 buffers: at most 294 plans) and keeps
 the fastest one that fits the device-memory budget. Because the set is fixed per
 `SubgroupSpec`, a run compiles at most that many distinct plans, however often `Auto`
 changes its mind.
@@ -27,8 +27,10 @@ from dos_jax.policies import Plan
 from dos_jax.policies import Stride
 from dos_jax.policies import SubgroupSpec
 
-# Device fractions Auto considers: a 1/20 grid, so at most 21 device-subgroup counts.
-FRACTION_GRID: tuple[float, ...] = tuple(i / 20 for i in range(21))
+# Device fractions Auto considers: every device-subgroup count up to this many
+# subgroups, a 1/40 grid of fractions beyond, so at most 41 counts (plus the strides').
+EVERY_COUNT_UP_TO = 40
+FRACTION_GRID: tuple[float, ...] = tuple(i / 40 for i in range(41))
 # The paper's strides, so that Auto never does worse than a hand-tuned Stride(k).
 STRIDES: tuple[int, ...] = tuple(range(1, 9))
 BUFFER_CHOICES: tuple[int, ...] = (1, 2, 3)
@@ -53,6 +55,8 @@ def candidates(
   through the forward and backward passes too, so only a caller that knows the
   memory left beside the activations can judge whether it fits."""
   n = spec.num_subgroups
+  if n <= EVERY_COUNT_UP_TO:
+    fractions = tuple(c / n for c in range(n + 1))
   seen: dict[Plan, None] = {}
   for b in buffers:
     for f in fractions:
@@ -138,8 +142,9 @@ def fit_correction(
     *,
     backward_seconds: float = 0.0,
 ) -> tuple[HardwareProfile, str]:
-  """The profile corrected by the smallest single factor, on the host AdamW or on the
-  device stream, under which `plan` is predicted to take `measured_seconds`.
+  """The profile corrected by one factor, on the host AdamW or on the device stream,
+  under which `plan` is predicted to take `measured_seconds`: the factor on what bounds
+  the prediction when that alone can explain the measurement, else the smallest one.
 
   Returns the corrected profile and a one-line reason. When neither factor can
   explain the measurement alone, both are scaled by the overall ratio.
@@ -159,7 +164,11 @@ def fit_correction(
     x = _solve_scale(at(stream=1), measured_seconds)
     if x is not None:
       options.append((abs(math.log(x)), 'stream', x))
-  if options:
+  bound = {'host': 'host', 'device stream': 'stream', 'H2D link': 'stream', 'D2H link': 'stream'}
+  preferred = [o for o in options if o[1] == bound.get(pred.bound)]
+  if preferred:  # what limits the prediction is the likeliest to be off
+    _, which, x = preferred[0]
+  elif options:
     _, which, x = min(options)
   else:
     which, x = 'both', pred.update_seconds / measured_seconds

@@ -16,9 +16,12 @@ the H2D link, the D2H link):
   `max(h, c, d, (h + c + d) / buffers)`, plus one full latency `h + c + d` to fill and
   drain the pipeline;
 * host subgroups need their gradients D2H (hidden behind the backward pass as far as it
-  lasts), the host AdamW, and their new low-precision params H2D;
+  lasts; fp32 params, which are their own master, go along), the host AdamW, and their
+  new low-precision params H2D;
 * both paths run concurrently; the host AdamW runs `host_copy_slowdown` times slower
   while the device stream's copies run (they share host memory bandwidth);
+* packing gradients into subgroup rows before, and unpacking the new rows into the
+  params after, cost device-memory traffic (`layout_bytes`) outside both paths;
 * the update phase lasts as long as the slowest path or link. On a machine whose
   "device" is the host itself (`device_is_host`, the CPU backend), the two paths use
   the same cores and memory, so their times add instead.
@@ -255,6 +258,9 @@ class Prediction:
     device_peak_bytes: device memory the update needs beyond params and grads.
     bound: what limits the update: 'device stream', 'host', 'H2D link', 'D2H link',
       'resident' or 'serialized' (device_is_host).
+    layout_seconds: packing gradients (and fp32 params) into subgroup rows before the
+      paths run, and unpacking the new rows into updates applied to the params after;
+      part of `update_seconds`.
   """
 
   update_seconds: float
@@ -265,6 +271,7 @@ class Prediction:
   grad_transfer_hidden_seconds: float
   device_peak_bytes: float
   bound: str
+  layout_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +296,29 @@ def subgroup_sizes(spec: SubgroupSpec) -> list[int]:
         f'inconsistent SubgroupSpec: {spec.num_elements} elements in {n} subgroups of {size}'
     )
   return [size] * (n - 1) + [last]
+
+
+def master_kept(spec: SubgroupSpec) -> bool:
+  """Whether the host state holds a separate fp32 master copy: it does when the params
+  are below fp32; fp32 params are their own master and stay on the device."""
+  return spec.param_bytes_per_element < 4
+
+
+def host_pull_bytes(spec: SubgroupSpec) -> int:
+  """Bytes per element a host subgroup pulls device -> host: its gradients, and its
+  params too when no master copy lives on the host."""
+  extra = 0 if master_kept(spec) else spec.param_bytes_per_element
+  return spec.grad_bytes_per_element + extra
+
+
+def layout_bytes(spec: SubgroupSpec) -> int:
+  """Device-memory traffic per element around the two paths: gradients packed into
+  rows (read + write), fp32 params packed too when they are the master, the output rows
+  initialized, and the new rows unpacked into updates that `optax.apply_updates` adds
+  to the params (read row and param, write param)."""
+  pb, gb = spec.param_bytes_per_element, spec.grad_bytes_per_element
+  params_packed = 0 if master_kept(spec) else 2 * pb
+  return 2 * gb + params_packed + pb + 3 * pb
 
 
 def _slowed(work: float, window: float, slowdown: float) -> float:
@@ -320,17 +350,20 @@ def predict(
         f'plan names {plan.num_subgroups} subgroups but the spec has {spec.num_subgroups}'
     )
   sizes = subgroup_sizes(spec)
-  sb, pb, gb = spec.state_bytes_per_element, spec.param_bytes_per_element, spec.grad_bytes_per_element
+  sb, pb = spec.state_bytes_per_element, spec.param_bytes_per_element
+  gb = host_pull_bytes(spec)
   u_dev = profile.device_adamw_gparams * _GB
   u_host = profile.host_adamw_gparams() * _GB
 
+  # Device memory bandwidth, as the calibrated AdamW (28 B per param) achieves it.
+  layout = spec.num_elements * layout_bytes(spec) / (ADAMW_BYTES_PER_PARAM * u_dev)
   if plan.resident:
     seconds = spec.num_elements / u_dev
     return Prediction(
-        update_seconds=seconds, device_stream_seconds=seconds, host_seconds=0.0,
+        update_seconds=seconds + layout, device_stream_seconds=seconds, host_seconds=0.0,
         bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
         device_peak_bytes=float(sb * spec.num_subgroups * spec.subgroup_size),
-        bound='resident',
+        bound='resident', layout_seconds=layout,
     )
 
   dev_sizes = [sizes[i] for i in plan.device]
@@ -388,9 +421,9 @@ def predict(
     )
   peak = float(sb * plan.buffers * max(dev_sizes)) if dev_sizes else 0.0
   return Prediction(
-      update_seconds=update, device_stream_seconds=stream, host_seconds=host,
+      update_seconds=update + layout, device_stream_seconds=stream, host_seconds=host,
       bytes_h2d=bytes_h2d, bytes_d2h=bytes_d2h, grad_transfer_hidden_seconds=hidden,
-      device_peak_bytes=peak, bound=bound,
+      device_peak_bytes=peak, bound=bound, layout_seconds=layout,
   )
 
 

@@ -36,8 +36,11 @@ def test_auto_is_a_policy():
 
 
 def test_infinite_pcie_and_fast_device_put_everything_on_device():
+  # Faster by more than the subgroup count: one subgroup on the host would take longer
+  # than all of them on the device. (With a merely faster device, giving the host a
+  # share to update concurrently is the better plan.)
   p = profile(u_host=1.0, u_dev=100.0, bw=1e9)
-  spec = spec_of(37 * 10**6 + 123)
+  spec = spec_of(37 * 10**6)
   plan = Auto(p).plan(spec)
   assert plan.host == () and len(plan.device) == spec.num_subgroups
 
@@ -61,7 +64,7 @@ def test_budget_bounds_the_buffers():
 def test_candidate_set_is_bounded_and_has_no_duplicates():
   for n in (1, 7, 70, 700):
     plans = auto.candidates(spec_of(n * 10**6))
-    assert len(plans) == len(set(plans)) <= (21 + 8) * 2 * 3 + 1
+    assert len(plans) == len(set(plans)) <= (41 + 8) * 2 * 3
     assert not any(p.resident for p in plans)
   assert any(p.resident for p in auto.candidates(spec_of(10**6), resident=True))
 
@@ -73,18 +76,18 @@ GRID = list(itertools.product([0.3, 1.0, 3.0], [10.0, 40.0], [5.0, 25.0, 60.0], 
 def test_auto_no_worse_than_any_stride_or_fraction(u_host, u_dev, bw, slowdown):
   p = profile(u_host=u_host, u_dev=u_dev, bw=bw, slowdown=slowdown, both=0.7 * bw)
   rng = np.random.default_rng()
-  spec = spec_of(int(rng.integers(20, 90)) * 10**6 + int(rng.integers(1, 10**6)))
+  spec = spec_of(int(rng.integers(20, 200)) * 10**6 + int(rng.integers(1, 10**6)))
   budget = float(rng.choice([12e6 * 1.5, 12e6 * 2.5, 1e12]))
   backward = float(rng.choice([0.0, 0.01]))
   chosen, pred = auto.choose(p, spec, budget, backward_seconds=backward)
   assert pred.device_peak_bytes <= budget
   others = [Stride(k, buffers=b) for k in range(1, 9) for b in (1, 2, 3)]
-  others += [DeviceFraction(f, buffers=b) for f in np.linspace(0, 1, 21) for b in (1, 2, 3)]
+  others += [DeviceFraction(i / 20, buffers=b) for i in range(21) for b in (1, 2, 3)]
   for policy in others:
     other = costmodel.predict(p, spec, policy.plan(spec), backward_seconds=backward)
     if other.device_peak_bytes <= budget:
       assert pred.update_seconds <= other.update_seconds * (1 + 1e-9), (policy, chosen)
-  # The 1/20 grid loses little against every possible device count.
+  # The grid loses little against every possible device count.
   exhaustive = min(
       costmodel.predict(p, spec, DeviceFraction(c / spec.num_subgroups, buffers=b).plan(spec),
                         backward_seconds=backward).update_seconds

@@ -85,8 +85,13 @@ def test_all_host_by_hand():
   params = 2 * n / (p.h2d_gbps * 1e9)
   work = n / (p.host_adamw_gparams() * 1e9)
   last = n - (spec.num_subgroups - 1) * 10**6
-  expected = grads * 10**6 / n + max(grads, work, params) + 2 * last / (p.h2d_gbps * 1e9)
-  np.testing.assert_allclose(pred.update_seconds, expected, rtol=1e-12)
+  host = grads * 10**6 / n + max(grads, work, params) + 2 * last / (p.h2d_gbps * 1e9)
+  np.testing.assert_allclose(pred.host_seconds, host, rtol=1e-12)
+  # Around the paths: bf16 grads packed (2 + 2 B), output rows zeroed (2 B), new rows
+  # unpacked onto the params (2 + 2 + 2 B), at the device's AdamW memory bandwidth.
+  layout = n * 12 / (28 * p.device_adamw_gparams * 1e9)
+  np.testing.assert_allclose(pred.layout_seconds, layout, rtol=1e-12)
+  np.testing.assert_allclose(pred.update_seconds, host + layout, rtol=1e-12)
   assert pred.bytes_h2d == 2 * n and pred.bytes_d2h == 2 * n
   assert pred.device_peak_bytes == 0
 
@@ -116,7 +121,9 @@ def test_cpu_backend_serializes_the_two_paths():
   plan = Stride(2).plan(spec)
   pred = costmodel.predict(p, spec, plan)
   assert pred.bound == 'serialized'
-  np.testing.assert_allclose(pred.update_seconds, pred.device_stream_seconds + pred.host_seconds)
+  np.testing.assert_allclose(
+      pred.update_seconds, pred.device_stream_seconds + pred.host_seconds + pred.layout_seconds
+  )
   overlapped = costmodel.predict(dataclasses.replace(p, device_is_host=False), spec, plan)
   assert overlapped.update_seconds < pred.update_seconds
 
@@ -126,7 +133,7 @@ def test_resident_plan_moves_nothing():
   spec = spec_of(3 * 10**6, 10**6)
   pred = costmodel.predict(p, spec, AllDevice().plan(spec))
   assert pred.bytes_h2d == pred.bytes_d2h == 0
-  np.testing.assert_allclose(pred.update_seconds, 3e6 / 50e9)
+  np.testing.assert_allclose(pred.update_seconds - pred.layout_seconds, 3e6 / 50e9)
   assert pred.device_peak_bytes == 12 * 3e6
 
 
@@ -152,6 +159,18 @@ def test_host_copy_slowdown_costs_only_while_copies_run():
   calm = costmodel.predict(synthetic(), spec, plan)
   busy = costmodel.predict(synthetic(host_copy_slowdown=1.5), spec, plan)
   assert calm.host_seconds < busy.host_seconds < 1.5 * calm.host_seconds
+
+
+def test_fp32_params_are_their_own_master():
+  """fp32 params: no master on the host, so host subgroups pull params with the grads,
+  and the params are packed into rows too."""
+  p = synthetic()
+  bf16, fp32 = spec_of(4 * 10**6, 10**6, sb=12, pb=2, gb=2), spec_of(4 * 10**6, 10**6, sb=8, pb=4, gb=4)
+  assert costmodel.master_kept(bf16) and not costmodel.master_kept(fp32)
+  assert costmodel.host_pull_bytes(bf16) == 2 and costmodel.host_pull_bytes(fp32) == 8
+  pred = costmodel.predict(p, fp32, AllHost().plan(fp32))
+  assert pred.bytes_d2h == 8 * 4e6 and pred.bytes_h2d == 4 * 4e6
+  np.testing.assert_allclose(pred.layout_seconds, 4e6 * (8 + 8 + 4 + 12) / (28 * 50e9))
 
 
 def test_plan_and_spec_must_agree():
