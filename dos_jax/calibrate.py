@@ -91,6 +91,8 @@ class _Probe:
       p, m, v = _adamw(p, g, jax.device_put(m, self.dev), jax.device_put(v, self.dev))
       return p, jax.device_put(m, self.host), jax.device_put(v, self.host)
 
+    # Packing rows as the update does: leaves concatenated into one flat vector.
+    self.pack = jax.jit(lambda a, b: jnp.concatenate([a, b]), out_shardings=self.dev)
     self.update_stream = jax.jit(
         stream_row, out_shardings=(self.dev, self.host, self.host), donate_argnums=(0, 2, 3)
     )
@@ -112,6 +114,9 @@ class _Probe:
 
   def copy_d2h(self):
     jax.block_until_ready(self.d2h(self.x_dev))
+
+  def pack_rows(self):
+    jax.block_until_ready(self.pack(self.x_dev, self.state_dev[1]))
 
   def copy_both(self):
     jax.block_until_ready(self.both(self.x_host, self.x_dev))
@@ -181,14 +186,14 @@ def calibrate(
     name: str | None = None,
 ) -> HardwareProfile:
   """Measures this machine. Rates are the best over `sizes` (fp32 elements per array);
-  each of the seven (eight on CPU) measurements gets an equal share of `seconds_budget` (compiling
+  each of the eight (nine on CPU) measurements gets an equal share of `seconds_budget` (compiling
   comes on top: about a second on a small CPU)."""
   if not sizes or any(int(s) < 1 for s in sizes):
     raise ValueError(f'calibrate: sizes must be positive element counts, got {sizes!r}')
   if not seconds_budget > 0:
     raise ValueError(f'calibrate: seconds_budget must be > 0, got {seconds_budget!r}')
   device = device or jax.devices()[0]
-  share = seconds_budget / (7 * len(sizes))
+  share = seconds_budget / (9 * len(sizes))
   rates: dict[str, float] = {}
   slowdowns = []
   for n in sizes:
@@ -199,6 +204,7 @@ def calibrate(
         'd2h': nbytes / _median_seconds(probe.copy_d2h, share),
         'both': nbytes / _median_seconds(probe.copy_both, share),
         'dev': probe.n / _median_seconds(probe.adamw_dev, share),
+        'pack': 2 * 2 * nbytes / _median_seconds(probe.pack_rows, share),  # read + write
     }
     host_alone = _median_seconds(probe.adamw_host, share)
     measured['host'] = probe.n / host_alone
@@ -223,6 +229,7 @@ def calibrate(
       both_gbps=rates['both'] / 1e9,
       host_adamw_gparams_by_threads={threads: rates['host'] / 1e9},
       device_adamw_gparams=rates['dev'] / 1e9,
+      device_copy_gbps=rates['pack'] / 1e9,
       device_free_bytes=_device_free_bytes(device),
       host_copy_slowdown=min(slowdowns),
       device_is_host=backend == 'cpu',

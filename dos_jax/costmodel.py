@@ -66,6 +66,9 @@ class HardwareProfile:
     host_memory_bytes: host memory that can be pinned for the state (0 when unknown).
     host_threads: threads the host update runs with; None means the best measured.
     source: where the numbers come from (a calibration, or the sources of a preset).
+    device_copy_gbps: device memory bandwidth for packing and unpacking the subgroup
+      rows, GB/s (read + write counted); None: what the device AdamW achieves, 28 B
+      per param.
   """
 
   name: str
@@ -80,6 +83,7 @@ class HardwareProfile:
   host_memory_bytes: float = 0.0
   host_threads: int | None = None
   source: str = ''
+  device_copy_gbps: float | None = None
 
   def __post_init__(self):
     rates = {
@@ -98,6 +102,8 @@ class HardwareProfile:
         'host_copy_slowdown': self.host_copy_slowdown,
     }
     positive.update({f'host_adamw_gparams_by_threads[{t}]': r for t, r in rates.items()})
+    if self.device_copy_gbps is not None:
+      positive['device_copy_gbps'] = self.device_copy_gbps
     for key, value in positive.items():
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f'HardwareProfile {self.name!r}: {key} must be a positive number, got {value!r}')
@@ -124,11 +130,20 @@ class HardwareProfile:
       return max(self.host_adamw_gparams_by_threads.values())
     return self.host_adamw_gparams_by_threads[threads]
 
+  @property
+  def device_memory_gbps(self) -> float:
+    """Device memory bandwidth for the pack/unpack around the update paths."""
+    if self.device_copy_gbps is not None:
+      return self.device_copy_gbps
+    return ADAMW_BYTES_PER_PARAM * self.device_adamw_gparams
+
   def scaled(self, *, host: float = 1.0, stream: float = 1.0, name: str | None = None) -> HardwareProfile:
     """A copy whose host AdamW (`host`) or device stream (links and device AdamW,
-    `stream`) throughput is multiplied by a factor: how `Auto` corrects a profile."""
+    `stream`) throughput is multiplied by a factor: how `Auto` corrects a profile.
+    The pack/unpack bandwidth stays as it was."""
     return dataclasses.replace(
         self,
+        device_copy_gbps=self.device_memory_gbps,
         name=name or self.name,
         host_adamw_gparams_by_threads={
             t: r * host for t, r in self.host_adamw_gparams_by_threads.items()
@@ -355,8 +370,7 @@ def predict(
   u_dev = profile.device_adamw_gparams * _GB
   u_host = profile.host_adamw_gparams() * _GB
 
-  # Device memory bandwidth, as the calibrated AdamW (28 B per param) achieves it.
-  layout = spec.num_elements * layout_bytes(spec) / (ADAMW_BYTES_PER_PARAM * u_dev)
+  layout = spec.num_elements * layout_bytes(spec) / (profile.device_memory_gbps * _GB)
   if plan.resident:
     seconds = spec.num_elements / u_dev
     return Prediction(

@@ -202,3 +202,14 @@ def test_papers_stride_rule_falls_out(u_host, bandwidth, param_bytes):
       assert pred.bound in ('device stream', 'H2D link'), (k, threshold, pred)
   best = min(times, key=times.get)
   assert best in (math.floor(threshold), math.ceil(threshold)), (best, threshold)
+
+
+def test_stream_correction_leaves_pack_and_unpack_alone():
+  p = synthetic()
+  spec = spec_of(16 * 10**6, 10**6)
+  plan = Stride(2).plan(spec)
+  base, slow = (costmodel.predict(q, spec, plan) for q in (p, p.scaled(stream=0.1)))
+  assert slow.layout_seconds == base.layout_seconds
+  assert slow.device_stream_seconds > 5 * base.device_stream_seconds
+  host = costmodel.predict(p.scaled(host=0.5), spec, plan)
+  np.testing.assert_allclose(host.host_seconds, 2 * base.host_seconds, rtol=0.05)

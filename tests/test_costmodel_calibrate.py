@@ -12,7 +12,7 @@ from dos_jax.costmodel import HardwareProfile
 def _valid(profile: HardwareProfile):
   numbers = [
       profile.h2d_gbps, profile.d2h_gbps, profile.both_gbps, profile.device_adamw_gparams,
-      profile.device_free_bytes, profile.host_copy_slowdown,
+      profile.device_free_bytes, profile.host_copy_slowdown, profile.device_copy_gbps,
       *profile.host_adamw_gparams_by_threads.values(),
   ]
   assert all(math.isfinite(x) and x > 0 for x in numbers), profile
