@@ -137,10 +137,12 @@ class HardwareProfile:
       return self.device_copy_gbps
     return ADAMW_BYTES_PER_PARAM * self.device_adamw_gparams
 
-  def scaled(self, *, host: float = 1.0, stream: float = 1.0, name: str | None = None) -> HardwareProfile:
-    """A copy whose host AdamW (`host`) or device stream (links and device AdamW,
-    `stream`) throughput is multiplied by a factor: how `Auto` corrects a profile.
-    The pack/unpack bandwidth stays as it was."""
+  def scaled(
+      self, *, host: float = 1.0, stream: float = 1.0, links: float = 1.0, name: str | None = None
+  ) -> HardwareProfile:
+    """A copy with throughputs multiplied by factors: the host AdamW by `host`, the
+    device stream (links and device AdamW) by `stream`, the links alone by `links`.
+    How `Auto` corrects a profile. The pack/unpack bandwidth stays as it was."""
     return dataclasses.replace(
         self,
         device_copy_gbps=self.device_memory_gbps,
@@ -148,9 +150,9 @@ class HardwareProfile:
         host_adamw_gparams_by_threads={
             t: r * host for t, r in self.host_adamw_gparams_by_threads.items()
         },
-        h2d_gbps=self.h2d_gbps * stream,
-        d2h_gbps=self.d2h_gbps * stream,
-        both_gbps=self.both_gbps * stream,
+        h2d_gbps=self.h2d_gbps * stream * links,
+        d2h_gbps=self.d2h_gbps * stream * links,
+        both_gbps=self.both_gbps * stream * links,
         device_adamw_gparams=self.device_adamw_gparams * stream,
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import sys
 
@@ -132,6 +133,9 @@ def _load_profile(name: str) -> HardwareProfile:
     return costmodel.PROFILE_PRESETS[name]
   if name == _THIS:
     from dos_jax import calibrate  # pylint: disable=import-outside-toplevel
+    if not os.path.exists(calibrate.profile_path()):
+      print(f'calibrating this machine (a few seconds; cached in {calibrate.profile_path()})',
+            file=sys.stderr)
     return calibrate.cached_profile()
   if name.endswith('.json'):
     return HardwareProfile.from_json(name)

@@ -5,9 +5,9 @@ offloaded AdamW step (update + `optax.apply_updates`, params and state donated) 
 state of `--elements` fp32 parameters, and times it (median and min of `--reps`). The cost
 model's prediction for the same plan sits next to it, with the error. `jax.jit` of
 `optax.adamw` on the same params is timed in the same run as the baseline. A last
-column shows the predictions after the correction `Auto` would make from the two pure
-paths (a host factor fitted on AllHost, a device-stream factor on Stride(1)), which
-tests how the model composes the paths for the mixed plans.
+column shows the predictions after three factors are fitted on the pure plans (host
+AdamW on AllHost, device AdamW on AllDevice, the copies on Stride(1)), which tests how
+the model composes the paths for the mixed plans.
 
   python experiments/bench_costmodel.py [--elements 64e6] [--subgroup-size 8e6] [--reps 7]
 """
@@ -138,11 +138,14 @@ def main(argv=None) -> int:
     measured[name] = time_plan(params, policy, spec.subgroup_size, args.reps)
     print(f'  measured {name}: median {measured[name][0] * 1e3:.1f} ms, min {measured[name][1] * 1e3:.1f} ms',
           flush=True)
-  # What Auto's re-planning would learn from the two pure paths: one host factor from
-  # AllHost, one device-stream factor from Stride(1); the mixed plans are then predicted.
+  # Factors fitted on the pure plans: host AdamW from AllHost, device AdamW from
+  # AllDevice, the copies from Stride(1); the mixed plans are then predicted.
   plan_of = {name: policy.plan(spec) for name, policy in policies}
   fitted, _ = auto.fit_correction(profile, spec, plan_of['AllHost'], measured['AllHost'][1])
-  fitted, _ = auto.fit_correction(fitted, spec, plan_of['Stride(1)'], measured['Stride(1)'][1])
+  fitted, _ = auto.fit_correction(fitted, spec, plan_of['AllDevice'], measured['AllDevice'][1])
+  predict_stride1 = lambda x: costmodel.predict(fitted.scaled(links=x), spec, plan_of['Stride(1)']).update_seconds
+  links = auto._solve_scale(predict_stride1, measured['Stride(1)'][1])  # pylint: disable=protected-access
+  fitted = fitted.scaled(links=links) if links else fitted
   print('\n| plan | predicted ms | measured median ms | error | measured min ms | error |'
         ' predicted after fit ms | error vs min | min vs optax min |')
   print('|---|---|---|---|---|---|---|---|---|')
@@ -160,7 +163,8 @@ def main(argv=None) -> int:
         f' {max(e[1] for e in errors):.1%}; after the two-factor fit vs min {max(e[2] for e in errors):.1%}')
   print(f'fitted profile: host AdamW {fitted.host_adamw_gparams():.3g} Gparam/s (calibrated'
         f' {profile.host_adamw_gparams():.3g}), device AdamW {fitted.device_adamw_gparams:.3g}'
-        f' (calibrated {profile.device_adamw_gparams:.3g})')
+        f' (calibrated {profile.device_adamw_gparams:.3g}), copies {fitted.h2d_gbps:.3g} GB/s'
+        f' (calibrated {profile.h2d_gbps:.3g})')
   return 0
 
 
