@@ -7,10 +7,13 @@ the fastest one that fits the device-memory budget. Because the set is fixed per
 changes its mind.
 
 `Auto.observe` compares measured update times with the prediction. After `patience`
-consecutive steps that depart from it by more than `tolerance`, it finds the smallest
-single correction of the profile (host AdamW throughput, or the device stream's
-throughput) that explains the measurement, and chooses again under the corrected
-profile.
+consecutive steps that depart from it by more than `tolerance`, it corrects the profile
+(`fitting`) and chooses again. With one plan measured, one factor (host AdamW or
+device stream throughput) explains the measurement; when the two explanations would
+choose different plans, Auto tries the plan that changes, whose measurement then tells
+them apart. With several plans measured, both factors are fitted together.
+A resource faster than believed shows only when it is on the critical path of the plan
+being run: Auto does not spend steps on plans it predicts to be slower.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import statistics
 
 from dos_jax import costmodel
+from dos_jax import fitting
 from dos_jax.costmodel import HardwareProfile
 from dos_jax.costmodel import Prediction
 from dos_jax.policies import DeviceFraction
@@ -27,6 +31,8 @@ from dos_jax.policies import Plan
 from dos_jax.policies import Stride
 from dos_jax.policies import SubgroupSpec
 
+# Measured plans kept for the joint fit: the most recent ones.
+_MEMORY = 4
 # Device fractions Auto considers: every device-subgroup count up to this many
 # subgroups, a 1/40 grid of fractions beyond, so at most 41 counts (plus the strides').
 EVERY_COUNT_UP_TO = 40
@@ -119,68 +125,6 @@ def choose(
   return best.plan, best.prediction
 
 
-def _solve_scale(predict_at, target: float) -> float | None:
-  """The factor x with predict_at(x) == target (predict_at falls as x grows), by
-  bisection on log x over [1e-3, 1e3]; None when no factor in range reaches it."""
-  lo, hi = math.log(1e-3), math.log(1e3)
-  if not predict_at(math.exp(hi)) <= target <= predict_at(math.exp(lo)):
-    return None
-  for _ in range(60):
-    mid = (lo + hi) / 2
-    if predict_at(math.exp(mid)) > target:
-      lo = mid
-    else:
-      hi = mid
-  return math.exp((lo + hi) / 2)
-
-
-def fit_correction(
-    profile: HardwareProfile,
-    spec: SubgroupSpec,
-    plan: Plan,
-    measured_seconds: float,
-    *,
-    backward_seconds: float = 0.0,
-) -> tuple[HardwareProfile, str]:
-  """The profile corrected by one factor, on the host AdamW or on the device stream,
-  under which `plan` is predicted to take `measured_seconds`: the factor on what bounds
-  the prediction when that alone can explain the measurement, else the smallest one.
-
-  Returns the corrected profile and a one-line reason. When neither factor can
-  explain the measurement alone, both are scaled by the overall ratio.
-  """
-  def at(**scale):
-    return lambda x: costmodel.predict(
-        profile.scaled(**{k: x for k in scale}), spec, plan, backward_seconds=backward_seconds
-    ).update_seconds
-
-  options = []
-  pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds)
-  if plan.host:
-    x = _solve_scale(at(host=1), measured_seconds)
-    if x is not None:
-      options.append((abs(math.log(x)), 'host', x))
-  if plan.device:
-    x = _solve_scale(at(stream=1), measured_seconds)
-    if x is not None:
-      options.append((abs(math.log(x)), 'stream', x))
-  bound = {'host': 'host', 'device stream': 'stream', 'H2D link': 'stream', 'D2H link': 'stream'}
-  preferred = [o for o in options if o[1] == bound.get(pred.bound)]
-  if preferred:  # what limits the prediction is the likeliest to be off
-    _, which, x = preferred[0]
-  elif options:
-    _, which, x = min(options)
-  else:
-    which, x = 'both', pred.update_seconds / measured_seconds
-  scale = {'host': x, 'stream': x} if which == 'both' else {which: x}
-  label = {'host': 'host AdamW', 'stream': 'device stream', 'both': 'host and device'}[which]
-  reason = (
-      f'{plan.describe()}: measured {measured_seconds:.4g}s vs predicted'
-      f' {pred.update_seconds:.4g}s; {label} throughput x{x:.3g}'
-  )
-  return profile.scaled(**scale, name=profile.name), reason
-
-
 class Auto:
   """Placement by the cost model: the fastest plan that fits, re-chosen when measured
   step times keep departing from the prediction.
@@ -228,6 +172,8 @@ class Auto:
     self.replans = 0
     self._departures: list[float] = []
     self._skip = warmup
+    self._base: HardwareProfile | None = profile
+    self._measured: dict[Plan, float] = {}
 
   def __repr__(self):
     name = self._profile.name if self._profile else 'this machine (lazy)'
@@ -237,7 +183,7 @@ class Auto:
   def profile(self) -> HardwareProfile:
     if self._profile is None:
       from dos_jax import calibrate  # pylint: disable=import-outside-toplevel
-      self._profile = calibrate.cached_profile()
+      self._profile = self._base = calibrate.cached_profile()
     return self._profile
 
   @property
@@ -248,9 +194,12 @@ class Auto:
         return c.prediction
     return None
 
-  def _choose(self) -> Plan:
-    budget = self.profile.device_free_bytes if self.budget_bytes is None else self.budget_bytes
-    self.ranking = rank(self.profile, self.spec, budget, backward_seconds=self.backward_seconds)
+  def _rank(self, profile: HardwareProfile) -> list[Choice]:
+    budget = profile.device_free_bytes if self.budget_bytes is None else self.budget_bytes
+    return rank(profile, self.spec, budget, backward_seconds=self.backward_seconds)
+
+  def _choose(self, ranking: list[Choice] | None = None) -> Plan:
+    self.ranking = ranking or self._rank(self.profile)
     new = self.ranking[0].plan
     if new != self.current:
       self._skip = self.warmup
@@ -262,6 +211,7 @@ class Auto:
     if spec != self.spec or self.current is None:
       self.spec = spec
       self.current = None
+      self._measured = {}
       return self._choose()
     return self.current
 
@@ -279,19 +229,39 @@ class Auto:
     predicted = costmodel.predict(
         self.profile, self.spec, plan, backward_seconds=self.backward_seconds
     ).update_seconds
+    self._remember(plan, measured_update_seconds)
     if abs(measured_update_seconds - predicted) <= self.tolerance * predicted:
       self._departures = []
       return self.current
     self._departures.append(measured_update_seconds)
     if len(self._departures) < self.patience:
       return self.current
-    measured = statistics.median(self._departures)
-    self._profile, reason = fit_correction(
-        self.profile, self.spec, plan, measured, backward_seconds=self.backward_seconds
-    )
-    self.corrections.append(reason)
+    self._remember(plan, statistics.median(self._departures))
+    if len(self._measured) >= 2:
+      options = [fitting.fit_joint(
+          self._base, self.spec, self._measured, backward_seconds=self.backward_seconds
+      )]
+    else:
+      options = fitting.corrections(
+          self.profile, self.spec, plan, self._measured[plan],
+          backward_seconds=self.backward_seconds,
+      )
+    ranked = [(c, self._rank(c.profile)) for c in options]
+    # The likeliest explanation, unless another would move to a different plan: trying
+    # that plan is what tells the two explanations apart.
+    pick = next((r for r in ranked if r[1][0].plan != self.current), ranked[0])
+    if len({r[1][0].plan for r in ranked}) == 1:
+      pick = ranked[0]
+    self._profile = pick[0].profile
+    self.corrections.append(pick[0].reason)
     self.replans += 1
-    return self._choose()
+    return self._choose(pick[1])
+
+  def _remember(self, plan: Plan, seconds: float) -> None:
+    self._measured.pop(plan, None)
+    self._measured[plan] = seconds
+    while len(self._measured) > _MEMORY:
+      del self._measured[next(iter(self._measured))]
 
   def explain(self, top: int = 5) -> str:
     """Why the current plan: the candidates compared, the best few, some baselines."""

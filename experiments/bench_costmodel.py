@@ -27,9 +27,9 @@ import numpy as np
 import optax
 
 import dos_jax
-from dos_jax import auto
 from dos_jax import calibrate
 from dos_jax import costmodel
+from dos_jax import fitting
 from dos_jax.policies import SubgroupSpec
 
 
@@ -172,10 +172,10 @@ def main(argv=None) -> int:
   # Factors fitted on the pure plans: host AdamW from AllHost, device AdamW from
   # AllDevice, the copies from Stride(1); the mixed plans are then predicted.
   plan_of = {name: policy.plan(spec) for name, policy in policies}
-  fitted, _ = auto.fit_correction(profile, spec, plan_of['AllHost'], measured['AllHost'][1])
-  fitted, _ = auto.fit_correction(fitted, spec, plan_of['AllDevice'], measured['AllDevice'][1])
+  fitted, _ = fitting.fit_correction(profile, spec, plan_of['AllHost'], measured['AllHost'][1])
+  fitted, _ = fitting.fit_correction(fitted, spec, plan_of['AllDevice'], measured['AllDevice'][1])
   predict_stride1 = lambda x: costmodel.predict(fitted.scaled(links=x), spec, plan_of['Stride(1)']).update_seconds
-  links = auto._solve_scale(predict_stride1, measured['Stride(1)'][1])  # pylint: disable=protected-access
+  links = fitting.solve_scale(predict_stride1, measured['Stride(1)'][1])
   fitted = fitted.scaled(links=links) if links else fitted
   print('\n| plan | predicted ms | measured median ms | error | measured min ms | error |'
         ' predicted after fit ms | error vs min | min vs optax min |')
