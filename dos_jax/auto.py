@@ -263,6 +263,16 @@ class Auto:
     while len(self._measured) > _MEMORY:
       del self._measured[next(iter(self._measured))]
 
+  def record(self, step: int, measured_update_seconds: float | None = None):
+    """A `report.StepRecord` of the current plan at `step`, for the metrics log."""
+    from dos_jax import report  # pylint: disable=import-outside-toplevel
+    if self.spec is None or self.current is None:
+      raise ValueError('Auto.record called before Auto.plan(spec)')
+    prediction = costmodel.predict(
+        self.profile, self.spec, self.current, backward_seconds=self.backward_seconds
+    )
+    return report.StepRecord.of(step, self.current, prediction, measured_update_seconds)
+
   def explain(self, top: int = 5) -> str:
     """Why the current plan: the candidates compared, the best few, some baselines."""
     if self.spec is None:

@@ -36,3 +36,12 @@ def test_explain_auto_lists_candidates_and_baselines():
   assert f'chosen: {plan.describe()}' in text
   for name in ('AllHost', 'Stride(2)', 'DeviceFraction(0.5)', 'candidate plans'):
     assert name in text
+
+
+def test_auto_records_its_current_plan():
+  spec = SubgroupSpec(17, 10**8, 17 * 10**8, 12, 2, 2)
+  policy = Auto(costmodel.H100_PCIE_GEN5_NODE, budget_bytes=10e9)
+  plan = policy.plan(spec)
+  rec = policy.record(3, 0.5)
+  assert rec.step == 3 and rec.n_device == len(plan.device) and rec.measured_s == 0.5
+  assert rec.predicted_s == costmodel.predict(policy.profile, spec, plan).update_seconds
