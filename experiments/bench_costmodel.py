@@ -2,7 +2,8 @@
 
 Calibrates this machine (`dos_jax.calibrate.calibrate`), then for each plan jits one
 offloaded AdamW step (update + `optax.apply_updates`, params and state donated) over a
-state of `--elements` fp32 parameters, and times it (median and min of `--reps`). The cost
+state of `--elements` fp32 parameters; all plans are timed round-robin (`--reps`
+rounds; median and min). The cost
 model's prediction for the same plan sits next to it, with the error. `jax.jit` of
 `optax.adamw` on the same params is timed in the same run as the baseline. A last
 column shows the predictions after three factors are fitted on the pure plans (host
@@ -33,16 +34,19 @@ from dos_jax import fitting
 from dos_jax.policies import SubgroupSpec
 
 
-def _times(fn, reps: int) -> tuple[float, float]:
-  """(median, min) wall time of `fn()` over `reps` runs after one warm-up (compile).
-  The min is the figure to trust on a shared machine: interference only adds time."""
-  fn()
-  times = []
+def interleaved_times(runners: dict, reps: int) -> dict[str, tuple[float, float]]:
+  """(median, min) wall time per runner, timed round-robin after one warm-up each, so
+  that load from other processes on a shared machine falls on every plan alike. The
+  min is the figure to trust there: interference only adds time."""
+  for run in runners.values():
+    run()  # compile and warm up
+  times = {name: [] for name in runners}
   for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), min(times)
+    for name, run in runners.items():
+      t0 = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - t0)
+  return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def make_params(elements: int, seed: int = 0) -> dict:
@@ -68,8 +72,9 @@ def spec_for(params, subgroup_size: int) -> SubgroupSpec:
   return SubgroupSpec(math.ceil(n / subgroup_size), subgroup_size, n, 8, 4, 4)
 
 
-def time_plan(params, policy, subgroup_size: int, reps: int) -> tuple[float, float]:
-  tx = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=subgroup_size, policy=policy))
+def step_runner(params, tx) -> callable:
+  """A zero-argument function running one jitted, donated step of `tx` (update and
+  `optax.apply_updates`) on its own copy of the params and state."""
   state = tx.init(params)
   grads = jax.tree.map(lambda x: x * 1e-3, params)
   params = jax.tree.map(jnp.copy, params)
@@ -85,27 +90,7 @@ def time_plan(params, policy, subgroup_size: int, reps: int) -> tuple[float, flo
     box[0], box[1] = step(box[0], box[1], grads)
     jax.block_until_ready(box)
 
-  return _times(run, reps)
-
-
-def time_optax(params, reps: int) -> tuple[float, float]:
-  tx = optax.adamw(1e-3, weight_decay=1e-4)
-  state = tx.init(params)
-  grads = jax.tree.map(lambda x: x * 1e-3, params)
-  params = jax.tree.map(jnp.copy, params)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(p, s, g):
-    updates, s = tx.update(g, s, p)
-    return optax.apply_updates(p, updates), s
-
-  box = [params, state]
-
-  def run():
-    box[0], box[1] = step(box[0], box[1], grads)
-    jax.block_until_ready(box)
-
-  return _times(run, reps)
+  return run
 
 
 # PAPER.md: update throughput, 1e9 params/s per 4-GPU node, by stride (0 = CPU only).
@@ -155,20 +140,20 @@ def main(argv=None) -> int:
   print(f'# profile: {profile.to_json()}')
   params = make_params(elements)
   spec = spec_for(params, subgroup)
-  baseline, baseline_min = time_optax(params, args.reps)
   policies = [
       ('AllHost', dos_jax.AllHost()), ('Stride(1)', dos_jax.Stride(1)), ('Stride(2)', dos_jax.Stride(2)),
       ('Stride(4)', dos_jax.Stride(4)), ('DeviceFraction(0.25)', dos_jax.DeviceFraction(0.25)),
       ('AllDevice', dos_jax.AllDevice()),
   ]
-  print(f'\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {elements:,} fp32 params in'
-        f' {spec.num_subgroups} subgroups of {spec.subgroup_size:,}; {args.reps} reps')
-  print(f'jax.jit(optax.adamw) baseline: median {baseline * 1e3:.1f} ms, min {baseline_min * 1e3:.1f} ms')
-  measured = {}
+  runners = {'optax': step_runner(params, optax.adamw(1e-3, weight_decay=1e-4))}
   for name, policy in policies:
-    measured[name] = time_plan(params, policy, spec.subgroup_size, args.reps)
-    print(f'  measured {name}: median {measured[name][0] * 1e3:.1f} ms, min {measured[name][1] * 1e3:.1f} ms',
-          flush=True)
+    offload = dos_jax.Offload(subgroup_size=spec.subgroup_size, policy=policy)
+    runners[name] = step_runner(params, dos_jax.adamw(1e-3, offload=offload))
+  measured = interleaved_times(runners, args.reps)
+  baseline, baseline_min = measured.pop('optax')
+  print(f'\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {elements:,} fp32 params in'
+        f' {spec.num_subgroups} subgroups of {spec.subgroup_size:,}; {args.reps} interleaved rounds')
+  print(f'jax.jit(optax.adamw) baseline: median {baseline * 1e3:.1f} ms, min {baseline_min * 1e3:.1f} ms')
   # Factors fitted on the pure plans: host AdamW from AllHost, device AdamW from
   # AllDevice, the copies from Stride(1); the mixed plans are then predicted.
   plan_of = {name: policy.plan(spec) for name, policy in policies}
