@@ -130,7 +130,9 @@ class Auto:
   step times keep departing from the prediction.
 
   Satisfies the `Policy` protocol (`plan(spec) -> Plan`). The runner passes each
-  step's update time to `observe`, which returns the plan to use next.
+  step's update time to `observe`, which returns the plan to use next. A jitted step
+  consults the policy only while it is traced, so pass that plan to the transform's
+  `update(..., plan=plan)` as a static argument: each distinct plan compiles once.
   """
 
   def __init__(
