@@ -84,17 +84,19 @@ struct F16 {
   static DOS_INLINE uint16_t Store(float f) {
     const uint32_t u = FloatToBits(f);
     const uint32_t sign = (u >> 16) & 0x8000u;
-    const uint32_t a = u & 0x7fffffffu;
+    // Magnitude bits; below 2^31, so signed compares (native in AVX2) are exact.
+    const int32_t a = static_cast<int32_t>(u & 0x7fffffffu);
     // Normal halves: rebias the exponent and round the 13 dropped bits to even;
     // a carry out of the mantissa correctly rounds up to the next binade or to inf.
-    const uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+    const int32_t normal = (a - 0x37fff001 + ((a >> 13) & 1)) >> 13;
     // Subnormal halves: adding 0.5 aligns the 10 kept bits at the bottom of the f32
     // mantissa and lets the FPU round to even.
-    const uint32_t sub = FloatToBits(BitsToFloat(a) + 0.5f) - 0x3f000000u;
-    uint32_t h = a < 0x38800000u ? sub : normal;
-    h = a >= 0x47800000u ? 0x7c00u : h;  // >= 65536 overflows to inf
-    h = a > 0x7f800000u ? 0x7e00u | (a >> 13) : h;  // NaN: quiet, top payload bits kept
-    return static_cast<uint16_t>(sign | h);
+    const int32_t sub = static_cast<int32_t>(
+        FloatToBits(BitsToFloat(static_cast<uint32_t>(a)) + 0.5f) - 0x3f000000u);
+    int32_t h = a < 0x38800000 ? sub : normal;
+    h = a >= 0x47800000 ? 0x7c00 : h;  // >= 65536 overflows to inf
+    h = a > 0x7f800000 ? (0x7e00 | (a >> 13)) : h;  // NaN: quiet, top payload bits kept
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(h));
   }
 };
 
