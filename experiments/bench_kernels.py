@@ -92,8 +92,36 @@ def numpy_probes(size: int, threads: int, reps: int) -> list[Row]:
   rows = []
   for name, fn, nbytes in (('copy', copy, 8), ('in-place scale', scale, 8)):
     seconds, _ = _median(lambda _: run(fn), None, reps)
-    rows.append(Row(f'numpy {name}, {threads} thread(s)', seconds, size, nbytes))
+    rows.append(Row(f'numpy {name}, {threads} thread(s), 4 KiB pages', seconds, size, nbytes))
   pool.shutdown()
+  return rows
+
+
+def native_probe(size: int, threads: int, reps: int) -> Row:
+  """The AdamW memory traffic (28 B/param) with no arithmetic: the bound for any AdamW."""
+  from dos_jax.kernels import _host_adamw  # pylint: disable=g-import-not-at-top
+  seconds = _host_adamw.probe_seconds(size, threads, reps)
+  return Row(f'native p, m, v += g in place (AdamW traffic), {threads} thread(s), '
+             'huge pages', seconds, size, BYTES_PER_PARAM)
+
+
+def xla_probes(size: int, reps: int) -> list[Row]:
+  """Streaming bandwidth of XLA:CPU (all its threads), in place on donated buffers."""
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.random(size, dtype=np.float32))
+  b = jnp.asarray(rng.random(size, dtype=np.float32))
+  scale = jax.jit(lambda a: a * np.float32(1.0000001), donate_argnums=0)
+  triad = jax.jit(lambda a, b: a + np.float32(1e-7) * b, donate_argnums=0)
+  # The same traffic as an AdamW step without its arithmetic: read p, m, v, g and write
+  # p, m, v in place (28 B/param): the tightest bound of the three.
+  same_traffic = jax.jit(lambda s, g: tuple(x + g for x in s), donate_argnums=0)
+  rows = []
+  seconds, _ = _median(lambda s: same_traffic(s, b), _state(size, rng), reps)
+  rows.append(Row('XLA p, m, v += g in place (AdamW traffic)', seconds, size, BYTES_PER_PARAM))
+  seconds, a = _median(scale, a, reps)
+  rows.append(Row('XLA in-place scale a *= s', seconds, size, 8))
+  seconds, _ = _median(lambda a: triad(a, b), a, reps)
+  rows.append(Row('XLA in-place triad a += s * b', seconds, size, 12))
   return rows
 
 
@@ -150,7 +178,8 @@ def deepspeed_cpu_adam(size: int, reps: int) -> Row | None:
 
 
 def cpu_rows(size: int, reps: int) -> list[Row]:
-  rows = numpy_probes(size, 1, reps) + numpy_probes(size, 2, reps)
+  rows = [native_probe(size, t, reps) for t in (1, 2)]
+  rows += numpy_probes(size, 1, reps) + numpy_probes(size, 2, reps) + xla_probes(size, reps)
   for grad_dtype, lowp_dtype in ((jnp.float32, None), (jnp.bfloat16, jnp.bfloat16)):
     for threads in (1, 2):
       rows.append(host_kernel(size, threads, grad_dtype, lowp_dtype, reps))
@@ -195,7 +224,8 @@ def table(rows: list[Row]) -> str:
            '|---|---|---|---|---|']
   for r in rows:
     bound = r.gbytes / BYTES_PER_PARAM
-    gp = f'{r.gparams:.3f}' if r.bytes_per_elem == BYTES_PER_PARAM else f'(<= {bound:.3f})'
+    is_adamw = r.bytes_per_elem == BYTES_PER_PARAM and 'AdamW traffic' not in r.what
+    gp = f'{r.gparams:.3f}' if is_adamw else f'(<= {bound:.3f})'
     lines.append(f'| {r.what} | {r.size / 2**20:.0f}M | {r.seconds * 1e3:.1f} | '
                  f'{r.gbytes:.1f} | {gp} |')
   return '\n'.join(lines)
