@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from dos_jax import kernels
-from test_kernels_scalars import assert_close_to_optax
-from test_kernels_scalars import assert_trees_equal
-from test_kernels_scalars import Hyper
-from test_kernels_scalars import optax_trajectory
-from test_kernels_scalars import random_grad
-from test_kernels_scalars import random_state
-from test_kernels_scalars import step_scalars
+from tests.test_kernels_scalars import assert_close_to_optax
+from tests.test_kernels_scalars import assert_trees_equal
+from tests.test_kernels_scalars import Hyper
+from tests.test_kernels_scalars import optax_trajectory
+from tests.test_kernels_scalars import random_grad
+from tests.test_kernels_scalars import random_state
+from tests.test_kernels_scalars import step_scalars
 
 # The package builds the library on every x86-64 Linux install: missing there is a bug.
 _MUST_HAVE = platform.system() == 'Linux' and platform.machine() in ('x86_64', 'AMD64')

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from dos_jax import kernels
-from test_kernels_scalars import assert_close_to_optax
-from test_kernels_scalars import Hyper
-from test_kernels_scalars import optax_trajectory
-from test_kernels_scalars import random_grad
-from test_kernels_scalars import random_state
-from test_kernels_scalars import step_scalars
+from tests.test_kernels_scalars import assert_close_to_optax
+from tests.test_kernels_scalars import Hyper
+from tests.test_kernels_scalars import optax_trajectory
+from tests.test_kernels_scalars import random_grad
+from tests.test_kernels_scalars import random_state
+from tests.test_kernels_scalars import step_scalars
 
 
 class PallasAdamWTests:
