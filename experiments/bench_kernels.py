@@ -18,6 +18,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import platform
 import statistics
 import time
@@ -49,17 +50,6 @@ class Row:
     return self.size * self.bytes_per_elem / self.seconds / 1e9
 
 
-def _median(step: Callable, carry, reps: int, warmup: int = 2) -> tuple[float, object]:
-  """Median wall time of `carry = step(carry)` after `warmup` untimed calls."""
-  times = []
-  for i in range(warmup + reps):
-    start = time.perf_counter()
-    carry = jax.block_until_ready(step(carry))
-    if i >= warmup:
-      times.append(time.perf_counter() - start)
-  return statistics.median(times), carry
-
-
 def _scalars(count: int = 10) -> kernels.AdamWScalars:
   bc1, bc2 = jax.jit(lambda c: (1 - 0.9**c, 1 - 0.999**c))(jnp.int32(count))
   return kernels.AdamWScalars(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
@@ -76,118 +66,148 @@ def _state(size: int, rng: np.random.Generator):
 # ----------------------------------------------------------------------------- CPU
 
 
-def numpy_probes(size: int, threads: int, reps: int) -> list[Row]:
-  """Streaming bandwidth with `threads` numpy workers (numpy frees the GIL)."""
-  a = np.ones(size, np.float32)
-  b = np.ones(size, np.float32)
-  chunks = np.array_split(np.arange(size), threads)
-  bounds = [(c[0], c[-1] + 1) for c in chunks]
-  pool = concurrent.futures.ThreadPoolExecutor(threads)
+@dataclasses.dataclass
+class Case:
+  """One thing to time: `run()` makes one call and returns its wall seconds."""
 
-  def run(fn):
-    list(pool.map(lambda ab: fn(*ab), bounds))
-
-  copy = lambda lo, hi: np.copyto(b[lo:hi], a[lo:hi])
-  scale = lambda lo, hi: np.multiply(a[lo:hi], np.float32(1.0000001), out=a[lo:hi])
-  rows = []
-  for name, fn, nbytes in (('copy', copy, 8), ('in-place scale', scale, 8)):
-    seconds, _ = _median(lambda _: run(fn), None, reps)
-    rows.append(Row(f'numpy {name}, {threads} thread(s), 4 KiB pages', seconds, size, nbytes))
-  pool.shutdown()
-  return rows
+  what: str
+  bytes_per_elem: int
+  run: Callable[[], float]
 
 
-def native_probe(size: int, threads: int, reps: int) -> Row:
-  """The AdamW memory traffic (28 B/param) with no arithmetic: the bound for any AdamW."""
+class Carry:
+  """A value threaded through donated calls, shared by the cases that update it."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def timed(self, step: Callable) -> float:
+    start = time.perf_counter()
+    self.value = jax.block_until_ready(step(self.value))
+    return time.perf_counter() - start
+
+
+def _timed(fn: Callable) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - start
+
+
+def probe_cases(size: int) -> list[Case]:
+  """Memory-bandwidth probes: bounds on what any AdamW can reach here."""
   from dos_jax.kernels import _host_adamw  # pylint: disable=g-import-not-at-top
-  seconds = _host_adamw.probe_seconds(size, threads, reps)
-  return Row(f'native p, m, v += g in place (AdamW traffic), {threads} thread(s), '
-             'huge pages', seconds, size, BYTES_PER_PARAM)
-
-
-def xla_probes(size: int, reps: int) -> list[Row]:
-  """Streaming bandwidth of XLA:CPU (all its threads), in place on donated buffers."""
-  rng = np.random.default_rng(0)
-  a = jnp.asarray(rng.random(size, dtype=np.float32))
-  b = jnp.asarray(rng.random(size, dtype=np.float32))
+  cases = [
+      # The AdamW traffic (28 B/param) with no arithmetic, threaded like the kernel.
+      Case(f'native p, m, v += g in place (AdamW traffic), {t} thread(s), huge pages',
+           BYTES_PER_PARAM, functools.partial(_host_adamw.probe_seconds, size, t, 1))
+      for t in (1, 2)
+  ]
+  a, b = np.ones(size, np.float32), np.ones(size, np.float32)
+  for threads in (1, 2):
+    pool = concurrent.futures.ThreadPoolExecutor(threads)  # numpy frees the GIL
+    bounds = [(c[0], c[-1] + 1) for c in np.array_split(np.arange(size), threads)]
+    copy = lambda lo, hi: np.copyto(b[lo:hi], a[lo:hi])
+    scale = lambda lo, hi: np.multiply(a[lo:hi], np.float32(1.0000001), out=a[lo:hi])
+    for name, fn in (('copy', copy), ('in-place scale', scale)):
+      run = lambda fn=fn, pool=pool, bounds=bounds: _timed(
+          lambda: list(pool.map(lambda ab: fn(*ab), bounds)))
+      cases.append(Case(f'numpy {name}, {threads} thread(s), 4 KiB pages', 8, run))
+  rng = np.random.default_rng(1)
+  x = Carry(jnp.asarray(rng.random(size, dtype=np.float32)))
+  y = jnp.asarray(rng.random(size, dtype=np.float32))
   scale = jax.jit(lambda a: a * np.float32(1.0000001), donate_argnums=0)
   triad = jax.jit(lambda a, b: a + np.float32(1e-7) * b, donate_argnums=0)
-  # The same traffic as an AdamW step without its arithmetic: read p, m, v, g and write
-  # p, m, v in place (28 B/param): the tightest bound of the three.
-  same_traffic = jax.jit(lambda s, g: tuple(x + g for x in s), donate_argnums=0)
-  rows = []
-  seconds, _ = _median(lambda s: same_traffic(s, b), _state(size, rng), reps)
-  rows.append(Row('XLA p, m, v += g in place (AdamW traffic)', seconds, size, BYTES_PER_PARAM))
-  seconds, a = _median(scale, a, reps)
-  rows.append(Row('XLA in-place scale a *= s', seconds, size, 8))
-  seconds, _ = _median(lambda a: triad(a, b), a, reps)
-  rows.append(Row('XLA in-place triad a += s * b', seconds, size, 12))
-  return rows
+  cases.append(Case('XLA:CPU in-place scale a *= s', 8, lambda: x.timed(scale)))
+  cases.append(Case('XLA:CPU in-place triad a += s * b', 12,
+                    lambda: x.timed(lambda v: triad(v, y))))
+  return cases
 
 
-def host_kernel(size: int, threads: int, grad_dtype, lowp_dtype, reps: int) -> Row:
+def _lowp_name(lowp_dtype) -> str:
+  return 'no 16-bit copy' if lowp_dtype is None else f'{jnp.dtype(lowp_dtype).name} copy'
+
+
+def host_cases(size: int) -> list[Case]:
+  """The native host AdamW; all variants update one shared, donated state."""
   rng = np.random.default_rng(0)
-  grad = jnp.asarray(rng.standard_normal(size, dtype=np.float32) * 1e-2, grad_dtype)
-  lowp = None if lowp_dtype is None else jnp.zeros(size, lowp_dtype)
+  grads = {d: jnp.asarray(rng.standard_normal(size, dtype=np.float32) * 1e-2, d)
+           for d in (jnp.float32, jnp.bfloat16)}
+  state = Carry((*_state(size, rng), jnp.zeros(size, jnp.bfloat16)))
   scalars = _scalars()
 
-  def update(state, grad):
+  @functools.partial(jax.jit, static_argnames=('threads', 'lowp_dtype'),
+                     donate_argnums=0)
+  def update(state, grad, *, threads, lowp_dtype):
     master, mu, nu, lowp = state
-    return kernels.adamw_host(master, mu, nu, grad, scalars, decay_limit=size // 2,
-                              lowp_dtype=lowp_dtype, num_threads=threads, lowp_out=lowp)
-  update = jax.jit(update, donate_argnums=0)
-  seconds, _ = _median(lambda s: update(s, grad), (*_state(size, rng), lowp), reps)
-  lowp_name = 'no 16-bit copy' if lowp_dtype is None else f'{jnp.dtype(lowp_dtype).name} copy'
-  return Row(f'host AdamW, {threads} thread(s), {jnp.dtype(grad_dtype).name} grads, '
-             f'{lowp_name}', seconds, size, BYTES_PER_PARAM)
+    master, mu, nu, new_lowp = kernels.adamw_host(
+        master, mu, nu, grad, scalars, decay_limit=size // 2, lowp_dtype=lowp_dtype,
+        num_threads=threads, lowp_out=None if lowp_dtype is None else lowp)
+    return master, mu, nu, lowp if new_lowp is None else new_lowp
+
+  cases = []
+  for grad_dtype, lowp_dtype in ((jnp.float32, None), (jnp.bfloat16, jnp.bfloat16)):
+    for threads in (1, 2):
+      step = functools.partial(update, grad=grads[grad_dtype], threads=threads,
+                               lowp_dtype=lowp_dtype)
+      cases.append(Case(f'host AdamW, {threads} thread(s), {jnp.dtype(grad_dtype).name} '
+                        f'grads, {_lowp_name(lowp_dtype)}', BYTES_PER_PARAM,
+                        functools.partial(state.timed, step)))
+  return cases
 
 
-def optax_jit(size: int, grad_dtype, lowp_dtype, reps: int) -> Row:
-  """jax.jit(optax.adamw) update + apply, donated, on the default backend."""
-  rng = np.random.default_rng(0)
-  grad = jnp.asarray(rng.standard_normal(size, dtype=np.float32) * 1e-2, grad_dtype)
+def optax_cases(size: int, variants=((jnp.float32, None), (jnp.bfloat16, jnp.bfloat16))):
+  """jax.jit(optax.adamw) update + apply (+ the 16-bit copy), donated."""
+  rng = np.random.default_rng(2)
   opt = optax.adamw(1e-3, weight_decay=0.1)
+  master = _state(size, rng)[0]
+  carry = Carry((master, opt.init(master), jnp.zeros(size, jnp.bfloat16)))
 
-  def update(carry, grad):
-    params, state, _ = carry  # the last 16-bit copy is dead: XLA reuses its buffer
+  @functools.partial(jax.jit, static_argnames='lowp_dtype', donate_argnums=0)
+  def update(carry, grad, *, lowp_dtype):
+    params, state, lowp = carry  # the last 16-bit copy is dead: XLA reuses its buffer
     updates, state = opt.update(grad.astype(jnp.float32), state, params)
     params = optax.apply_updates(params, updates)
-    return params, state, None if lowp_dtype is None else params.astype(lowp_dtype)
-  update = jax.jit(update, donate_argnums=0)
-  master = _state(size, rng)[0]
-  lowp = None if lowp_dtype is None else jnp.zeros(size, lowp_dtype)
-  seconds, _ = _median(lambda c: update(c, grad), (master, opt.init(master), lowp), reps)
-  lowp_name = 'no 16-bit copy' if lowp_dtype is None else f'{jnp.dtype(lowp_dtype).name} copy'
-  return Row(f'jit(optax.adamw), XLA:{jax.default_backend().upper()}, '
-             f'{jnp.dtype(grad_dtype).name} grads, {lowp_name}', seconds, size,
-             BYTES_PER_PARAM)
+    return params, state, lowp if lowp_dtype is None else params.astype(lowp_dtype)
+
+  cases = []
+  for grad_dtype, lowp_dtype in variants:
+    grad = jnp.asarray(rng.standard_normal(size, dtype=np.float32) * 1e-2, grad_dtype)
+    step = functools.partial(update, grad=grad, lowp_dtype=lowp_dtype)
+    cases.append(Case(f'jit(optax.adamw), XLA:{jax.default_backend().upper()}, '
+                      f'{jnp.dtype(grad_dtype).name} grads, {_lowp_name(lowp_dtype)}',
+                      BYTES_PER_PARAM, functools.partial(carry.timed, step)))
+  return cases
 
 
-def deepspeed_cpu_adam(size: int, reps: int) -> Row | None:
+def deepspeed_cases(size: int) -> list[Case]:
   try:
     import torch  # pylint: disable=g-import-not-at-top
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # pylint: disable=g-import-not-at-top
   except ImportError:
-    return None
+    return []
   param = torch.nn.Parameter(torch.randn(size))
   param.grad = torch.randn(size) * 1e-2
   opt = DeepSpeedCPUAdam([param], lr=1e-3, weight_decay=0.1, adamw_mode=True)
-  seconds, _ = _median(lambda _: opt.step(), None, reps)
-  return Row(f'DeepSpeedCPUAdam, {torch.get_num_threads()} thread(s), fp32', seconds, size,
-             BYTES_PER_PARAM)
+  return [Case(f'DeepSpeedCPUAdam, {torch.get_num_threads()} thread(s), fp32',
+               BYTES_PER_PARAM, lambda: _timed(opt.step))]
+
+
+def measure(cases: list[Case], size: int, reps: int, warmup: int = 2) -> list[Row]:
+  """Median seconds per case over `reps` rounds; each round runs every case once, so
+  load from other processes on a shared machine falls on all cases alike."""
+  times = [[] for _ in cases]
+  for round_ in range(warmup + reps):
+    for case, case_times in zip(cases, times):
+      seconds = case.run()
+      if round_ >= warmup:
+        case_times.append(seconds)
+  return [Row(c.what, statistics.median(t), size, c.bytes_per_elem)
+          for c, t in zip(cases, times)]
 
 
 def cpu_rows(size: int, reps: int) -> list[Row]:
-  rows = [native_probe(size, t, reps) for t in (1, 2)]
-  rows += numpy_probes(size, 1, reps) + numpy_probes(size, 2, reps) + xla_probes(size, reps)
-  for grad_dtype, lowp_dtype in ((jnp.float32, None), (jnp.bfloat16, jnp.bfloat16)):
-    for threads in (1, 2):
-      rows.append(host_kernel(size, threads, grad_dtype, lowp_dtype, reps))
-    rows.append(optax_jit(size, grad_dtype, lowp_dtype, reps))
-  deepspeed = deepspeed_cpu_adam(size, reps)
-  if deepspeed is not None:
-    rows.append(deepspeed)
-  return rows
+  cases = probe_cases(size) + host_cases(size) + optax_cases(size) + deepspeed_cases(size)
+  return measure(cases, size, reps)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -198,21 +218,22 @@ def gpu_rows(sizes: list[int], reps: int) -> list[Row]:
   for size in sizes:
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.random(size, dtype=np.float32))
-    seconds, _ = _median(jax.jit(lambda x: x + 1), x, reps)  # reads and writes 4 B each
-    rows.append(Row(f'device copy (x + 1), {size >> 20}M f32', seconds, size, 8))
-    del x
+    copy = jax.jit(lambda x: x + 1)  # reads and writes 4 B per element
+    state = Carry(_state(size, rng))
     grad = jnp.asarray(rng.standard_normal(size, dtype=np.float32) * 1e-2)
     scalars = _scalars()
 
+    @functools.partial(jax.jit, donate_argnums=0)
     def update(state, grad):
       return kernels.adamw_pallas(*state, grad, scalars, decay_limit=size // 2,
                                   lowp_dtype=None)[:3]
-    update = jax.jit(update, donate_argnums=0)
-    seconds, _ = _median(lambda s: update(s, grad), _state(size, rng), reps)
-    rows.append(Row(f'Pallas AdamW, {size >> 20}M, fp32 grads', seconds, size,
-                    BYTES_PER_PARAM))
-    del grad
-    rows.append(optax_jit(size, jnp.float32, None, reps))
+    cases = [
+        Case(f'device copy (x + 1), {size >> 20}M f32', 8, lambda: _timed(lambda: copy(x))),
+        Case(f'Pallas AdamW, {size >> 20}M, fp32 grads, no 16-bit copy', BYTES_PER_PARAM,
+             lambda: state.timed(lambda s: update(s, grad))),
+    ] + optax_cases(size, variants=((jnp.float32, None),))
+    rows += measure(cases, size, reps)
+    del x, state, grad, cases
   return rows
 
 
