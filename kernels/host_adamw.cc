@@ -65,8 +65,18 @@ struct Coeffs {
         gscale(s[kGradScale]), inv_bc1_next(s[kInvBc1Next]) {}
 };
 
-DOS_INLINE float BitsToFloat(uint32_t u) { return __builtin_bit_cast(float, u); }
-DOS_INLINE uint32_t FloatToBits(float f) { return __builtin_bit_cast(uint32_t, f); }
+// memcpy rather than std::bit_cast / __builtin_bit_cast: any C++17 compiler; it
+// compiles to plain register moves and vectorizes the same.
+DOS_INLINE float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+DOS_INLINE uint32_t FloatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
 
 // Element types: how a stored value becomes an f32 and back. Rounding is to nearest
 // even, NaNs become quiet NaNs of the same sign, as XLA's convert does.
