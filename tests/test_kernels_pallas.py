@@ -127,6 +127,26 @@ class PallasAdamWTests:
     for g, w in zip(got[:3], want[:3]):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
+  def test_vmap_over_stacked_subgroups_uses_per_subgroup_scalars(self):
+    size, hyper = self.SIZES[2], Hyper()
+    rng = np.random.default_rng(16)
+    rows = [random_state(rng, size) for _ in range(2)]
+    grads = jnp.stack([random_grad(rng, size) for _ in range(2)])
+    scalars = jax.tree.map(lambda *x: jnp.stack([jnp.asarray(v, jnp.float32) for v in x]),
+                           step_scalars(hyper, 1), step_scalars(hyper, 4))
+    limits = jnp.asarray([0, size // 2], jnp.int32)
+
+    def one(master, mu, nu, grad, scalars, limit):
+      return kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=limit,
+                                  lowp_dtype=jnp.bfloat16, config=self.CONFIG,
+                                  interpret=self.INTERPRET)
+    stacked = [jnp.stack(x) for x in zip(*rows)]
+    got = jax.jit(jax.vmap(one))(*stacked, grads, scalars, limits)
+    for i in range(2):
+      want = one(*rows[i], grads[i], jax.tree.map(lambda x: x[i], scalars), limits[i])
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
+
   def test_bad_block_config_is_a_clear_error(self):
     with pytest.raises(ValueError, match='block_size'):
       kernels.BlockConfig(block_size=1000)
