@@ -38,6 +38,7 @@ setup(
         Extension(
             'dos_jax.kernels._host_adamw',
             sources=['kernels/host_adamw.cc'],
+            depends=['kernels/adamw_loop.h'],
             include_dirs=[_ffi_include_dir()],
             extra_compile_args=_compile_args(),
             extra_link_args=['-pthread'],
