@@ -163,15 +163,15 @@ class TestPallasAdamWInterpret(PallasAdamWTests):
   SIZES = (1, 7, 1000)
 
 
-@pytest.mark.parametrize('grad_dtype, mu_dtype, lowp_dtype, nesterov', [
-    (jnp.float32, jnp.float32, jnp.bfloat16, False),
-    (jnp.bfloat16, jnp.bfloat16, jnp.float16, True),
+@pytest.mark.parametrize('size, grad_dtype, mu_dtype, lowp_dtype, nesterov', [
+    (1_000_003, jnp.float32, jnp.float32, jnp.bfloat16, False),
+    (1_000_003, jnp.bfloat16, jnp.bfloat16, jnp.float16, True),
+    (7, jnp.float32, jnp.float32, jnp.float32, False),  # one block, larger than the array
 ])
-def test_lowers_to_triton_for_a_gpu_from_any_machine(grad_dtype, mu_dtype, lowp_dtype,
-                                                     nesterov):
+def test_lowers_to_triton_for_a_gpu_from_any_machine(size, grad_dtype, mu_dtype,
+                                                     lowp_dtype, nesterov):
   # Lowering for CUDA needs no GPU: it checks the Triton path (masked tails, IEEE
   # div/sqrt by inline PTX, aliases) where CI has none.
-  size = 1_000_003
   scalars = step_scalars(Hyper(nesterov=nesterov), 3)
 
   def step(master, mu, nu, grad, lowp):
