@@ -8,7 +8,6 @@ installs and `dos_jax.kernels.host_kernel_available()` says why it is missing.
 
 import importlib.util
 import os
-import platform
 
 from setuptools import Extension, setup
 
@@ -28,9 +27,9 @@ def _compile_args() -> list[str]:
       # vectorized; it does not change any result.
       '-ffp-contract=off', '-fno-math-errno',
   ]
-  if platform.machine().lower() in ('x86_64', 'amd64'):
-    # Portable baseline; AVX2 and AVX-512 clones are chosen at run time.
-    args.append('-march=x86-64-v2')
+  # No -march: the baseline stays what the compiler targets by default (SSE2 on x86-64),
+  # so the library loads on any machine of the architecture; the AVX2 and AVX-512
+  # versions of the loop are compiled with target attributes and picked at run time.
   return args
 
 
@@ -39,6 +38,7 @@ setup(
         Extension(
             'dos_jax.kernels._host_adamw',
             sources=['kernels/host_adamw.cc'],
+            depends=['kernels/adamw_loop.h'],
             include_dirs=[_ffi_include_dir()],
             extra_compile_args=_compile_args(),
             extra_link_args=['-pthread'],

@@ -29,7 +29,7 @@ class HostIsa(enum.IntEnum):
   """Instruction set of the vectorized loop (values shared with host_adamw.cc)."""
 
   AUTO = 0  # the widest this CPU supports
-  BASELINE = 1  # x86-64-v2 (or the native baseline elsewhere)
+  BASELINE = 1  # the compiler's default target (SSE2 on x86-64)
   AVX2 = 2  # AVX2 + FMA
   AVX512 = 3  # AVX-512 F/BW/VL/DQ
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from dos_jax import kernels
-from test_kernels_scalars import assert_close_to_optax
-from test_kernels_scalars import assert_trees_equal
-from test_kernels_scalars import Hyper
-from test_kernels_scalars import optax_trajectory
-from test_kernels_scalars import random_grad
-from test_kernels_scalars import random_state
-from test_kernels_scalars import step_scalars
+from tests.test_kernels_scalars import assert_close_to_optax
+from tests.test_kernels_scalars import assert_trees_equal
+from tests.test_kernels_scalars import Hyper
+from tests.test_kernels_scalars import optax_trajectory
+from tests.test_kernels_scalars import random_grad
+from tests.test_kernels_scalars import random_state
+from tests.test_kernels_scalars import step_scalars
 
 # The package builds the library on every x86-64 Linux install: missing there is a bug.
 _MUST_HAVE = platform.system() == 'Linux' and platform.machine() in ('x86_64', 'AMD64')
@@ -257,3 +257,14 @@ def test_no_low_precision_copy_when_lowp_dtype_is_none():
   assert got[3] is None
   with_copy = _host(hyper, 3, state, grad, decay_limit=size // 2)
   assert_trees_equal(got[:3], with_copy[:3])
+
+
+def test_missing_library_reports_why_and_raises(monkeypatch):
+  from dos_jax.kernels import host_adamw  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(host_adamw, '_load', lambda: (None, 'native host AdamW not built'))
+  assert not kernels.host_kernel_available()
+  assert kernels.supported_isas() == ()
+  with pytest.raises(RuntimeError, match='not built'):
+    x = jnp.zeros(8)
+    kernels.adamw_host(x, x, x, x, step_scalars(Hyper(), 1), decay_limit=8,
+                       lowp_dtype=jnp.bfloat16)

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from dos_jax import kernels
-from test_kernels_scalars import assert_close_to_optax
-from test_kernels_scalars import Hyper
-from test_kernels_scalars import optax_trajectory
-from test_kernels_scalars import random_grad
-from test_kernels_scalars import random_state
-from test_kernels_scalars import step_scalars
+from tests.test_kernels_scalars import assert_close_to_optax
+from tests.test_kernels_scalars import Hyper
+from tests.test_kernels_scalars import optax_trajectory
+from tests.test_kernels_scalars import random_grad
+from tests.test_kernels_scalars import random_state
+from tests.test_kernels_scalars import step_scalars
 
 
 class PallasAdamWTests:
@@ -127,6 +127,26 @@ class PallasAdamWTests:
     for g, w in zip(got[:3], want[:3]):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
+  def test_vmap_over_stacked_subgroups_uses_per_subgroup_scalars(self):
+    size, hyper = self.SIZES[2], Hyper()
+    rng = np.random.default_rng(16)
+    rows = [random_state(rng, size) for _ in range(2)]
+    grads = jnp.stack([random_grad(rng, size) for _ in range(2)])
+    scalars = jax.tree.map(lambda *x: jnp.stack([jnp.asarray(v, jnp.float32) for v in x]),
+                           step_scalars(hyper, 1), step_scalars(hyper, 4))
+    limits = jnp.asarray([0, size // 2], jnp.int32)
+
+    def one(master, mu, nu, grad, scalars, limit):
+      return kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=limit,
+                                  lowp_dtype=jnp.bfloat16, config=self.CONFIG,
+                                  interpret=self.INTERPRET)
+    stacked = [jnp.stack(x) for x in zip(*rows)]
+    got = jax.jit(jax.vmap(one))(*stacked, grads, scalars, limits)
+    for i in range(2):
+      want = one(*rows[i], grads[i], jax.tree.map(lambda x: x[i], scalars), limits[i])
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
+
   def test_bad_block_config_is_a_clear_error(self):
     with pytest.raises(ValueError, match='block_size'):
       kernels.BlockConfig(block_size=1000)
@@ -143,15 +163,15 @@ class TestPallasAdamWInterpret(PallasAdamWTests):
   SIZES = (1, 7, 1000)
 
 
-@pytest.mark.parametrize('grad_dtype, mu_dtype, lowp_dtype, nesterov', [
-    (jnp.float32, jnp.float32, jnp.bfloat16, False),
-    (jnp.bfloat16, jnp.bfloat16, jnp.float16, True),
+@pytest.mark.parametrize('size, grad_dtype, mu_dtype, lowp_dtype, nesterov', [
+    (1_000_003, jnp.float32, jnp.float32, jnp.bfloat16, False),
+    (1_000_003, jnp.bfloat16, jnp.bfloat16, jnp.float16, True),
+    (7, jnp.float32, jnp.float32, jnp.float32, False),  # one block, larger than the array
 ])
-def test_lowers_to_triton_for_a_gpu_from_any_machine(grad_dtype, mu_dtype, lowp_dtype,
-                                                     nesterov):
+def test_lowers_to_triton_for_a_gpu_from_any_machine(size, grad_dtype, mu_dtype,
+                                                     lowp_dtype, nesterov):
   # Lowering for CUDA needs no GPU: it checks the Triton path (masked tails, IEEE
   # div/sqrt by inline PTX, aliases) where CI has none.
-  size = 1_000_003
   scalars = step_scalars(Hyper(nesterov=nesterov), 3)
 
   def step(master, mu, nu, grad, lowp):

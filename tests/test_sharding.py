@@ -49,3 +49,12 @@ def test_sharded_matches_unsharded(policy):
       assert leaf.sharding.memory_kind == 'pinned_host'
       assert leaf.sharding.spec == P(None, None, "data")
       assert leaf.shape[2] % 4 == 0
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 (virtual) devices')
+def test_explicit_axes_mesh_gets_a_clear_error():
+  mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  params = {'w': jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('data', None)))}
+  with pytest.raises(ValueError, match=r"\['w'\].*Explicit axes"):
+    dos_jax.adamw(1e-3).init(params)
