@@ -45,12 +45,11 @@ setup(
             language='c++',
             optional=True,
         ),
-        # The same loop over chosen rows of the stacked state; compiled as one unit
-        # with host_adamw.cc, which it includes.
+        # The same loop rules over chosen rows of the stacked state (the core's host path).
         Extension(
             'dos_jax.kernels._host_adamw_rows',
             sources=['kernels/host_adamw_rows.cc'],
-            depends=['kernels/host_adamw.cc'],
+            depends=['kernels/adamw_loop.h'],
             include_dirs=[_ffi_include_dir()],
             extra_compile_args=_compile_args(),
             extra_link_args=['-pthread'],

@@ -7,22 +7,55 @@
 // untouched. All R * S elements are split over the threads at once, so a call on many
 // small subgroups is as parallel as a call on one large one.
 //
-// This file is compiled as one translation unit with host_adamw.cc: the element types
-// and their rounding, the coefficient slots, the ISA detection and the denormal
-// flushing are that kernel's, and the loop follows the same rules (explicit FMAs where
-// XLA:CPU contracts, reciprocal multiplies), so results agree bit for bit with the XLA
-// row loop of dos_jax and with jax.jit(optax.adamw) (see there and below).
+// The element types and their rounding, the coefficient slots and the ISA detection
+// are the flat host kernel's (adamw_loop.h), and the loop follows the same rules
+// (explicit FMAs where XLA:CPU contracts, reciprocal multiplies, denormals flushed), so
+// results agree bit for bit with the XLA row loop of dos_jax and with
+// jax.jit(optax.adamw) (see host_adamw.cc and below).
 
 #include <Python.h>
 
-#define DOS_JAX_NO_PYTHON  // host_adamw.cc without its Python module
-#include "host_adamw.cc"
-#undef DOS_JAX_NO_PYTHON
-
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <type_traits>
 #include <vector>
 
+#include "adamw_loop.h"
+#include "xla/ffi/api/ffi.h"
+
+#if DOS_X86
+#include <xmmintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
 namespace {
+
+using namespace dos_jax_host_adamw;  // NOLINT: the shared loop's internals
+
+// XLA:CPU runs with denormals flushed to zero (inputs and results); so do we.
+class ScopedFlushDenormals {
+ public:
+#if DOS_X86
+  ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~ScopedFlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned int saved_;
+#endif
+};
+
+// Work split: at least kMinPerThread elements per thread, chunks of at least kMinChunk
+// elements, cache-line aligned, about kChunksPerThread chunks per thread.
+constexpr int64_t kAlign = 16;
+constexpr int64_t kMinPerThread = int64_t{1} << 15;
+constexpr int64_t kMinChunk = int64_t{1} << 14;
+constexpr int64_t kChunksPerThread = 16;
 
 // Where one subgroup's rows are: state slots and the row of grads, params and out.
 struct RowPointers {

@@ -14,10 +14,10 @@ import dos_jax
 from dos_jax import fused
 from dos_jax.kernels import host_adamw_rows
 
-try:  # tests/ is a package on main
-  from tests.test_adamw import decay_mask, random_grads, random_tree, SCHEDULE
-except ImportError:
-  from test_adamw import decay_mask, random_grads, random_tree, SCHEDULE
+from tests.test_adamw import decay_mask
+from tests.test_adamw import random_grads
+from tests.test_adamw import random_tree
+from tests.test_adamw import SCHEDULE
 
 pytestmark = pytest.mark.skipif(
     not host_adamw_rows.rows_kernel_available(),

@@ -14,12 +14,8 @@ import pytest
 from dos_jax import kernels
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.host_adamw_rows import adamw_host_rows
-try:  # tests/ is a package on main; the kernels branch imports its helpers flat
-  from tests.test_kernels_scalars import Hyper
-  from tests.test_kernels_scalars import step_scalars
-except ImportError:
-  from test_kernels_scalars import Hyper
-  from test_kernels_scalars import step_scalars
+from tests.test_kernels_scalars import Hyper
+from tests.test_kernels_scalars import step_scalars
 
 _MUST_HAVE = platform.system() == 'Linux' and platform.machine() in ('x86_64', 'AMD64')
 
