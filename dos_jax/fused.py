@@ -131,17 +131,19 @@ class Leaves:
         jnp.dtype(p.dtype) == jnp.float32 for p in self.params))
 
 
-def _one_memory() -> bool:
+def one_memory() -> bool:
   """Whether host and device memory are one (a CPU backend)."""
   return jax.default_backend() == 'cpu'
 
 
 def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, grads,
-                params, out, num_threads: int | None = None, leaves: Leaves | None = None):
+                params, out, num_threads: int | None = None, leaves: Leaves | None = None,
+                resident: bool = False):
   """`paths.host_update` with one native call; returns (stacked, new_scalars, out).
 
   On a CPU backend, `leaves` (when given and of one supported dtype) are read directly,
-  so the packed `grads` and `params` rows need not be built for the host rows.
+  so the packed `grads` and `params` rows need not be built for the host rows; there
+  `rows` may also be device rows, and `resident` says the state is in device memory.
   """
   adam_scalars, new_scalars = _step_scalars(fused, step, scalars)
   kernel_args = dict(
@@ -149,7 +151,7 @@ def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalar
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
   order = jnp.asarray(rows, jnp.int32)
   everything = rows == tuple(range(grads.shape[0]))
-  if _one_memory():
+  if one_memory():
     # One memory: the kernel reads grads and params by subgroup and writes the host
     # rows of `out` in place (the device rows are already there): no gather, no scatter.
     # When it writes every row, a fresh buffer spares zeroing `out` first.
@@ -162,9 +164,10 @@ def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalar
       new_state, out = host_adamw_rows.adamw_host_rows(
           stacked[0], grads, params, order, adam_scalars, out=None if everything else out,
           indexed=True, **kernel_args)
-    # A custom call's results are typed as device memory; the state stays host-typed
-    # (on CPU both are one memory, and this is no copy: see the memory test).
-    return (jax.device_put(new_state, paths.HOST),), new_scalars, out
+    # A custom call's results are typed as device memory; the state keeps its memory
+    # kind (on CPU both are one memory, and this is no copy: see the memory test).
+    space = paths.DEVICE if resident else paths.HOST
+    return (jax.device_put(new_state, space),), new_scalars, out
   # Accelerators: only the host rows' gradients (and params) cross to host memory, the
   # update runs there, and only the new out rows come back.
   grads_h = jax.device_put(grads if everything else grads[order], paths.HOST)

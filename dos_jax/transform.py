@@ -23,6 +23,7 @@ from dos_jax import layout as layout_lib
 from dos_jax import paths
 from dos_jax import slots as slots_lib
 from dos_jax.offload import Offload
+from dos_jax.offload import UpdateImpl
 from dos_jax.policies import Plan
 
 PyTree = Any
@@ -204,21 +205,29 @@ def offloaded(
     arrays = dict(stacked=state.stacked, scalars=state.scalars, grads=grads, params=param_rows)
     out = _empty_out(layout, out_dtype)
     new_scalars = state.scalars
-    if plan.device:
+    device_rows, host_rows = plan.device, plan.host
+    native = fused_lib.usable(fused, offload, step, arrays['stacked'], grad_leaves,
+                              sharded=layout in shardings_by_layout)
+    if native and fused_lib.one_memory() and offload.device_impl == UpdateImpl.KERNEL:
+      # Device memory is host memory here (a CPU backend): the device rows take the
+      # same native call as the host rows, rather than a loop that copies them to
+      # where they already are.
+      device_rows, host_rows = (), tuple(sorted(plan.device + plan.host))
+    if device_rows:
       stacked, new_scalars, out = paths.device_stream(
-          plan.device, step, out=out, buffers=plan.buffers, stream=not plan.resident, **arrays)
+          device_rows, step, out=out, buffers=plan.buffers, stream=not plan.resident,
+          **arrays)
       arrays['stacked'] = stacked
-    if plan.host and fused_lib.usable(fused, offload, step, arrays['stacked'], grad_leaves,
-                                      sharded=layout in shardings_by_layout):
+    if host_rows and native:
       leaves = fused_lib.Leaves(
           grads=grad_leaves, offsets=layout.offsets,
           params=None if params is None else layout.treedef.flatten_up_to(params))
       stacked, new_scalars, out = fused_lib.host_update(
-          plan.host, step, fused, out=out, num_threads=offload.host_threads, leaves=leaves,
-          **arrays)
+          host_rows, step, fused, out=out, num_threads=offload.host_threads, leaves=leaves,
+          resident=plan.resident, **arrays)
       arrays['stacked'] = stacked
-    elif plan.host:
-      stacked, new_scalars, out = paths.host_update(plan.host, step, out=out, **arrays)
+    elif host_rows:
+      stacked, new_scalars, out = paths.host_update(host_rows, step, out=out, **arrays)
       arrays['stacked'] = stacked
     stacked = arrays['stacked']
     scalars = tuple(jax.device_put(x, paths.DEVICE) for x in new_scalars)
