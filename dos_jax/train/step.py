@@ -78,7 +78,7 @@ def make_offload(cfg: OffloadConfig) -> Any:
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:
   """Scales `grads` so their global L2 norm is at most `max_norm` (as
   `optax.clip_by_global_norm`); returns them and the norm before clipping."""
-  norm = optax.global_norm(grads)
+  norm = optax.tree.norm(grads)
   if max_norm is None:
     return grads, norm
   factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
@@ -151,9 +151,19 @@ def make_eval_step(apply: Callable, loss_fn: Callable) -> Callable[[Params, jax.
   return jax.jit(lambda params, tokens: loss_fn(apply, params, tokens)[0])
 
 
-def shardings_of(tree: Any) -> Any:
-  """The sharding (with memory kind) of every array leaf."""
-  return jax.tree.map(lambda x: x.sharding, tree)
+def state_shardings(opt_state: Any, mesh: jax.sharding.Mesh) -> Any:
+  """The sharding (memory kind included) of every optimizer-state leaf, with leaves
+  that init left off the mesh (optax's scalar step count) replicated over it."""
+
+  def sharding(x):
+    s = x.sharding
+    if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh:
+      return s
+    return jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(), memory_kind=s.memory_kind
+    )
+
+  return jax.tree.map(sharding, opt_state)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -149,7 +149,7 @@ def build(
   if tx is None:
     tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps)
   opt_state = tx.init(params)
-  state_shardings = step_lib.shardings_of(opt_state)
+  state_shardings = step_lib.state_shardings(opt_state, mesh)
   # Commit every leaf (init may leave scalars uncommitted): the update's outputs are
   # committed, and a committed/uncommitted mismatch would recompile at step 2.
   opt_state = jax.device_put(opt_state, state_shardings)
