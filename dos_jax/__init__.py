@@ -5,6 +5,12 @@ that are updated partly on the device (streamed through free device memory) and
 partly on the host, in one jitted step.
 """
 
+from dos_jax.alias import adamw as adamw
+from dos_jax.alias import chain as chain
+from dos_jax.layout import Layout as Layout
+from dos_jax.layout import spec_for as spec_for
+from dos_jax.offload import Offload as Offload
+from dos_jax.offload import UpdateImpl as UpdateImpl
 from dos_jax.policies import AllDevice as AllDevice
 from dos_jax.policies import AllHost as AllHost
 from dos_jax.policies import DeviceFraction as DeviceFraction
@@ -12,5 +18,7 @@ from dos_jax.policies import Plan as Plan
 from dos_jax.policies import Policy as Policy
 from dos_jax.policies import Stride as Stride
 from dos_jax.policies import SubgroupSpec as SubgroupSpec
+from dos_jax.transform import OffloadedState as OffloadedState
+from dos_jax.transform import offloaded as offloaded
 
 __version__ = '0.1.0'

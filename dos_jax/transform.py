@@ -1,0 +1,242 @@
+"""The offloaded optax transforms: `chain` and `adamw`.
+
+`offloaded(inner, offload)` turns an element-wise optax transform into one whose state
+is packed into `(G, S)` subgroups in host memory (see `layout`), and whose update runs
+each subgroup on the host or on the device according to a `Plan` (see `paths`). The
+wrapped transform's own `update` is what runs on each subgroup row, so the math is
+optax's, op for op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dos_jax import layout as layout_lib
+from dos_jax import paths
+from dos_jax.offload import Offload
+from dos_jax.policies import Plan
+
+PyTree = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OffloadedState:
+  """State of an offloaded transform.
+
+  Attributes:
+    inner: the wrapped transforms' state as if they ran on the whole `(G, S)` array:
+      `(G, S)` per-element leaves (e.g. `mu`, `nu`) and scalars shared by every row
+      (`count`), since all subgroups take every step together.
+      Rows in `pinned_host` memory (device memory under `AllDevice`); scalars in device
+      memory.
+    master: `(G, S)` master weights in the state dtype, kept only when some parameter
+      is in a lower precision; None otherwise.
+    layout: how parameters map onto subgroups (static metadata).
+    resident: whether the state lives in device memory (static metadata).
+  """
+
+  inner: Any
+  master: jax.Array | None
+  layout: layout_lib.Layout = dataclasses.field(metadata=dict(static=True))
+  resident: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+class _Placement(NamedTuple):
+  """Where state leaves go: per-element rows and per-subgroup scalars."""
+
+  rows: Any
+  scalars: Any
+
+
+def _find_mesh(params: PyTree, offload: Offload):
+  if offload.mesh is not None:
+    return offload.mesh
+  for leaf in jax.tree.leaves(params):
+    try:
+      sharding = leaf.sharding
+    except Exception:  # pylint: disable=broad-except  # tracers have no concrete sharding
+      return None
+    if isinstance(sharding, NamedSharding) and offload.data_axis in sharding.mesh.shape:
+      return sharding.mesh
+  return None
+
+
+def _placement(mesh, offload: Offload, resident: bool) -> _Placement:
+  if mesh is None:
+    return _Placement(rows=paths.DEVICE if resident else paths.HOST, scalars=paths.DEVICE)
+  kind = 'device' if resident else 'pinned_host'
+  return _Placement(
+      rows=NamedSharding(mesh, P(None, offload.data_axis), memory_kind=kind),
+      scalars=NamedSharding(mesh, P(), memory_kind='device'),
+  )
+
+
+def _place(tree: PyTree, placement: _Placement) -> PyTree:
+  def put(x):
+    return jax.device_put(x, placement.rows if jnp.ndim(x) == 2 else placement.scalars)
+
+  return jax.tree.map(put, tree)
+
+
+def _common_dtype(leaves, fallback) -> jnp.dtype:
+  dtypes = {jnp.result_type(x) for x in leaves}
+  return jnp.dtype(dtypes.pop()) if len(dtypes) == 1 else jnp.dtype(fallback)
+
+
+def offloaded(
+    inner: optax.GradientTransformationExtraArgs,
+    offload: Offload | None = None,
+    *,
+    mask: PyTree | Callable[[PyTree], PyTree] | None = None,
+    validate: Callable[[PyTree], None] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Runs an element-wise optax transform on host-resident subgroups.
+
+  Args:
+    inner: an element-wise transform; its update is applied to each subgroup row with
+      the extra keyword `row_decayed` (whether the row holds weight-decayed leaves).
+    offload: subgroup size, placement policy, mesh; `None` means `Offload()`.
+    mask: weight-decay mask (pytree or callable) used to group decayed leaves.
+    validate: called with the params at `init`, to reject unsupported transforms early.
+
+  Returns:
+    A transform whose update also accepts `plan=` (a `Plan`, static under jit) to
+    override the policy's plan for this step.
+  """
+  offload = Offload() if offload is None else offload
+  shardings_by_layout: dict[layout_lib.Layout, tuple[Any, tuple[Any, ...]]] = {}
+
+  def row_update(grad, state, param, decayed):
+    return inner.update(grad, state, param, row_decayed=decayed)
+
+  def init_fn(params):
+    if validate is not None:
+      validate(params)
+    mesh = _find_mesh(params, offload)
+    shard_multiple = mesh.shape[offload.data_axis] if mesh is not None else 1
+    layout = layout_lib.make_layout(
+        params,
+        offload.subgroup_size,
+        decay_flags=layout_lib.resolve_mask(mask, params),
+        shard_multiple=shard_multiple,
+    )
+    if mesh is not None:
+      param_shardings = tuple(
+          getattr(leaf, 'sharding', None) for leaf in layout.treedef.flatten_up_to(params)
+      )
+      shardings_by_layout[layout] = (mesh, param_shardings)
+    resident = offload.policy.plan(layout.spec()).resident
+    master = layout_lib.pack(params, layout, layout.state_dtype)
+    inner_state = inner.init(master)
+    placement = _placement(mesh, offload, resident)
+    return OffloadedState(
+        inner=_place(inner_state, placement),
+        master=_place(master, placement) if layout.needs_master else None,
+        layout=layout,
+        resident=resident,
+    )
+
+  def update_fn(updates, state: OffloadedState, params=None, *, plan: Plan | None = None,
+                **extra_args):
+    del extra_args
+    if not isinstance(state, OffloadedState):
+      raise TypeError(f'dos_jax: expected an OffloadedState, got {type(state).__name__}')
+    layout = state.layout
+    if plan is None:
+      plan = offload.policy.plan(layout.spec())
+    _check_plan(plan, state)
+    if params is None and layout.needs_master:
+      raise ValueError(
+          'dos_jax: params are required: updates are computed against the fp32 master.'
+      )
+    grad_leaves = layout.treedef.flatten_up_to(updates)
+    grads = layout_lib.pack(updates, layout, _common_dtype(grad_leaves, layout.state_dtype))
+    param_rows = None
+    if not layout.needs_master and params is not None:
+      param_rows = layout_lib.pack(params, layout, layout.state_dtype)
+    out_dtype = layout.lowp_dtype if layout.needs_master else jnp.dtype(layout.state_dtype)
+    common = dict(
+        row_update=row_update, grads=grads, params=param_rows, decayed_rows=layout.decayed_rows
+    )
+    inner, master = state.inner, state.master
+    if plan.resident:
+      inner, master, out = paths.resident_update(
+          inner=inner, master=master, out_dtype=out_dtype, **common
+      )
+    else:
+      out = _empty_out(layout, out_dtype)
+      scalars = None
+      if plan.device:
+        inner, scalars, master, out = paths.device_stream(
+            plan.device, inner=inner, master=master, out=out, buffers=plan.buffers, **common
+        )
+      if plan.host:
+        inner, scalars, master, out = paths.host_update(
+            plan.host, inner=inner, master=master, out=out, **common
+        )
+      inner = paths.with_scalars(inner, [jax.device_put(x, paths.DEVICE) for x in scalars])
+    new_updates = _updates_from_rows(out, layout, params)
+    mesh_info = shardings_by_layout.get(layout)
+    if mesh_info is not None:
+      mesh, param_shardings = mesh_info
+      placement = _placement(mesh, offload, state.resident)
+      inner, master = _place(inner, placement), _place(master, placement)
+      new_updates = _constrain_like(new_updates, layout, param_shardings)
+    return new_updates, OffloadedState(
+        inner=inner, master=master, layout=layout, resident=state.resident
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _empty_out(layout: layout_lib.Layout, dtype) -> jax.Array:
+  return jnp.zeros((layout.num_subgroups, layout.subgroup_size), dtype)
+
+
+def _check_plan(plan: Plan, state: OffloadedState) -> None:
+  if not isinstance(plan, Plan):
+    raise TypeError(f'dos_jax: plan must be a dos_jax.Plan, got {type(plan).__name__}')
+  if plan.num_subgroups != state.layout.num_subgroups:
+    raise ValueError(
+        f'dos_jax: the plan covers {plan.num_subgroups} subgroups but the state has'
+        f' {state.layout.num_subgroups}'
+    )
+  if plan.resident != state.resident:
+    where = 'device' if state.resident else 'pinned_host'
+    raise ValueError(
+        f'dos_jax: plan.resident={plan.resident} but the state was initialized in {where}'
+        ' memory; AllDevice and streamed policies need separate init calls.'
+    )
+
+
+def _updates_from_rows(out: jax.Array, layout: layout_lib.Layout, params) -> PyTree:
+  """Optax updates from the new parameter rows (master case) or the raw update rows."""
+  leaves = layout_lib.unpack(out, layout)
+  if not layout.needs_master:
+    return layout.treedef.unflatten(leaves)
+  state_dtype = jnp.dtype(layout.state_dtype)
+  param_leaves = layout.treedef.flatten_up_to(params)
+  # new_lowp - p in the state dtype: optax.apply_updates then adds in that dtype and
+  # casts, which reproduces new_lowp exactly (JAX_NOTES: a 16-bit update would not).
+  new = [
+      leaf.astype(dtype).astype(state_dtype) - p.astype(state_dtype)
+      for leaf, dtype, p in zip(leaves, layout.dtypes, param_leaves)
+  ]
+  return layout.treedef.unflatten(new)
+
+
+def _constrain_like(updates: PyTree, layout: layout_lib.Layout, shardings) -> PyTree:
+  leaves = layout.treedef.flatten_up_to(updates)
+  constrained = [
+      leaf if s is None else jax.lax.with_sharding_constraint(leaf, s)
+      for leaf, s in zip(leaves, shardings)
+  ]
+  return layout.treedef.unflatten(constrained)

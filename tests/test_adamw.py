@@ -1,0 +1,246 @@
+"""dos_jax.adamw against optax.adamw: every policy, fp32 and bf16 params, masks, schedules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dos_jax
+
+POLICIES = [
+    dos_jax.AllHost(),
+    dos_jax.AllDevice(),
+    dos_jax.Stride(2),
+    dos_jax.Stride(3),
+    dos_jax.DeviceFraction(0.4),
+]
+
+
+def random_tree(seed: int, dtype=jnp.float32):
+  """Mixed shapes, a scalar, sizes that are not multiples of the subgroup size."""
+  rng = np.random.default_rng(seed)
+  shapes = {'emb': (19, 7), 'w': (5, 3, 4), 'b': (13,), 'scale': (), 'head': (7, 11)}
+  return {k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()}
+
+
+def random_grads(params, step: int, seed: int):
+  keys = jax.random.split(jax.random.key(seed * 1000 + step), len(jax.tree.leaves(params)))
+  leaves, treedef = jax.tree.flatten(params)
+  return treedef.unflatten([
+      jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys, leaves)
+  ])
+
+
+def decay_mask(params):
+  return {k: k not in ('b', 'scale') for k in params}
+
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 10, 50, 1e-3)
+
+
+def make_pair(policy, subgroup_size=23):
+  kwargs = dict(learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask)
+  ours = dos_jax.adamw(**kwargs, offload=dos_jax.Offload(subgroup_size=subgroup_size,
+                                                          policy=policy))
+  return ours, optax.adamw(**kwargs)
+
+
+@pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
+def test_fp32_matches_optax_over_50_steps(policy):
+  seed = np.random.randint(1 << 30)
+  ours, ref = make_pair(policy)
+  params = ref_params = random_tree(seed)
+  state, ref_state = ours.init(params), ref.init(params)
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = ours.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  @jax.jit
+  def ref_step(p, s, g):
+    u, s = ref.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  for i in range(50):
+    grads = random_grads(params, i, seed)
+    params, state = step(params, state, grads)
+    ref_params, ref_state = ref_step(ref_params, ref_state, grads)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
+def test_bf16_params_equal_optax_on_fp32_master(policy):
+  """bf16 params == cast(optax.adamw on the fp32 master), bit for bit, with the same grads."""
+  seed = np.random.randint(1 << 30)
+  ours, ref = make_pair(policy)
+  master = random_tree(seed)
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
+  # The reference master starts from the same values the bf16 params hold.
+  ref_master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+  state, ref_state = ours.init(params), ref.init(ref_master)
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = ours.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  @jax.jit
+  def ref_step(p, s, g):
+    u, s = ref.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), s, p)
+    return optax.apply_updates(p, u), s
+
+  mismatches = total = 0
+  for i in range(50):
+    grads = random_grads(params, i, seed)  # bf16 grads, as a bf16 model produces
+    params, state = step(params, state, grads)
+    ref_master, ref_state = ref_step(ref_master, ref_state, grads)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_master)):
+    assert a.dtype == jnp.bfloat16
+    mismatches += int(np.sum(np.asarray(a) != np.asarray(b.astype(jnp.bfloat16))))
+    total += a.size
+  assert mismatches == 0, f'{mismatches}/{total} bf16 params differ from the cast fp32 master'
+  # And the params are exactly the cast of our own master.
+  leaves = dos_jax.layout.unpack(state.master, state.layout)
+  for p, m in zip(jax.tree.leaves(params), leaves):
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
+
+
+def test_fp32_params_keep_no_master():
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16))
+  state = opt.init(random_tree(0))
+  assert state.master is None
+  bf16_state = opt.init(random_tree(0, jnp.bfloat16))
+  assert bf16_state.master is not None and bf16_state.master.dtype == jnp.float32
+
+
+@pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
+def test_state_lives_in_pinned_host(policy):
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16, policy=policy))
+  params = random_tree(1, jnp.bfloat16)
+  state = opt.init(params)
+  step = jax.jit(opt.update)
+  _, state = step(random_grads(params, 0, 1), state, params)
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 2}
+  assert kinds == {'pinned_host'}
+  # Step counts are scalars and stay in device memory.
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 0} == {'device'}
+
+
+def test_all_device_state_lives_in_device_memory():
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16, policy=dos_jax.AllDevice()))
+  state = opt.init(random_tree(1))
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {'device'}
+
+
+def test_mu_dtype_bf16_halves_first_moment():
+  opt = dos_jax.adamw(1e-3, mu_dtype=jnp.bfloat16, offload=dos_jax.Offload(subgroup_size=16))
+  state = opt.init(random_tree(2))
+  assert optax.tree.get(state, 'mu').dtype == jnp.bfloat16
+  assert optax.tree.get(state, 'nu').dtype == jnp.float32
+
+
+def test_no_recompilation_across_steps():
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16, policy=dos_jax.Stride(2)))
+  # Committed, like a model's params after its first step (an uncommitted array is a
+  # different jit cache key).
+  params = jax.device_put(random_tree(3), jax.devices()[0])
+  state = opt.init(params)
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  params, state = step(params, state, random_grads(params, 0, 3))
+  with jax.log_compiles():
+    compiles_before = step._cache_size()  # pylint: disable=protected-access
+    for i in range(1, 11):
+      params, state = step(params, state, random_grads(params, i, 3))
+  assert step._cache_size() == compiles_before == 1  # pylint: disable=protected-access
+
+
+def test_plan_override_compiles_once_per_plan():
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16, policy=dos_jax.AllHost()))
+  params = jax.device_put(random_tree(4), jax.devices()[0])
+  state = opt.init(params)
+  spec = state.layout.spec()
+
+  @jax.jit
+  def step(p, s, g, plan):
+    u, s = opt.update(g, s, p, plan=plan)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(step.__wrapped__, static_argnames='plan')
+  plans = [dos_jax.Stride(2).plan(spec), dos_jax.AllHost().plan(spec)]
+  for i in range(6):
+    params, state = step(params, state, random_grads(params, i, 4), plan=plans[i % 2])
+  assert step._cache_size() == 2  # pylint: disable=protected-access
+
+
+def test_compile_time_does_not_grow_with_subgroups():
+  """The subgroup loops are fori_loops: the program size does not depend on G."""
+  params = {'w': jnp.ones((4096,))}
+
+  def hlo_size(subgroup_size):
+    opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=subgroup_size,
+                                                      policy=dos_jax.Stride(2)))
+    state = opt.init(params)
+    return len(jax.jit(opt.update).lower(params, state, params).as_text())
+
+  few, many = hlo_size(1024), hlo_size(32)  # 4 vs 128 subgroups
+  assert many < 1.2 * few, (few, many)
+
+
+def test_donated_update_makes_no_copy_of_the_state():
+  params = {'w': jnp.ones((1 << 16,), jnp.bfloat16)}
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=1 << 13,
+                                                    policy=dos_jax.Stride(2)))
+  state = opt.init(params)
+  compiled = jax.jit(opt.update, donate_argnums=1).lower(params, state, params).compile()
+  stats = compiled.memory_analysis()
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  # Temporaries: packed grads and params rows, the output rows, no state-sized copy.
+  assert stats.temp_size_in_bytes < 0.5 * state_bytes, (stats.temp_size_in_bytes, state_bytes)
+
+
+def test_schedule_and_inject_hyperparams():
+  params = random_tree(5)
+  opt = optax.inject_hyperparams(dos_jax.adamw)(
+      learning_rate=1e-2, offload=dos_jax.Offload(subgroup_size=16))
+  ref = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)
+  state, ref_state = opt.init(params), ref.init(params)
+  grads = random_grads(params, 0, 5)
+  u, _ = jax.jit(opt.update)(grads, state, params)
+  ru, _ = jax.jit(ref.update)(grads, ref_state, params)
+  for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(ru)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_multisteps_accumulates_then_updates():
+  params = random_tree(6)
+  opt = optax.MultiSteps(dos_jax.adamw(1e-2, offload=dos_jax.Offload(subgroup_size=16)), 3)
+  ref = optax.MultiSteps(optax.adamw(1e-2), 3)
+  state, ref_state = opt.init(params), ref.init(params)
+  p, rp = params, params
+  for i in range(6):
+    grads = random_grads(params, i, 6)
+    u, state = jax.jit(opt.update)(grads, state, p)
+    ru, ref_state = jax.jit(ref.update)(grads, ref_state, rp)
+    p, rp = optax.apply_updates(p, u), optax.apply_updates(rp, ru)
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(rp)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_inside_optax_chain_with_clipping():
+  params = random_tree(7)
+  opt = optax.chain(optax.clip_by_global_norm(1.0),
+                    dos_jax.adamw(1e-2, offload=dos_jax.Offload(subgroup_size=16)))
+  ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  grads = jax.tree.map(lambda g: 10 * g, random_grads(params, 0, 7))
+  u, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+  ru, _ = jax.jit(ref.update)(grads, ref.init(params), params)
+  for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(ru)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
