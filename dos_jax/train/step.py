@@ -63,7 +63,7 @@ def make_optimizer(
       weight_decay=optim.weight_decay,
       mask=decay_mask,
   )
-  if offload is None or not hasattr(dos_jax, 'adamw'):  # TEMP until the core lands.
+  if offload is None:
     return optax.adamw(**kwargs)
   return dos_jax.adamw(**kwargs, offload=make_offload(offload))
 
