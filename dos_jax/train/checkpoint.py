@@ -46,16 +46,13 @@ def state_from_trees(trees: Any, params: Any, tx: Any) -> Any:
   return dos_jax.state_from_pytrees(trees, params, tx)
 
 
-def _abstract(tree: Any, *, memory_kind: str | None = None) -> Any:
-  """Shape/dtype/sharding targets, so orbax restores straight into the run's layout."""
-
-  def leaf(x):
-    sharding = x.sharding
-    if memory_kind is not None and hasattr(sharding, 'with_memory_kind'):
-      sharding = sharding.with_memory_kind(memory_kind)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-  return jax.tree.map(leaf, tree)
+def _abstract(tree: Any) -> Any:
+  """Shape/dtype/sharding targets, so orbax restores each leaf straight into the run's
+  layout and memory kind: host state goes to `pinned_host` without a trip through
+  device memory, where a large model's state would not fit."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+  )
 
 
 class Checkpointer:
@@ -100,7 +97,7 @@ class Checkpointer:
         step,
         args=ocp.args.Composite(
             params=ocp.args.StandardRestore(_abstract(params)),
-            opt_state=ocp.args.StandardRestore(_abstract(trees, memory_kind='device')),
+            opt_state=ocp.args.StandardRestore(_abstract(trees)),
             meta=ocp.args.JsonRestore(),
         ),
     )

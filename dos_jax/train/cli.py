@@ -48,6 +48,9 @@ def train_handler(args: argparse.Namespace) -> int:
     summary = loop.train(cfg)
   except ConfigError as err:
     return _fail(f'{args.config or "<packaged tiny.yaml>"}: {err}')
+  except KeyboardInterrupt:  # A second Ctrl-C, or one before the first step.
+    print('dos-jax: interrupted', file=sys.stderr)
+    return INTERRUPTED
   return INTERRUPTED if summary.interrupted else 0
 
 
