@@ -23,7 +23,7 @@ SMALL = [
 @pytest.fixture(scope='module')
 def dataset(tmp_path_factory):
   out = str(tmp_path_factory.mktemp('tokens'))
-  data.prepare([], out, tokenizer_path=None, val_fraction=0.05, max_bytes=500_000, progress=None)
+  data.prepare(None, out, val_fraction=0.05, max_bytes=500_000, progress=False)
   return out
 
 
@@ -40,7 +40,7 @@ def test_round_trip_is_exact_and_keeps_the_newest(dataset, tmp_path):
   sampler = run.train_sampler()
   saver = checkpoint.Checkpointer(str(tmp_path / 'ckpt'), keep=2, async_save=True)
   for step in range(1, 4):
-    run.step(sampler.next())
+    run.step(next(sampler))
     saver.save(step, params=run.params, opt_state=run.opt_state, tx=run.tx,
                meta={'sampler': sampler.state()})
   saver.close()
@@ -57,7 +57,7 @@ def test_round_trip_is_exact_and_keeps_the_newest(dataset, tmp_path):
   kinds = {x.sharding.memory_kind for x in jax.tree.leaves(restored.opt_state) if x.ndim == 2}
   assert kinds == {'pinned_host'}
   fresh.set_state(restored.params, restored.opt_state)
-  batch = sampler.next()
+  batch = next(sampler)
   assert fresh.step(batch).loss == run.step(batch).loss
 
 
@@ -70,7 +70,7 @@ def test_restore_under_another_policy_and_subgroup_size(dataset, tmp_path):
                         devices=jax.devices()[:1])
   sampler = first.train_sampler()
   for _ in range(3):
-    first.step(sampler.next())
+    first.step(next(sampler))
   saver = checkpoint.Checkpointer(str(tmp_path / 'ckpt'), keep=1, async_save=False)
   saver.save(3, params=first.params, opt_state=first.opt_state, tx=first.tx, meta={})
   saver.close()
@@ -83,7 +83,7 @@ def test_restore_under_another_policy_and_subgroup_size(dataset, tmp_path):
   restored = loader.restore(3, params=second.params, opt_state=second.opt_state, tx=second.tx)
   loader.close()
   second.set_state(restored.params, restored.opt_state)
-  batch = sampler.next()
+  batch = next(sampler)
   np.testing.assert_allclose(second.step(batch).loss, first.step(batch).loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)

@@ -17,7 +17,7 @@ SMALL = [
 @pytest.fixture(scope='module')
 def dataset(tmp_path_factory):
   out = str(tmp_path_factory.mktemp('tokens'))
-  data.prepare([], out, tokenizer_path=None, val_fraction=0.05, max_bytes=1_000_000, progress=None)
+  data.prepare(None, out, val_fraction=0.05, max_bytes=1_000_000, progress=False)
   return out
 
 
@@ -56,7 +56,7 @@ def test_schedule_warms_up_then_decays_to_the_floor():
 def test_loss_falls_without_recompiling(dataset):
   run = trainer.build(_cfg(dataset), devices=jax.devices()[:1])
   sampler = run.train_sampler()
-  losses = [run.step(sampler.next()).loss for _ in range(30)]
+  losses = [run.step(next(sampler)).loss for _ in range(30)]
   assert abs(losses[0] - np.log(256)) < 0.3, losses[0]  # A fresh model is near uniform.
   assert np.mean(losses[-5:]) < losses[0] - 1.5, losses
   assert run.compile_counts() == {'grad': 1, 'update': 1}
@@ -74,7 +74,7 @@ def test_four_devices_match_one(dataset):
   assert dict(four.mesh.shape) == {'data': 2, 'tensor': 2, 'pipeline': 1}
   sampler = one.train_sampler()
   for _ in range(6):
-    batch = sampler.next()
+    batch = next(sampler)
     a, b = one.step(batch), four.step(batch)
     np.testing.assert_allclose(b.loss, a.loss, rtol=1e-5)
     np.testing.assert_allclose(b.grad_norm, a.grad_norm, rtol=1e-4)
@@ -111,7 +111,7 @@ def test_dos_jax_matches_optax_adamw(dataset):
   sampler = reference.train_sampler()
   losses = {name: [] for name in (*runs, 'optax')}
   for _ in range(20):
-    batch = sampler.next()
+    batch = next(sampler)
     losses['optax'].append(reference.step(batch).loss)
     for name, run in runs.items():
       losses[name].append(run.step(batch).loss)

@@ -34,15 +34,11 @@ class Restored:
 
 def state_to_trees(opt_state: Any, params: Any) -> Any:
   """Optimizer state in the layout-independent form that checkpoints hold."""
-  if not hasattr(dos_jax, 'state_to_pytrees'):  # TEMP until the core lands.
-    return opt_state
   return dos_jax.state_to_pytrees(opt_state, params)
 
 
 def state_from_trees(trees: Any, params: Any, tx: Any) -> Any:
   """The inverse of `state_to_trees` for optimizer `tx`: re-packs and places the state."""
-  if not hasattr(dos_jax, 'state_from_pytrees'):  # TEMP until the core lands.
-    return trees
   return dos_jax.state_from_pytrees(trees, params, tx)
 
 

@@ -9,8 +9,10 @@ and the inputs have been checked.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
+import textwrap
 
 from dos_jax.train.configlib import ConfigError
 
@@ -55,7 +57,7 @@ def train_handler(args: argparse.Namespace) -> int:
 
 
 def prepare_handler(args: argparse.Namespace) -> int:
-  """Tokenizes text files into a token dataset directory."""
+  """Tokenizes text files (default: the Python standard library) into a dataset."""
   from dos_jax.train import data  # pylint: disable=import-outside-toplevel
 
   for path in list(args.inputs) + ([args.tokenizer] if args.tokenizer else []):
@@ -63,20 +65,23 @@ def prepare_handler(args: argparse.Namespace) -> int:
       return _fail(f'{path}: no such file or directory')
   if os.path.exists(args.out) and not os.path.isdir(args.out):
     return _fail(f'--out {args.out}: exists and is not a directory')
-  if not 0.0 < args.val_fraction < 1.0:
-    return _fail(f'--val-fraction: expected a number in (0, 1), got {args.val_fraction}')
+  options = {}  # Only what the user gave: the defaults live in data.prepare.
+  if args.val_fraction is not None:
+    options['val_fraction'] = args.val_fraction
+  if args.max_bytes is not None:
+    options['max_bytes'] = args.max_bytes
   try:
     meta = data.prepare(
-        list(args.inputs),
-        args.out,
-        tokenizer_path=args.tokenizer,
-        val_fraction=args.val_fraction,
-        max_bytes=args.max_bytes,
-        progress=lambda message: print(message, file=sys.stderr),
+        list(args.inputs) or None, args.out, tokenizer_path=args.tokenizer, progress=True,
+        **options,
     )
-  except ConfigError as err:
+  except ValueError as err:  # prepare names the input, tokenizer or option at fault.
     return _fail(str(err))
-  print(f'wrote {args.out}: {meta}', file=sys.stderr)
+  print(
+      f'wrote {args.out}: {meta.train_tokens:,} train and {meta.val_tokens:,} validation'
+      f' tokens, vocabulary {meta.vocab_size}',
+      file=sys.stderr,
+  )
   return 0
 
 
@@ -85,10 +90,10 @@ def register(subparsers) -> None:
   train = subparsers.add_parser(
       'train',
       help='pretrain a GPT-style model with offloaded optimizer state',
-      description=(
+      description=textwrap.fill(
           'Train (or resume) the run a YAML config describes. Without CONFIG, runs the'
           ' packaged tiny CPU config. A run directory holding checkpoints resumes from'
-          ' the newest. Ctrl-C saves a checkpoint and exits with code 130.'
+          ' the newest. Ctrl-C saves a checkpoint and exits with code 130.', width=88,
       ),
       epilog=_config_keys_epilog(),
       formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -114,11 +119,15 @@ def register(subparsers) -> None:
       '--tokenizer', metavar='tokenizer.json',
       help='a local Hugging Face tokenizer.json (default: built-in byte-level tokenizer)',
   )
+  from dos_jax.train import data  # pylint: disable=import-outside-toplevel
+
+  default_val = inspect.signature(data.prepare).parameters['val_fraction'].default
   prepare.add_argument(
-      '--val-fraction', type=float, default=0.01,
-      help='fraction of the tokens held out for validation (default: %(default)s)',
+      '--val-fraction', type=float, metavar='F',
+      help=f'fraction of the tokens held out for validation, in [0, 1) (default: {default_val})',
   )
   prepare.add_argument(
-      '--max-bytes', type=int, default=None, help='read at most this many bytes of text',
+      '--max-bytes', type=int, metavar='N',
+      help=f'read at most this many bytes of text (default corpus: {data.DEFAULT_CORPUS_BYTES:,})',
   )
   prepare.set_defaults(handler=prepare_handler)

@@ -180,7 +180,7 @@ class TrainConfig:
 class RunConfig:
   """Everything `dos-jax train` needs; each section documents its fields."""
 
-  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(preset='tiny'))
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
   offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)

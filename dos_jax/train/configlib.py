@@ -184,6 +184,8 @@ def from_dict(cls: type[T], data: Any, *, key: str = '') -> T:
   hints = typing.get_type_hints(cls)
   kwargs = {}
   for name, value in data.items():
+    if dataclasses.is_dataclass(hints[name]) and isinstance(value, Mapping):
+      value = _over_default(fields[name], value)
     kwargs[name] = _convert(hints[name], value, prefix + name, fields[name].metadata.get('check'))
   missing = [
       name for name, f in fields.items()
@@ -208,6 +210,23 @@ def from_dict(cls: type[T], data: Any, *, key: str = '') -> T:
       rest = message[len(head):].lstrip(':').strip()
       raise ConfigError(f'{prefix}{head}: {rest}') from None
     raise ConfigError(f'{key}: {message}' if key else message) from None
+
+
+def _over_default(f: dataclasses.Field, value: Mapping) -> dict:
+  """A section's YAML keys laid over the section's own default (e.g. the run's default
+  model preset), so a file that sets `model.remat` keeps the default model."""
+  if f.default_factory is not dataclasses.MISSING:
+    base = f.default_factory()
+  elif f.default is not dataclasses.MISSING:
+    base = f.default
+  else:
+    return dict(value)
+  merged = to_dict(base)
+  for k, v in value.items():
+    if isinstance(v, Mapping) and isinstance(merged.get(k), dict):
+      v = {**merged[k], **v}
+    merged[k] = v
+  return merged
 
 
 def to_dict(cfg: Any) -> Any:
@@ -272,17 +291,16 @@ def read_yaml(text: str, source: str) -> dict:
   return data
 
 
-def describe_fields(cls: type, prefix: str = '') -> list[tuple[str, str]]:
-  """(dotted key, default) for every leaf field, for `--help`."""
+def describe_fields(cls: type) -> list[tuple[str, str]]:
+  """(dotted key, default) for every leaf of `cls`'s default instance, for `--help`."""
   rows = []
-  hints = typing.get_type_hints(cls)
-  for f in dataclasses.fields(cls):
-    if not f.init:
-      continue
-    tp = hints[f.name]
-    if dataclasses.is_dataclass(tp):
-      rows.extend(describe_fields(tp, f'{prefix}{f.name}.'))
-    else:
-      default = f.default if f.default is not dataclasses.MISSING else '(required)'
-      rows.append((f'{prefix}{f.name}', repr(to_dict(default))))
+
+  def walk(node, prefix):
+    for k, v in node.items():
+      if isinstance(v, dict):
+        walk(v, f'{prefix}{k}.')
+      else:
+        rows.append((f'{prefix}{k}', repr(v)))
+
+  walk(to_dict(from_dict(cls, {})), '')
   return rows

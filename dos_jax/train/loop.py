@@ -145,7 +145,7 @@ def train(
           break
         # Hook for the cost model's Auto policy: it would pick the plan here from the
         # update times seen so far; None lets the optimizer use its configured policy.
-        result = trainer.step(sampler.next(), plan=None)
+        result = trainer.step(next(sampler), plan=None)
         step += 1
         loss = result.loss
         if step > start_step + 1:  # The first step of a process compiles.

@@ -9,7 +9,6 @@ directory. The loop, the tests and the benchmark all drive training through
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any, Sequence
 
@@ -95,7 +94,7 @@ class Trainer:
     )
     total = 0.0
     for _ in range(num_batches):
-      total += float(self.eval_step(self.params, self.place_batch(sampler.next())))
+      total += float(self.eval_step(self.params, self.place_batch(next(sampler))))
     return total / num_batches
 
   def train_sampler(self) -> Any:
@@ -113,14 +112,12 @@ class Trainer:
 
 
 def dataset_dir_for(cfg: data_lib.DataConfig) -> str:
-  """The token dataset to train on: `data.path`, checked to exist (TEMP shim)."""
-  if cfg.path is None:
-    raise ConfigError('data.path: required')
-  if not os.path.isdir(cfg.path):
-    raise ConfigError(
-        f'data.path: {cfg.path}: no such dataset directory (make one with dos-jax prepare)'
-    )
-  return cfg.path
+  """The prepared dataset to train on: `data.path`, or the default corpus (prepared
+  once into a cache directory on first use, never into the run directory)."""
+  try:
+    return str(data_lib.resolve_dataset(cfg))
+  except ValueError as err:
+    raise ConfigError(f'data.path: {err}') from None
 
 
 def build(
