@@ -8,8 +8,10 @@ import pytest
 
 from dos_jax.train import config, data, step, trainer
 
+# Two layers instead of four: the same code, compiled in half the time.
 SMALL = [
-    'data.seq_len=32', 'data.batch_size=8', 'optim.warmup_steps=5', 'train.steps=30',
+    'model.n_layers=2',
+    'data.seq_len=32', 'data.batch_size=8', 'optim.warmup_steps=5', 'train.steps=20',
     'optim.lr=3e-3',
 ]
 
@@ -53,16 +55,6 @@ def test_schedule_warms_up_then_decays_to_the_floor():
   np.testing.assert_allclose(float(flat(30)), 1e-3, rtol=1e-6)
 
 
-def test_loss_falls_without_recompiling(dataset):
-  run = trainer.build(_cfg(dataset), devices=jax.devices()[:1])
-  sampler = run.train_sampler()
-  losses = [run.step(next(sampler)).loss for _ in range(30)]
-  assert abs(losses[0] - np.log(256)) < 0.3, losses[0]  # A fresh model is near uniform.
-  assert np.mean(losses[-5:]) < losses[0] - 1.5, losses
-  assert run.compile_counts() == {'grad': 1, 'update': 1}
-  assert np.isfinite(run.evaluate(2))
-
-
 def test_four_devices_match_one(dataset):
   """data=2 x tensor=2 on 4 CPU devices against 1 device, fp32 compute so that only the
   order of reductions differs: losses to 1e-5 relative, params to 1e-5 absolute."""
@@ -86,9 +78,10 @@ def test_four_devices_match_one(dataset):
   assert four.compile_counts() == {'grad': 1, 'update': 1}
 
 
-def test_dos_jax_matches_optax_adamw(dataset):
+def test_dos_jax_matches_optax_adamw_and_the_loss_falls(dataset):
   """The runner with dos_jax's offloaded AdamW (AllHost, Stride(2)) against the same
-  runner with `optax.adamw`: same seed and batches, losses to 1e-5 relative over 20 steps.
+  runner with `optax.adamw`: same seed and batches, losses to 1e-5 relative over 20 steps,
+  the loss falls from ln(256) by more than 1.5, and neither phase ever recompiles.
 
   fp32 compute: with bf16 activations a 1-ulp difference in an fp32 update (XLA fuses
   the two optimizers' element-wise ops differently) can flip a bf16 rounding, and over
@@ -118,4 +111,6 @@ def test_dos_jax_matches_optax_adamw(dataset):
   for name, run in runs.items():
     np.testing.assert_allclose(losses[name], losses['optax'], rtol=1e-5, err_msg=name)
     assert run.compile_counts() == {'grad': 1, 'update': 1}
-  assert losses['optax'][-1] < losses['optax'][0] - 1.0
+  assert abs(losses['optax'][0] - np.log(256)) < 0.3  # A fresh model is near uniform.
+  assert np.mean(losses['stride'][-5:]) < losses['stride'][0] - 1.5, losses['stride']
+  assert np.isfinite(runs['stride'].evaluate(2))

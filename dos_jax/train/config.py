@@ -189,11 +189,6 @@ class RunConfig:
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
   def __post_init__(self):
-    if self.optim.warmup_steps > self.train.steps:
-      raise ValueError(
-          f'optim.warmup_steps: {self.optim.warmup_steps} exceeds train.steps'
-          f' ({self.train.steps})'
-      )
     if self.data.seq_len > self.model.max_seq_len:
       raise ValueError(
           f'data.seq_len: {self.data.seq_len} exceeds model.max_seq_len'

@@ -55,6 +55,8 @@ class Summary:
   interrupted: bool
 
   def line(self) -> str:
+    if self.final_step == self.start_step and not self.interrupted:
+      return f'nothing to do: the run is already at step {self.final_step}'
     eval_part = '' if self.eval_loss is None else f', eval loss {self.eval_loss:.4f}'
     verb = 'interrupted at' if self.interrupted else 'finished'
     return (
