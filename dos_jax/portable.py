@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dos_jax import layout as layout_lib
+from dos_jax import slots as slots_lib
 from dos_jax.transform import OffloadedState
 
 PyTree = Any
@@ -25,6 +26,7 @@ def _is_offloaded(x) -> bool:
 
 def _unpack_state(state: OffloadedState) -> dict[str, Any]:
   layout = state.layout
+  master, inner = state.unstacked()
 
   def to_tree(x):
     if jnp.ndim(x) == 2:
@@ -32,10 +34,8 @@ def _unpack_state(state: OffloadedState) -> dict[str, Any]:
       return layout.treedef.unflatten(layout_lib.unpack(rows, layout))
     return x
 
-  return {
-      'inner': jax.tree.map(to_tree, state.inner),
-      'master': None if state.master is None else to_tree(state.master),
-  }
+  return {'inner': jax.tree.map(to_tree, inner),
+          'master': None if master is None else to_tree(master)}
 
 
 def state_to_pytrees(opt_state: PyTree, params: PyTree) -> PyTree:
@@ -63,21 +63,24 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
     if not _is_offloaded(target):
       return saved
     layout = target.layout
+    target_master, target_inner = target.unstacked()
 
     def pack_like(t, s):
       if jnp.ndim(t) == 2:
-        rows = layout_lib.pack(s, layout, t.dtype)
-      else:
-        rows = jnp.asarray(s, t.dtype)
-      return jax.device_put(rows, t.sharding)
+        return layout_lib.pack(s, layout, t.dtype)
+      return jnp.asarray(s, t.dtype)
 
-    inner_leaves, inner_def = jax.tree.flatten(target.inner)
+    inner_leaves, inner_def = jax.tree.flatten(target_inner)
     saved_inner = inner_def.flatten_up_to(saved['inner']) if inner_leaves else []
     inner = inner_def.unflatten([pack_like(t, s) for t, s in zip(inner_leaves, saved_inner)])
-    master = target.master
-    if master is not None:
+    master = None
+    if target_master is not None:
       source = saved['master'] if saved['master'] is not None else params
-      master = pack_like(master, source)
-    return OffloadedState(inner=inner, master=master, layout=layout, resident=target.resident)
+      master = pack_like(target_master, source)
+    stacked, scalars = slots_lib.split((master, inner), target.slots, axis=1)
+    return OffloadedState(
+        stacked=tuple(jax.device_put(x, t.sharding) for x, t in zip(stacked, target.stacked)),
+        scalars=tuple(jax.device_put(x, t.sharding) for x, t in zip(scalars, target.scalars)),
+        layout=layout, slots=target.slots, resident=target.resident)
 
   return jax.tree.map(rebuild, template, trees, is_leaf=_is_offloaded)

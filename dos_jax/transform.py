@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from dos_jax import layout as layout_lib
 from dos_jax import paths
+from dos_jax import slots as slots_lib
 from dos_jax.offload import Offload
 from dos_jax.policies import Plan
 
@@ -32,21 +33,44 @@ class OffloadedState:
   """State of an offloaded transform.
 
   Attributes:
-    inner: the wrapped transforms' state as if they ran on the whole `(G, S)` array:
-      `(G, S)` per-element leaves (e.g. `mu`, `nu`) and scalars shared by every row
-      (`count`), since all subgroups take every step together.
-      Rows in `pinned_host` memory (device memory under `AllDevice`); scalars in device
-      memory.
-    master: `(G, S)` master weights in the state dtype, kept only when some parameter
-      is in a lower precision; None otherwise.
+    stacked: the per-element state, one `(G, K, S)` array per dtype (see `slots`): the
+      fp32 master (kept only for lower-precision params) and the wrapped transforms'
+      moments. In `pinned_host` memory (device memory under `AllDevice`).
+    scalars: the wrapped transforms' scalar state (step counts), shared by every
+      subgroup since all subgroups take every step together; in device memory.
     layout: how parameters map onto subgroups (static metadata).
+    slots: where each state leaf is stored (static metadata).
     resident: whether the state lives in device memory (static metadata).
   """
 
-  inner: Any
-  master: jax.Array | None
+  stacked: tuple[jax.Array, ...]
+  scalars: tuple[jax.Array, ...]
   layout: layout_lib.Layout = dataclasses.field(metadata=dict(static=True))
+  slots: slots_lib.Slots = dataclasses.field(metadata=dict(static=True))
   resident: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  def unstacked(self) -> tuple[jax.Array | None, Any]:
+    """`(master, inner_state)` as the wrapped transforms define it, with `(G, S)`
+    leaves. A copy in device memory: for inspection and checkpoints, not for the
+    training step."""
+    stacked = tuple(_to_device_memory(x) for x in self.stacked)
+    return slots_lib.join(stacked, self.scalars, self.slots, axis=1)
+
+  @property
+  def inner(self) -> Any:
+    """The wrapped transforms' state (e.g. `inner[0].mu`), unstacked; see `unstacked`."""
+    return self.unstacked()[1]
+
+  @property
+  def master(self) -> jax.Array | None:
+    """The `(G, S)` fp32 master weights, or None when params are fp32; a copy."""
+    return self.unstacked()[0]
+
+
+def _to_device_memory(x: jax.Array) -> jax.Array:
+  if isinstance(x, jax.core.Tracer):
+    return jax.device_put(x, paths.DEVICE)
+  return jax.device_put(x, x.sharding.with_memory_kind('device'))
 
 
 class _Placement(NamedTuple):
@@ -74,14 +98,17 @@ def _placement(mesh, offload: Offload, resident: bool) -> _Placement:
     return _Placement(rows=paths.DEVICE if resident else paths.HOST, scalars=paths.DEVICE)
   kind = 'device' if resident else 'pinned_host'
   return _Placement(
-      rows=NamedSharding(mesh, P(None, offload.data_axis), memory_kind=kind),
+      rows=NamedSharding(mesh, P(None, None, offload.data_axis), memory_kind=kind),
       scalars=NamedSharding(mesh, P(), memory_kind='device'),
   )
 
 
-def _place(tree: PyTree, placement: _Placement) -> PyTree:
+def _place(tree: PyTree, placement: _Placement, constrain: bool = False) -> PyTree:
   def put(x):
-    return jax.device_put(x, placement.rows if jnp.ndim(x) == 2 else placement.scalars)
+    target = placement.rows if jnp.ndim(x) == 3 else placement.scalars
+    if constrain and isinstance(target, NamedSharding):
+      return jax.lax.with_sharding_constraint(x, target)
+    return jax.device_put(x, target)
 
   return jax.tree.map(put, tree)
 
@@ -135,12 +162,15 @@ def offloaded(
       shardings_by_layout[layout] = (mesh, param_shardings)
     resident = offload.policy.plan(layout.spec()).resident
     master = layout_lib.pack(params, layout, layout.state_dtype)
-    inner_state = inner.init(master)
+    full = (master if layout.needs_master else None, inner.init(master))
+    slots = slots_lib.build(full, row_ndim=2)
+    stacked, scalars = slots_lib.split(full, slots, axis=1)
     placement = _placement(mesh, offload, resident)
     return OffloadedState(
-        inner=_place(inner_state, placement),
-        master=_place(master, placement) if layout.needs_master else None,
+        stacked=_place(stacked, placement),
+        scalars=_place(scalars, placement),
         layout=layout,
+        slots=slots,
         resident=resident,
     )
 
@@ -163,36 +193,35 @@ def offloaded(
     if not layout.needs_master and params is not None:
       param_rows = layout_lib.pack(params, layout, layout.state_dtype)
     out_dtype = layout.lowp_dtype if layout.needs_master else jnp.dtype(layout.state_dtype)
-    common = dict(
-        row_update=row_update, grads=grads, params=param_rows, decayed_rows=layout.decayed_rows
-    )
-    inner, master = state.inner, state.master
-    if plan.resident:
-      inner, master, out = paths.resident_update(
-          inner=inner, master=master, out_dtype=out_dtype, **common
-      )
-    else:
-      out = _empty_out(layout, out_dtype)
-      scalars = None
-      if plan.device:
-        inner, scalars, master, out = paths.device_stream(
-            plan.device, inner=inner, master=master, out=out, buffers=plan.buffers, **common
-        )
-      if plan.host:
-        inner, scalars, master, out = paths.host_update(
-            plan.host, inner=inner, master=master, out=out, **common
-        )
-      inner = paths.with_scalars(inner, [jax.device_put(x, paths.DEVICE) for x in scalars])
+    step = paths.RowStep(
+        row_update=row_update, slots=state.slots, has_master=layout.needs_master,
+        decayed_rows=layout.decayed_rows, state_dtype=jnp.dtype(layout.state_dtype),
+        out_dtype=out_dtype)
+    arrays = dict(stacked=state.stacked, scalars=state.scalars, grads=grads, params=param_rows)
+    out = _empty_out(layout, out_dtype)
+    new_scalars = state.scalars
+    if plan.device:
+      stacked, new_scalars, out = paths.device_stream(
+          plan.device, step, out=out, buffers=plan.buffers, stream=not plan.resident, **arrays)
+      arrays['stacked'] = stacked
+    if plan.host:
+      stacked, new_scalars, out = paths.host_update(plan.host, step, out=out, **arrays)
+      arrays['stacked'] = stacked
+    stacked = arrays['stacked']
+    scalars = tuple(jax.device_put(x, paths.DEVICE) for x in new_scalars)
     new_updates = _updates_from_rows(out, layout, params)
     mesh_info = shardings_by_layout.get(layout)
     if mesh_info is not None:
       mesh, param_shardings = mesh_info
       placement = _placement(mesh, offload, state.resident)
-      inner, master = _place(inner, placement), _place(master, placement)
+      # Inside jit a device_put to the same memory kind is a no-op that sharding
+      # propagation may override; a constraint pins the ZeRO-1 layout.
+      stacked = _place(stacked, placement, constrain=True)
+      scalars = _place(scalars, placement, constrain=True)
       new_updates = _constrain_like(new_updates, layout, param_shardings)
     return new_updates, OffloadedState(
-        inner=inner, master=master, layout=layout, resident=state.resident
-    )
+        stacked=stacked, scalars=scalars, layout=layout, slots=state.slots,
+        resident=state.resident)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -103,7 +103,7 @@ def test_bf16_params_equal_optax_on_fp32_master(policy):
     total += a.size
   assert mismatches == 0, f'{mismatches}/{total} bf16 params differ from the cast fp32 master'
   # And the params are exactly the cast of our own master.
-  leaves = dos_jax.layout.unpack(state.master, state.layout)
+  leaves = dos_jax.layout.unpack(jax.device_put(state.master, jax.devices()[0]), state.layout)
   for p, m in zip(jax.tree.leaves(params), leaves):
     np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
 
@@ -123,7 +123,7 @@ def test_state_lives_in_pinned_host(policy):
   state = opt.init(params)
   step = jax.jit(opt.update)
   _, state = step(random_grads(params, 0, 1), state, params)
-  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 2}
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 3}
   assert kinds == {'pinned_host'}
   # Step counts are scalars and stay in device memory.
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 0} == {'device'}
@@ -138,8 +138,10 @@ def test_all_device_state_lives_in_device_memory():
 def test_mu_dtype_bf16_halves_first_moment():
   opt = dos_jax.adamw(1e-3, mu_dtype=jnp.bfloat16, offload=dos_jax.Offload(subgroup_size=16))
   state = opt.init(random_tree(2))
-  assert optax.tree.get(state, 'mu').dtype == jnp.bfloat16
-  assert optax.tree.get(state, 'nu').dtype == jnp.float32
+  assert optax.tree.get(state.inner, 'mu').dtype == jnp.bfloat16
+  assert optax.tree.get(state.inner, 'nu').dtype == jnp.float32
+  # Stored as one fp32 array (nu) and one bf16 array (mu).
+  assert sorted(x.dtype.name for x in state.stacked) == ['bfloat16', 'float32']
 
 
 def test_no_recompilation_across_steps():
@@ -194,16 +196,17 @@ def test_compile_time_does_not_grow_with_subgroups():
   assert many < 1.2 * few, (few, many)
 
 
-def test_donated_update_makes_no_copy_of_the_state():
+@pytest.mark.parametrize('policy', POLICIES, ids=repr)
+def test_donated_update_makes_no_copy_of_the_state(policy):
   params = {'w': jnp.ones((1 << 16,), jnp.bfloat16)}
-  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=1 << 13,
-                                                    policy=dos_jax.Stride(2)))
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=1 << 13, policy=policy))
   state = opt.init(params)
   compiled = jax.jit(opt.update, donate_argnums=1).lower(params, state, params).compile()
   stats = compiled.memory_analysis()
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  # Temporaries: packed grads and params rows, the output rows, no state-sized copy.
-  assert stats.temp_size_in_bytes < 0.5 * state_bytes, (stats.temp_size_in_bytes, state_bytes)
+  # Temporaries: packed gradient rows, new parameter rows, the host rows' gradients and
+  # a few subgroups' state in flight. A copy of the state would not fit under this.
+  assert stats.temp_size_in_bytes < state_bytes, (stats.temp_size_in_bytes, state_bytes)
 
 
 def test_schedule_and_inject_hyperparams():

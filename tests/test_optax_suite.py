@@ -29,6 +29,10 @@ EDITS = (
     # nothing to map over.
     ('    state = optax.tree.map_params(opt, lambda v: v, state)',
      '    pass  # dos_jax: packed state is not params-shaped'),
+    # The state is stacked per dtype (dos_jax/slots.py); the transforms' own state,
+    # with its named fields, is `state.inner`.
+    ('      attribute = optax.tree.get(state, attribute_name)',
+     "      attribute = optax.tree.get(getattr(state, 'inner', state), attribute_name)"),
     # The host state is committed to pinned_host at init; params must be committed
     # too, or the step compiles once more when they become committed after step 1.
     ('    params = initial_params\n', '    params = jax.device_put(initial_params, jax.devices()[0])\n'),

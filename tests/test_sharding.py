@@ -20,7 +20,7 @@ def test_sharded_matches_unsharded(policy):
   params = {'w1': jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
             'w2': jnp.asarray(rng.standard_normal((24, 16)), jnp.float32),
             'b': jnp.asarray(rng.standard_normal((24,)), jnp.float32)}
-  mesh = jax.make_mesh((4, 2), ('data', 'tensor'), devices=jax.devices()[:8])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ('data', 'tensor'))
   specs = {'w1': P(None, 'tensor'), 'w2': P('tensor', None), 'b': P('tensor')}
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   sharded = jax.device_put(params, shardings)
@@ -47,5 +47,14 @@ def test_sharded_matches_unsharded(policy):
   for leaf in jax.tree.leaves(state):
     if leaf.ndim == 2:
       assert leaf.sharding.memory_kind == 'pinned_host'
-      assert leaf.sharding.spec == P(None, 'data')
-      assert leaf.shape[1] % 4 == 0
+      assert leaf.sharding.spec == P(None, None, "data")
+      assert leaf.shape[2] % 4 == 0
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 (virtual) devices')
+def test_explicit_axes_mesh_gets_a_clear_error():
+  mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  params = {'w': jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('data', None)))}
+  with pytest.raises(ValueError, match=r"\['w'\].*Explicit axes"):
+    dos_jax.adamw(1e-3).init(params)
