@@ -1,4 +1,5 @@
-"""The train step: clipping as optax does it, no recompiles, loss falls, sharded == 1 device."""
+"""The train step: clipping as optax does it, dos_jax == optax, no recompiles, loss falls,
+sharded == 1 device, adaptive plans compile once each."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from dos_jax.train import config, data, step, trainer
+import dos_jax
+from dos_jax.train import config, data, placement, step, trainer
 
 # Two layers instead of four: the same code, compiled in half the time.
 SMALL = [
@@ -114,3 +116,38 @@ def test_dos_jax_matches_optax_adamw_and_the_loss_falls(dataset):
   assert abs(losses['optax'][0] - np.log(256)) < 0.3  # A fresh model is near uniform.
   assert np.mean(losses['stride'][-5:]) < losses['stride'][0] - 1.5, losses['stride']
   assert np.isfinite(runs['stride'].evaluate(2))
+
+
+class _Alternate:
+  """A real adaptive policy: alternates Stride(2) and AllHost plans every step."""
+
+  def plan(self, spec):
+    self.spec = spec
+    return dos_jax.Stride(2).plan(spec)
+
+  def observe(self, plan, measured_update_seconds):
+    assert measured_update_seconds > 0
+    stride = dos_jax.Stride(2).plan(self.spec)
+    return dos_jax.AllHost().plan(self.spec) if plan == stride else stride
+
+
+def test_adaptive_plans_compile_once_each_and_keep_the_math(dataset):
+  """The loop's hook for `Auto`: each step's plan is a static argument; switching plans
+  compiles each plan once and gives the same training as one fixed plan."""
+  cfg = _cfg(dataset, 'offload.policy=stride', 'offload.subgroup_size=100000',
+             'model.compute_dtype=float32')
+  switching = trainer.build(cfg, devices=jax.devices()[:1])
+  fixed = trainer.build(cfg, devices=jax.devices()[:1])
+  driver = placement.PlanDriver(_Alternate(), switching.opt_state)
+  assert placement.PlanDriver(dos_jax.Stride(2), fixed.opt_state).plan is None
+  sampler = fixed.train_sampler()
+  plans = set()
+  for step_number in range(1, 7):
+    batch = next(sampler)
+    plans.add(driver.plan)
+    result = switching.step(batch, plan=driver.plan)
+    metrics = driver.observe(step_number, result.update_s)
+    assert metrics['offload/plan'] in {p.describe() for p in plans}
+    np.testing.assert_allclose(result.loss, fixed.step(batch).loss, rtol=1e-6)
+  assert len(plans) == 2
+  assert switching.compile_counts() == {'grad': 1, 'update': 2}

@@ -21,6 +21,7 @@ import jax
 import yaml
 
 from dos_jax.train import checkpoint as ckpt_lib
+from dos_jax.train import placement as placement_lib
 from dos_jax.train import step as step_lib
 from dos_jax.train import trainer as trainer_lib
 from dos_jax.train.config import RunConfig
@@ -131,6 +132,9 @@ def train(
         meta={'step': at_step, 'sampler': sampler.state(), 'seed': cfg.train.seed},
     )
 
+  # Adaptive policies (the cost model's Auto) choose each step's plan from measured
+  # update times; for fixed policies the plan stays None and the optimizer applies its own.
+  placement = placement_lib.PlanDriver(cfg.offload.placement, trainer.opt_state)
   metrics = MetricsLog(cfg.metrics_path)
   progress = Progress(cfg.train.steps, start_step=step, every=cfg.train.log_every, stream=stream)
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -145,10 +149,9 @@ def train(
         if stop.requested:
           interrupted = True
           break
-        # Hook for the cost model's Auto policy: it would pick the plan here from the
-        # update times seen so far; None lets the optimizer use its configured policy.
-        result = trainer.step(next(sampler), plan=None)
+        result = trainer.step(next(sampler), plan=placement.plan)
         step += 1
+        placement_metrics = placement.observe(step, result.update_s)
         loss = result.loss
         if step > start_step + 1:  # The first step of a process compiles.
           timed_steps += 1
@@ -163,7 +166,7 @@ def train(
               'step': step, 'loss': loss, 'grad_norm': result.grad_norm,
               'lr': float(schedule(step - 1)), 'tokens_per_s': tokens_per_step / result.step_s,
               'step_s': result.step_s, 'grad_s': result.grad_s, 'update_s': result.update_s,
-              'time': time.time(),
+              'time': time.time(), **placement_metrics,
           })
         if not math.isfinite(loss):
           progress.message(f'step {step}: loss is {loss}; stopping')
