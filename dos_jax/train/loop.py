@@ -161,7 +161,7 @@ def train(
             step, loss=loss, tokens_per_s=tokens_per_step / result.step_s,
             step_s=result.step_s, update_s=result.update_s,
         )
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+        if step % cfg.train.log_every == 0 or step in (start_step + 1, cfg.train.steps):
           metrics.write({
               'step': step, 'loss': loss, 'grad_norm': result.grad_norm,
               'lr': float(schedule(step - 1)), 'tokens_per_s': tokens_per_step / result.step_s,

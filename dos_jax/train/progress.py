@@ -57,7 +57,7 @@ class Progress:
       self, step: int, *, loss: float, tokens_per_s: float, step_s: float, update_s: float,
   ) -> None:
     """Redraws the bar after `step` steps (on a terminal) or prints every `every` steps."""
-    if not self._tty and step % self._every and step != self._total:
+    if not self._tty and step % self._every and step not in (self._start_step + 1, self._total):
       return
     done = step / self._total
     filled = int(done * self._width)
