@@ -37,7 +37,7 @@ def _leaves_equal(a, b) -> bool:
 
 def test_round_trip_is_exact_keeps_the_newest_and_crosses_layouts(dataset, tmp_path):
   """Save every step (keep 2), restore into a fresh run of the same config: bitwise equal,
-  host state straight into pinned_host; restore into a run with another policy and
+  host state back in pinned_host; restore into a run with another policy and
   subgroup size: the same training continues (losses and params to 1e-6; fp32 compute,
   so a 1-ulp difference from the other fusion of the update is not amplified by bf16)."""
   base = [f'data.path={dataset}', *SMALL, 'model.compute_dtype=float32']
@@ -47,7 +47,7 @@ def test_round_trip_is_exact_keeps_the_newest_and_crosses_layouts(dataset, tmp_p
   saver = checkpoint.Checkpointer(str(tmp_path / 'ckpt'), keep=2, async_save=True)
   for step in range(1, 4):
     run.step(next(sampler))
-    saver.save(step, params=run.params, opt_state=run.opt_state, tx=run.tx,
+    saver.save(step, params=run.params, opt_state=run.opt_state,
                meta={'sampler': sampler.state()})
   saver.close()
 

@@ -4,6 +4,8 @@ The optimizer state is saved as layout-independent pytrees shaped like the param
 (`dos_jax.state_to_pytrees`: master weights, moments, count), not as the packed
 subgroups, so a run can resume under another placement policy or subgroup size;
 `dos_jax.state_from_pytrees` re-packs them and places them in `pinned_host` memory.
+(Both go through device memory today, in the core: fine on CPU and for models whose
+state fits the device; for 7B+ on a GPU they need a host-side unpack/pack.)
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete,
 so a process killed mid-save leaves no checkpoint that looks finished; leftover
@@ -43,9 +45,8 @@ def state_from_trees(trees: Any, params: Any, tx: Any) -> Any:
 
 
 def _abstract(tree: Any) -> Any:
-  """Shape/dtype/sharding targets, so orbax restores each leaf straight into the run's
-  layout and memory kind: host state goes to `pinned_host` without a trip through
-  device memory, where a large model's state would not fit."""
+  """Shape/dtype/sharding targets (memory kind included), so orbax restores each leaf
+  straight into the run's sharding instead of onto one device."""
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
   )
@@ -71,9 +72,8 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
-  def save(self, step: int, *, params: Any, opt_state: Any, tx: Any, meta: dict) -> None:
+  def save(self, step: int, *, params: Any, opt_state: Any, meta: dict) -> None:
     """Starts saving (in the background when async); `wait()` blocks until it is on disk."""
-    del tx
     trees = state_to_trees(opt_state, params)
     self._manager.save(
         step,

@@ -128,7 +128,7 @@ def train(
 
   def save(at_step: int) -> None:
     checkpointer.save(
-        at_step, params=trainer.params, opt_state=trainer.opt_state, tx=trainer.tx,
+        at_step, params=trainer.params, opt_state=trainer.opt_state,
         meta={'step': at_step, 'sampler': sampler.state(), 'seed': cfg.train.seed},
     )
 

@@ -10,7 +10,6 @@ static argument: each plan compiles once and repeated steps never recompile.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -164,15 +163,3 @@ def state_shardings(opt_state: Any, mesh: jax.sharding.Mesh) -> Any:
     )
 
   return jax.tree.map(sharding, opt_state)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTimes:
-  """Wall time of one step, split by phase (seconds)."""
-
-  grad_s: float
-  update_s: float
-
-  @property
-  def step_s(self) -> float:
-    return self.grad_s + self.update_s
