@@ -6,6 +6,10 @@ partly on the host, in one jitted step.
 """
 
 from dos_jax.alias import adamw as adamw
+from dos_jax.auto import Auto as Auto
+from dos_jax.hardware import HardwareProfile as HardwareProfile
+from dos_jax.report import StepRecord as StepRecord
+from dos_jax.report import explain as explain
 from dos_jax.alias import chain as chain
 from dos_jax.layout import Layout as Layout
 from dos_jax.layout import spec_for as spec_for

@@ -1,5 +1,272 @@
-"""`dos-jax plan`: placeholder until the cost model lands."""
+"""`dos-jax plan`: memory per tier, the chosen placement and predicted times, before a run.
+
+Takes a model (a size preset or a run config) and a hardware profile (a preset node,
+this machine by calibration, or a JSON file), and prints the device and pinned-host
+memory the run needs, the plan `Auto` would choose and its predicted update and
+iteration times next to the fixed baselines. Exit status: 0 when the model fits,
+1 when it does not (with the missing amount), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import sys
+
+from dos_jax import auto
+from dos_jax import costmodel
+from dos_jax import model_shapes
+from dos_jax.costmodel import HardwareProfile
+from dos_jax.policies import AllDevice
+from dos_jax.policies import AllHost
+from dos_jax.policies import DeviceFraction
+from dos_jax.policies import Stride
+from dos_jax.policies import SubgroupSpec
+
+_PROG = 'dos-jax plan'
+_THIS = 'this'
+# Achieved training TFLOP/s per GPU, used to estimate forward/backward time. H100: what
+# the paper's 20B run achieved (2NT FLOPs forward in 288 ms and 4NT backward in 852 ms
+# per GPU, ~190-280 TFLOP/s); A100: assumed, ~1/3 of its 312 TFLOP/s bf16 peak.
+_DEFAULT_TFLOPS = {'h100-pcie5': 200.0, 'a100-pcie4': 100.0}
+# Activation bytes per layer and token for 16-bit training without recomputation,
+# with a fused (flash) attention that stores no s x s scores: Korthikanti et al. 2022,
+# "Reducing Activation Recomputation in Large Transformer Models", 34 s b h.
+_ACT_BYTES_PER_LAYER_TOKEN_DIM = 34
+
+_UNITS = {
+    '': 1, 'b': 1, 'kb': 1e3, 'mb': 1e6, 'gb': 1e9, 'tb': 1e12,
+    'kib': 2**10, 'mib': 2**20, 'gib': 2**30, 'tib': 2**40,
+}
+
+
+def parse_bytes(text: str) -> float:
+  """'80GB', '79GiB', '8e10' -> bytes."""
+  match = re.fullmatch(r'\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgt]i?b|b)?\s*', text.lower())
+  if not match:
+    raise argparse.ArgumentTypeError(f'not a memory size: {text!r} (e.g. 80GB, 79GiB, 8e10)')
+  value = float(match.group(1)) * _UNITS[match.group(2) or '']
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f'memory size must be positive, got {text!r}')
+  return value
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'not a number: {text!r}') from None
+  if value < 1 or value != int(value):
+    raise argparse.ArgumentTypeError(f'must be a positive integer, got {text!r}')
+  return int(value)
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'not a number: {text!r}') from None
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f'must be a positive number, got {text!r}')
+  return value
 
 
 def register(subparsers) -> None:
-  del subparsers
+  p = subparsers.add_parser(
+      'plan',
+      help='memory per tier, the chosen placement and predicted update times',
+      description=__doc__.split('\n\n')[0],
+  )
+  what = p.add_mutually_exclusive_group(required=True)
+  what.add_argument('--model', choices=sorted(model_shapes.PRESETS), help='a model size preset')
+  what.add_argument('--config', metavar='PATH', help='a run config (YAML) whose model to plan')
+  p.add_argument(
+      '--profile', default='h100-pcie5',
+      help=f'hardware: {", ".join(costmodel.PROFILE_PRESETS)}, {_THIS!r} (calibrate this'
+      ' machine, cached), or a profile JSON file (default: h100-pcie5)',
+  )
+  p.add_argument('--subgroup-size', type=_positive_int, help='elements per subgroup (default: 1e8'
+                 ' for models of 1B+ params, smaller below)')
+  p.add_argument('--param-dtype', choices=('bf16', 'fp32'), default='bf16')
+  p.add_argument('--device-memory', type=parse_bytes, help='memory per device (e.g. 80GB)')
+  p.add_argument('--host-memory', type=parse_bytes, help='pinned host memory per node (e.g. 1TiB)')
+  p.add_argument('--gpus-per-node', type=_positive_int, help='devices sharing a node and its'
+                 ' host memory; params, grads and state are sharded over them (default: 4 for'
+                 ' the node presets, else 1)')
+  p.add_argument('--seq-len', type=_positive_int, default=2048)
+  p.add_argument('--micro-batch', type=_positive_int, default=1)
+  p.add_argument('--achieved-tflops', type=_positive_float, help='training TFLOP/s per device,'
+                 ' for the forward/backward estimate (default: 200 on h100-pcie5, 100 on'
+                 ' a100-pcie4; otherwise no iteration time)')
+  p.set_defaults(handler=handler)
+
+
+def _error(message: str) -> int:
+  print(f'{_PROG}: error: {message}', file=sys.stderr)
+  return 2
+
+
+def _load_shape(args) -> model_shapes.ModelShape:
+  if args.model:
+    return model_shapes.preset(args.model)
+  try:
+    from dos_jax.train import config as train_config  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ValueError('--config needs the runner (dos_jax.train.config), which is not available') from None
+  try:
+    cfg = train_config.load_config(args.config)
+  except FileNotFoundError:
+    raise ValueError(f'--config: file not found: {args.config}') from None
+  except (OSError, KeyError, TypeError, ValueError) as e:
+    raise ValueError(f'--config {args.config}: {e}') from None
+  shape = cfg.model.shape()
+  if not isinstance(shape, model_shapes.ModelShape):
+    raise ValueError(f'{args.config}: model.shape() did not return a ModelShape')
+  return shape
+
+
+def _load_profile(name: str) -> HardwareProfile:
+  if name in costmodel.PROFILE_PRESETS:
+    return costmodel.PROFILE_PRESETS[name]
+  if name == _THIS:
+    from dos_jax import calibrate  # pylint: disable=import-outside-toplevel
+    if not os.path.exists(calibrate.profile_path()):
+      print(f'calibrating this machine (a few seconds; cached in {calibrate.profile_path()})',
+            file=sys.stderr)
+    return calibrate.cached_profile()
+  if name.endswith('.json'):
+    return HardwareProfile.from_json(name)
+  raise ValueError(
+      f'--profile: unknown profile {name!r}; use {", ".join(costmodel.PROFILE_PRESETS)},'
+      f' {_THIS!r} or a .json file'
+  )
+
+
+def _gib(n: float) -> str:
+  return f'{n / 2**30:,.1f} GiB'
+
+
+def _ms(s: float) -> str:
+  if s < 0.1:
+    return f'{s * 1e3:.3g} ms'
+  return f'{s * 1e3:,.0f} ms' if s < 10 else f'{s:,.1f} s'
+
+
+def _count(n: float) -> str:
+  return f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+  """What one device and one node hold for a model, in bytes."""
+
+  params: float
+  grads: float
+  activations: float
+  state_per_device: float
+  num_elements: int
+
+
+def sizing(shape, *, param_bytes: int, state_bytes: int, devices: int, seq_len: int, micro_batch: int) -> Sizing:
+  """Per-device sizes with params, grads and state sharded over the node's devices
+  (as ZeRO-3/FSDP would) and one micro-batch of activations per device."""
+  n = shape.num_params()
+  per_device = math.ceil(n / devices)
+  acts = shape.n_layers * seq_len * micro_batch * shape.dim * _ACT_BYTES_PER_LAYER_TOKEN_DIM
+  acts *= param_bytes / 2  # the estimate is for 16-bit activations
+  return Sizing(
+      params=per_device * param_bytes, grads=per_device * param_bytes, activations=acts,
+      state_per_device=per_device * state_bytes, num_elements=per_device,
+  )
+
+
+def handler(args) -> int:
+  try:
+    shape = _load_shape(args)
+    profile = _load_profile(args.profile)
+  except ValueError as e:
+    return _error(str(e))
+  preset_profile = args.profile in costmodel.PROFILE_PRESETS
+  devices = args.gpus_per_node or (4 if preset_profile else 1)
+  param_bytes = 2 if args.param_dtype == 'bf16' else 4
+  # bf16: fp32 master + m + v on the host; fp32: the params are the master, m + v.
+  state_bytes = 12 if param_bytes == 2 else 8
+  size = sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=devices,
+                seq_len=args.seq_len, micro_batch=args.micro_batch)
+  subgroup = args.subgroup_size or (
+      int(1e8) if shape.num_params() >= 1e9 else int(1e7) if shape.num_params() >= 1e8 else int(1e6)
+  )
+  subgroup = min(subgroup, size.num_elements)
+  spec = SubgroupSpec(
+      num_subgroups=math.ceil(size.num_elements / subgroup), subgroup_size=subgroup,
+      num_elements=size.num_elements, state_bytes_per_element=state_bytes,
+      param_bytes_per_element=param_bytes, grad_bytes_per_element=param_bytes,
+  )
+  device_mem = args.device_memory or profile.device_free_bytes
+  host_mem = args.host_memory or profile.host_memory_bytes
+  tflops = args.achieved_tflops or _DEFAULT_TFLOPS.get(profile.name if preset_profile else '')
+  fwd = bwd = 0.0
+  if tflops:
+    tokens = args.seq_len * args.micro_batch
+    fwd = 2 * shape.num_params() * tokens / (tflops * 1e12)
+    bwd = 2 * fwd
+
+  print(f'model: {args.model or args.config}: {_count(shape.num_params())} params'
+        f' ({args.param_dtype}), {devices} device(s) per node, {spec.num_subgroups} subgroups'
+        f' of {subgroup:,} elements per device')
+  print(f'profile: {profile.name} (device memory {_gib(device_mem)}, host memory'
+        f' {_gib(host_mem) if host_mem else "unknown"})')
+
+  base = size.params + size.grads
+  backward_peak = base + size.activations
+  host_state = size.state_per_device * devices
+  short = []
+  if backward_peak > device_mem:
+    short.append(f'device memory short by {_gib(backward_peak - device_mem)} per device'
+                 f' (params {_gib(size.params)} + grads {_gib(size.grads)} + activations'
+                 f' {_gib(size.activations)} > {_gib(device_mem)})')
+  if host_mem and host_state > host_mem:
+    short.append(f'pinned host memory short by {_gib(host_state - host_mem)} per node'
+                 f' (optimizer state {_gib(host_state)} > {_gib(host_mem)})')
+
+  budget = max(device_mem - base, 0.0)
+  ranking = auto.rank(profile, spec, budget, backward_seconds=bwd)
+  chosen = ranking[0]
+  print('\nmemory per tier:')
+  print(f'  device (each): params {_gib(size.params)}, grads {_gib(size.grads)}, activations'
+        f' ~{_gib(size.activations)} (fwd/bwd), update buffers {_gib(chosen.prediction.device_peak_bytes)}'
+        f' -> peak {_gib(base + max(size.activations, chosen.prediction.device_peak_bytes))}'
+        f' of {_gib(device_mem)}')
+  print(f'  pinned host (node): optimizer state {_gib(host_state)}'
+        f' ({state_bytes} B/param) of {_gib(host_mem) if host_mem else "unknown"}')
+  if short:
+    for line in short:
+      print(f'\ndoes not fit: {line}')
+    return 1
+
+  plan = chosen.plan
+  print(f'\nchosen plan: {plan.describe()} ({len(plan.device) / spec.num_subgroups:.0%} of'
+        f' subgroups on the device), order: {_order(plan)}')
+  rows = [('Auto (chosen)', plan)] + [
+      (name, policy.plan(spec)) for name, policy in
+      (('AllHost', AllHost()), ('Stride(2)', Stride(2)), ('DeviceFraction(0.5)', DeviceFraction(0.5)))
+  ]
+  if backward_peak + size.state_per_device <= device_mem:
+    rows.append(('AllDevice (state fits on device)', AllDevice().plan(spec)))
+  print(f'\n  {"plan":34} {"update":>10} {"iteration":>10}  bound')
+  for name, p in rows:
+    it = costmodel.predict_iteration(profile, spec, p, forward_seconds=fwd, backward_seconds=bwd)
+    iteration = _ms(it.iteration_seconds) if tflops else '-'
+    print(f'  {name:34} {_ms(it.update.update_seconds):>10} {iteration:>10}  {it.update.bound}')
+  if tflops:
+    print(f'\n(forward {_ms(fwd)} + backward {_ms(bwd)} estimated at {tflops:g} TFLOP/s per device)')
+  return 0
+
+
+def _order(plan) -> str:
+  if not plan.device or not plan.host:
+    return 'all in one place'
+  return 'device subgroups first' if max(plan.device) < min(plan.host) else 'device subgroups spread'

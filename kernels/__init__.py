@@ -1,1 +1,19 @@
-"""Update kernels: a Pallas fused AdamW for the device path, a native AdamW for the host path."""
+"""Update kernels: a Pallas fused AdamW for the device path, a native AdamW for the host path.
+
+All three implementations share one contract: a flat subgroup of fp32 master weights,
+m and v and a gradient, the step's `AdamWScalars`, a weight-decay boundary and a
+low-precision dtype; they return (new_master, new_mu, new_nu, new_lowp), the first
+three aliased to their inputs.
+"""
+
+from dos_jax.kernels.adamw_scalars import AdamWScalars
+from dos_jax.kernels.host_adamw import adamw_host
+from dos_jax.kernels.host_adamw import default_num_threads
+from dos_jax.kernels.host_adamw import host_kernel_available
+from dos_jax.kernels.host_adamw import host_kernel_unavailable_reason
+from dos_jax.kernels.host_adamw import HostIsa
+from dos_jax.kernels.host_adamw import supported_isas
+from dos_jax.kernels.pallas_adamw import adamw_pallas
+from dos_jax.kernels.pallas_adamw import adamw_reference
+from dos_jax.kernels.pallas_adamw import BlockConfig
+from dos_jax.kernels.pallas_adamw import DEFAULT_CONFIG

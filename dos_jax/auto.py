@@ -1,0 +1,286 @@
+"""`Auto`: the placement policy that asks the cost model, and re-plans when it was wrong.
+
+`choose` predicts every plan of a small fixed candidate set (device fractions on a
+grid, the paper's strides, two orders, 1-3 buffers: at most 294 plans) and keeps
+the fastest one that fits the device-memory budget. Because the set is fixed per
+`SubgroupSpec`, a run compiles at most that many distinct plans, however often `Auto`
+changes its mind.
+
+`Auto.observe` compares measured update times with the prediction. After `patience`
+consecutive steps that depart from it by more than `tolerance`, it corrects the profile
+(`fitting`) and chooses again. With one plan measured, one factor (host AdamW or
+device stream throughput) explains the measurement; when the two explanations would
+choose different plans, Auto tries the plan that changes, whose measurement then tells
+them apart. With several plans measured, both factors are fitted together.
+A resource faster than believed shows only when it is on the critical path of the plan
+being run: Auto does not spend steps on plans it predicts to be slower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from dos_jax import costmodel
+from dos_jax import fitting
+from dos_jax.costmodel import HardwareProfile
+from dos_jax.costmodel import Prediction
+from dos_jax.policies import DeviceFraction
+from dos_jax.policies import Plan
+from dos_jax.policies import Stride
+from dos_jax.policies import SubgroupSpec
+
+# Measured plans kept for the joint fit: the most recent ones.
+_MEMORY = 4
+# Device fractions Auto considers: every device-subgroup count up to this many
+# subgroups, a 1/40 grid of fractions beyond, so at most 41 counts (plus the strides').
+EVERY_COUNT_UP_TO = 40
+FRACTION_GRID: tuple[float, ...] = tuple(i / 40 for i in range(41))
+# The paper's strides, so that Auto never does worse than a hand-tuned Stride(k).
+STRIDES: tuple[int, ...] = tuple(range(1, 9))
+BUFFER_CHOICES: tuple[int, ...] = (1, 2, 3)
+
+
+def _first(count: int, n: int, buffers: int) -> Plan:
+  """The first `count` subgroups streamed to the device, the rest on the host."""
+  return Plan(device=tuple(range(count)), host=tuple(range(count, n)), buffers=buffers)
+
+
+def candidates(
+    spec: SubgroupSpec,
+    *,
+    fractions: tuple[float, ...] = FRACTION_GRID,
+    strides: tuple[int, ...] = STRIDES,
+    buffers: tuple[int, ...] = BUFFER_CHOICES,
+    resident: bool = False,
+) -> list[Plan]:
+  """The bounded set of plans Auto chooses from, without duplicates, in a fixed order
+  (ties in predicted time go to the earlier plan: spread before first, fewer buffers
+  first). `resident` adds the AllDevice plan, whose state stays in device memory
+  through the forward and backward passes too, so only a caller that knows the
+  memory left beside the activations can judge whether it fits."""
+  n = spec.num_subgroups
+  if n <= EVERY_COUNT_UP_TO:
+    fractions = tuple(c / n for c in range(n + 1))
+  seen: dict[Plan, None] = {}
+  for b in buffers:
+    for f in fractions:
+      spread = DeviceFraction(f, buffers=b).plan(spec)
+      seen.setdefault(spread, None)
+      seen.setdefault(_first(len(spread.device), n, b), None)
+    for k in strides:
+      stride = Stride(k, buffers=b).plan(spec)
+      seen.setdefault(stride, None)
+      seen.setdefault(_first(len(stride.device), n, b), None)
+  # With nothing on the device, the buffer count is meaningless: keep one AllHost plan.
+  out = [p for p in seen if p.device or p.buffers == buffers[0]]
+  if resident:
+    out.append(Plan(device=tuple(range(n)), host=(), resident=True))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """One candidate as `choose` saw it."""
+
+  plan: Plan
+  prediction: Prediction
+  fits: bool
+
+
+def rank(
+    profile: HardwareProfile,
+    spec: SubgroupSpec,
+    budget_bytes: float,
+    *,
+    backward_seconds: float = 0.0,
+    plans: list[Plan] | None = None,
+) -> list[Choice]:
+  """Every candidate with its prediction, the fitting ones first, fastest first."""
+  plans = candidates(spec) if plans is None else plans
+  choices = [
+      Choice(p, pred, pred.device_peak_bytes <= budget_bytes)
+      for p in plans
+      for pred in [costmodel.predict(profile, spec, p, backward_seconds=backward_seconds)]
+  ]
+  order = {id(c): i for i, c in enumerate(choices)}
+  return sorted(
+      choices,
+      key=lambda c: (not c.fits, c.prediction.update_seconds, c.prediction.device_peak_bytes, order[id(c)]),
+  )
+
+
+def choose(
+    profile: HardwareProfile,
+    spec: SubgroupSpec,
+    budget_bytes: float | None = None,
+    *,
+    backward_seconds: float = 0.0,
+) -> tuple[Plan, Prediction]:
+  """The fastest candidate plan whose device memory fits `budget_bytes` (default: the
+  profile's free device memory). AllHost needs no device memory, so one always fits."""
+  budget = profile.device_free_bytes if budget_bytes is None else budget_bytes
+  best = rank(profile, spec, budget, backward_seconds=backward_seconds)[0]
+  return best.plan, best.prediction
+
+
+class Auto:
+  """Placement by the cost model: the fastest plan that fits, re-chosen when measured
+  step times keep departing from the prediction.
+
+  Satisfies the `Policy` protocol (`plan(spec) -> Plan`). The runner passes each
+  step's update time to `observe`, which returns the plan to use next. A jitted step
+  consults the policy only while it is traced, so pass that plan to the transform's
+  `update(..., plan=plan)` as a static argument: each distinct plan compiles once.
+  """
+
+  def __init__(
+      self,
+      profile: HardwareProfile | None = None,
+      *,
+      budget_bytes: float | None = None,
+      backward_seconds: float = 0.0,
+      tolerance: float = 0.15,
+      patience: int = 3,
+      warmup: int = 1,
+  ):
+    """Args:
+      profile: the machine; None calibrates this one on first use (cached as JSON).
+      budget_bytes: device memory the streamed buffers may use; default: the
+        profile's free device memory.
+      backward_seconds: the backward pass's length, behind which host gradient
+        copies hide.
+      tolerance: relative departure of a measurement from its prediction that counts.
+      patience: consecutive departing steps before re-planning.
+      warmup: observations ignored after each change of plan (they include compiling).
+    """
+    if not 0 < tolerance < 10:
+      raise ValueError(f'Auto.tolerance must be in (0, 10), got {tolerance!r}')
+    if not isinstance(patience, int) or patience < 1:
+      raise ValueError(f'Auto.patience must be an integer >= 1, got {patience!r}')
+    if not isinstance(warmup, int) or warmup < 0:
+      raise ValueError(f'Auto.warmup must be an integer >= 0, got {warmup!r}')
+    self._profile = profile
+    self.budget_bytes = budget_bytes
+    self.backward_seconds = backward_seconds
+    self.tolerance = tolerance
+    self.patience = patience
+    self.warmup = warmup
+    self.spec: SubgroupSpec | None = None
+    self.current: Plan | None = None
+    self.ranking: list[Choice] = []
+    self.corrections: list[str] = []
+    self.replans = 0
+    self._departures: list[float] = []
+    self._skip = warmup
+    self._base: HardwareProfile | None = profile
+    self._measured: dict[Plan, float] = {}
+
+  def __repr__(self):
+    name = self._profile.name if self._profile else 'this machine (lazy)'
+    return f'Auto(profile={name}, tolerance={self.tolerance}, patience={self.patience})'
+
+  @property
+  def profile(self) -> HardwareProfile:
+    if self._profile is None:
+      from dos_jax import calibrate  # pylint: disable=import-outside-toplevel
+      self._profile = self._base = calibrate.cached_profile()
+    return self._profile
+
+  @property
+  def prediction(self) -> Prediction | None:
+    """The prediction of the current plan."""
+    for c in self.ranking:
+      if c.plan == self.current:
+        return c.prediction
+    return None
+
+  def _rank(self, profile: HardwareProfile) -> list[Choice]:
+    budget = profile.device_free_bytes if self.budget_bytes is None else self.budget_bytes
+    return rank(profile, self.spec, budget, backward_seconds=self.backward_seconds)
+
+  def _choose(self, ranking: list[Choice] | None = None) -> Plan:
+    self.ranking = ranking or self._rank(self.profile)
+    new = self.ranking[0].plan
+    if new != self.current:
+      self._skip = self.warmup
+    self.current = new
+    self._departures = []
+    return new
+
+  def plan(self, spec: SubgroupSpec) -> Plan:
+    if spec != self.spec or self.current is None:
+      self.spec = spec
+      self.current = None
+      self._measured = {}
+      return self._choose()
+    return self.current
+
+  def observe(self, plan: Plan, measured_update_seconds: float) -> Plan:
+    """Records one step's measured update time under `plan`; returns the plan for the
+    next step (the same one unless `patience` steps in a row departed by more than
+    `tolerance` from the prediction)."""
+    if self.spec is None:
+      raise ValueError('Auto.observe called before Auto.plan(spec)')
+    if not (math.isfinite(measured_update_seconds) and measured_update_seconds > 0):
+      raise ValueError(f'measured_update_seconds must be positive, got {measured_update_seconds!r}')
+    if self._skip > 0:
+      self._skip -= 1
+      return self.current
+    predicted = costmodel.predict(
+        self.profile, self.spec, plan, backward_seconds=self.backward_seconds
+    ).update_seconds
+    self._remember(plan, measured_update_seconds)
+    if abs(measured_update_seconds - predicted) <= self.tolerance * predicted:
+      self._departures = []
+      return self.current
+    self._departures.append(measured_update_seconds)
+    if len(self._departures) < self.patience:
+      return self.current
+    self._remember(plan, statistics.median(self._departures))
+    if len(self._measured) >= 2:
+      options = [fitting.fit_joint(
+          self._base, self.spec, self._measured, backward_seconds=self.backward_seconds
+      )]
+    else:
+      options = fitting.corrections(
+          self.profile, self.spec, plan, self._measured[plan],
+          backward_seconds=self.backward_seconds,
+      )
+    ranked = [(c, self._rank(c.profile)) for c in options]
+    # The likeliest explanation, unless another would move to a different plan: trying
+    # that plan is what tells the two explanations apart.
+    pick = next((r for r in ranked if r[1][0].plan != self.current), ranked[0])
+    if len({r[1][0].plan for r in ranked}) == 1:
+      pick = ranked[0]
+    self._profile = pick[0].profile
+    self.corrections.append(pick[0].reason)
+    self.replans += 1
+    return self._choose(pick[1])
+
+  def _remember(self, plan: Plan, seconds: float) -> None:
+    self._measured.pop(plan, None)
+    self._measured[plan] = seconds
+    while len(self._measured) > _MEMORY:
+      del self._measured[next(iter(self._measured))]
+
+  def record(self, step: int, measured_update_seconds: float | None = None):
+    """A `report.StepRecord` of the current plan at `step`, for the metrics log."""
+    from dos_jax import report  # pylint: disable=import-outside-toplevel
+    if self.spec is None or self.current is None:
+      raise ValueError('Auto.record called before Auto.plan(spec)')
+    prediction = costmodel.predict(
+        self.profile, self.spec, self.current, backward_seconds=self.backward_seconds
+    )
+    return report.StepRecord.of(step, self.current, prediction, measured_update_seconds)
+
+  def explain(self, top: int = 5) -> str:
+    """Why the current plan: the candidates compared, the best few, some baselines."""
+    if self.spec is None:
+      return 'Auto has not planned yet (call plan(spec) first).'
+    from dos_jax import report  # pylint: disable=import-outside-toplevel
+    return report.explain_choice(
+        self.profile, self.spec, self.ranking, self.current, corrections=self.corrections,
+        top=top, backward_seconds=self.backward_seconds,
+    )

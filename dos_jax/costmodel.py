@@ -1,0 +1,243 @@
+"""The cost model: what one update phase costs on a given machine, for a given plan.
+
+`predict` turns a `HardwareProfile` (see `hardware`), the shape of the packed state
+(`SubgroupSpec`) and a `Plan` into a `Prediction` of the update phase.
+
+The model is a roofline over four resources that work at once (host cores, device,
+the H2D link, the D2H link):
+
+* device subgroups go through a pipeline of `plan.buffers` device buffers: state in
+  (H2D), the fused AdamW, state out (D2H). Each subgroup holds a buffer from the start
+  of its H2D to the end of its D2H, so the steady-state period per subgroup is
+  `max(h, c, d, (h + c + d) / buffers)`, plus one full latency `h + c + d` to fill and
+  drain the pipeline;
+* host subgroups need their gradients D2H (hidden behind the backward pass as far as it
+  lasts; fp32 params, which are their own master, go along), the host AdamW, and their
+  new low-precision params H2D;
+* both paths run concurrently; the host AdamW runs `host_copy_slowdown` times slower
+  while the device stream's copies run (they share host memory bandwidth);
+* packing gradients into subgroup rows before, and unpacking the new rows into the
+  params after, cost device-memory traffic (`layout_bytes`) outside both paths;
+* the update phase lasts as long as the slowest path or link. On a machine whose
+  "device" is the host itself (`device_is_host`, the CPU backend), the two paths use
+  the same cores and memory, so their times add instead.
+
+With a fast device and the state copies hidden, this reduces to the paper's rule
+(PAPER.md, the method, point 6): one device subgroup in every k hides behind the host
+work on the other k-1 when (k-1)/U_host >= 12/B, i.e. k >= 1 + 12 U_host / B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# The profile lives in `hardware`; re-exported so callers need one import.
+from dos_jax.hardware import A100_PCIE_GEN4_NODE as A100_PCIE_GEN4_NODE
+from dos_jax.hardware import ADAMW_BYTES_PER_PARAM as ADAMW_BYTES_PER_PARAM
+from dos_jax.hardware import H100_PCIE_GEN5_NODE as H100_PCIE_GEN5_NODE
+from dos_jax.hardware import HardwareProfile as HardwareProfile
+from dos_jax.hardware import PROFILE_PRESETS as PROFILE_PRESETS
+from dos_jax.policies import Plan
+from dos_jax.policies import SubgroupSpec
+
+_GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """The predicted update phase of one plan.
+
+  Attributes:
+    update_seconds: the whole update phase (after the backward pass).
+    device_stream_seconds: the device path alone (copies in, device AdamW, copies out).
+    host_seconds: the host path alone (exposed gradient copies, host AdamW slowed by
+      the copies it competes with, params back to the device).
+    bytes_h2d: bytes moved host -> device (device subgroups' state, host subgroups'
+      new low-precision params).
+    bytes_d2h: bytes moved device -> host (device subgroups' state, host subgroups'
+      gradients, including those hidden behind the backward pass).
+    grad_transfer_hidden_seconds: how much of the host subgroups' gradient copies
+      hides behind the backward pass.
+    device_peak_bytes: device memory the update needs beyond params and grads.
+    bound: what limits the update: 'device stream', 'host', 'H2D link', 'D2H link',
+      'resident' or 'serialized' (device_is_host).
+    layout_seconds: packing gradients (and fp32 params) into subgroup rows before the
+      paths run, and unpacking the new rows into updates applied to the params after;
+      part of `update_seconds`.
+  """
+
+  update_seconds: float
+  device_stream_seconds: float
+  host_seconds: float
+  bytes_h2d: float
+  bytes_d2h: float
+  grad_transfer_hidden_seconds: float
+  device_peak_bytes: float
+  bound: str
+  layout_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationPrediction:
+  """A whole training iteration: forward + backward + the predicted update phase."""
+
+  forward_seconds: float
+  backward_seconds: float
+  update: Prediction
+
+  @property
+  def iteration_seconds(self) -> float:
+    return self.forward_seconds + self.backward_seconds + self.update.update_seconds
+
+
+def subgroup_sizes(spec: SubgroupSpec) -> list[int]:
+  """Real elements per subgroup: all full except possibly the last."""
+  n, size = spec.num_subgroups, spec.subgroup_size
+  last = spec.num_elements - (n - 1) * size
+  if n < 1 or size < 1 or not 0 < last <= size:
+    raise ValueError(
+        f'inconsistent SubgroupSpec: {spec.num_elements} elements in {n} subgroups of {size}'
+    )
+  return [size] * (n - 1) + [last]
+
+
+def master_kept(spec: SubgroupSpec) -> bool:
+  """Whether the host state holds a separate fp32 master copy: it does when the params
+  are below fp32; fp32 params are their own master and stay on the device."""
+  return spec.param_bytes_per_element < 4
+
+
+def host_pull_bytes(spec: SubgroupSpec) -> int:
+  """Bytes per element a host subgroup pulls device -> host: its gradients, and its
+  params too when no master copy lives on the host."""
+  extra = 0 if master_kept(spec) else spec.param_bytes_per_element
+  return spec.grad_bytes_per_element + extra
+
+
+def layout_bytes(spec: SubgroupSpec) -> int:
+  """Device-memory traffic per element around the two paths: gradients packed into
+  rows (read + write), fp32 params packed too when they are the master, the output rows
+  initialized, and the new rows unpacked into updates that `optax.apply_updates` adds
+  to the params (read row and param, write param)."""
+  pb, gb = spec.param_bytes_per_element, spec.grad_bytes_per_element
+  params_packed = 0 if master_kept(spec) else 2 * pb
+  return 2 * gb + params_packed + pb + 3 * pb
+
+
+def _slowed(work: float, window: float, slowdown: float) -> float:
+  """Time for `work` seconds of host compute when it runs `slowdown` times slower
+  during the first `window` seconds (while copies run) and at full speed after."""
+  if work * slowdown <= window:
+    return work * slowdown
+  return window + (work - window / slowdown)
+
+
+def predict(
+    profile: HardwareProfile,
+    spec: SubgroupSpec,
+    plan: Plan,
+    *,
+    backward_seconds: float = 0.0,
+) -> Prediction:
+  """Predicts the update phase of `plan` on `profile` (see the module docstring).
+
+  Args:
+    profile: the machine.
+    spec: the packed state (subgroup count and size, bytes per element).
+    plan: which subgroups go where.
+    backward_seconds: length of the backward pass, during which the host subgroups'
+      gradient copies can already run (0: nothing hides).
+  """
+  if plan.num_subgroups != spec.num_subgroups:
+    raise ValueError(
+        f'plan names {plan.num_subgroups} subgroups but the spec has {spec.num_subgroups}'
+    )
+  sizes = subgroup_sizes(spec)
+  sb, pb = spec.state_bytes_per_element, spec.param_bytes_per_element
+  gb = host_pull_bytes(spec)
+  u_dev = profile.device_adamw_gparams * _GB
+  u_host = profile.host_adamw_gparams() * _GB
+
+  layout = spec.num_elements * layout_bytes(spec) / (profile.device_memory_gbps * _GB)
+  if plan.resident:
+    seconds = spec.num_elements / u_dev
+    return Prediction(
+        update_seconds=seconds + layout, device_stream_seconds=seconds, host_seconds=0.0,
+        bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
+        device_peak_bytes=float(sb * spec.num_subgroups * spec.subgroup_size),
+        bound='resident', layout_seconds=layout,
+    )
+
+  dev_sizes = [sizes[i] for i in plan.device]
+  host_elements = sum(sizes[i] for i in plan.host)
+  serial = profile.device_is_host
+  # Both directions carry traffic at once only when the device stream overlaps.
+  both = bool(dev_sizes) and not serial and (plan.buffers >= 2 or bool(plan.host))
+  h2d_bw = (profile.both_gbps if both else profile.h2d_gbps) * _GB
+  d2h_bw = (profile.both_gbps if both else profile.d2h_gbps) * _GB
+
+  stream = 0.0
+  if dev_sizes:
+    # A single buffer cannot overlap its own copies: those run at the lone-direction rate.
+    in_bw = h2d_bw if plan.buffers >= 2 else profile.h2d_gbps * _GB
+    out_bw = d2h_bw if plan.buffers >= 2 else profile.d2h_gbps * _GB
+    latencies = []
+    for s in dev_sizes:
+      h, c, d = sb * s / in_bw, s / u_dev, sb * s / out_bw
+      if serial:
+        stream += h + c + d
+      else:
+        stream += max(h, c, d, (h + c + d) / plan.buffers)
+        latencies.append((h + c + d) - max(h, c, d, (h + c + d) / plan.buffers))
+    if latencies:
+      stream += latencies[0]  # filling the pipeline: the first subgroup's whole latency
+
+  grad_seconds = gb * host_elements / d2h_bw
+  hidden = min(grad_seconds, max(backward_seconds, 0.0))
+  exposed = grad_seconds - hidden
+  param_seconds = pb * host_elements / h2d_bw
+  host = 0.0
+  if plan.host:
+    work = host_elements / u_host
+    compute = work if serial else _slowed(work, stream, profile.host_copy_slowdown)
+    first, last = sizes[plan.host[0]], sizes[plan.host[-1]]
+    # The first subgroup's exposed gradients must arrive before its update starts, and
+    # the last one's params go back after it ends; the rest pipelines.
+    fill = exposed * first / host_elements
+    drain = pb * last / h2d_bw
+    if serial:
+      host = exposed + work + param_seconds
+    else:
+      host = fill + max(exposed, compute, param_seconds) + drain
+
+  bytes_h2d = float(sb * sum(dev_sizes) + pb * host_elements)
+  bytes_d2h = float(sb * sum(dev_sizes) + gb * host_elements)
+  if serial:
+    update, bound = stream + host, 'serialized'
+  else:
+    h2d_link = (bytes_h2d) / h2d_bw
+    d2h_link = (bytes_d2h - gb * host_elements * (hidden / grad_seconds if grad_seconds else 0)) / d2h_bw
+    update, bound = max(
+        (stream, 'device stream'), (host, 'host'), (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
+        key=lambda item: item[0],
+    )
+  peak = float(sb * plan.buffers * max(dev_sizes)) if dev_sizes else 0.0
+  return Prediction(
+      update_seconds=update + layout, device_stream_seconds=stream, host_seconds=host,
+      bytes_h2d=bytes_h2d, bytes_d2h=bytes_d2h, grad_transfer_hidden_seconds=hidden,
+      device_peak_bytes=peak, bound=bound, layout_seconds=layout,
+  )
+
+
+def predict_iteration(
+    profile: HardwareProfile,
+    spec: SubgroupSpec,
+    plan: Plan,
+    *,
+    forward_seconds: float = 0.0,
+    backward_seconds: float = 0.0,
+) -> IterationPrediction:
+  """A whole iteration: the given forward and backward times plus the update phase,
+  with the host subgroups' gradient copies hidden behind the backward pass."""
+  update = predict(profile, spec, plan, backward_seconds=backward_seconds)
+  return IterationPrediction(forward_seconds, backward_seconds, update)

@@ -1,0 +1,189 @@
+"""Fused AdamW for one flat subgroup as a Pallas (Triton backend) kernel.
+
+One pass reads the fp32 master weights, m, v and the gradient (bf16 or fp32), and writes
+the new master, m, v in place plus the low-precision parameter copy. XLA already fuses an
+elementwise AdamW; what this kernel adds is the in-place update (`input_output_aliases`),
+the 16-bit weight output in the same pass and the gradient scale folded in.
+
+The math follows `optax.adamw` op for op (see `adamw_reference`), with divisions by the
+per-step bias corrections done as multiplications by their f32 reciprocals, as XLA
+compiles optax on a flat array. Results agree with `jax.jit(optax.adamw)` to an ulp
+(rtol 1e-6); where exactly XLA or Triton contracts a product and a sum into an FMA
+varies between programs, so bits may differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from dos_jax.kernels import adamw_scalars
+from dos_jax.kernels.adamw_scalars import AdamWScalars
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+  """How the flat subgroup is cut into Triton programs."""
+
+  block_size: int = 2048  # elements per program; a power of two (Triton needs one)
+  num_warps: int = 4  # 128 threads x 16 elements: enough bytes in flight per SM
+  num_stages: int = 1  # no inner loop to pipeline
+
+  def __post_init__(self):
+    for name in ('block_size', 'num_warps'):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f'BlockConfig.{name} must be a power of two, got {value}')
+    if self.num_stages < 1:
+      raise ValueError(f'BlockConfig.num_stages must be >= 1, got {self.num_stages}')
+
+
+DEFAULT_CONFIG = BlockConfig()
+
+
+def _adam_math(coeffs, master, mu, nu, grad, decayed, *, nesterov, div, sqrt):
+  """The AdamW update in optax's op order, shared by the kernel and the reference.
+
+  The order of every product and sum matters: XLA contracts `a * b + c` into an FMA
+  for the first product of a sum, and matching that is what makes results bit-equal.
+  """
+  c = coeffs
+  g = grad.astype(_F32) * c.grad_scale
+  mu = c.one_minus_b1 * g + c.b1 * mu.astype(_F32)  # optax update_moment
+  nu = c.one_minus_b2 * (g * g) + c.b2 * nu  # optax update_moment_per_elem_norm
+  if nesterov:
+    mu_hat = c.b1 * (mu * c.inv_bc1_next) + c.one_minus_b1 * (g * c.inv_bc1)
+  else:
+    mu_hat = mu * c.inv_bc1
+  nu_hat = nu * c.inv_bc2
+  u = div(mu_hat, sqrt(nu_hat + c.eps_root) + c.eps)
+  u = jnp.where(decayed, u + c.weight_decay * master, u)  # optax add_decayed_weights
+  new_master = master + c.neg_lr * u  # scale_by_learning_rate, then apply_updates
+  return new_master, mu, nu
+
+
+def _ieee_div(x, y):
+  # Triton lowers f32 `/` to div.full.f32 (2 ulp); XLA divides exactly.
+  [out] = plgpu.elementwise_inline_asm(
+      'div.rn.f32 $0, $1, $2;', args=[x, y], constraints='=f,f,f', pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, _F32)])
+  return out
+
+
+def _ieee_sqrt(x):
+  [out] = plgpu.elementwise_inline_asm(
+      'sqrt.rn.f32 $0, $1;', args=[x], constraints='=f,f', pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, _F32)])
+  return out
+
+
+def _adamw_kernel(
+    coeffs_ref, limit_ref, master_ref, mu_ref, nu_ref, grad_ref, *refs,
+    size: int, block_size: int, nesterov: bool, exact_ops: bool, has_lowp: bool):
+  # refs: [lowp_in_ref (only aliased, never read)], then the outputs master, mu, nu
+  # (aliased to their inputs) and, unless lowp_dtype is None, lowp.
+  master_out_ref, mu_out_ref, nu_out_ref, *lowp_ref = refs[-4:] if has_lowp else refs[-3:]
+  idx = pl.program_id(0) * block_size + jnp.arange(block_size, dtype=jnp.int32)
+  in_bounds = idx < size  # the last block may run past the end: mask, never pad
+  load = functools.partial(plgpu.load, mask=in_bounds, other=0)
+  coeffs = adamw_scalars.Coefficients(
+      *(coeffs_ref[i] for i in range(len(adamw_scalars.Coefficients._fields))))
+  new_master, new_mu, new_nu = _adam_math(
+      coeffs, load(master_ref), load(mu_ref), load(nu_ref), load(grad_ref),
+      idx < limit_ref[0], nesterov=nesterov,
+      div=_ieee_div if exact_ops else jnp.divide,
+      sqrt=_ieee_sqrt if exact_ops else jnp.sqrt)
+  store = functools.partial(plgpu.store, mask=in_bounds)
+  store(master_out_ref, new_master)
+  store(mu_out_ref, new_mu.astype(mu_out_ref.dtype))
+  store(nu_out_ref, new_nu)
+  if has_lowp:
+    store(lowp_ref[0], new_master.astype(lowp_ref[0].dtype))
+
+
+@functools.partial(
+    jax.jit, static_argnames=('lowp_dtype', 'nesterov', 'config', 'interpret'))
+def _adamw_call(packed, limit, master, mu, nu, grad, lowp_out, *, lowp_dtype, nesterov,
+                config, interpret):
+  size = master.shape[0]
+  block = config.block_size
+  kernel = functools.partial(
+      _adamw_kernel, size=size, block_size=block, nesterov=nesterov,
+      exact_ops=not interpret, has_lowp=lowp_dtype is not None)
+  state_spec = pl.BlockSpec((block,), lambda i: (i,))
+  whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))
+  reuse = lowp_out is not None
+  out_shape = [
+      jax.ShapeDtypeStruct(master.shape, master.dtype),
+      jax.ShapeDtypeStruct(mu.shape, mu.dtype),
+      jax.ShapeDtypeStruct(nu.shape, nu.dtype),
+  ] + ([] if lowp_dtype is None else [jax.ShapeDtypeStruct(master.shape, lowp_dtype)])
+  out = pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(size, block),),
+      in_specs=([whole(adamw_scalars.NUM_SLOTS), whole(1)] +
+                [state_spec] * (5 if reuse else 4)),
+      out_specs=[state_spec] * len(out_shape),
+      out_shape=out_shape,
+      input_output_aliases={2: 0, 3: 1, 4: 2, **({6: 3} if reuse else {})},
+      compiler_params=plgpu.CompilerParams(
+          num_warps=config.num_warps, num_stages=config.num_stages),
+      interpret=interpret,
+      name='dos_jax_adamw',
+  )(packed, limit, master, mu, nu, grad, *([lowp_out] if reuse else []))
+  return (*out[:3], out[3] if lowp_dtype is not None else None)
+
+
+def adamw_pallas(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
+                 lowp_dtype: Any, nesterov: bool = False,
+                 config: BlockConfig = DEFAULT_CONFIG, interpret: bool = False,
+                 lowp_out=None):
+  """One AdamW step on a flat subgroup, fused into one Pallas kernel.
+
+  Args:
+    master: f32[S] master weights; updated in place (aliased to the first output).
+    mu: f32[S] or bf16[S] first moment; updated in place.
+    nu: f32[S] second moment; updated in place.
+    grad: f32[S] or bf16[S] gradient, multiplied by `scalars.grad_scale` first.
+    scalars: the step's `AdamWScalars`.
+    decay_limit: int32 scalar (may be traced); weight decay applies to indices below it.
+    lowp_dtype: dtype of the parameter copy written in the same pass (bf16, f16, f32),
+      or None for no copy (then the fourth result is None).
+    nesterov: optax's Nesterov variant (needs `scalars.bc1_next`).
+    config: block sizes.
+    interpret: run the kernel in the Pallas interpreter (any backend, CPU included).
+    lowp_out: optional dead array of shape (S,) and dtype `lowp_dtype` (e.g. last
+      step's low-precision params), aliased to the low-precision result so that a
+      donated call allocates nothing.
+
+  Returns:
+    (new_master, new_mu, new_nu, new_master.astype(lowp_dtype) or None).
+  """
+  adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype, lowp_out)
+  packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
+  limit = jnp.reshape(jnp.asarray(decay_limit, jnp.int32), (1,))
+  return _adamw_call(packed, limit, master, mu, nu, grad, lowp_out,
+                     lowp_dtype=None if lowp_dtype is None else jnp.dtype(lowp_dtype),
+                     nesterov=nesterov,
+                     config=config, interpret=interpret)
+
+
+def adamw_reference(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
+                    lowp_dtype: Any, nesterov: bool = False):
+  """Pure-jnp AdamW step with the semantics of `adamw_pallas` (same arguments)."""
+  adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype)
+  coeffs = adamw_scalars.coefficients(scalars, nesterov=nesterov)
+  decayed = jnp.arange(master.shape[0], dtype=jnp.int32) < decay_limit
+  new_master, new_mu, new_nu = _adam_math(
+      coeffs, master, mu, nu, grad, decayed, nesterov=nesterov, div=jnp.divide,
+      sqrt=jnp.sqrt)
+  lowp = None if lowp_dtype is None else new_master.astype(lowp_dtype)
+  return new_master, new_mu.astype(mu.dtype), new_nu, lowp

@@ -1,0 +1,187 @@
+"""Tests of the Pallas AdamW: on a GPU (INTERPRET = False) and in the interpreter on CPU.
+
+As in jax's tests/pallas/gpu_ops_test.py, one test class runs the compiled kernel and
+skips without a GPU, and one with INTERPRET = True runs the same tests anywhere (both
+subclass a mixin, so that the `gpu` mark of the first is not inherited by the second).
+Interpret mode is slow, so sizes stay small and blocks are shrunk to get several
+programs and a ragged last block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dos_jax import kernels
+from tests.test_kernels_scalars import assert_close_to_optax
+from tests.test_kernels_scalars import Hyper
+from tests.test_kernels_scalars import optax_trajectory
+from tests.test_kernels_scalars import random_grad
+from tests.test_kernels_scalars import random_state
+from tests.test_kernels_scalars import step_scalars
+
+
+class PallasAdamWTests:
+  """The tests; collected through the two subclasses below."""
+
+  INTERPRET = False
+  CONFIG = kernels.DEFAULT_CONFIG  # on a GPU: the real blocks
+  SIZES = (1, 7, 3000, 1_000_003)
+
+  def _pallas(self, hyper, count, state, grad, *, decay_limit, lowp_dtype=jnp.bfloat16,
+              grad_scale=1.0):
+    return kernels.adamw_pallas(*state, grad, step_scalars(hyper, count, grad_scale),
+                                decay_limit=decay_limit, lowp_dtype=lowp_dtype,
+                                nesterov=hyper.nesterov, config=self.CONFIG,
+                                interpret=self.INTERPRET)
+
+  @pytest.mark.parametrize('decay', [True, False])
+  def test_fp32_matches_optax(self, decay):
+    hyper = Hyper()
+    for size in self.SIZES:
+      rng = np.random.default_rng(size)
+      master = random_state(rng, size)[0]
+      grads = [random_grad(rng, size) for _ in range(3)]
+      limit = size if decay else 0
+      expected = optax_trajectory(hyper, master, grads, limit)
+      state = (master, jnp.zeros(size), jnp.zeros(size))
+      for count, (grad, want) in enumerate(zip(grads, expected), start=1):
+        *state, lowp = self._pallas(hyper, count, state, grad, decay_limit=limit)
+        assert_close_to_optax(state, want, hyper.lr)
+        np.testing.assert_array_equal(np.asarray(lowp),
+                                      np.asarray(state[0].astype(jnp.bfloat16)))
+
+  @pytest.mark.parametrize('hyper', [Hyper(eps_root=1e-12, lr=3e-2), Hyper(nesterov=True)],
+                           ids=['eps_root', 'nesterov'])
+  def test_matches_optax_across_a_decay_boundary(self, hyper):
+    size = self.SIZES[2]
+    limit = size // 3 + 5  # inside a block, not on a block edge
+    rng = np.random.default_rng(11)
+    master = random_state(rng, size)[0]
+    grads = [random_grad(rng, size) for _ in range(2)]
+    expected = optax_trajectory(hyper, master, grads, limit)
+    state = (master, jnp.zeros(size), jnp.zeros(size))
+    for count, (grad, want) in enumerate(zip(grads, expected), start=1):
+      *state, _ = self._pallas(hyper, count, state, grad, decay_limit=limit)
+      assert_close_to_optax(state, want, hyper.lr)
+
+  @pytest.mark.parametrize('grad_dtype, mu_dtype, lowp_dtype', [
+      (jnp.bfloat16, jnp.float32, jnp.float16),
+      (jnp.float32, jnp.bfloat16, jnp.float32),
+      (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+  ])
+  def test_matches_reference_and_host_kernel(self, grad_dtype, mu_dtype, lowp_dtype):
+    hyper = Hyper(eps_root=1e-10)
+    size = self.SIZES[2]
+    rng = np.random.default_rng(12)
+    state = random_state(rng, size, mu_dtype)
+    grad = random_grad(rng, size, grad_dtype)
+    kw = dict(decay_limit=size // 2, lowp_dtype=lowp_dtype, grad_scale=np.float32(0.5))
+    got = self._pallas(hyper, 4, state, grad, **kw)
+    scalars = step_scalars(hyper, 4, np.float32(0.5))
+    want = jax.jit(lambda *a: kernels.adamw_reference(
+        *a, scalars, decay_limit=kw['decay_limit'], lowp_dtype=lowp_dtype))(*state, grad)
+    for g, w in zip(got, want):
+      assert g.dtype == w.dtype and g.shape == w.shape
+    assert_close_to_optax(got[:3], want[:3], hyper.lr)
+    np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(got[0].astype(lowp_dtype)))
+    if kernels.host_kernel_available():
+      host = kernels.adamw_host(*jax.device_get(state), jax.device_get(grad), scalars,
+                                decay_limit=kw['decay_limit'], lowp_dtype=lowp_dtype)
+      assert_close_to_optax(jax.device_get(got[:3]), host[:3], hyper.lr)
+
+  def test_donated_call_is_in_place_and_compiles_once(self):
+    size, hyper = self.SIZES[2], Hyper()
+    rng = np.random.default_rng(13)
+
+    def step(state, grad, scalars):
+      master, mu, nu, lowp = state
+      return kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=size,
+                                  lowp_dtype=jnp.bfloat16, config=self.CONFIG,
+                                  interpret=self.INTERPRET, lowp_out=lowp)
+    step = jax.jit(step, donate_argnums=0)
+    state = jax.jit(lambda x: tuple(a + 0 for a in x))(
+        (*random_state(rng, size), jnp.zeros(size, jnp.bfloat16)))
+    jaxpr = jax.make_jaxpr(step)(state, random_grad(rng, size), step_scalars(hyper, 1))
+    assert 'input_output_aliases=((2, 0), (3, 1), (4, 2), (6, 3))' in str(jaxpr)
+    pointers = [x.unsafe_buffer_pointer() for x in state]
+    for count in range(1, 4):
+      grad, scalars = random_grad(rng, size), step_scalars(hyper, count)
+      want = jax.jit(lambda s, *a: kernels.adamw_reference(
+          *a, s, decay_limit=size, lowp_dtype=jnp.bfloat16))(scalars, *state[:3], grad)
+      state = step(tuple(state), grad, scalars)
+      assert_close_to_optax(state[:3], want[:3], hyper.lr)
+      if not self.INTERPRET:  # the interpreter pads blocks, so only a GPU reuses buffers
+        assert [x.unsafe_buffer_pointer() for x in state] == pointers
+    assert step._cache_size() == 1
+
+  def test_no_low_precision_copy_when_lowp_dtype_is_none(self):
+    size, hyper = self.SIZES[2], Hyper()
+    rng = np.random.default_rng(15)
+    state, grad = random_state(rng, size), random_grad(rng, size)
+    got = self._pallas(hyper, 2, state, grad, decay_limit=size, lowp_dtype=None)
+    assert got[3] is None
+    want = self._pallas(hyper, 2, state, grad, decay_limit=size)
+    for g, w in zip(got[:3], want[:3]):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+  def test_vmap_over_stacked_subgroups_uses_per_subgroup_scalars(self):
+    size, hyper = self.SIZES[2], Hyper()
+    rng = np.random.default_rng(16)
+    rows = [random_state(rng, size) for _ in range(2)]
+    grads = jnp.stack([random_grad(rng, size) for _ in range(2)])
+    scalars = jax.tree.map(lambda *x: jnp.stack([jnp.asarray(v, jnp.float32) for v in x]),
+                           step_scalars(hyper, 1), step_scalars(hyper, 4))
+    limits = jnp.asarray([0, size // 2], jnp.int32)
+
+    def one(master, mu, nu, grad, scalars, limit):
+      return kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=limit,
+                                  lowp_dtype=jnp.bfloat16, config=self.CONFIG,
+                                  interpret=self.INTERPRET)
+    stacked = [jnp.stack(x) for x in zip(*rows)]
+    got = jax.jit(jax.vmap(one))(*stacked, grads, scalars, limits)
+    for i in range(2):
+      want = one(*rows[i], grads[i], jax.tree.map(lambda x: x[i], scalars), limits[i])
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
+
+  def test_bad_block_config_is_a_clear_error(self):
+    with pytest.raises(ValueError, match='block_size'):
+      kernels.BlockConfig(block_size=1000)
+
+
+@pytest.mark.gpu
+class TestPallasAdamWGpu(PallasAdamWTests):
+  INTERPRET = False
+
+
+class TestPallasAdamWInterpret(PallasAdamWTests):
+  INTERPRET = True
+  CONFIG = kernels.BlockConfig(block_size=256, num_warps=1)
+  SIZES = (1, 7, 1000)
+
+
+@pytest.mark.parametrize('size, grad_dtype, mu_dtype, lowp_dtype, nesterov', [
+    (1_000_003, jnp.float32, jnp.float32, jnp.bfloat16, False),
+    (1_000_003, jnp.bfloat16, jnp.bfloat16, jnp.float16, True),
+    (7, jnp.float32, jnp.float32, jnp.float32, False),  # one block, larger than the array
+])
+def test_lowers_to_triton_for_a_gpu_from_any_machine(size, grad_dtype, mu_dtype,
+                                                     lowp_dtype, nesterov):
+  # Lowering for CUDA needs no GPU: it checks the Triton path (masked tails, IEEE
+  # div/sqrt by inline PTX, aliases) where CI has none.
+  scalars = step_scalars(Hyper(nesterov=nesterov), 3)
+
+  def step(master, mu, nu, grad, lowp):
+    return kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=size // 2,
+                                lowp_dtype=lowp_dtype, nesterov=nesterov, lowp_out=lowp)
+  args = [jax.ShapeDtypeStruct((size,), d)
+          for d in (jnp.float32, mu_dtype, jnp.float32, grad_dtype, lowp_dtype)]
+  text = jax.jit(step).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
+  assert '__gpu$xla.gpu.triton' in text
+  grid = -(-size // kernels.DEFAULT_CONFIG.block_size)
+  assert f'grid_x = {grid}' in text
+  for output, operand in ((0, 2), (1, 3), (2, 4), (3, 6)):
+    assert (f'output_tuple_indices = [{output}], operand_index = {operand},') in text

@@ -1,0 +1,82 @@
+"""`dos-jax plan` through the real CLI entry point: output and exit codes."""
+
+import re
+
+import pytest
+
+from dos_jax import cli
+from dos_jax import costmodel
+
+
+def run(capsys, *argv):
+  code = cli.main(['plan', *argv])
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+@pytest.mark.parametrize('model', ['7b', '13b', '20b'])
+def test_fits_on_h100_node(capsys, model):
+  code, out, _ = run(capsys, '--model', model)
+  assert code == 0
+  for needed in ('device (each)', 'pinned host (node)', 'chosen plan', 'AllHost', 'Stride(2)',
+                 'DeviceFraction(0.5)', 'iteration'):
+    assert needed in out, needed
+  rows = dict(re.findall(r'^  (Auto \(chosen\)|AllHost|Stride\(2\))\s+([\d,.]+) ms', out, re.M))
+  chosen, all_host, stride2 = (float(rows[k].replace(',', '')) for k in ('Auto (chosen)', 'AllHost', 'Stride(2)'))
+  assert chosen <= stride2 <= all_host
+
+
+def test_70b_does_not_fit_and_says_by_how_much(capsys):
+  code, out, _ = run(capsys, '--model', '70b')
+  assert code == 1
+  assert re.search(r'device memory short by [\d,.]+ GiB per device', out)
+
+
+def test_host_memory_shortfall(capsys):
+  code, out, _ = run(capsys, '--model', '13b', '--host-memory', '64GiB')
+  assert code == 1
+  assert re.search(r'pinned host memory short by [\d,.]+ GiB per node', out)
+
+
+def test_overrides_change_the_answer(capsys):
+  code, out, _ = run(capsys, '--model', '20b', '--gpus-per-node', '1', '--device-memory', '40GB')
+  assert code == 1 and 'device memory short' in out
+  code, out, _ = run(capsys, '--model', '1.3b', '--profile', 'a100-pcie4', '--param-dtype', 'fp32',
+                     '--subgroup-size', '1e7', '--gpus-per-node', '1')
+  assert code == 0 and '(8 B/param)' in out and 'subgroups of 10,000,000 elements' in out
+
+
+def test_profile_from_json(capsys, tmp_path):
+  path = tmp_path / 'node.json'
+  costmodel.A100_PCIE_GEN4_NODE.to_json(path)
+  code, out, _ = run(capsys, '--model', '7b', '--profile', str(path), '--gpus-per-node', '4')
+  assert code == 0 and 'profile: a100-pcie4' in out
+  assert 'iteration' in out  # the table header stays; no TFLOP/s default for a file
+
+
+@pytest.mark.parametrize('argv, culprit', [
+    (['--model', '9b'], '--model'),
+    (['--model', '7b', '--device-memory', '12XB'], '--device-memory'),
+    (['--model', '7b', '--subgroup-size', '0'], '--subgroup-size'),
+    (['--model', '7b', '--param-dtype', 'fp8'], '--param-dtype'),
+    (['--model', '7b', '--config', 'x.yaml'], '--config'),
+    ([], '--model'),
+])
+def test_bad_arguments_exit_2_naming_the_culprit(capsys, argv, culprit):
+  with pytest.raises(SystemExit) as e:
+    cli.main(['plan', *argv])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert culprit in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize('profile, culprit', [('nope', "unknown profile 'nope'"), ('missing.json', 'not found')])
+def test_bad_profile_exits_2(capsys, profile, culprit):
+  code, _, err = run(capsys, '--model', '7b', '--profile', profile)
+  assert code == 2
+  assert err.count('\n') == 1 and culprit in err
+
+
+def test_config_without_runner_or_file_exits_2(capsys, tmp_path):
+  code, _, err = run(capsys, '--config', str(tmp_path / 'absent.yaml'))
+  assert code == 2 and err.startswith('dos-jax plan: error:') and err.count('\n') == 1
