@@ -12,9 +12,10 @@ import pytest
 from dos_jax import model_shapes
 from dos_jax.train import model
 
-# Small enough to compile in about a second; head width 8 keeps rotary pairs.
+# Small enough to compile in about a second; head width 8 keeps rotary pairs. (The same
+# shapes as test_sharding_rules.CFG, so one pytest process compiles their init once.)
 SMALL = model.ModelConfig(
-    dim=32, ffn_dim=48, n_layers=2, n_heads=4, vocab_size=61, max_seq_len=16,
+    dim=32, ffn_dim=64, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16,
     compute_dtype='float32',
 )
 
