@@ -12,9 +12,10 @@ import pytest
 from dos_jax import model_shapes
 from dos_jax.train import model
 
-# Small enough to compile in about a second; head width 8 keeps rotary pairs.
+# Small enough to compile in about a second; head width 8 keeps rotary pairs. (The same
+# shapes as test_sharding_rules.CFG, so one pytest process compiles their init once.)
 SMALL = model.ModelConfig(
-    dim=32, ffn_dim=48, n_layers=2, n_heads=4, vocab_size=61, max_seq_len=16,
+    dim=32, ffn_dim=64, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16,
     compute_dtype='float32',
 )
 
@@ -137,6 +138,7 @@ def test_remat_gives_same_loss_and_grads(small):
   cfg = SMALL
   _, params = small
   apply = model.make_apply(cfg)
+  assert cfg.n_layers == 2  # Remat wraps each block; two show that they chain.
   apply_remat = model.make_apply(dataclasses.replace(cfg, remat=True))
   tokens = _tokens(5, 2, 13, cfg.vocab_size)
   grad = lambda f: jax.jit(jax.value_and_grad(lambda p: model.loss_fn(f, p, tokens)[0]))
@@ -163,7 +165,8 @@ def test_loss_is_mean_cross_entropy(small):
 
 @pytest.mark.parametrize('param_dtype', ['float32', 'bfloat16'])
 def test_adamw_on_a_repeated_batch_reduces_loss(param_dtype):
-  cfg = dataclasses.replace(SMALL, param_dtype=param_dtype, compute_dtype='bfloat16')
+  # One block: the optimizer loop needs no depth, and compiles in half the time.
+  cfg = dataclasses.replace(SMALL, n_layers=1, param_dtype=param_dtype, compute_dtype='bfloat16')
   apply, params = model.build_model(cfg, seed=0)
   assert all(x.dtype == jnp.dtype(param_dtype) for x in jax.tree.leaves(params))
   opt = optax.adamw(3e-3)

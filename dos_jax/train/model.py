@@ -184,7 +184,8 @@ class CausalSelfAttention(nnx.Module):
     v_BxLxHxK = jnp.einsum('bld,dhk->blhk', x_BxLxD, self.wv[...].astype(dt))
     q_BxLxHxK = apply_rotary(q_BxLxHxK, sin_LxK2, cos_LxK2)
     k_BxLxHxK = apply_rotary(k_BxLxHxK, sin_LxK2, cos_LxK2)
-    # JAX picks the fused cuDNN kernel on GPU where it applies, plain XLA elsewhere.
+    # JAX's XLA attention: scores and softmax in float32 whatever the input dtype. (Its
+    # implementation='cudnn' flash kernel is a GPU-only option not wired up yet.)
     out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
     return jnp.einsum('blhk,hkd->bld', out_BxLxHxK, self.wo[...].astype(dt))
 
