@@ -228,10 +228,11 @@ def test_multisteps_accumulates_then_updates():
   ref = optax.MultiSteps(optax.adamw(1e-2), 3)
   state, ref_state = opt.init(params), ref.init(params)
   p, rp = params, params
+  update, ref_update = jax.jit(opt.update), jax.jit(ref.update)
   for i in range(6):
     grads = random_grads(params, i, 6)
-    u, state = jax.jit(opt.update)(grads, state, p)
-    ru, ref_state = jax.jit(ref.update)(grads, ref_state, rp)
+    u, state = update(grads, state, p)
+    ru, ref_state = ref_update(grads, ref_state, rp)
     p, rp = optax.apply_updates(p, u), optax.apply_updates(rp, ru)
   for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(rp)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
