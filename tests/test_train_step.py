@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax.train import config, data, placement, step, trainer
+from dos_jax.train import config, data, loop, placement, step, trainer
+from dos_jax.train.progress import read_metrics
 
 # Two layers instead of four: the same code, compiled in half the time.
 SMALL = [
@@ -151,3 +152,20 @@ def test_adaptive_plans_compile_once_each_and_keep_the_math(dataset):
     np.testing.assert_allclose(result.loss, fixed.step(batch).loss, rtol=1e-6)
   assert len(plans) == 2
   assert switching.compile_counts() == {'grad': 1, 'update': 2}
+
+
+def test_auto_policy_through_the_loop_logs_the_cost_model(dataset, tmp_path, monkeypatch):
+  """`offload.policy: auto` (the cost model's Auto): the loop hands it each step's update
+  time and logs its per-step record, predicted next to measured."""
+  monkeypatch.setenv('DOS_JAX_CACHE_DIR', str(tmp_path / 'profile'))  # Calibrates afresh.
+  out_dir = tmp_path / 'run'
+  cfg = _cfg(dataset, 'offload.policy=auto', 'offload.subgroup_size=null', 'train.steps=4',
+             'train.log_every=1', 'train.eval_batches=1', f'train.out_dir={out_dir}')
+  assert isinstance(cfg.offload.placement, dos_jax.Auto)
+  summary = loop.train(cfg, devices=jax.devices()[:1])
+  assert summary.final_step == 4
+  records = [r for r in read_metrics(str(out_dir / 'metrics.jsonl')) if 'loss' in r]
+  assert [r['step'] for r in records] == [1, 2, 3, 4]
+  for r in records:
+    assert r['offload/predicted_s'] > 0 and r['offload/measured_s'] == r['update_s']
+    assert 'subgroups' in r['offload/plan']
