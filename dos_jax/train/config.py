@@ -103,10 +103,8 @@ def _placement(cfg: OffloadConfig) -> Policy:
     return dos_jax.Stride(cfg.stride)
   if cfg.policy == 'device_fraction':
     return dos_jax.DeviceFraction(cfg.fraction)
-  auto = getattr(dos_jax, 'Auto', None)  # The cost model ships separately (issue 4).
-  if auto is None:
-    raise ValueError("policy: 'auto' needs the cost model (dos_jax.Auto), not in this build")
-  return auto()
+  # Calibrates this machine on first use (cached); see dos_jax.Auto.
+  return dos_jax.Auto()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,14 +4,14 @@ A fixed policy (`AllHost`, `Stride(k)`, ...) needs nothing from the loop: the op
 applies its plan. An adaptive policy also has `observe(plan, measured_update_seconds)
 -> Plan`: the loop passes its plan to the update step as a static argument (each plan
 compiles once), reports the measured update-phase time back, and logs the cost model's
-per-step record when `dos_jax.report` is available.
+per-step record (`dos_jax.StepRecord`: predicted next to measured update time).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Protocol, runtime_checkable
 
+from dos_jax import report
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
 
@@ -25,13 +25,6 @@ class AdaptivePolicy(Protocol):
 
   def observe(self, plan: Plan, measured_update_seconds: float) -> Plan:
     ...
-
-
-def _report_module() -> Any:
-  try:
-    return importlib.import_module('dos_jax.report')
-  except ImportError:  # The cost model ships separately (issue 4).
-    return None
 
 
 class PlanDriver:
@@ -48,10 +41,10 @@ class PlanDriver:
     if self._policy is None:
       return {}
     metrics: dict[str, Any] = {'offload/plan': self.plan.describe()}
-    report = _report_module()
+    # Auto exposes the cost model's prediction of its current plan; other adaptive
+    # policies may not predict at all.
     prediction = getattr(self._policy, 'prediction', None)
-    if report is not None and prediction is not None:
-      record = report.StepRecord.of(step, self.plan, prediction, update_seconds)
-      metrics = record.as_metrics()
+    if prediction is not None:
+      metrics = report.StepRecord.of(step, self.plan, prediction, update_seconds).as_metrics()
     self.plan = self._policy.observe(self.plan, update_seconds)
     return metrics
