@@ -91,14 +91,15 @@ class IterationPrediction:
 
 
 def subgroup_sizes(spec: SubgroupSpec) -> list[int]:
-  """Real elements per subgroup: all full except possibly the last."""
+  """Elements each subgroup's update processes: the core updates every row at full size,
+  padding included (a layout pads the weight-decayed block and the rest separately, so
+  up to two rows are partly padding)."""
   n, size = spec.num_subgroups, spec.subgroup_size
-  last = spec.num_elements - (n - 1) * size
-  if n < 1 or size < 1 or not 0 < last <= size:
+  if n < 1 or size < 1 or not 0 < spec.num_elements <= n * size:
     raise ValueError(
         f'inconsistent SubgroupSpec: {spec.num_elements} elements in {n} subgroups of {size}'
     )
-  return [size] * (n - 1) + [last]
+  return [size] * n
 
 
 def master_kept(spec: SubgroupSpec) -> bool:

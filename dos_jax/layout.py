@@ -196,19 +196,21 @@ def make_layout(
 
 
 def pack(tree: PyTree, layout: Layout, dtype) -> jax.Array:
-  """Flattens `tree` into a `(G, S)` array of `dtype`, zero-padded."""
+  """Flattens `tree` into a `(G, S)` array of `dtype`, zero-padded.
+
+  Padding uses `lax.pad` with a scalar fill, never a zeros array, so that packing inside
+  a host computation stays entirely in host memory.
+  """
   leaves = layout.treedef.flatten_up_to(tree)
   total = layout.num_subgroups * layout.subgroup_size
   order = sorted(range(len(leaves)), key=lambda i: layout.offsets[i])
+  ends = [layout.offsets[i] for i in order[1:]] + [total]
+  zero = jnp.zeros((), dtype)
   pieces = []
-  cursor = 0
-  for i in order:
-    if layout.offsets[i] > cursor:
-      pieces.append(jnp.zeros((layout.offsets[i] - cursor,), dtype))
-    pieces.append(jnp.ravel(leaves[i]).astype(dtype))
-    cursor = layout.offsets[i] + layout.sizes[i]
-  if total > cursor:
-    pieces.append(jnp.zeros((total - cursor,), dtype))
+  for i, end in zip(order, ends):
+    piece = jnp.ravel(leaves[i]).astype(dtype)
+    gap = end - layout.offsets[i] - layout.sizes[i]
+    pieces.append(jax.lax.pad(piece, zero, [(0, gap, 0)]) if gap else piece)
   return jnp.concatenate(pieces).reshape(layout.num_subgroups, layout.subgroup_size)
 
 

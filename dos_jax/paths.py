@@ -63,8 +63,14 @@ def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
   return wrapped
 
 
-def _put(tree: Any, space) -> Any:
+def put(tree: Any, space) -> Any:
+  """Copies every array of `tree` to a memory space (inside jit: an async copy)."""
   return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def to_host(tree: Any) -> Any:
+  """Copies every array of `tree` to host memory (inside jit: an async D2H copy)."""
+  return put(tree, HOST)
 
 
 def _row(x: jax.Array, i) -> jax.Array:
@@ -124,11 +130,11 @@ def device_stream(rows, step: RowStep, *, stacked, scalars, grads, params, out, 
     i = order[j]
     blocks = tuple(_row(x, i) for x in stacked)
     if stream:
-      blocks = _put(blocks, DEVICE)
+      blocks = put(blocks, DEVICE)
     param = None if params is None else _row(params, i)
     new_blocks, new_scalars, out_row = step(blocks, scalars, _row(grads, i), param, i)
     if stream:
-      new_blocks = _put(new_blocks, HOST)
+      new_blocks = put(new_blocks, HOST)
     stacked = tuple(_set_row(x, b, i) for x, b in zip(stacked, new_blocks))
     return stacked, new_scalars, _set_row(out, out_row, i)
 
@@ -156,7 +162,7 @@ def host_update(rows, step: RowStep, *, stacked, scalars, grads, params, out):
       blocks = tuple(_row(x, i) for x in stacked)
       param = None if params_h is None else _row(params_h, j)
       new_blocks, new_scalars, out_row = step(blocks, scalars, _row(grads_h, j), param, i)
-      stacked = tuple(_set_row(x, b, i) for x, b in zip(stacked, _put(new_blocks, HOST)))
+      stacked = tuple(_set_row(x, b, i) for x, b in zip(stacked, put(new_blocks, HOST)))
       return stacked, new_scalars, _set_row(out_h, out_row, j)
 
     return lax.fori_loop(0, len(rows), body, (stacked, scalars, out_h))

@@ -117,11 +117,9 @@ def _load_shape(args) -> model_shapes.ModelShape:
   except ImportError:
     raise ValueError('--config needs the runner (dos_jax.train.config), which is not available') from None
   try:
-    cfg = train_config.load_config(args.config)
-  except FileNotFoundError:
-    raise ValueError(f'--config: file not found: {args.config}') from None
-  except (OSError, KeyError, TypeError, ValueError) as e:
-    raise ValueError(f'--config {args.config}: {e}') from None
+    cfg = train_config.load(args.config)
+  except train_config.ConfigError as e:
+    raise ValueError(str(e)) from None
   shape = cfg.model.shape()
   if not isinstance(shape, model_shapes.ModelShape):
     raise ValueError(f'{args.config}: model.shape() did not return a ModelShape')

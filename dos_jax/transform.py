@@ -166,18 +166,42 @@ def offloaded(
       )
       shardings_by_layout[layout] = (mesh, param_shardings)
     resident = offload.policy.plan(layout.spec()).resident
-    master = layout_lib.pack(params, layout, layout.state_dtype)
-    full = (master if layout.needs_master else None, inner.init(master))
-    slots = slots_lib.build(full, row_ndim=2)
-    stacked, scalars = slots_lib.split(full, slots, axis=1)
     placement = _placement(mesh, offload, resident)
+
+    def full_state(params):
+      master = layout_lib.pack(params, layout, layout.state_dtype)
+      # Element-wise transforms initialize every element alike (zeros, a constant), so
+      # one row's state broadcast over the rows is the whole state, built where the
+      # master is (optax's zeros_like would create it in device memory).
+      row_state = inner.init(master[0])
+      space = paths.DEVICE if resident else paths.HOST
+      state = jax.tree.map(
+          lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(
+              jax.device_put(x, space), master.shape), row_state)
+      return master if layout.needs_master else None, state
+
+    slots = slots_lib.build(jax.eval_shape(full_state, params), row_ndim=2)
+
+    def build(params):
+      # The state is created where it lives: for an offloaded state the params are
+      # copied to host memory and packed there, so the device never holds 12 bytes per
+      # parameter, not even during init.
+      def stacked_state(params):
+        return slots_lib.split(full_state(params), slots, axis=1)
+
+      if resident:
+        stacked, scalars = stacked_state(params)
+      else:
+        # 0-d leaves would drop their memory space (JAX exempts scalars); packing
+        # ravels every leaf anyway.
+        params_1d = jax.tree.map(jnp.atleast_1d, params)
+        stacked, scalars = paths.on_host(stacked_state)(paths.to_host(params_1d))
+      return _place(stacked, placement), _place(scalars, placement)
+
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
+    stacked, scalars = build(params) if traced else jax.jit(build)(params)
     return OffloadedState(
-        stacked=_place(stacked, placement),
-        scalars=_place(scalars, placement),
-        layout=layout,
-        slots=slots,
-        resident=resident,
-    )
+        stacked=stacked, scalars=scalars, layout=layout, slots=slots, resident=resident)
 
   def update_fn(updates, state: OffloadedState, params=None, *, plan: Plan | None = None,
                 **extra_args):

@@ -81,18 +81,19 @@ def test_all_host_by_hand():
   n = int(rng.integers(3 * 10**6, 9 * 10**6))
   spec = spec_of(n, 10**6)
   pred = costmodel.predict(p, spec, AllHost().plan(spec))
-  grads = 2 * n / (p.d2h_gbps * 1e9)  # nothing on the device: each link alone
-  params = 2 * n / (p.h2d_gbps * 1e9)
-  work = n / (p.host_adamw_gparams() * 1e9)
-  last = n - (spec.num_subgroups - 1) * 10**6
-  host = grads * 10**6 / n + max(grads, work, params) + 2 * last / (p.h2d_gbps * 1e9)
+  rows = spec.num_subgroups * 10**6  # the core moves and updates whole rows, padding too
+  grads = 2 * rows / (p.d2h_gbps * 1e9)  # nothing on the device: each link alone
+  params = 2 * rows / (p.h2d_gbps * 1e9)
+  work = rows / (p.host_adamw_gparams() * 1e9)
+  last = 10**6
+  host = grads * 10**6 / rows + max(grads, work, params) + 2 * last / (p.h2d_gbps * 1e9)
   np.testing.assert_allclose(pred.host_seconds, host, rtol=1e-12)
   # Around the paths: bf16 grads packed (2 + 2 B), output rows zeroed (2 B), new rows
   # unpacked onto the params (2 + 2 + 2 B), at the device's AdamW memory bandwidth.
   layout = n * 12 / (28 * p.device_adamw_gparams * 1e9)
   np.testing.assert_allclose(pred.layout_seconds, layout, rtol=1e-12)
   np.testing.assert_allclose(pred.update_seconds, host + layout, rtol=1e-12)
-  assert pred.bytes_h2d == 2 * n and pred.bytes_d2h == 2 * n
+  assert pred.bytes_h2d == 2 * rows and pred.bytes_d2h == 2 * rows
   assert pred.device_peak_bytes == 0
 
 

@@ -21,7 +21,7 @@ def test_step_record_metrics_and_table():
   metrics = rec.as_metrics()
   json.dumps(metrics)  # scalars and strings only
   assert metrics['step'] == 7 and metrics['offload/n_device'] == 5
-  assert metrics['offload/bytes_h2d'] == 5 * 10**8 * 12 + (5 * 10**8 - 5) * 2
+  assert metrics['offload/bytes_h2d'] == 5 * 10**8 * 12 + 5 * 10**8 * 2  # whole rows
   text = report.explain([rec, report.StepRecord.of(8, plan, pred)])
   lines = text.splitlines()
   assert lines[0] == 'plan: ' + plan.describe()

@@ -80,3 +80,9 @@ def test_bad_profile_exits_2(capsys, profile, culprit):
 def test_config_without_runner_or_file_exits_2(capsys, tmp_path):
   code, _, err = run(capsys, '--config', str(tmp_path / 'absent.yaml'))
   assert code == 2 and err.startswith('dos-jax plan: error:') and err.count('\n') == 1
+
+
+def test_plan_from_a_run_config(capsys):
+  config = __import__('pathlib').Path(__file__).parents[1] / 'configs' / '7b.yaml'
+  code, out, _ = run(capsys, '--config', str(config), '--profile', 'h100-pcie5')
+  assert code == 0 and 'chosen plan' in out

@@ -1,5 +1,133 @@
-"""`dos-jax train` and `dos-jax prepare`: placeholder until the runner lands."""
+"""`dos-jax train` and `dos-jax prepare`.
+
+User mistakes (a bad key or value, a missing file, a mesh that does not fit the
+machine) end with exit code 2 and one line on stderr naming the culprit; they are
+caught here, at the edge, and nowhere deeper. Nothing is written before the config
+and the inputs have been checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import textwrap
+
+from dos_jax.train.configlib import ConfigError
+
+USAGE_ERROR = 2
+INTERRUPTED = 130
+
+
+def _fail(message: str) -> int:
+  print(f'dos-jax: error: {message}', file=sys.stderr)
+  return USAGE_ERROR
+
+
+def _config_keys_epilog() -> str:
+  from dos_jax.train import config  # pylint: disable=import-outside-toplevel
+  from dos_jax.train.configlib import describe_fields  # pylint: disable=import-outside-toplevel
+
+  rows = describe_fields(config.RunConfig)
+  width = max(len(k) for k, _ in rows)
+  lines = [f'  {k:<{width}}  {v}' for k, v in rows]
+  return (
+      'config keys (dataclass defaults; the packaged tiny config overrides some;'
+      ' see the section docstrings in dos_jax/train/config.py):\n' + '\n'.join(lines)
+  )
+
+
+def train_handler(args: argparse.Namespace) -> int:
+  """Loads the config, trains; returns 0 when done, 130 when stopped by Ctrl-C."""
+  from dos_jax.train import config, loop  # pylint: disable=import-outside-toplevel
+
+  try:
+    cfg = config.load(args.config, args.set or ())
+  except ConfigError as err:
+    return _fail(str(err))
+  try:
+    summary = loop.train(cfg)
+  except ConfigError as err:
+    return _fail(f'{args.config or "<packaged tiny.yaml>"}: {err}')
+  except KeyboardInterrupt:  # A second Ctrl-C, or one before the first step.
+    print('dos-jax: interrupted', file=sys.stderr)
+    return INTERRUPTED
+  return INTERRUPTED if summary.interrupted else 0
+
+
+def prepare_handler(args: argparse.Namespace) -> int:
+  """Tokenizes text files (default: the Python standard library) into a dataset."""
+  from dos_jax.train import data  # pylint: disable=import-outside-toplevel
+
+  for path in list(args.inputs) + ([args.tokenizer] if args.tokenizer else []):
+    if not os.path.exists(path):
+      return _fail(f'{path}: no such file or directory')
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    return _fail(f'--out {args.out}: exists and is not a directory')
+  options = {}  # Only what the user gave: the defaults live in data.prepare.
+  if args.val_fraction is not None:
+    options['val_fraction'] = args.val_fraction
+  if args.max_bytes is not None:
+    options['max_bytes'] = args.max_bytes
+  try:
+    meta = data.prepare(
+        list(args.inputs) or None, args.out, tokenizer_path=args.tokenizer, progress=True,
+        **options,
+    )
+  except ValueError as err:  # prepare names the input, tokenizer or option at fault.
+    return _fail(str(err))
+  print(
+      f'wrote {args.out}: {meta.train_tokens:,} train and {meta.val_tokens:,} validation'
+      f' tokens, vocabulary {meta.vocab_size}',
+      file=sys.stderr,
+  )
+  return 0
 
 
 def register(subparsers) -> None:
-  del subparsers
+  """Adds `train` and `prepare` to the `dos-jax` command."""
+  train = subparsers.add_parser(
+      'train',
+      help='pretrain a GPT-style model with offloaded optimizer state',
+      description=textwrap.fill(
+          'Train (or resume) the run a YAML config describes. Without CONFIG, runs the'
+          ' packaged tiny CPU config. A run directory holding checkpoints resumes from'
+          ' the newest. Ctrl-C saves a checkpoint and exits with code 130.', width=88,
+      ),
+      epilog=_config_keys_epilog(),
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  train.add_argument('config', nargs='?', metavar='CONFIG', help='YAML run config')
+  train.add_argument(
+      '--set', action='append', metavar='KEY=VALUE',
+      help='override a config key, e.g. --set optim.lr=1e-3 (value read as YAML; repeatable)',
+  )
+  train.set_defaults(handler=train_handler)
+
+  prepare = subparsers.add_parser(
+      'prepare',
+      help='tokenize text files into a token dataset for training',
+      description=(
+          'Tokenize text files (default: the Python standard library sources, present on'
+          ' every machine) into a flat token file with a train/validation split.'
+      ),
+  )
+  prepare.add_argument('inputs', nargs='*', metavar='INPUT', help='text files or directories')
+  prepare.add_argument('--out', required=True, metavar='DIR', help='dataset directory to write')
+  prepare.add_argument(
+      '--tokenizer', metavar='tokenizer.json',
+      help='a local Hugging Face tokenizer.json (default: built-in byte-level tokenizer)',
+  )
+  from dos_jax.train import data  # pylint: disable=import-outside-toplevel
+
+  default_val = inspect.signature(data.prepare).parameters['val_fraction'].default
+  prepare.add_argument(
+      '--val-fraction', type=float, metavar='F',
+      help=f'fraction of the tokens held out for validation, in [0, 1) (default: {default_val})',
+  )
+  prepare.add_argument(
+      '--max-bytes', type=int, metavar='N',
+      help=f'read at most this many bytes of text (default corpus: {data.DEFAULT_CORPUS_BYTES:,})',
+  )
+  prepare.set_defaults(handler=prepare_handler)

@@ -1,0 +1,317 @@
+"""The decoder-only transformer the runner trains: Llama-style, written in Flax NNX.
+
+RMSNorm before attention and MLP, rotary positions, SwiGLU MLP, causal attention, untied
+output head. Parameters are stored in `param_dtype`; every matmul runs in `compute_dtype`
+and the logits come out in float32 so the loss is always computed in full precision.
+
+The rest of the runner never sees a Flax module: `build_model` returns a pure
+`apply(params, tokens)` function and the parameters as a plain nested dict, which is the
+pytree `dos_jax` offloads, `sharding.param_specs` shards and orbax checkpoints.
+
+Arrays are named by shape: B batch, L sequence length, D model width, H heads,
+K head width, F MLP hidden width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+from dos_jax import model_shapes
+
+Params = dict[str, Any]
+ApplyFn = Callable[[Params, jax.Array], jax.Array]
+
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+_SIZE_FIELDS = ('dim', 'ffn_dim', 'n_layers', 'n_heads', 'vocab_size')
+_INIT_STD = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Sizes and numerics of the transformer.
+
+  A size left as None is taken from `preset`; a size given explicitly overrides it.
+  """
+
+  # Name in dos_jax.model_shapes.PRESETS ('tiny', '125m', '7b', ...) supplying unset sizes.
+  preset: str | None = None
+  # Residual stream width.
+  dim: int | None = None
+  # Hidden width of the SwiGLU MLP.
+  ffn_dim: int | None = None
+  # Number of decoder blocks.
+  n_layers: int | None = None
+  # Attention heads; dim / n_heads is the head width and must be even (rotary pairs).
+  n_heads: int | None = None
+  # Token vocabulary (embedding rows and output columns); must cover the tokenizer's.
+  vocab_size: int | None = None
+  # Longest sequence `apply` accepts.
+  max_seq_len: int = 256
+  # Storage dtype of the parameters: 'float32' or 'bfloat16'.
+  param_dtype: str = 'float32'
+  # Dtype of activations and matmuls: 'float32' or 'bfloat16'; logits are always float32.
+  compute_dtype: str = 'bfloat16'
+  # Recompute each block's activations in the backward pass instead of storing them.
+  remat: bool = False
+  # Base of the rotary position frequencies.
+  rope_theta: float = 10000.0
+
+  def __post_init__(self):
+    if self.preset is not None:
+      if not isinstance(self.preset, str) or self.preset not in model_shapes.PRESETS:
+        raise ValueError(
+            f'ModelConfig.preset: unknown preset {self.preset!r}; '
+            f'known: {", ".join(model_shapes.PRESETS)}'
+        )
+    for name in _SIZE_FIELDS:
+      value = getattr(self, name)
+      if value is None:
+        if self.preset is None:
+          raise ValueError(f'ModelConfig.{name} must be set when no preset is given')
+      elif not _is_positive_int(value):
+        raise ValueError(f'ModelConfig.{name} must be a positive integer, got {value!r}')
+    if not _is_positive_int(self.max_seq_len):
+      raise ValueError(
+          f'ModelConfig.max_seq_len must be a positive integer, got {self.max_seq_len!r}'
+      )
+    for name in ('param_dtype', 'compute_dtype'):
+      value = getattr(self, name)
+      if value not in _DTYPES:
+        raise ValueError(
+            f'ModelConfig.{name} must be one of {", ".join(_DTYPES)}, got {value!r}'
+        )
+    if not isinstance(self.remat, bool):
+      raise ValueError(f'ModelConfig.remat must be true or false, got {self.remat!r}')
+    if (
+        isinstance(self.rope_theta, bool)
+        or not isinstance(self.rope_theta, (int, float))
+        or not self.rope_theta > 0
+    ):
+      raise ValueError(f'ModelConfig.rope_theta must be a positive number, got {self.rope_theta!r}')
+    shape = self.shape()  # Checks the resolved sizes together.
+    if shape.head_dim % 2:
+      raise ValueError(
+          f'ModelConfig: head width dim / n_heads = {shape.dim} / {shape.n_heads} = '
+          f'{shape.head_dim} must be even for rotary positions'
+      )
+
+  def shape(self) -> model_shapes.ModelShape:
+    """The resolved sizes: explicit fields first, then the preset's."""
+    base = model_shapes.PRESETS[self.preset] if self.preset is not None else None
+    sizes = {}
+    for name in _SIZE_FIELDS:
+      value = getattr(self, name)
+      sizes[name] = getattr(base, name) if value is None else value
+    try:
+      return model_shapes.ModelShape(**sizes)
+    except ValueError as e:
+      raise ValueError(f'ModelConfig: {e}') from None
+
+  @property
+  def param_jnp_dtype(self) -> jnp.dtype:
+    return jnp.dtype(_DTYPES[self.param_dtype])
+
+  @property
+  def compute_jnp_dtype(self) -> jnp.dtype:
+    return jnp.dtype(_DTYPES[self.compute_dtype])
+
+
+def _is_positive_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _param(key: jax.Array, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
+  # Drawn in float32 then cast, so bf16 and fp32 models from one seed start from the
+  # same values up to rounding.
+  value = std * jax.random.normal(key, shape, jnp.float32)
+  return nnx.Param(value.astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square norm with a learned per-channel scale; statistics in float32."""
+
+  def __init__(self, dim: int, *, param_dtype, eps: float = 1e-6):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    x32_BxLxD = x_BxLxD.astype(jnp.float32)
+    ms_BxLx1 = jnp.mean(jnp.square(x32_BxLxD), axis=-1, keepdims=True)
+    y_BxLxD = x32_BxLxD * jax.lax.rsqrt(ms_BxLx1 + self.eps)
+    return (y_BxLxD * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """sin and cos of position * frequency, each (L, K/2), in float32."""
+  freq_K2 = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angle_LxK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freq_K2[None, :]
+  return jnp.sin(angle_LxK2), jnp.cos(angle_LxK2)
+
+
+def apply_rotary(x_BxLxHxK: jax.Array, sin_LxK2: jax.Array, cos_LxK2: jax.Array) -> jax.Array:
+  """Rotates channel pairs (i, i + K/2) by position-dependent angles (the Llama/NeoX layout)."""
+  half = x_BxLxHxK.shape[-1] // 2
+  x32 = x_BxLxHxK.astype(jnp.float32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  sin, cos = sin_LxK2[None, :, None, :], cos_LxK2[None, :, None, :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxHxK.dtype)
+
+
+class CausalSelfAttention(nnx.Module):
+  """Multi-head causal self-attention; q/k/v kernels are (D, H, K) so heads shard cleanly."""
+
+  def __init__(self, shape: model_shapes.ModelShape, *, param_dtype, compute_dtype,
+               out_std: float, rngs: nnx.Rngs):
+    d, h, k = shape.dim, shape.n_heads, shape.head_dim
+    self.wq = _param(rngs.params(), (d, h, k), _INIT_STD, param_dtype)
+    self.wk = _param(rngs.params(), (d, h, k), _INIT_STD, param_dtype)
+    self.wv = _param(rngs.params(), (d, h, k), _INIT_STD, param_dtype)
+    self.wo = _param(rngs.params(), (h, k, d), out_std, param_dtype)
+    self.compute_dtype = compute_dtype
+
+  def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
+    dt = self.compute_dtype
+    q_BxLxHxK = jnp.einsum('bld,dhk->blhk', x_BxLxD, self.wq[...].astype(dt))
+    k_BxLxHxK = jnp.einsum('bld,dhk->blhk', x_BxLxD, self.wk[...].astype(dt))
+    v_BxLxHxK = jnp.einsum('bld,dhk->blhk', x_BxLxD, self.wv[...].astype(dt))
+    q_BxLxHxK = apply_rotary(q_BxLxHxK, sin_LxK2, cos_LxK2)
+    k_BxLxHxK = apply_rotary(k_BxLxHxK, sin_LxK2, cos_LxK2)
+    # JAX's XLA attention: scores and softmax in float32 whatever the input dtype. (Its
+    # implementation='cudnn' flash kernel is a GPU-only option not wired up yet.)
+    out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+    return jnp.einsum('blhk,hkd->bld', out_BxLxHxK, self.wo[...].astype(dt))
+
+
+class SwiGLU(nnx.Module):
+  """Gated MLP: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, shape: model_shapes.ModelShape, *, param_dtype, compute_dtype,
+               out_std: float, rngs: nnx.Rngs):
+    d, f = shape.dim, shape.ffn_dim
+    self.w_gate = _param(rngs.params(), (d, f), _INIT_STD, param_dtype)
+    self.w_up = _param(rngs.params(), (d, f), _INIT_STD, param_dtype)
+    self.w_down = _param(rngs.params(), (f, d), out_std, param_dtype)
+    self.compute_dtype = compute_dtype
+
+  def __call__(self, x_BxLxD):
+    dt = self.compute_dtype
+    gate_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_gate[...].astype(dt))
+    up_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_up[...].astype(dt))
+    h_BxLxF = jax.nn.silu(gate_BxLxF) * up_BxLxF
+    return jnp.einsum('blf,fd->bld', h_BxLxF, self.w_down[...].astype(dt))
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, shape, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    # Residual-branch outputs start smaller with depth (GPT-2), keeping the stream's scale.
+    out_std = _INIT_STD / (2 * shape.n_layers) ** 0.5
+    kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, out_std=out_std, rngs=rngs)
+    self.attn_norm = RMSNorm(shape.dim, param_dtype=param_dtype)
+    self.attn = CausalSelfAttention(shape, **kw)
+    self.mlp_norm = RMSNorm(shape.dim, param_dtype=param_dtype)
+    self.mlp = SwiGLU(shape, **kw)
+
+  def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
+    x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), sin_LxK2, cos_LxK2)
+    return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+
+
+def _run_block(block: Block, x_BxLxD, sin_LxK2, cos_LxK2):
+  return block(x_BxLxD, sin_LxK2, cos_LxK2)
+
+
+def block_name(index: int, n_layers: int) -> str:
+  """Zero-padded so that sorted dict keys (as in JAX pytrees) follow layer order."""
+  return f'{index:0{len(str(n_layers - 1))}d}'
+
+
+class Transformer(nnx.Module):
+  """Embedding, `n_layers` blocks, final norm, untied head; tokens (B, L) -> logits (B, L, V)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    shape = cfg.shape()
+    pdt, cdt = cfg.param_jnp_dtype, cfg.compute_jnp_dtype
+    self.embedding = _param(rngs.params(), (shape.vocab_size, shape.dim), _INIT_STD, pdt)
+    # Layers are kept unrolled, one dict entry each, so that every layer is its own set of
+    # leaves: gradients then arrive layer by layer, which the offloaded update exploits.
+    self.blocks = nnx.Dict({
+        block_name(i, shape.n_layers): Block(shape, param_dtype=pdt, compute_dtype=cdt, rngs=rngs)
+        for i in range(shape.n_layers)
+    })
+    self.final_norm = RMSNorm(shape.dim, param_dtype=pdt)
+    self.head = _param(rngs.params(), (shape.dim, shape.vocab_size), _INIT_STD, pdt)
+    self.n_layers = shape.n_layers
+    self.head_dim = shape.head_dim
+    self.max_seq_len = cfg.max_seq_len
+    self.rope_theta = float(cfg.rope_theta)
+    self.remat = cfg.remat
+    self.compute_dtype = cdt
+
+  def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    if tokens_BxL.ndim != 2:
+      raise ValueError(f'tokens must be (batch, length), got shape {tokens_BxL.shape}')
+    seq_len = tokens_BxL.shape[1]
+    if seq_len > self.max_seq_len:
+      raise ValueError(
+          f'sequence length {seq_len} exceeds ModelConfig.max_seq_len={self.max_seq_len}'
+      )
+    sin_LxK2, cos_LxK2 = rotary_tables(seq_len, self.head_dim, self.rope_theta)
+    x_BxLxD = jnp.take(self.embedding[...], tokens_BxL, axis=0).astype(self.compute_dtype)
+    run = nnx.remat(_run_block) if self.remat else _run_block
+    for i in range(self.n_layers):
+      x_BxLxD = run(self.blocks[block_name(i, self.n_layers)], x_BxLxD, sin_LxK2, cos_LxK2)
+    x_BxLxD = self.final_norm(x_BxLxD)
+    # Logits accumulate in float32 even from bf16 inputs: the softmax over V needs it.
+    return jnp.einsum(
+        'bld,dv->blv', x_BxLxD, self.head[...].astype(self.compute_dtype),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def init_params(cfg: ModelConfig, seed: int | jax.Array) -> Params:
+  """Fresh parameters as a nested dict; jittable (cfg static) to create them sharded."""
+  model = Transformer(cfg, rngs=nnx.Rngs(params=jax.random.key(seed)))
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def make_apply(cfg: ModelConfig) -> ApplyFn:
+  """The pure forward function `apply(params, tokens_BxL int) -> logits_BxLxV float32`."""
+  graphdef, _ = nnx.split(
+      nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=jax.random.key(0))))
+  )
+
+  def apply(params: Params, tokens_BxL: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, params)(tokens_BxL)
+
+  return apply
+
+
+def build_model(cfg: ModelConfig, seed: int) -> tuple[ApplyFn, Params]:
+  """The forward function and freshly initialised parameters (in `cfg.param_dtype`)."""
+  return make_apply(cfg), init_params(cfg, seed)
+
+
+def loss_fn(
+    apply: ApplyFn, params: Params, tokens_BxLp1: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Mean next-token cross-entropy over all B * L positions of a (B, L + 1) token window.
+
+  Returns:
+    (loss, metrics): the float32 loss and {'loss', 'accuracy'} (next-token top-1).
+  """
+  inputs_BxL, targets_BxL = tokens_BxLp1[:, :-1], tokens_BxLp1[:, 1:]
+  logits_BxLxV = apply(params, inputs_BxL)
+  losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV, targets_BxL)
+  loss = jnp.mean(losses_BxL)
+  accuracy = jnp.mean((jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL).astype(jnp.float32))
+  return loss, {'loss': loss, 'accuracy': accuracy}

@@ -1,0 +1,123 @@
+"""What a run reports: a progress line on stderr and metrics as JSON lines.
+
+The progress line is a plain carriage-return bar on a terminal (one line per
+`log_every` steps otherwise, so logs stay readable); no extra dependency is needed.
+Metrics go to `<out_dir>/metrics.jsonl`, one JSON object per line, appended across
+resumes so a restarted run continues the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+
+def _duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return '?'
+  seconds = int(round(seconds))
+  if seconds < 60:
+    return f'{seconds}s'
+  minutes, seconds = divmod(seconds, 60)
+  if minutes < 60:
+    return f'{minutes}m{seconds:02d}s'
+  hours, minutes = divmod(minutes, 60)
+  return f'{hours}h{minutes:02d}m'
+
+
+def _rate(tokens_per_s: float) -> str:
+  if tokens_per_s >= 1e6:
+    return f'{tokens_per_s / 1e6:.2f}M'
+  if tokens_per_s >= 1e3:
+    return f'{tokens_per_s / 1e3:.1f}k'
+  return f'{tokens_per_s:.0f}'
+
+
+class Progress:
+  """A one-line progress bar: step, loss, tokens/s, step time and update-phase time."""
+
+  def __init__(
+      self, total_steps: int, *, start_step: int = 0, every: int = 1,
+      stream: TextIO | None = None, width: int = 20,
+  ):
+    self._stream = stream if stream is not None else sys.stderr
+    self._tty = bool(getattr(self._stream, 'isatty', lambda: False)())
+    self._total = total_steps
+    self._start_step = start_step
+    self._every = every
+    self._width = width
+    self._started = time.perf_counter()
+    self._open_line = False
+
+  def update(
+      self, step: int, *, loss: float, tokens_per_s: float, step_s: float, update_s: float,
+  ) -> None:
+    """Redraws the bar after `step` steps (on a terminal) or prints every `every` steps."""
+    if not self._tty and step % self._every and step not in (self._start_step + 1, self._total):
+      return
+    done = step / self._total
+    filled = int(done * self._width)
+    bar = '#' * filled + '.' * (self._width - filled)
+    elapsed = time.perf_counter() - self._started
+    steps_run = step - self._start_step
+    eta = elapsed / steps_run * (self._total - step) if steps_run else float('inf')
+    line = (
+        f'[{bar}] {step}/{self._total} loss {loss:.4f} | {_rate(tokens_per_s)} tok/s'
+        f' | step {step_s * 1e3:.0f} ms (update {update_s * 1e3:.1f} ms) | eta {_duration(eta)}'
+    )
+    if self._tty:
+      self._stream.write('\r' + line + '\x1b[K')
+      self._open_line = True
+    else:
+      self._stream.write(line + '\n')
+    self._stream.flush()
+
+  def message(self, text: str) -> None:
+    """Prints a full line (an eval result, a checkpoint) without breaking the bar."""
+    if self._open_line:
+      self._stream.write('\n')
+      self._open_line = False
+    self._stream.write(text + '\n')
+    self._stream.flush()
+
+  def close(self) -> None:
+    if self._open_line:
+      self._stream.write('\n')
+      self._open_line = False
+    self._stream.flush()
+
+
+class MetricsLog:
+  """Appends one JSON object per line; floats rounded for readability, NaN kept as null."""
+
+  def __init__(self, path: str):
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    self._file = open(path, 'a', encoding='utf-8')  # pylint: disable=consider-using-with
+
+  def write(self, record: dict[str, Any]) -> None:
+    clean = {k: _jsonable(v) for k, v in record.items()}
+    self._file.write(json.dumps(clean, sort_keys=False) + '\n')
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def _jsonable(value: Any) -> Any:
+  if isinstance(value, (bool, int, str)) or value is None:
+    return value
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    return str(value)
+  return number if math.isfinite(number) else None
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+  """All records of a metrics file, oldest first."""
+  with open(path, encoding='utf-8') as f:
+    return [json.loads(line) for line in f if line.strip()]
