@@ -194,3 +194,63 @@ def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalar
   out_d = jax.device_put(out_h, paths.DEVICE)
   out = out_d if everything else out.at[order].set(out_d)
   return (jax.device_put(new_state, paths.HOST),), new_scalars, out
+
+
+def device_usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep,
+                  stacked) -> bool:
+  """Whether the device path can run the Pallas AdamW: on an accelerator (on a CPU
+  backend the device rows take the native host call instead), with AdamW's state laid
+  out as one f32 group."""
+  return (
+      fused is not None
+      and offload.device_impl == UpdateImpl.KERNEL
+      and not one_memory()
+      and slot_rows(step.slots, step.has_master) is not None
+      and jnp.dtype(stacked[0].dtype) == jnp.float32
+  )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeviceKernelStep:
+  """A `paths.RowStep` replacement for the device path: one Pallas AdamW per streamed
+  subgroup, on its state block in device memory, producing the new 16-bit parameter row
+  in the same pass. Same call signature as `RowStep`.
+
+  The kernel is opaque to XLA, so no fusion can re-read the old block after the write:
+  the barrier `RowStep` needs is not needed here. `interpret` runs the kernel in Pallas'
+  interpreter (how it is tested on CPU).
+  """
+
+  step: paths.RowStep
+  fused: FusedAdamW
+  adam_scalars: AdamWScalars
+  new_scalars: tuple
+  interpret: bool
+
+  def __call__(self, blocks, scalars, grad, param, index):
+    del scalars  # every row reads the pre-step scalars, folded into `adam_scalars`
+    from dos_jax.kernels import pallas_adamw  # pylint: disable=import-outside-toplevel
+    master_k, mu_k, nu_k = slot_rows(self.step.slots, self.step.has_master)
+    block = blocks[0]
+    master = block[master_k] if self.step.has_master else param
+    size = block.shape[-1]
+    decay_limit = jnp.where(index < self.step.decayed_rows, size, 0).astype(jnp.int32)
+    new_master, new_mu, new_nu, lowp = pallas_adamw.adamw_pallas(
+        master, block[mu_k], block[nu_k], grad, self.adam_scalars, decay_limit=decay_limit,
+        lowp_dtype=self.step.out_dtype if self.step.has_master else None,
+        nesterov=self.fused.nesterov, interpret=self.interpret)
+    rows = [None] * block.shape[0]
+    rows[mu_k], rows[nu_k] = new_mu, new_nu
+    if self.step.has_master:
+      rows[master_k], out_row = new_master, lowp
+    else:
+      # fp32 params are their own master: the out row is the update.
+      out_row = (new_master - param).astype(self.step.out_dtype)
+    return (jnp.stack(rows),), self.new_scalars, out_row
+
+
+def device_step(fused: FusedAdamW, step: paths.RowStep, scalars) -> DeviceKernelStep:
+  adam_scalars, new_scalars = _step_scalars(fused, step, scalars)
+  return DeviceKernelStep(step=step, fused=fused, adam_scalars=adam_scalars,
+                          new_scalars=new_scalars,
+                          interpret=jax.default_backend() not in ('gpu', 'cuda', 'rocm'))

@@ -238,8 +238,11 @@ def offloaded(
       # where they already are.
       device_rows, host_rows = (), tuple(sorted(plan.device + plan.host))
     if device_rows:
+      device_step = step
+      if fused_lib.device_usable(fused, offload, step, arrays['stacked']):
+        device_step = fused_lib.device_step(fused, step, state.scalars)
       stacked, new_scalars, out = paths.device_stream(
-          device_rows, step, out=out, buffers=plan.buffers, stream=not plan.resident,
+          device_rows, device_step, out=out, buffers=plan.buffers, stream=not plan.resident,
           **arrays)
       arrays['stacked'] = stacked
     if host_rows and native:

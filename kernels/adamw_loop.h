@@ -1,7 +1,7 @@
 // The AdamW loop of the native host kernel: element types, the per-element update in
 // optax's op order, and its instantiations per dtype and instruction set.
 //
-// Included by host_adamw.cc only; everything here is internal to that translation unit.
+// Included by host_adamw.cc and host_adamw_rows.cc; internal to those translation units.
 
 #ifndef DOS_JAX_KERNELS_ADAMW_LOOP_H_
 #define DOS_JAX_KERNELS_ADAMW_LOOP_H_
