@@ -46,23 +46,26 @@ def make_pair(policy, subgroup_size=23):
   return ours, optax.adamw(**kwargs)
 
 
+def jit_step(opt, grad_dtype=None):
+  """One jitted training step: update, then optax.apply_updates (grads cast if asked)."""
+
+  @jax.jit
+  def step(p, s, g):
+    if grad_dtype is not None:
+      g = jax.tree.map(lambda x: x.astype(grad_dtype), g)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return step
+
+
 @pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
 def test_fp32_matches_optax_over_50_steps(policy):
   seed = np.random.randint(1 << 30)
   ours, ref = make_pair(policy)
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)
-
-  @jax.jit
-  def step(p, s, g):
-    u, s = ours.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  @jax.jit
-  def ref_step(p, s, g):
-    u, s = ref.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
+  step, ref_step = jit_step(ours), jit_step(ref)
   for i in range(50):
     grads = random_grads(params, i, seed)
     params, state = step(params, state, grads)
@@ -81,16 +84,7 @@ def test_bf16_params_equal_optax_on_fp32_master(policy):
   # The reference master starts from the same values the bf16 params hold.
   ref_master = jax.tree.map(lambda x: x.astype(jnp.float32), params)
   state, ref_state = ours.init(params), ref.init(ref_master)
-
-  @jax.jit
-  def step(p, s, g):
-    u, s = ours.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  @jax.jit
-  def ref_step(p, s, g):
-    u, s = ref.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), s, p)
-    return optax.apply_updates(p, u), s
+  step, ref_step = jit_step(ours), jit_step(ref, grad_dtype=jnp.float32)
 
   mismatches = total = 0
   for i in range(50):
