@@ -1,4 +1,4 @@
-"""Builds the native host AdamW (kernels/host_adamw.cc) as `dos_jax.kernels._host_adamw`.
+"""Builds the native host AdamW libraries (kernels/host_adamw*.cc) of dos_jax.kernels.
 
 Everything else about the package lives in pyproject.toml. The XLA FFI headers come from
 the jaxlib installed in the build environment (a build requirement), located without
@@ -33,28 +33,24 @@ def _compile_args() -> list[str]:
   return args
 
 
+def _native_extension(name: str, source: str) -> Extension:
+  """One native host AdamW library: optional, so a failed compile leaves XLA's path."""
+  return Extension(
+      f'dos_jax.kernels.{name}',
+      sources=[f'kernels/{source}'],
+      depends=['kernels/adamw_loop.h', 'kernels/adamw_common.h'],
+      include_dirs=[_ffi_include_dir()],
+      extra_compile_args=_compile_args(),
+      extra_link_args=['-pthread'],
+      language='c++',
+      optional=True,
+  )
+
+
 setup(
     ext_modules=[
-        Extension(
-            'dos_jax.kernels._host_adamw',
-            sources=['kernels/host_adamw.cc'],
-            depends=['kernels/adamw_loop.h'],
-            include_dirs=[_ffi_include_dir()],
-            extra_compile_args=_compile_args(),
-            extra_link_args=['-pthread'],
-            language='c++',
-            optional=True,
-        ),
-        # The same loop rules over chosen rows of the stacked state (the core's host path).
-        Extension(
-            'dos_jax.kernels._host_adamw_rows',
-            sources=['kernels/host_adamw_rows.cc'],
-            depends=['kernels/adamw_loop.h'],
-            include_dirs=[_ffi_include_dir()],
-            extra_compile_args=_compile_args(),
-            extra_link_args=['-pthread'],
-            language='c++',
-            optional=True,
-        ),
+        _native_extension('_host_adamw', 'host_adamw.cc'),
+        # The same loop rules over rows of the stacked state (the core's host path).
+        _native_extension('_host_adamw_rows', 'host_adamw_rows.cc'),
     ],
 )

@@ -1,5 +1,6 @@
 // The AdamW loop of the native host kernel: element types, the per-element update in
-// optax's op order, and its instantiations per dtype and instruction set.
+// optax's op order, and its instantiations per dtype (per instruction set through
+// adamw_common.h).
 //
 // Included by host_adamw.cc and host_adamw_rows.cc; internal to those translation units.
 
@@ -11,19 +12,12 @@
 #include <cstring>
 #include <type_traits>
 
+#include "adamw_common.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#define DOS_X86 1
-#else
-#define DOS_X86 0
-#endif
 
 namespace dos_jax_host_adamw {
 
 namespace ffi = xla::ffi;
-
-#define DOS_INLINE inline __attribute__((always_inline))
 
 // Slots of the packed f32 coefficient vector (adamw_scalars.Coefficients, in order).
 enum Slot {
@@ -107,6 +101,23 @@ struct Pointers {
   void* lowp;
 };
 
+// The step direction from the new moments m and v of an element p with gradient g:
+// bias-corrected (Nesterov: also with the next step's correction), preconditioned,
+// plus weight decay when kDecay. Shared by both host kernels' loops.
+template <bool kNesterov, bool kDecay>
+DOS_INLINE float Direction(const Coeffs& c, float g, float p, float m, float v) {
+  float m_hat;
+  if constexpr (kNesterov) {
+    m_hat = __builtin_fmaf(c.b1, m * c.inv_bc1_next, c.omb1 * (g * c.inv_bc1));
+  } else {
+    m_hat = m * c.inv_bc1;
+  }
+  const float v_hat = __builtin_fmaf(v, c.inv_bc2, c.eps_root);
+  float u = m_hat / (__builtin_sqrtf(v_hat) + c.eps);
+  if constexpr (kDecay) u = __builtin_fmaf(c.wd, p, u);
+  return u;
+}
+
 // The update of elements [begin, end) of one subgroup whose decay ends at `decay_end`.
 // All pointers are distinct arrays; reads and writes of one array hit the same index.
 template <class G, class M, class L, bool kNesterov, bool kDecay>
@@ -120,15 +131,7 @@ DOS_INLINE void UpdateRange(const Coeffs& c, float* __restrict master,
     const float p = master[i];
     const float m = __builtin_fmaf(c.omb1, g, c.b1 * M::Load(mu[i]));
     const float v = __builtin_fmaf(c.omb2, g * g, c.b2 * nu[i]);
-    float m_hat;
-    if constexpr (kNesterov) {
-      m_hat = __builtin_fmaf(c.b1, m * c.inv_bc1_next, c.omb1 * (g * c.inv_bc1));
-    } else {
-      m_hat = m * c.inv_bc1;
-    }
-    const float v_hat = __builtin_fmaf(v, c.inv_bc2, c.eps_root);
-    float u = m_hat / (__builtin_sqrtf(v_hat) + c.eps);
-    if constexpr (kDecay) u = __builtin_fmaf(c.wd, p, u);
+    const float u = Direction<kNesterov, kDecay>(c, g, p, m, v);
     const float p_new = __builtin_fmaf(c.neg_lr, u, p);
     master[i] = p_new;
     mu[i] = M::Store(m);
@@ -137,82 +140,34 @@ DOS_INLINE void UpdateRange(const Coeffs& c, float* __restrict master,
   }
 }
 
-template <class G, class M, class L, bool kNesterov>
-DOS_INLINE void UpdateChunk(const Coeffs& c, const Pointers& ptr, int64_t begin,
-                            int64_t end, int64_t decay_end) {
-  auto* master = ptr.master;
-  auto* mu = static_cast<typename M::Storage*>(ptr.mu);
-  auto* nu = ptr.nu;
-  auto* grad = static_cast<const typename G::Storage*>(ptr.grad);
-  auto* lowp = static_cast<typename L::Storage*>(ptr.lowp);
-  const int64_t mid = std::clamp(decay_end, begin, end);
-  UpdateRange<G, M, L, kNesterov, true>(c, master, mu, nu, grad, lowp, begin, mid);
-  UpdateRange<G, M, L, kNesterov, false>(c, master, mu, nu, grad, lowp, mid, end);
-}
-
 using ChunkFn = void (*)(const Coeffs&, const Pointers&, int64_t, int64_t, int64_t);
 
-// One instantiation per instruction set: the same source, vectorized for each.
-template <class G, class M, class L, bool N>
-void ChunkBaseline(const Coeffs& c, const Pointers& p, int64_t b, int64_t e, int64_t d) {
-  UpdateChunk<G, M, L, N>(c, p, b, e, d);
-}
-
-#if DOS_X86
-template <class G, class M, class L, bool N>
-__attribute__((target("avx2,fma,f16c"))) void ChunkAvx2(
-    const Coeffs& c, const Pointers& p, int64_t b, int64_t e, int64_t d) {
-  UpdateChunk<G, M, L, N>(c, p, b, e, d);
-}
-
-template <class G, class M, class L, bool N>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-void ChunkAvx512(const Coeffs& c, const Pointers& p, int64_t b, int64_t e, int64_t d) {
-  UpdateChunk<G, M, L, N>(c, p, b, e, d);
-}
-#endif
-
-// Instruction sets, as the Python side names them (host_adamw.HostIsa).
-enum Isa : int64_t { kAuto = 0, kBaseline = 1, kAvx2 = 2, kAvx512 = 3 };
-
-int64_t SupportedIsaMask() {
-  int64_t mask = 1 << kBaseline;
-#if DOS_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    mask |= 1 << kAvx2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-      mask |= 1 << kAvx512;
-    }
-  }
-#endif
-  return mask;
-}
-
-template <class G, class M, class L, bool N>
-ChunkFn SelectIsa(int64_t isa) {
-  switch (isa) {
-#if DOS_X86
-    case kAvx512: return &ChunkAvx512<G, M, L, N>;
-    case kAvx2: return &ChunkAvx2<G, M, L, N>;
-#endif
-    default: return &ChunkBaseline<G, M, L, N>;
-  }
-}
-
+// Elements [begin, end) of the flat state, decayed below `decay_end`: a kernel for
+// SelectIsa (adamw_common.h).
 template <class G, class M, class L>
-ChunkFn SelectNesterov(bool nesterov, int64_t isa) {
-  return nesterov ? SelectIsa<G, M, L, true>(isa) : SelectIsa<G, M, L, false>(isa);
-}
+struct Chunk {
+  using Fn = ChunkFn;
+  template <bool kNesterov>
+  static DOS_INLINE void Run(const Coeffs& c, const Pointers& ptr, int64_t begin,
+                             int64_t end, int64_t decay_end) {
+    auto* master = ptr.master;
+    auto* mu = static_cast<typename M::Storage*>(ptr.mu);
+    auto* nu = ptr.nu;
+    auto* grad = static_cast<const typename G::Storage*>(ptr.grad);
+    auto* lowp = static_cast<typename L::Storage*>(ptr.lowp);
+    const int64_t mid = std::clamp(decay_end, begin, end);
+    UpdateRange<G, M, L, kNesterov, true>(c, master, mu, nu, grad, lowp, begin, mid);
+    UpdateRange<G, M, L, kNesterov, false>(c, master, mu, nu, grad, lowp, mid, end);
+  }
+};
 
 template <class G, class M>
 ChunkFn SelectLowp(ffi::DataType lowp, bool nesterov, int64_t isa) {
   switch (lowp) {
-    case ffi::DataType::INVALID: return SelectNesterov<G, M, NoLowp>(nesterov, isa);
-    case ffi::DataType::F32: return SelectNesterov<G, M, F32>(nesterov, isa);
-    case ffi::DataType::BF16: return SelectNesterov<G, M, BF16>(nesterov, isa);
-    case ffi::DataType::F16: return SelectNesterov<G, M, F16>(nesterov, isa);
+    case ffi::DataType::INVALID: return SelectIsa<Chunk<G, M, NoLowp>>(nesterov, isa);
+    case ffi::DataType::F32: return SelectIsa<Chunk<G, M, F32>>(nesterov, isa);
+    case ffi::DataType::BF16: return SelectIsa<Chunk<G, M, BF16>>(nesterov, isa);
+    case ffi::DataType::F16: return SelectIsa<Chunk<G, M, F16>>(nesterov, isa);
     default: return nullptr;
   }
 }
@@ -226,8 +181,8 @@ ChunkFn SelectMu(ffi::DataType mu, ffi::DataType lowp, bool nesterov, int64_t is
   }
 }
 
-ChunkFn SelectKernel(ffi::DataType grad, ffi::DataType mu, ffi::DataType lowp,
-                     bool nesterov, int64_t isa) {
+inline ChunkFn SelectKernel(ffi::DataType grad, ffi::DataType mu, ffi::DataType lowp,
+                            bool nesterov, int64_t isa) {
   switch (grad) {
     case ffi::DataType::F32: return SelectMu<F32>(mu, lowp, nesterov, isa);
     case ffi::DataType::BF16: return SelectMu<BF16>(mu, lowp, nesterov, isa);

@@ -19,15 +19,10 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string>
-#include <system_error>
-#include <thread>
-#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
@@ -37,32 +32,11 @@
 #include "adamw_loop.h"
 #include "xla/ffi/api/ffi.h"
 
-#if DOS_X86
-#include <xmmintrin.h>
-#endif
-
 namespace ffi = xla::ffi;
 
 namespace {
 
 using namespace dos_jax_host_adamw;  // NOLINT: the loop's internals, this file only
-
-// XLA:CPU runs with denormals flushed to zero (inputs and results); so do we.
-class ScopedFlushDenormals {
- public:
-#if DOS_X86
-  ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
-  ~ScopedFlushDenormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned int saved_;
-#endif
-};
-
-constexpr int64_t kAlign = 16;  // elements: one 64-byte line of f32
-constexpr int64_t kMinPerThread = int64_t{1} << 15;
-constexpr int64_t kMinChunk = int64_t{1} << 14;
-constexpr int64_t kChunksPerThread = 16;
 
 struct Problem {
   ChunkFn fn;
@@ -132,10 +106,7 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> master, ffi::AnyBuffer mu,
   if (n_limits != 1 && n_limits != rows) {
     return ffi::Error::InvalidArgument("dos_jax_adamw_host: bad decay_limit");
   }
-  if (isa == kAuto) {
-    const int64_t mask = SupportedIsaMask();
-    isa = (mask >> kAvx512) & 1 ? kAvx512 : (mask >> kAvx2) & 1 ? kAvx2 : kBaseline;
-  } else if (!((SupportedIsaMask() >> isa) & 1)) {
+  if (!ResolveIsa(isa)) {
     return ffi::Error::InvalidArgument("dos_jax_adamw_host: this CPU lacks the ISA asked for");
   }
   const bool has_lowp = lowp_out->element_count() != 0;
@@ -158,29 +129,8 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> master, ffi::AnyBuffer mu,
             nullptr, lowp_out->untyped_data()};
   pb.mu_bytes = ffi::ByteWidth(mu.element_type());
 
-  // Threads take chunks from a shared counter rather than one fixed slice each, so a
-  // thread slowed by a busy core does not hold the others up at the join.
-  const int64_t want = std::max<int64_t>(1, num_threads);
-  const int64_t threads = std::clamp<int64_t>(pb.total / kMinPerThread, 1, want);
-  const int64_t chunk =
-      std::max(kMinChunk, (pb.total / (threads * kChunksPerThread) + kAlign - 1) / kAlign * kAlign);
-  std::atomic<int64_t> next{0};
-  auto work = [&pb, &next, chunk] {
-    for (int64_t begin; (begin = next.fetch_add(chunk)) < pb.total;) {
-      RunRange(pb, begin, std::min(pb.total, begin + chunk));
-    }
-  };
-  std::vector<std::thread> workers;
-  workers.reserve(threads - 1);
-  for (int64_t t = 1; t < threads; ++t) {
-    try {
-      workers.emplace_back(work);
-    } catch (const std::system_error&) {  // no more threads to be had: go on with fewer
-      break;
-    }
-  }
-  work();
-  for (auto& w : workers) w.join();
+  ParallelFor(pb.total, ThreadsFor(pb.total, num_threads),
+              [&pb](int64_t begin, int64_t end) { RunRange(pb, begin, end); });
   return ffi::Error::Success();
 }
 
@@ -217,18 +167,10 @@ double ProbeSeconds(int64_t n, int64_t threads, int64_t reps) {
       vv[i] += gg[i];
     }
   };
-  const int64_t chunk = std::max(kMinChunk, n / (threads * kChunksPerThread) / kAlign * kAlign);
   std::vector<double> seconds;
   for (int64_t r = 0; r < reps; ++r) {
-    std::atomic<int64_t> next{0};
-    auto work = [&] {
-      for (int64_t b; (b = next.fetch_add(chunk)) < n;) pass(b, std::min(n, b + chunk));
-    };
     const auto start = std::chrono::steady_clock::now();
-    std::vector<std::thread> workers;
-    for (int64_t t = 1; t < threads; ++t) workers.emplace_back(work);
-    work();
-    for (auto& w : workers) w.join();
+    ParallelFor(n, threads, pass);
     seconds.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
@@ -278,13 +220,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLowpIn, AdamWLowpInImpl,
 #ifndef DOS_JAX_NO_PYTHON
 // The Python module: the handlers as capsules for jax.ffi.register_ffi_target, and
 // the instruction sets this CPU supports (bit i set = Isa i usable).
-static PyObject* Handler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHost), nullptr, nullptr);
-}
-
-static PyObject* HandlerLowpIn(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHostLowpIn), nullptr, nullptr);
-}
+DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWHost)
+DOS_HANDLER_CAPSULE(HandlerLowpIn, DosJaxAdamWHostLowpIn)
 
 static PyObject* IsaMask(PyObject*, PyObject*) {
   return PyLong_FromLongLong(SupportedIsaMask());

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dos_jax.kernels import _native
 from dos_jax.kernels import adamw_scalars
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 
@@ -36,18 +37,10 @@ class HostIsa(enum.IntEnum):
 
 @functools.cache
 def _load() -> tuple[Any, str]:
-  """Imports the native module and registers its FFI target; (module, '') or (None, why)."""
-  try:
-    from dos_jax.kernels import _host_adamw  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    return None, f'native host AdamW not built or not loadable: {e}'
-  try:
-    jax.ffi.register_ffi_target(_TARGET, _host_adamw.handler(), platform='cpu')
-    jax.ffi.register_ffi_target(
-        _TARGET_LOWP_IN, _host_adamw.handler_lowp_in(), platform='cpu')
-  except Exception as e:  # pylint: disable=broad-except
-    return None, f'registering the native host AdamW with XLA failed: {e}'
-  return _host_adamw, ''
+  """Imports the native module and registers its FFI targets; (module, '') or (None, why)."""
+  return _native.load('_host_adamw',
+                      {_TARGET: 'handler', _TARGET_LOWP_IN: 'handler_lowp_in'},
+                      'native host AdamW')
 
 
 def host_kernel_available() -> bool:
@@ -75,6 +68,22 @@ def default_num_threads() -> int:
     return len(os.sched_getaffinity(0))
   except AttributeError:  # not on Linux
     return os.cpu_count() or 1
+
+
+def check_threads_and_isa(num_threads: int | None, isa: HostIsa) -> tuple[int, HostIsa]:
+  """The thread count (default: the cores available) and ISA of a native call.
+
+  Raises:
+    ValueError: `num_threads` is not a positive int, or this CPU lacks `isa`.
+  """
+  threads = default_num_threads() if num_threads is None else num_threads
+  if not isinstance(threads, int) or threads < 1:
+    raise ValueError(f'num_threads must be a positive int, got {num_threads!r}')
+  isa = HostIsa(isa)
+  if isa != HostIsa.AUTO and isa not in supported_isas():
+    raise ValueError(f'isa={isa.name} is not supported by this CPU; '
+                     f'supported: {[i.name for i in supported_isas()]}')
+  return threads, isa
 
 
 @functools.partial(jax.jit, static_argnames=('lowp_dtype', 'nesterov', 'num_threads', 'isa'))
@@ -124,13 +133,7 @@ def adamw_host(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
   if not host_kernel_available():
     raise RuntimeError(host_kernel_unavailable_reason())
   adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype, lowp_out)
-  threads = default_num_threads() if num_threads is None else num_threads
-  if not isinstance(threads, int) or threads < 1:
-    raise ValueError(f'num_threads must be a positive int, got {num_threads!r}')
-  isa = HostIsa(isa)
-  if isa != HostIsa.AUTO and isa not in supported_isas():
-    raise ValueError(f'isa={isa.name} is not supported by this CPU; '
-                     f'supported: {[i.name for i in supported_isas()]}')
+  threads, isa = check_threads_and_isa(num_threads, isa)
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
   limit = jnp.asarray(decay_limit, jnp.int32)
   return _adamw_call(packed, limit, master, mu, nu, grad, lowp_out,

@@ -7,55 +7,30 @@
 // untouched. All R * S elements are split over the threads at once, so a call on many
 // small subgroups is as parallel as a call on one large one.
 //
-// The element types and their rounding, the coefficient slots and the ISA detection
-// are the flat host kernel's (adamw_loop.h), and the loop follows the same rules
-// (explicit FMAs where XLA:CPU contracts, reciprocal multiplies, denormals flushed), so
-// results agree bit for bit with the XLA row loop of dos_jax and with
-// jax.jit(optax.adamw) (see host_adamw.cc and below).
+// The element types and their rounding and the coefficient slots are the flat host
+// kernel's (adamw_loop.h), as are the ISA dispatch, denormal flushing and thread split
+// (adamw_common.h); the loop follows the same rules (explicit FMAs where XLA:CPU
+// contracts, reciprocal multiplies, denormals flushed), so results agree bit for bit
+// with the XLA row loop of dos_jax and with jax.jit(optax.adamw) (see host_adamw.cc
+// and below).
 
 #include <Python.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <system_error>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "adamw_loop.h"
 #include "xla/ffi/api/ffi.h"
 
-#if DOS_X86
-#include <xmmintrin.h>
-#endif
-
 namespace ffi = xla::ffi;
 
 namespace {
 
 using namespace dos_jax_host_adamw;  // NOLINT: the shared loop's internals
-
-// XLA:CPU runs with denormals flushed to zero (inputs and results); so do we.
-class ScopedFlushDenormals {
- public:
-#if DOS_X86
-  ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
-  ~ScopedFlushDenormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned int saved_;
-#endif
-};
-
-// Work split: at least kMinPerThread elements per thread, chunks of at least kMinChunk
-// elements, cache-line aligned, about kChunksPerThread chunks per thread.
-constexpr int64_t kAlign = 16;
-constexpr int64_t kMinPerThread = int64_t{1} << 15;
-constexpr int64_t kMinChunk = int64_t{1} << 14;
-constexpr int64_t kChunksPerThread = 16;
 
 // Where one subgroup's rows are: state slots and the row of grads, params and out.
 struct RowPointers {
@@ -93,15 +68,7 @@ DOS_INLINE void RowRangeFixed(const Coeffs& c, float* __restrict master,
                               : __builtin_fmaf(c.b1, mu[i], c.omb1 * g);
     const float v = kWideGrad ? __builtin_fmaf(c.omb2, g * g, c.b2 * nu[i])
                               : __builtin_fmaf(c.b2, nu[i], c.omb2 * (g * g));
-    float m_hat;
-    if constexpr (kNesterov) {
-      m_hat = __builtin_fmaf(c.b1, m * c.inv_bc1_next, c.omb1 * (g * c.inv_bc1));
-    } else {
-      m_hat = m * c.inv_bc1;
-    }
-    const float v_hat = __builtin_fmaf(v, c.inv_bc2, c.eps_root);
-    float u = m_hat / (__builtin_sqrtf(v_hat) + c.eps);
-    if constexpr (kDecay) u = __builtin_fmaf(c.wd, p, u);
+    const float u = Direction<kNesterov, kDecay>(c, g, p, m, v);
     mu[i] = m;
     nu[i] = v;
     if constexpr (kMaster) {
@@ -114,69 +81,39 @@ DOS_INLINE void RowRangeFixed(const Coeffs& c, float* __restrict master,
   }
 }
 
-template <class G, class L, bool kMaster, bool kNesterov>
-DOS_INLINE void RowRange(const Coeffs& c, const RowPointers& p, int64_t begin,
-                         int64_t end, bool decay) {
-  auto* grad = static_cast<const typename G::Storage*>(p.grad);
-  auto* out = static_cast<typename L::Storage*>(p.out);
-  if (decay) {
-    RowRangeFixed<G, L, kMaster, kNesterov, true>(c, p.master, p.mu, p.nu, grad, p.param,
-                                                  out, begin, end);
-  } else {
-    RowRangeFixed<G, L, kMaster, kNesterov, false>(c, p.master, p.mu, p.nu, grad, p.param,
-                                                   out, begin, end);
-  }
-}
-
 using RowFn = void (*)(const Coeffs&, const RowPointers&, int64_t, int64_t, bool);
 
-template <class G, class L, bool kM, bool kN>
-void RowsBaseline(const Coeffs& c, const RowPointers& p, int64_t b, int64_t e, bool d) {
-  RowRange<G, L, kM, kN>(c, p, b, e, d);
-}
-
-#if DOS_X86
-template <class G, class L, bool kM, bool kN>
-__attribute__((target("avx2,fma,f16c"))) void RowsAvx2(
-    const Coeffs& c, const RowPointers& p, int64_t b, int64_t e, bool d) {
-  RowRange<G, L, kM, kN>(c, p, b, e, d);
-}
-
-template <class G, class L, bool kM, bool kN>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-void RowsAvx512(const Coeffs& c, const RowPointers& p, int64_t b, int64_t e, bool d) {
-  RowRange<G, L, kM, kN>(c, p, b, e, d);
-}
-#endif
-
-template <class G, class L, bool kM, bool kN>
-RowFn RowsForIsa(int64_t isa) {
-  switch (isa) {
-#if DOS_X86
-    case kAvx512: return &RowsAvx512<G, L, kM, kN>;
-    case kAvx2: return &RowsAvx2<G, L, kM, kN>;
-#endif
-    default: return &RowsBaseline<G, L, kM, kN>;
+// Elements [begin, end) of one subgroup row: a kernel for SelectIsa (adamw_common.h).
+template <class G, class L, bool kMaster>
+struct Row {
+  using Fn = RowFn;
+  template <bool kNesterov>
+  static DOS_INLINE void Run(const Coeffs& c, const RowPointers& p, int64_t begin,
+                             int64_t end, bool decay) {
+    auto* grad = static_cast<const typename G::Storage*>(p.grad);
+    auto* out = static_cast<typename L::Storage*>(p.out);
+    if (decay) {
+      RowRangeFixed<G, L, kMaster, kNesterov, true>(c, p.master, p.mu, p.nu, grad,
+                                                    p.param, out, begin, end);
+    } else {
+      RowRangeFixed<G, L, kMaster, kNesterov, false>(c, p.master, p.mu, p.nu, grad,
+                                                     p.param, out, begin, end);
+    }
   }
-}
-
-template <class G, class L, bool kM>
-RowFn RowsForNesterov(bool nesterov, int64_t isa) {
-  return nesterov ? RowsForIsa<G, L, kM, true>(isa) : RowsForIsa<G, L, kM, false>(isa);
-}
+};
 
 // The master case writes the new master in the out dtype; without a master the out
 // rows are the f32 update.
 template <class G>
 RowFn RowsForOut(bool has_master, ffi::DataType out, bool nesterov, int64_t isa) {
   if (!has_master) {
-    return out == ffi::DataType::F32 ? RowsForNesterov<G, F32, false>(nesterov, isa)
+    return out == ffi::DataType::F32 ? SelectIsa<Row<G, F32, false>>(nesterov, isa)
                                      : nullptr;
   }
   switch (out) {
-    case ffi::DataType::F32: return RowsForNesterov<G, F32, true>(nesterov, isa);
-    case ffi::DataType::BF16: return RowsForNesterov<G, BF16, true>(nesterov, isa);
-    case ffi::DataType::F16: return RowsForNesterov<G, F16, true>(nesterov, isa);
+    case ffi::DataType::F32: return SelectIsa<Row<G, F32, true>>(nesterov, isa);
+    case ffi::DataType::BF16: return SelectIsa<Row<G, BF16, true>>(nesterov, isa);
+    case ffi::DataType::F16: return SelectIsa<Row<G, F16, true>>(nesterov, isa);
     default: return nullptr;
   }
 }
@@ -188,35 +125,6 @@ RowFn SelectRows(ffi::DataType grad, bool has_master, ffi::DataType out, bool ne
     case ffi::DataType::BF16: return RowsForOut<BF16>(has_master, out, nesterov, isa);
     default: return nullptr;
   }
-}
-
-// Runs fn(begin, end) over [0, total) in chunks taken from a shared counter by
-// `threads` threads (a thread slowed by a busy core does not hold up the join).
-template <class Fn>
-void ParallelFor(int64_t total, int64_t threads, const Fn& fn) {
-  const int64_t chunk = std::max(
-      kMinChunk, (total / (threads * kChunksPerThread) + kAlign - 1) / kAlign * kAlign);
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t begin; (begin = next.fetch_add(chunk)) < total;) {
-      fn(begin, std::min(total, begin + chunk));
-    }
-  };
-  std::vector<std::thread> workers;
-  workers.reserve(threads - 1);
-  for (int64_t t = 1; t < threads; ++t) {
-    try {
-      workers.emplace_back(work);
-    } catch (const std::system_error&) {  // no more threads to be had: go on with fewer
-      break;
-    }
-  }
-  work();
-  for (auto& w : workers) w.join();
-}
-
-int64_t ThreadsFor(int64_t total, int64_t num_threads) {
-  return std::clamp<int64_t>(total / kMinPerThread, 1, std::max<int64_t>(1, num_threads));
 }
 
 ffi::Error Invalid(const std::string& what) {
@@ -263,10 +171,7 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& rows,
     if (g < 0 || g >= su.G || seen[g]) return Invalid("rows must be distinct, in [0, G)");
     seen[g] = true;
   }
-  if (isa == kAuto) {
-    const int64_t mask = SupportedIsaMask();
-    isa = (mask >> kAvx512) & 1 ? kAvx512 : (mask >> kAvx2) & 1 ? kAvx2 : kBaseline;
-  } else if (!((SupportedIsaMask() >> isa) & 1)) {
+  if (!ResolveIsa(isa)) {
     return Invalid("this CPU lacks the ISA asked for");
   }
   su.fn = SelectRows(grad_type, su.has_master, out->element_type(), nesterov, isa);
@@ -484,18 +389,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeaves, LeavesImpl,
                                   .Attr<bool>("nesterov")
                                   .Attr<int64_t>("isa"));
 
-static PyObject* Handler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHostRows), nullptr, nullptr);
-}
-
-static PyObject* HandlerOutIn(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHostRowsOutIn), nullptr,
-                       nullptr);
-}
-
-static PyObject* HandlerLeaves(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&DosJaxAdamWHostLeaves), nullptr, nullptr);
-}
+DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWHostRows)
+DOS_HANDLER_CAPSULE(HandlerOutIn, DosJaxAdamWHostRowsOutIn)
+DOS_HANDLER_CAPSULE(HandlerLeaves, DosJaxAdamWHostLeaves)
 
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The XLA FFI handler of the row-wise host AdamW."},

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dos_jax.kernels import _native
 from dos_jax.kernels import adamw_scalars
 from dos_jax.kernels.adamw_scalars import AdamWScalars
-from dos_jax.kernels.host_adamw import default_num_threads
+from dos_jax.kernels.host_adamw import check_threads_and_isa
 from dos_jax.kernels.host_adamw import HostIsa
-from dos_jax.kernels.host_adamw import supported_isas
 
 _TARGET = 'dos_jax_adamw_host_rows'
 _TARGET_OUT_IN = 'dos_jax_adamw_host_rows_out_in'  # also takes a buffer to alias to out
@@ -35,19 +35,10 @@ _LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.f
 @functools.cache
 def _load() -> tuple[Any, str]:
   """Imports the native module and registers its FFI targets; (module, '') or (None, why)."""
-  try:
-    from dos_jax.kernels import _host_adamw_rows  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    return None, f'native row-wise host AdamW not built or not loadable: {e}'
-  try:
-    jax.ffi.register_ffi_target(_TARGET, _host_adamw_rows.handler(), platform='cpu')
-    jax.ffi.register_ffi_target(
-        _TARGET_OUT_IN, _host_adamw_rows.handler_out_in(), platform='cpu')
-    jax.ffi.register_ffi_target(
-        _TARGET_LEAVES, _host_adamw_rows.handler_leaves(), platform='cpu')
-  except Exception as e:  # pylint: disable=broad-except
-    return None, f'registering the row-wise host AdamW with XLA failed: {e}'
-  return _host_adamw_rows, ''
+  return _native.load('_host_adamw_rows',
+                      {_TARGET: 'handler', _TARGET_OUT_IN: 'handler_out_in',
+                       _TARGET_LEAVES: 'handler_leaves'},
+                      'native row-wise host AdamW')
 
 
 def rows_kernel_available() -> bool:
@@ -88,17 +79,6 @@ def _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed) -> Non
   if out is not None and (out.shape != (io_rows, size) or out.dtype != jnp.dtype(lowp_dtype)):
     raise ValueError(f'out must be {jnp.dtype(lowp_dtype).name} {form}, got '
                      f'{out.dtype}{list(out.shape)}')
-
-
-def _check_threads_and_isa(num_threads, isa) -> tuple[int, HostIsa]:
-  threads = default_num_threads() if num_threads is None else num_threads
-  if not isinstance(threads, int) or threads < 1:
-    raise ValueError(f'num_threads must be a positive int, got {num_threads!r}')
-  isa = HostIsa(isa)
-  if isa != HostIsa.AUTO and isa not in supported_isas():
-    raise ValueError(f'isa={isa.name} is not supported by this CPU; '
-                     f'supported: {[i.name for i in supported_isas()]}')
-  return threads, isa
 
 
 def adamw_host_rows(stacked, grads, params, rows, scalars: AdamWScalars, *,
@@ -143,7 +123,7 @@ def adamw_host_rows(stacked, grads, params, rows, scalars: AdamWScalars, *,
     raise RuntimeError(rows_kernel_unavailable_reason())
   rows = jnp.asarray(rows)
   _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed)
-  threads, isa = _check_threads_and_isa(num_threads, isa)
+  threads, isa = check_threads_and_isa(num_threads, isa)
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
   if params is None:
     params = jnp.zeros((0,), jnp.float32)
@@ -216,7 +196,7 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
   _check(stacked, fake, None if master_k >= 0 else
          jax.ShapeDtypeStruct((num_groups, size), jnp.float32), rows, slots, out, lowp_dtype,
          indexed=True)
-  threads, isa = _check_threads_and_isa(num_threads, isa)
+  threads, isa = check_threads_and_isa(num_threads, isa)
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
   sources = [grad_leaves[i] for i in order]
   if master_k < 0:
