@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 import dos_jax
+from bench_update import synthetic  # experiments/ is the script's own directory
 
 
 class Runner:
@@ -52,12 +53,7 @@ def main(argv=None) -> None:
   parser.add_argument('--dtype', choices=['float32', 'bfloat16'], default='float32')
   parser.add_argument('--reps', type=int, default=5)
   args = parser.parse_args(argv)
-  dtype = jnp.dtype(args.dtype)
-  sizes = (args.params * 3 // 4 + 7, args.params // 4 - 7)
-  keys = jax.random.split(jax.random.key(0), 4)
-  params = {f'w{i}': jax.random.normal(k, (n,), dtype) for i, (k, n) in enumerate(zip(keys, sizes))}
-  grads = {f'w{i}': jax.random.normal(k, (n,), dtype) * 1e-2
-           for i, (k, n) in enumerate(zip(keys[2:], sizes))}
+  params, grads = synthetic(args.params, jnp.dtype(args.dtype))
   print(f'{args.params / 1e6:.0f}M {args.dtype} params, subgroup {args.subgroup_size:,},'
         f' {jax.default_backend()}, jax {jax.__version__}, {args.reps} rounds')
   master = jax.tree.map(lambda x: x.astype(jnp.float32), params)

@@ -23,6 +23,17 @@ import optax
 import dos_jax
 
 
+def synthetic(num_params: int, dtype):
+  """Params and gradients of `num_params` elements in two leaves whose sizes are not
+  multiples of any subgroup size, so that packing does real work."""
+  sizes = (num_params * 3 // 4 + 7, num_params // 4 - 7)
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {f'w{i}': jax.random.normal(k, (n,), dtype) for i, (k, n) in enumerate(zip(keys, sizes))}
+  grads = {f'w{i}': jax.random.normal(k, (n,), dtype) * 1e-2
+           for i, (k, n) in enumerate(zip(keys[2:], sizes))}
+  return params, grads
+
+
 def time_step(opt, params, grads, reps: int, plan=None) -> float:
   state = opt.init(params)
   kwargs = {} if plan is None else {'plan': plan}
@@ -54,13 +65,7 @@ def main(argv=None) -> None:
   parser.add_argument('--impl', choices=[i.value for i in dos_jax.UpdateImpl], default='kernel')
   args = parser.parse_args(argv)
 
-  dtype = jnp.dtype(args.dtype)
-  # Two leaves so that packing does real work; sizes not multiples of the subgroup.
-  sizes = (args.params * 3 // 4 + 7, args.params // 4 - 7)
-  keys = jax.random.split(jax.random.key(0), 4)
-  params = {f'w{i}': jax.random.normal(k, (n,), dtype) for i, (k, n) in enumerate(zip(keys, sizes))}
-  grads = {f'w{i}': jax.random.normal(k, (n,), dtype) * 1e-2
-           for i, (k, n) in enumerate(zip(keys[2:], sizes))}
+  params, grads = synthetic(args.params, jnp.dtype(args.dtype))
 
   print(f'{args.params / 1e6:.0f}M {args.dtype} params, subgroup {args.subgroup_size:,},'
         f' {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}')
