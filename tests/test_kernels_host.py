@@ -12,6 +12,7 @@ import pytest
 from dos_jax import kernels
 from tests.test_kernels_scalars import assert_close_to_optax
 from tests.test_kernels_scalars import assert_trees_equal
+from tests.test_kernels_scalars import check_across_decay_boundary
 from tests.test_kernels_scalars import Hyper
 from tests.test_kernels_scalars import optax_trajectory
 from tests.test_kernels_scalars import random_grad
@@ -72,15 +73,7 @@ def test_fp32_matches_optax_bit_for_bit(size, decay):
     Hyper(nesterov=True),
 ], ids=['default', 'eps_root', 'nesterov'])
 def test_matches_optax_across_a_decay_boundary(hyper):
-  size, limit = 5003, 2001
-  rng = np.random.default_rng(7)
-  master = random_state(rng, size)[0]
-  grads = [random_grad(rng, size) for _ in range(4)]
-  expected = optax_trajectory(hyper, master, grads, limit)
-  state = (master, jnp.zeros(size), jnp.zeros(size))
-  for count, (grad, want) in enumerate(zip(grads, expected), start=1):
-    *state, _ = _host(hyper, count, state, grad, decay_limit=limit)
-    assert_close_to_optax(state, want, hyper.lr)
+  check_across_decay_boundary(_host, hyper, size=5003, limit=2001, seed=7, steps=4)
 
 
 @pytest.mark.parametrize('size', SIZES)

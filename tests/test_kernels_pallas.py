@@ -16,6 +16,7 @@ import pytest
 
 from dos_jax import kernels
 from tests.test_kernels_scalars import assert_close_to_optax
+from tests.test_kernels_scalars import check_across_decay_boundary
 from tests.test_kernels_scalars import Hyper
 from tests.test_kernels_scalars import optax_trajectory
 from tests.test_kernels_scalars import random_grad
@@ -58,14 +59,7 @@ class PallasAdamWTests:
   def test_matches_optax_across_a_decay_boundary(self, hyper):
     size = self.SIZES[2]
     limit = size // 3 + 5  # inside a block, not on a block edge
-    rng = np.random.default_rng(11)
-    master = random_state(rng, size)[0]
-    grads = [random_grad(rng, size) for _ in range(2)]
-    expected = optax_trajectory(hyper, master, grads, limit)
-    state = (master, jnp.zeros(size), jnp.zeros(size))
-    for count, (grad, want) in enumerate(zip(grads, expected), start=1):
-      *state, _ = self._pallas(hyper, count, state, grad, decay_limit=limit)
-      assert_close_to_optax(state, want, hyper.lr)
+    check_across_decay_boundary(self._pallas, hyper, size=size, limit=limit, seed=11, steps=2)
 
   @pytest.mark.parametrize('grad_dtype, mu_dtype, lowp_dtype', [
       (jnp.bfloat16, jnp.float32, jnp.float16),

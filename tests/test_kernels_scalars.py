@@ -112,6 +112,20 @@ def assert_close_to_optax(state, expected, lr):
                                err_msg=name)
 
 
+def check_across_decay_boundary(update, hyper: Hyper, size: int, limit: int, seed: int,
+                                steps: int):
+  """Runs `update(hyper, count, state, grad, decay_limit=...)` for `steps` steps on fresh
+  random data and compares every step with optax (which sees two leaves)."""
+  rng = np.random.default_rng(seed)
+  master = random_state(rng, size)[0]
+  grads = [random_grad(rng, size) for _ in range(steps)]
+  expected = optax_trajectory(hyper, master, grads, limit)
+  state = (master, jnp.zeros(size), jnp.zeros(size))
+  for count, (grad, want) in enumerate(zip(grads, expected), start=1):
+    *state, _ = update(hyper, count, state, grad, decay_limit=limit)
+    assert_close_to_optax(state, want, hyper.lr)
+
+
 def test_one_minus_follows_optax_python_float_arithmetic():
   # optax computes (1 - b1) in double for a Python float: 0.1f, not 1f - 0.9f.
   coeffs = adamw_scalars.coefficients(step_scalars(Hyper(), 1), nesterov=False)
