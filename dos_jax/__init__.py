@@ -14,7 +14,10 @@ from dos_jax.alias import chain as chain
 from dos_jax.layout import Layout as Layout
 from dos_jax.layout import spec_for as spec_for
 from dos_jax.offload import Offload as Offload
+from dos_jax.offload import Platform as Platform
 from dos_jax.offload import UpdateImpl as UpdateImpl
+from dos_jax.partition import Partition as Partition
+from dos_jax.partition import Tier as Tier
 from dos_jax.portable import state_from_pytrees as state_from_pytrees
 from dos_jax.portable import state_to_pytrees as state_to_pytrees
 from dos_jax.policies import AllDevice as AllDevice

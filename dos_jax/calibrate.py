@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dos_jax import paths
+
 from dos_jax.costmodel import HardwareProfile
 
 CACHE_DIR_ENV = 'DOS_JAX_CACHE_DIR'
@@ -40,18 +42,7 @@ def _adamw(p, g, m, v):
 
 def _on_host(fn: Callable) -> Callable:
   """`fn` run by the host inside a jitted program, on jax 0.10 and 0.11 alike."""
-  from jax.experimental import compute_on as co  # pylint: disable=import-outside-toplevel
-
-  if hasattr(co, 'compute_on2'):  # jax 0.10: compute_on is a context manager
-    inner = jax.jit(fn)
-
-    def wrapped(*args):
-      with co.compute_on('device_host'):
-        return inner(*args)
-
-    return wrapped
-  host = jax.memory.Space.Host  # jax 0.11: the function form
-  return co.compute_on(fn, compute_type='device_host', out_memory_spaces=(host, host, host))
+  return paths.host_region(fn, out_spaces=paths.HOST)
 
 
 def _median_seconds(run: Callable[[], object], budget: float, min_reps: int = 3) -> float:

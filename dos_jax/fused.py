@@ -29,6 +29,7 @@ from dos_jax import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.offload import Offload
+from dos_jax.offload import Platform
 from dos_jax.offload import UpdateImpl
 
 
@@ -83,11 +84,11 @@ def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] 
 
 def usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep, stacked,
            grad_leaves, sharded: bool) -> bool:
-  """Whether this step's host rows can go through the native kernel."""
+  """Whether this step's rows can go through the native kernel (the caller checks the
+  implementation each tier asks for)."""
   grad_dtypes = {jnp.dtype(g.dtype) for g in grad_leaves}
   return (
       fused is not None
-      and offload.host_impl == UpdateImpl.KERNEL
       # The kernel rounds Nesterov's sum an ulp apart from XLA's program in a few
       # elements; the fused path promises bit-identical results, so XLA keeps it.
       and not fused.nesterov
@@ -105,7 +106,8 @@ def usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep, stac
 
 
 def _step_scalars(fused: FusedAdamW, step: paths.RowStep, scalars):
-  """(AdamWScalars, new scalar state): the wrapped update run on zero-length rows."""
+  """(AdamWScalars, new scalar state): the wrapped update run on zero-length rows (as
+  `paths.next_scalars`), read as AdamW's step count and schedule value."""
   empty = tuple(jnp.zeros((n, 0), dtype) for n, dtype in
                 zip(step.slots.group_sizes, step.slots.groups))
   master, inner_state = slots_lib.join(empty, scalars, step.slots, axis=0)
@@ -113,7 +115,10 @@ def _step_scalars(fused: FusedAdamW, step: paths.RowStep, scalars):
   _, new_inner = step.row_update(zero, inner_state, zero, True)
   _, new_scalars = slots_lib.split((master, new_inner), step.slots, axis=0)
   new_scalars = tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
-  return fused.scalars(inner_state, new_inner), new_scalars
+  adam_scalars = fused.scalars(inner_state, new_inner)
+  if step.grad_scale is not None:
+    adam_scalars = dataclasses.replace(adam_scalars, grad_scale=step.grad_scale)
+  return adam_scalars, new_scalars
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -131,80 +136,71 @@ class Leaves:
         jnp.dtype(p.dtype) == jnp.float32 for p in self.params))
 
 
-def one_memory() -> bool:
-  """Whether host and device memory are one (a CPU backend)."""
-  return jax.default_backend() == 'cpu'
+def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, leaves: Leaves,
+                resident: bool, num_threads: int | None = None):
+  """Every row of a one-memory (CPU program) state in one native call; returns
+  (stacked, out rows).
 
-
-def host_update(rows, step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, grads,
-                params, out, num_threads: int | None = None, leaves: Leaves | None = None,
-                resident: bool = False):
-  """`paths.host_update` with one native call; returns (stacked, new_scalars, out).
-
-  On a CPU backend, `leaves` (when given and of one supported dtype) are read directly,
-  so the packed `grads` and `params` rows need not be built for the host rows; there
-  `rows` may also be device rows, and `resident` says the state is in device memory.
+  The kernel reads the gradient (and param) leaves directly, so the packed `(G, S)`
+  rows are never built, and writes a fresh out buffer (every row of it).
   """
-  adam_scalars, new_scalars = _step_scalars(fused, step, scalars)
-  kernel_args = dict(
+  adam_scalars, _ = _step_scalars(fused, step, scalars)
+  num_rows = stacked[0].shape[0]
+  new_state, out = host_adamw_rows.adamw_host_leaves(
+      stacked[0], leaves.grads, None if step.has_master else leaves.params,
+      jnp.arange(num_rows, dtype=jnp.int32), adam_scalars, offsets=leaves.offsets,
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
-  order = jnp.asarray(rows, jnp.int32)
-  everything = rows == tuple(range(grads.shape[0]))
-  if one_memory():
-    # One memory: the kernel reads grads and params by subgroup and writes the host
-    # rows of `out` in place (the device rows are already there): no gather, no scatter.
-    # When it writes every row, a fresh buffer spares zeroing `out` first.
-    if leaves is not None and leaves.usable(step.has_master):
-      new_state, out = host_adamw_rows.adamw_host_leaves(
-          stacked[0], leaves.grads, None if step.has_master else leaves.params, order,
-          adam_scalars, offsets=leaves.offsets, out=None if everything else out,
-          **kernel_args)
-    else:
-      new_state, out = host_adamw_rows.adamw_host_rows(
-          stacked[0], grads, params, order, adam_scalars, out=None if everything else out,
-          indexed=True, **kernel_args)
-    # A custom call's results are typed as device memory; the state keeps its memory
-    # kind (on CPU both are one memory, and this is no copy: see the memory test).
-    space = paths.DEVICE if resident else paths.HOST
-    return (jax.device_put(new_state, space),), new_scalars, out
-  # Accelerators: only the host rows' gradients (and params) cross to host memory, the
-  # update runs there, and only the new out rows come back.
-  grads_h = jax.device_put(grads if everything else grads[order], paths.HOST)
-  params_h = None
-  if params is not None:
-    params_h = jax.device_put(params if everything else params[order], paths.HOST)
-  order_h = jax.device_put(order, paths.HOST)
-  # Array scalars (schedule value, bias corrections) cross too; Python floats stay
-  # Python floats (closed over, never traced), which `AdamWScalars` rounds as optax does.
+  # A custom call's results are typed as device memory; the state keeps its memory
+  # kind (on CPU both are one memory, and this is no copy: see the memory test).
+  space = paths.DEVICE if resident else paths.HOST
+  return (jax.device_put(new_state, space),), out
+
+
+def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars,
+                       grad_pieces, param_pieces, runs, num_threads: int | None = None):
+  """The host tier in one native call inside a host region (the accelerator program);
+  returns (stacked, out rows in host memory).
+
+  `grad_pieces` (and `param_pieces` for fp32 params) are the tier's `partition.Piece`
+  runs, already in host memory: the kernel reads them at their offsets in the tier's
+  rows, so the rows are never assembled. `step.decayed_rows` is the tier's own.
+  """
+  adam_scalars, _ = _step_scalars(fused, step, scalars)
+  num_rows = stacked[0].shape[0]
+  rows_h = paths.to_host(jnp.arange(num_rows, dtype=jnp.int32))
+  # Array scalars (schedule value, bias corrections, clip factor) cross too; Python
+  # floats stay Python floats (closed over, never traced), which `AdamWScalars` rounds
+  # as optax does.
   scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
   is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
-  arrays_h = [jax.device_put(x, paths.HOST) for x, a in zip(scalar_leaves, is_array) if a]
+  arrays_h = [paths.to_host(x) for x, a in zip(scalar_leaves, is_array) if a]
+  kernel_args = dict(
+      offsets=tuple(run.offset for run in runs),
+      slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
 
-  def run(state, grads_h, params_h, order_h, arrays_h):
+  def run(state, grad_pieces, param_pieces, rows_h, arrays_h):
     it = iter(arrays_h)
     scalars_h = scalar_tree.unflatten(
         [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
-    return host_adamw_rows.adamw_host_rows(
-        state, grads_h, params_h, order_h, scalars_h, **kernel_args)
+    return host_adamw_rows.adamw_host_leaves(
+        state, grad_pieces, param_pieces, rows_h, scalars_h, **kernel_args)
 
-  # Not yet run on a GPU (none was available): the FFI target is registered for the
-  # "cpu" platform, which is what XLA compiles host regions for.
-  new_state, out_h = paths.on_host(run)(stacked[0], grads_h, params_h, order_h, arrays_h)
-  out_d = jax.device_put(out_h, paths.DEVICE)
-  out = out_d if everything else out.at[order].set(out_d)
-  return (jax.device_put(new_state, paths.HOST),), new_scalars, out
+  new_state, out_h = paths.host_region(run)(stacked[0], grad_pieces, param_pieces, rows_h,
+                                           arrays_h)
+  return (new_state,), out_h
 
 
 def device_usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep,
                   stacked) -> bool:
-  """Whether the device path can run the Pallas AdamW: on an accelerator (on a CPU
-  backend the device rows take the native host call instead), with AdamW's state laid
-  out as one f32 group."""
+  """Whether the device path can run the Pallas AdamW: in the accelerator program (in
+  the CPU program every row takes the native host call instead), with AdamW's state
+  laid out as one f32 group."""
   return (
       fused is not None
       and offload.device_impl == UpdateImpl.KERNEL
-      and not one_memory()
+      and offload.target() is Platform.GPU
       and slot_rows(step.slots, step.has_master) is not None
       and jnp.dtype(stacked[0].dtype) == jnp.float32
   )
@@ -217,15 +213,14 @@ class DeviceKernelStep:
   in the same pass. Same call signature as `RowStep`.
 
   The kernel is opaque to XLA, so no fusion can re-read the old block after the write:
-  the barrier `RowStep` needs is not needed here. `interpret` runs the kernel in Pallas'
-  interpreter (how it is tested on CPU).
+  the barrier `RowStep` needs is not needed here. On a CPU backend the same program runs
+  the kernel in Pallas' interpreter (how CI checks the accelerator program's numbers).
   """
 
   step: paths.RowStep
   fused: FusedAdamW
   adam_scalars: AdamWScalars
   new_scalars: tuple
-  interpret: bool
 
   def __call__(self, blocks, scalars, grad, param, index):
     del scalars  # every row reads the pre-step scalars, folded into `adam_scalars`
@@ -235,10 +230,17 @@ class DeviceKernelStep:
     master = block[master_k] if self.step.has_master else param
     size = block.shape[-1]
     decay_limit = jnp.where(index < self.step.decayed_rows, size, 0).astype(jnp.int32)
-    new_master, new_mu, new_nu, lowp = pallas_adamw.adamw_pallas(
-        master, block[mu_k], block[nu_k], grad, self.adam_scalars, decay_limit=decay_limit,
-        lowp_dtype=self.step.out_dtype if self.step.has_master else None,
-        nesterov=self.fused.nesterov, interpret=self.interpret)
+    def kernel(interpret):
+      # The scalars are closed over: Python floats among them must stay Python floats.
+      return lambda master, mu, nu, grad: pallas_adamw.adamw_pallas(
+          master, mu, nu, grad, self.adam_scalars, decay_limit=decay_limit,
+          lowp_dtype=self.step.out_dtype if self.step.has_master else None,
+          nesterov=self.fused.nesterov, interpret=interpret)
+
+    # Triton where the program is lowered for a GPU, the Pallas interpreter where it
+    # runs on a CPU backend: each platform lowers only its own branch.
+    new_master, new_mu, new_nu, lowp = jax.lax.platform_dependent(
+        master, block[mu_k], block[nu_k], grad, cpu=kernel(True), default=kernel(False))
     rows = [None] * block.shape[0]
     rows[mu_k], rows[nu_k] = new_mu, new_nu
     if self.step.has_master:
@@ -252,5 +254,4 @@ class DeviceKernelStep:
 def device_step(fused: FusedAdamW, step: paths.RowStep, scalars) -> DeviceKernelStep:
   adam_scalars, new_scalars = _step_scalars(fused, step, scalars)
   return DeviceKernelStep(step=step, fused=fused, adam_scalars=adam_scalars,
-                          new_scalars=new_scalars,
-                          interpret=jax.default_backend() not in ('gpu', 'cuda', 'rocm'))
+                          new_scalars=new_scalars)

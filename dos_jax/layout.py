@@ -2,8 +2,9 @@
 
 The optimizer state of a whole model is kept as a few `(G, S)` arrays: G subgroups of
 S elements each, the unit that a placement plan moves between host and device. Leaves
-are raveled and concatenated in a fixed order; subgroup boundaries may cut through
-leaves. Leaves that get weight decay are packed first and the decayed block is padded
+are raveled and concatenated in a fixed order, the reverse of the tree's (the order
+in which a backward pass produces gradients, for most models); subgroup boundaries may
+cut through leaves. Leaves that get weight decay are packed first and the decayed block is padded
 to a whole number of subgroups, so whether a subgroup is decayed is one boolean per
 row, never a per-element mask. Padding elements are zero, stay zero under AdamW (zero
 gradient, zero moments), and are never unpacked into results.
@@ -175,11 +176,16 @@ def make_layout(
 
   offsets = [0] * len(leaves)
   cursor = 0
-  for i in [i for i, f in enumerate(decay_flags) if f]:
+  # Within each block, leaves go in the reverse of the tree's order. The backward pass
+  # makes gradients in the reverse of the forward order, and a model's tree order
+  # mostly follows its forward pass, so the first subgroups fill with the first
+  # gradients made; a plan can send those to the host while the backward pass runs.
+  backward = list(reversed(range(len(leaves))))
+  for i in [i for i in backward if decay_flags[i]]:
     offsets[i] = cursor
     cursor += sizes[i]
   cursor = decayed_rows * size
-  for i in [i for i, f in enumerate(decay_flags) if not f]:
+  for i in [i for i in backward if not decay_flags[i]]:
     offsets[i] = cursor
     cursor += sizes[i]
   state_dtype = 'float64' if 'float64' in dtypes else 'float32'

@@ -6,8 +6,33 @@ import dataclasses
 import enum
 from typing import Any
 
+import jax
+
 from dos_jax.policies import Policy
 from dos_jax.policies import Stride
+
+
+class Platform(enum.Enum):
+  """Which program the update builds, whatever backend it is traced on.
+
+  CPU: host and device memory are one. Every subgroup, whatever the plan says, takes the
+    same host update in one call (a loop that copies a row to where it already is would
+    only cost time), and the state is one array per dtype.
+  GPU: the accelerator program. The state is split by the plan into separately stored
+    tiers; streamed subgroups go host -> device -> host through the Pallas AdamW, host
+    subgroups are updated in a `compute_on('device_host')` region, and the two have no
+    data dependency, so XLA can run them at the same time. It can be lowered for 'cuda'
+    on a machine without a GPU, and it also runs on the CPU backend (Pallas in interpret
+    mode there), which is how CI checks its numbers.
+  """
+
+  CPU = 'cpu'
+  GPU = 'gpu'
+
+  @classmethod
+  def of_backend(cls, backend: str) -> 'Platform':
+    """The program for a JAX backend name: CPU for 'cpu', GPU for every accelerator."""
+    return cls.CPU if backend == 'cpu' else cls.GPU
 
 
 class UpdateImpl(enum.Enum):
@@ -37,6 +62,8 @@ class Offload:
     device_impl: implementation of the device-path update.
     host_impl: implementation of the host-path update.
     host_threads: threads for the native host update (None: the cores available).
+    platform: which program to build (`Platform`, or its value 'cpu' / 'gpu'); None
+      follows the backend the step is traced on (`jax.default_backend()`).
   """
 
   subgroup_size: int = 100_000_000
@@ -46,8 +73,16 @@ class Offload:
   device_impl: UpdateImpl = UpdateImpl.KERNEL
   host_impl: UpdateImpl = UpdateImpl.KERNEL
   host_threads: int | None = None
+  platform: Platform | None = None
 
   def __post_init__(self):
+    if self.platform is not None and not isinstance(self.platform, Platform):
+      try:
+        object.__setattr__(self, 'platform', Platform(self.platform))
+      except ValueError:
+        raise ValueError(
+            f"Offload.platform must be None, 'cpu' or 'gpu', got {self.platform!r}"
+        ) from None
     size = self.subgroup_size
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
       raise ValueError(f'Offload.subgroup_size must be a positive integer, got {size!r}')
@@ -65,3 +100,9 @@ class Offload:
         not isinstance(self.host_threads, int) or self.host_threads < 1
     ):
       raise ValueError(f'Offload.host_threads must be >= 1, got {self.host_threads!r}')
+
+  def target(self) -> Platform:
+    """The program to build now: `platform`, or the default backend's."""
+    if self.platform is not None:
+      return self.platform
+    return Platform.of_backend(jax.default_backend())

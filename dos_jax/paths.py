@@ -1,21 +1,24 @@
 """The update paths of one optimizer step: streamed through the device, on the host,
 or resident in device memory.
 
-Every path runs the same loop over subgroup rows. One iteration reads the row's block
-of each stacked state array (see `slots`), applies the wrapped optax transforms'
-*row update*
+Every path runs the same loop over the rows of one tier's state (see `partition`). One
+iteration reads the row's block of each stacked state array (see `slots`), applies the
+wrapped optax transforms' *row update*
 
     row_update(grad_row, state_row, param_row, decayed) -> (update_row, new_state_row)
 
 and writes the new block back in place. The paths differ in where that happens:
 
-* `device_stream`: the row's state is copied host -> device, updated, and copied back;
-  the new low-precision parameter row stays on the device. The loop's `unroll` (the
-  plan's `buffers`) lets XLA overlap one row's copies with another row's update.
-* `host_update`: gradients of the host rows are copied device -> host once, the loop
-  runs in host memory (`compute_on('device_host')` on accelerators), and only the new
-  low-precision parameter rows go back to the device.
-* `resident`: the state already lives in device memory (the `AllDevice` baseline).
+* `row_loop(stream=True)`: the streamed tier's rows are copied host -> device, updated,
+  and copied back; the new low-precision parameter rows stay on the device. The loop's
+  `unroll` (the plan's `buffers`) lets XLA overlap one row's copies with another row's
+  update.
+* `host_region_update`: the host tier's gradients arrive in host memory piece by piece
+  (each piece leaves the device as soon as the backward pass has made it), the rows are
+  assembled there and the loop runs in a `compute_on('device_host')` region; only the
+  new low-precision parameter rows go back to the device.
+* `row_loop(stream=False)`: the state is where it is updated (resident in device
+  memory, or any tier on a CPU backend).
 
 A `fori_loop` keeps compile time independent of the number of subgroups. The
 `optimization_barrier` on each iteration's new block makes every read of the old row
@@ -28,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,21 +46,46 @@ HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
 
 
-def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """Runs `fn` as a host computation on accelerators; a plain call on a CPU backend.
+def function_form(module: Any = _compute_on_mod) -> Callable[..., Any] | None:
+  """The function form of `compute_on` in `module`, or None if it has only the old one.
 
-  jax 0.10 spells it as a context manager `compute_on('device_host')`; jax 0.11 as a
-  function transform `compute_on(fn, compute_type=...)`.
+  jax 0.11: `compute_on(f=None, *, compute_type, out_memory_spaces, compiler_options)`.
+  jax 0.10: `compute_on(compute_type)` is a context manager, and the function form is
+  `compute_on2` with 0.11's signature. Both old and new name a parameter
+  `compute_type`, so the forms are told apart by `out_memory_spaces`, which only the
+  function form has (and which has no default there).
   """
-  if jax.default_backend() == 'cpu':
-    return fn
-  compute_on = _compute_on_mod.compute_on
-  if 'compute_type' in inspect.signature(compute_on).parameters:
-    return compute_on(fn, compute_type='device_host')
+  for name in ('compute_on', 'compute_on2'):
+    candidate = getattr(module, name, None)
+    if candidate is None:
+      continue
+    try:
+      parameters = inspect.signature(candidate).parameters
+    except (TypeError, ValueError):
+      continue
+    if 'out_memory_spaces' in parameters:
+      return candidate
+  return None
+
+
+def host_region(fn: Callable[..., Any], out_spaces: Any = None,
+                module: Any = _compute_on_mod) -> Callable[..., Any]:
+  """`fn` as a host-compute region (`compute_on('device_host')`) on every backend.
+
+  Args:
+    fn: the computation; its array inputs must already be in host memory.
+    out_spaces: memory space of each output (a pytree prefix of the outputs, e.g. one
+      `HOST` for all); default: host memory.
+    module: where `compute_on` comes from (tests pass stand-ins of both versions).
+  """
+  out_spaces = HOST if out_spaces is None else out_spaces
+  form = function_form(module)
+  if form is not None:
+    return form(fn, compute_type='device_host', out_memory_spaces=out_spaces)
 
   @functools.wraps(fn)
   def wrapped(*args):
-    with compute_on('device_host'):
+    with module.compute_on('device_host'):
       return fn(*args)
 
   return wrapped
@@ -91,6 +119,9 @@ class RowStep:
   decayed_rows: int
   state_dtype: Any
   out_dtype: Any
+  # Multiplies every gradient first (the global-norm clip factor), in the state dtype;
+  # None: no multiplication at all, so unclipped results stay bit for bit optax's.
+  grad_scale: Any = None
 
   def __call__(self, blocks, scalars, grad, param, index):
     """Updates one row: returns (new_blocks, new_scalars, out_row)."""
@@ -98,8 +129,10 @@ class RowStep:
     source = master if self.has_master else param
     # Gradients travel in their own (often 16-bit) dtype and are upcast here, so the
     # math is optax's on the fp32 master with fp32 gradients.
-    update, new_state = self.row_update(
-        grad.astype(self.state_dtype), state, source, index < self.decayed_rows)
+    grad = grad.astype(self.state_dtype)
+    if self.grad_scale is not None:
+      grad = grad * self.grad_scale
+    update, new_state = self.row_update(grad, state, source, index < self.decayed_rows)
     if self.has_master:
       new_master = (master + update).astype(master.dtype)
       out_row = new_master.astype(self.out_dtype)
@@ -117,58 +150,87 @@ class RowStep:
     return new_blocks, new_scalars, first[-1].astype(self.out_dtype)
 
 
-def device_stream(rows, step: RowStep, *, stacked, scalars, grads, params, out, buffers,
-                  stream: bool = True):
-  """Updates `rows` through device memory; returns (stacked, new_scalars, out).
+def next_scalars(step: RowStep, scalars: tuple) -> tuple:
+  """The scalar state after the step: the wrapped update run on zero-length rows.
 
-  With `stream=False` the state is already in device memory (the resident baseline).
+  Every row's update computes the same new scalars from the same pre-step values, so
+  they are computed once, outside the paths, and no path hands them to another.
   """
-  order = jnp.asarray(rows, jnp.int32)
+  empty = tuple(jnp.zeros((n, 0), dtype) for n, dtype in
+                zip(step.slots.group_sizes, step.slots.groups))
+  master, inner_state = slots_lib.join(empty, scalars, step.slots, axis=0)
+  zero = jnp.zeros((0,), step.state_dtype)
+  _, new_inner = step.row_update(zero, inner_state, zero, True)
+  _, new_scalars = slots_lib.split((master, new_inner), step.slots, axis=0)
+  return tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
+
+
+def row_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grads, params, out,
+             buffers: int = 1, stream: bool = False):
+  """Updates the rows `order` of one tier; returns (stacked, out).
+
+  `grads`, `params` and `out` are the tier's `(R, S)` rows. With `stream` the state is
+  in host memory and each row is copied to the device and back around its update;
+  without it the state is updated where it is.
+  """
+  order = tuple(order)
+  everything = order == tuple(range(stacked[0].shape[0]))
 
   def body(j, carry):
-    stacked, _, out = carry
-    i = order[j]
+    stacked, out = carry
+    i = j if everything else jnp.asarray(order, jnp.int32)[j]
     blocks = tuple(_row(x, i) for x in stacked)
     if stream:
       blocks = put(blocks, DEVICE)
     param = None if params is None else _row(params, i)
-    new_blocks, new_scalars, out_row = step(blocks, scalars, _row(grads, i), param, i)
+    new_blocks, _, out_row = step(blocks, scalars, _row(grads, i), param, i)
     if stream:
       new_blocks = put(new_blocks, HOST)
     stacked = tuple(_set_row(x, b, i) for x, b in zip(stacked, new_blocks))
-    return stacked, new_scalars, _set_row(out, out_row, i)
+    return stacked, _set_row(out, out_row, i)
 
-  carry = (stacked, scalars, out)
-  unroll = max(1, min(buffers, len(rows)))
-  return lax.fori_loop(0, len(rows), body, carry, unroll=unroll)
+  carry = (stacked, out)
+  unroll = max(1, min(buffers, len(order)))
+  return lax.fori_loop(0, len(order), body, carry, unroll=unroll)
 
 
-def host_update(rows, step: RowStep, *, stacked, scalars, grads, params, out):
-  """Updates `rows` in host memory; returns (stacked, new_scalars, out)."""
-  everything = rows == tuple(range(grads.shape[0]))
-  order = jnp.asarray(rows, jnp.int32)
-  # Only the host rows' gradients (and params, when there is no master) cross over.
-  grads_h = jax.device_put(grads if everything else grads[order], HOST)
-  params_h = None
-  if params is not None:
-    params_h = jax.device_put(params if everything else params[order], HOST)
-  order_h = jax.device_put(order, HOST)
-  out_h = jax.device_put(jnp.zeros((len(rows), out.shape[1]), out.dtype), HOST)
+def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pieces, runs,
+                       grad_dtype, region: bool = True):
+  """Updates every row of the host tier in host memory; returns (stacked, out rows in
+  host memory).
 
-  def loop(stacked, scalars, grads_h, params_h, order_h, out_h):
-    def body(j, carry):
-      stacked, _, out_h = carry
-      i = order_h[j]
-      blocks = tuple(_row(x, i) for x in stacked)
-      param = None if params_h is None else _row(params_h, j)
-      new_blocks, new_scalars, out_row = step(blocks, scalars, _row(grads_h, j), param, i)
-      stacked = tuple(_set_row(x, b, i) for x, b in zip(stacked, put(new_blocks, HOST)))
-      return stacked, new_scalars, _set_row(out_h, out_row, j)
+  Args:
+    step: the row update, with the tier's own `decayed_rows`.
+    stacked: the host tier's `(R, K, S)` arrays, in host memory.
+    scalars: the pre-step scalars.
+    grad_pieces: the tier's gradient pieces (`partition.Piece` runs), in host memory.
+    param_pieces: likewise for fp32 params (no master), or None.
+    runs: the `partition.Piece`s the arrays belong to.
+    grad_dtype: dtype the gradient rows are assembled in.
+    region: run as a `compute_on('device_host')` region (the accelerator program); a
+      CPU program runs the same ops in place.
+  """
+  # Deferred import: `partition` depends on `layout`, which the paths need not.
+  from dos_jax import partition as partition_lib  # pylint: disable=import-outside-toplevel
+  num_rows, _, size = stacked[0].shape
+  out_dtype = step.out_dtype
+  # Every input of a host region must already be in host memory.
+  scale = step.grad_scale
+  if region:
+    scalars, scale = to_host(scalars), None if scale is None else to_host(scale)
 
-    return lax.fori_loop(0, len(rows), body, (stacked, scalars, out_h))
+  out0 = None if region else to_host(jnp.zeros((num_rows, size), out_dtype))
 
-  stacked, new_scalars, out_h = on_host(loop)(
-      stacked, scalars, grads_h, params_h, order_h, out_h)
-  out_d = jax.device_put(out_h, DEVICE)
-  out = out_d if everything else out.at[order].set(out_d)
-  return stacked, new_scalars, out
+  def update(stacked, scalars, grad_pieces, param_pieces, scale):
+    grads = partition_lib.assemble(grad_pieces, runs, num_rows, size, grad_dtype)
+    params = None
+    if param_pieces is not None:
+      params = partition_lib.assemble(param_pieces, runs, num_rows, size, step.state_dtype)
+    # The out buffer is made from a host array (a zeros constant would be device
+    # memory); every row of it is overwritten.
+    out = grads.astype(out_dtype) if out0 is None else out0
+    return row_loop(tuple(range(num_rows)), dataclasses.replace(step, grad_scale=scale),
+                    stacked=stacked, scalars=scalars, grads=grads, params=params, out=out)
+
+  fn = host_region(update) if region else update
+  return fn(stacked, scalars, grad_pieces, param_pieces, scale)

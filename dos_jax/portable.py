@@ -8,14 +8,17 @@ another optimizer, so a run can resume under a different policy or subgroup size
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from dos_jax import layout as layout_lib
+from dos_jax import partition as partition_lib
 from dos_jax import paths
 from dos_jax import slots as slots_lib
+from dos_jax.partition import Tier
 from dos_jax.transform import OffloadedState
 
 PyTree = Any
@@ -25,13 +28,23 @@ def _is_offloaded(x) -> bool:
   return isinstance(x, OffloadedState)
 
 
+def _in_host_memory(fn, resident: bool):
+  """`fn` where an offloaded state lives: in a host region when the program has them."""
+  if resident or jax.default_backend() == 'cpu':
+    return fn
+  return paths.host_region(fn)
+
+
 def _unpack_state(state: OffloadedState) -> dict[str, Any]:
   """Unpacks in the state's own memory: host memory for an offloaded state, so a
   checkpoint never moves 12 bytes per parameter through the device."""
   layout = state.layout
+  resident = not (state.partition.host or state.partition.streamed)
+  space = paths.DEVICE if resident else paths.HOST
 
-  def unpack_all(stacked, scalars):
-    master, inner = slots_lib.join(stacked, scalars, state.slots, axis=1)
+  def unpack_all(tiers, scalars):
+    rows = partition_lib.merge_tiers(tiers, state.partition)
+    master, inner = slots_lib.join(rows, scalars, state.slots, axis=1)
 
     def to_tree(x):
       if jnp.ndim(x) == 2:
@@ -41,8 +54,9 @@ def _unpack_state(state: OffloadedState) -> dict[str, Any]:
     return {'inner': jax.tree.map(to_tree, inner),
             'master': None if master is None else to_tree(master)}
 
-  fn = unpack_all if state.resident else paths.on_host(unpack_all)
-  return jax.jit(fn)(state.stacked, state.scalars)
+  tiers = {t: paths.put(arrays, space) for t, arrays in state.tiers.items()}
+  scalars = state.scalars if resident else paths.to_host(state.scalars)
+  return jax.jit(_in_host_memory(unpack_all, resident))(tiers, scalars)
 
 
 def state_to_pytrees(opt_state: PyTree, params: PyTree) -> PyTree:
@@ -78,10 +92,12 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
   def rebuild(target, saved):
     if not _is_offloaded(target):
       return saved
-    layout, slots = target.layout, target.slots
+    layout, slots, part = target.layout, target.slots, target.partition
+    resident = not (part.host or part.streamed)
     # Shapes and dtypes only: nothing of the template state is read.
     template_full = jax.eval_shape(
-        lambda st, sc: slots_lib.join(st, sc, slots, axis=1), target.stacked, target.scalars)
+        lambda tiers, sc: slots_lib.join(partition_lib.merge_tiers(tiers, part), sc, slots,
+                                         axis=1), target.tiers, target.scalars)
     master_source = None
     if template_full[0] is not None:
       master_source = saved['master'] if saved['master'] is not None else params
@@ -96,23 +112,23 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
       master = None
       if master_source is not None:
         master = layout_lib.pack(master_source, layout, template_full[0].dtype)
-      return slots_lib.split((master, inner), slots, axis=1)
+      rows, scalars = slots_lib.split((master, inner), slots, axis=1)
+      return partition_lib.split_tiers(rows, part), scalars
 
     def build(saved_inner, master_source):
       # Packed where the state lives (host memory for an offloaded state, like init),
       # whatever memory the saved trees come from. 0-d leaves would drop their memory
       # space, and packing ravels every leaf anyway.
-      space = paths.DEVICE if target.resident else paths.HOST
+      space = paths.DEVICE if resident else paths.HOST
       move = lambda tree: paths.put(jax.tree.map(jnp.atleast_1d, tree), space)
       saved_inner = _move_rows(saved_inner, template_full[1], move)
-      compute = pack_all if target.resident else paths.on_host(pack_all)
-      return compute(saved_inner, move(master_source))
+      return _in_host_memory(pack_all, resident)(saved_inner, move(master_source))
 
-    out_shardings = (tuple(x.sharding for x in target.stacked),
+    out_shardings = ({t: tuple(x.sharding for x in arrays)
+                      for t, arrays in target.tiers.items()},
                      tuple(x.sharding for x in target.scalars))
-    stacked, scalars = jax.jit(build, out_shardings=out_shardings)(saved['inner'],
-                                                                   master_source)
-    return OffloadedState(stacked=stacked, scalars=scalars, layout=layout, slots=slots,
-                          resident=target.resident)
+    tiers, scalars = jax.jit(build, out_shardings=out_shardings)(saved['inner'], master_source)
+    return dataclasses.replace(target, host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED],
+                               resident=tiers[Tier.RESIDENT], scalars=scalars)
 
   return jax.tree.map(rebuild, template, trees, is_leaf=_is_offloaded)

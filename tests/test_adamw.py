@@ -126,15 +126,22 @@ def test_fp32_params_keep_no_master():
   assert bf16_state.master is not None and bf16_state.master.dtype == jnp.float32
 
 
+@pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
-def test_state_lives_in_pinned_host(policy):
-  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16, policy=policy))
+def test_state_lives_in_pinned_host(policy, platform):
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16, policy=policy,
+                                                    platform=platform))
   params = random_tree(1, jnp.bfloat16)
   state = opt.init(params)
   step = jax.jit(opt.update)
   _, state = step(random_grads(params, 0, 1), state, params)
-  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 3}
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 3 and x.size}
   assert kinds == {'pinned_host'}
+  # The host and streamed tiers are pinned_host even when empty; the resident tier is
+  # device memory.
+  for tier, arrays in state.tiers.items():
+    want = 'device' if tier is dos_jax.Tier.RESIDENT else 'pinned_host'
+    assert {x.sharding.memory_kind for x in arrays} == {want}, tier
   # Step counts are scalars and stay in device memory.
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 0} == {'device'}
 
@@ -142,7 +149,8 @@ def test_state_lives_in_pinned_host(policy):
 def test_all_device_state_lives_in_device_memory():
   opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16, policy=dos_jax.AllDevice()))
   state = opt.init(random_tree(1))
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {'device'}
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.size} == {'device'}
+  assert state.partition.resident == tuple(range(state.layout.num_subgroups))
 
 
 def test_mu_dtype_bf16_halves_first_moment():
@@ -151,7 +159,7 @@ def test_mu_dtype_bf16_halves_first_moment():
   assert optax.tree.get(state.inner, 'mu').dtype == jnp.bfloat16
   assert optax.tree.get(state.inner, 'nu').dtype == jnp.float32
   # Stored as one fp32 array (nu) and one bf16 array (mu).
-  assert sorted(x.dtype.name for x in state.stacked) == ['bfloat16', 'float32']
+  assert sorted(x.dtype.name for x in state.host) == ['bfloat16', 'float32']
 
 
 def test_no_recompilation_across_steps():

@@ -65,7 +65,8 @@ def test_round_trip_is_exact_keeps_the_newest_and_crosses_layouts(dataset, tmp_p
   assert restored.meta == {'sampler': sampler.state()}
   assert _leaves_equal(restored.params, run.params)
   assert _leaves_equal(restored.opt_state, run.opt_state)
-  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(restored.opt_state) if x.ndim >= 2}
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(restored.opt_state)
+           if x.ndim >= 2 and x.size}
   assert kinds == {'pinned_host'}
   same.set_state(restored.params, restored.opt_state)
   other.set_state(crossed.params, crossed.opt_state)

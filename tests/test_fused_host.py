@@ -74,7 +74,7 @@ def test_kernel_path_is_bit_identical_to_xla_host_path(policy, dtype):
                         offload=_offload(p, impl))
     results[impl] = _trajectory(opt, params, steps=6, seed=seed)
   (p_k, s_k, text_k, sizes_k), (p_x, s_x, text_x, _) = results[KERNEL], results[XLA]
-  _assert_bit_equal((p_k, s_k.stacked, s_k.scalars), (p_x, s_x.stacked, s_x.scalars))
+  _assert_bit_equal((p_k, s_k.rows(), s_k.scalars), (p_x, s_x.rows(), s_x.scalars))
   resident = isinstance(policy, dos_jax.AllDevice)
   # On a CPU backend the device rows take the native call too (device memory is host
   # memory); with host_impl=XLA nothing does.
@@ -82,7 +82,7 @@ def test_kernel_path_is_bit_identical_to_xla_host_path(policy, dtype):
   assert not TARGET.search(text_x)
   # The first step's state comes from init; after that one plan never recompiles.
   assert len(set(sizes_k[1:])) == 1, sizes_k
-  assert {x.sharding.memory_kind for x in s_k.stacked} == (
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(s_k.tiers) if x.shape[0]} == (
       {'device'} if resident else {'pinned_host'})
 
 
@@ -112,8 +112,14 @@ def test_under_clipping_and_inject_hyperparams():
                              impl)))
     results.append(_trajectory(opt, params, steps=4, seed=3))
   assert TARGET.search(results[0][2])
-  assert np.isfinite(np.asarray(results[0][1][1].inner_state.stacked[0])).all()
-  _assert_bit_equal(results[0][:2], results[1][:2])
+  kernel_state, xla_state = results[0][1][1].inner_state, results[1][1][1].inner_state
+  assert np.isfinite(np.asarray(kernel_state.rows()[0])).all()
+  # Params bit for bit. The fp32 state within one ulp: with array-valued hyperparameters
+  # XLA contracts one product of the moment update into an FMA by how the rest of the
+  # program is fused, which the kernel cannot follow in every program.
+  _assert_bit_equal(results[0][0], results[1][0])
+  np.testing.assert_array_max_ulp(np.asarray(kernel_state.rows()[0]),
+                                  np.asarray(xla_state.rows()[0]), maxulp=1)
 
 
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
@@ -151,41 +157,40 @@ def test_mixed_gradient_dtypes_stay_on_the_xla_path():
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
-def test_accelerator_form_on_cpu(policy, dtype, monkeypatch):
-  """The form used where host and device memory differ (gathered host rows copied to
-  host memory, the call in a host region, out rows copied back and scattered), run on
-  the CPU: the same results as the XLA path. On a GPU the region is real (untested)."""
-  monkeypatch.setattr(fused, 'one_memory', lambda: False)
+def test_accelerator_form_on_cpu(policy, dtype):
+  """The accelerator program (host gradients copied to host memory piece by piece, the
+  native call in a host region, out rows copied back), run on the CPU backend: the same
+  results as the XLA path of the CPU program."""
   params = random_tree(9, dtype)
   results = []
   for impl in (KERNEL, XLA):
     # The device rows stay on XLA here; the Pallas device path has its own test.
-    offload = dataclasses.replace(_offload(policy, impl), device_impl=XLA)
+    offload = dataclasses.replace(_offload(policy, impl), device_impl=XLA,
+                                  platform='gpu' if impl == KERNEL else 'cpu')
     opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
     results.append(_trajectory(opt, params, steps=4, seed=9))
-  assert 'dos_jax_adamw_host_rows' in results[0][2]
-  _assert_bit_equal((results[0][0], results[0][1].stacked),
-                    (results[1][0], results[1][1].stacked))
+  assert 'dos_jax_adamw_host_leaves' in results[0][2]
+  _assert_bit_equal((results[0][0], results[0][1].rows()),
+                    (results[1][0], results[1][1].rows()))
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.Stride(1), dos_jax.Stride(2)], ids=repr)
-def test_pallas_device_path_matches_xla(policy, dtype, monkeypatch):
-  """The accelerator form's device path: each streamed subgroup updated by the Pallas
-  AdamW (interpret mode on CPU; Triton on a GPU, untested here), against the XLA path.
+def test_pallas_device_path_matches_xla(policy, dtype):
+  """The accelerator program's device path: each streamed subgroup updated by the Pallas
+  AdamW (interpret mode on the CPU backend), against the XLA path.
   Tolerance: the kernels agree with optax to rtol 1e-6 per step (kernel tests)."""
-  monkeypatch.setattr(fused, 'one_memory', lambda: False)
   params = random_tree(11, dtype)
   results = []
   for impl in (KERNEL, XLA):
     offload = dos_jax.Offload(subgroup_size=23, policy=policy, host_impl=XLA,
-                              device_impl=impl)
+                              device_impl=impl, platform='gpu')
     opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
     results.append(_trajectory(opt, params, steps=3, seed=11))
   assert 'pallas' in results[0][2] or 'triton' in results[0][2].lower() or (
       results[0][2] != results[1][2])
-  for x, y in zip(jax.tree.leaves((results[0][0], results[0][1].stacked)),
-                  jax.tree.leaves((results[1][0], results[1][1].stacked))):
+  for x, y in zip(jax.tree.leaves((results[0][0], results[0][1].rows())),
+                  jax.tree.leaves((results[1][0], results[1][1].rows()))):
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                rtol=1e-5, atol=1e-6)
   assert results[0][3][-1] == results[0][3][1]  # no recompilation after the first steps

@@ -1,0 +1,239 @@
+"""Which subgroups are stored in which tier of the optimizer state, and where each
+leaf's elements fall inside a tier.
+
+The accelerator program keeps the state of the host-updated and of the device-streamed
+subgroups in separate arrays (see `Tier`). Both paths of one step then read and write
+only their own array: no value flows from one to the other, and XLA is free to run the
+host region and the device stream at the same time. Within a tier, rows are stored in
+ascending subgroup order, so the weight-decayed subgroups (the layout packs them first)
+are the tier's leading rows and "decayed" stays one threshold per tier.
+
+`Piece`s describe a leaf's elements per tier: a contiguous run of a leaf that lands in
+consecutive elements of a tier's rows. Gradients leave the device piece by piece (a
+piece of a leaf needs only that leaf, never a concatenation of all gradients), and the
+new parameters are reassembled piece by piece from the tiers' output rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dos_jax.layout import Layout
+from dos_jax.policies import Plan
+
+
+class Tier(enum.Enum):
+  """Where a subgroup's state is stored and updated.
+
+  HOST: pinned host memory, updated there (the host path).
+  STREAMED: pinned host memory, copied to the device, updated there and copied back.
+  RESIDENT: device memory, updated there (the `AllDevice` baseline).
+  """
+
+  HOST = 'host'
+  STREAMED = 'streamed'
+  RESIDENT = 'resident'
+
+  def __lt__(self, other: 'Tier') -> bool:
+    # Ordered, so that dicts keyed by tier are pytrees (JAX sorts dict keys).
+    return self.value < other.value
+
+
+TIERS = (Tier.HOST, Tier.STREAMED, Tier.RESIDENT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+  """The subgroups of each tier, ascending; every subgroup in exactly one tier.
+
+  Hashable: it is static metadata of the state (array shapes depend on it).
+  """
+
+  host: tuple[int, ...]
+  streamed: tuple[int, ...] = ()
+  resident: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    for tier in TIERS:
+      ids = self.ids(tier)
+      if list(ids) != sorted(set(ids)):
+        raise ValueError(f'Partition.{tier.value} must be ascending and distinct: {ids}')
+    everything = sorted(self.host + self.streamed + self.resident)
+    if everything != list(range(len(everything))):
+      raise ValueError(f'Partition must name every subgroup exactly once: {self}')
+
+  def ids(self, tier: Tier) -> tuple[int, ...]:
+    return getattr(self, tier.value)
+
+  @property
+  def num_subgroups(self) -> int:
+    return len(self.host) + len(self.streamed) + len(self.resident)
+
+  def local(self, tier: Tier, subgroups: Sequence[int]) -> tuple[int, ...]:
+    """Rows of `tier`'s array that hold `subgroups` (which must all be in it)."""
+    where = {g: i for i, g in enumerate(self.ids(tier))}
+    return tuple(where[g] for g in subgroups)
+
+  def decayed_rows(self, tier: Tier, decayed_rows: int) -> int:
+    """How many leading rows of `tier`'s array are weight-decayed."""
+    return sum(1 for g in self.ids(tier) if g < decayed_rows)
+
+  def tier_of(self, subgroup: int) -> Tier:
+    for tier in TIERS:
+      if subgroup in self.ids(tier):
+        return tier
+    raise ValueError(f'subgroup {subgroup} is in no tier of {self}')
+
+
+def for_plan(plan: Plan, split: bool) -> Partition:
+  """The partition a plan runs on.
+
+  With `split` (the accelerator program) the plan's device subgroups are streamed and
+  its host subgroups stay on the host, each tier its own array. Without it (one memory,
+  the CPU program) every subgroup takes the same path and the state is one array.
+  """
+  everything = tuple(range(plan.num_subgroups))
+  if plan.resident:
+    return Partition(host=(), resident=everything)
+  if not split:
+    return Partition(host=everything)
+  return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.device)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """A contiguous run of one leaf inside one tier.
+
+  Attributes:
+    leaf: the leaf's index in the layout's treedef order.
+    start: first element of the run within the raveled leaf.
+    size: elements in the run.
+    offset: first element of the run within the tier's flat `(R * S)` rows.
+  """
+
+  leaf: int
+  start: int
+  size: int
+  offset: int
+
+
+def pieces(layout: Layout, partition: Partition, tier: Tier) -> tuple[Piece, ...]:
+  """The runs of every leaf that fall in `tier`, ordered by leaf, then by start.
+
+  A leaf that spans several subgroups of the tier gives one piece per run of
+  consecutive rows (adjacent pieces are merged).
+  """
+  size = layout.subgroup_size
+  local = {g: i for i, g in enumerate(partition.ids(tier))}
+  out: list[Piece] = []
+  for leaf, (offset, count) in enumerate(zip(layout.offsets, layout.sizes)):
+    cursor, end = offset, offset + count
+    while cursor < end:
+      row = cursor // size
+      stop = min(end, (row + 1) * size)
+      if row in local:
+        piece = Piece(leaf=leaf, start=cursor - offset, size=stop - cursor,
+                      offset=local[row] * size + cursor - row * size)
+        last = out[-1] if out else None
+        if (last is not None and last.leaf == leaf and last.start + last.size == piece.start
+            and last.offset + last.size == piece.offset):
+          out[-1] = dataclasses.replace(last, size=last.size + piece.size)
+        else:
+          out.append(piece)
+      cursor = stop
+  return tuple(out)
+
+
+def slice_pieces(leaves: Sequence[jax.Array], runs: Sequence[Piece]) -> list[jax.Array]:
+  """The 1-D arrays of `runs`, each a static slice of its raveled leaf (a whole leaf
+  is passed as it is)."""
+  out = []
+  for run in runs:
+    flat = jnp.ravel(leaves[run.leaf])
+    whole = run.start == 0 and run.size == flat.shape[0]
+    out.append(flat if whole else jax.lax.slice_in_dim(flat, run.start, run.start + run.size))
+  return out
+
+
+def assemble(arrays: Sequence[jax.Array], runs: Sequence[Piece], rows: int, size: int,
+             dtype) -> jax.Array:
+  """`(rows, size)` rows of `dtype` from pieces placed at their offsets, zero elsewhere.
+
+  Gaps are filled by `lax.pad` with a scalar, never a zeros array, so that assembling
+  inside a host region stays in host memory.
+  """
+  total = rows * size
+  zero = jnp.zeros((), dtype)
+  order = sorted(range(len(runs)), key=lambda i: runs[i].offset)
+  parts, cursor = [], 0
+  for i in order:
+    piece, run = arrays[i].astype(dtype), runs[i]
+    gap = run.offset - cursor
+    if gap:
+      piece = jax.lax.pad(piece, zero, [(gap, 0, 0)])
+    parts.append(piece)
+    cursor = run.offset + run.size
+  if not parts:
+    return jnp.zeros((rows, size), dtype)
+  flat = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  if cursor < total:
+    flat = jax.lax.pad(flat, zero, [(0, total - cursor, 0)])
+  return flat.reshape(rows, size)
+
+
+def leaves_from_rows(rows_by_tier: dict[Tier, jax.Array], layout: Layout,
+                     partition: Partition) -> list[jax.Array]:
+  """The layout's leaves (treedef order) read back from each tier's `(R, S)` rows."""
+  runs_by_leaf: dict[int, list[tuple[int, Tier, Piece]]] = {}
+  for tier, rows in rows_by_tier.items():
+    for run in pieces(layout, partition, tier):
+      runs_by_leaf.setdefault(run.leaf, []).append((run.start, tier, run))
+  leaves = []
+  for leaf, shape in enumerate(layout.shapes):
+    parts = []
+    for _, tier, run in sorted(runs_by_leaf.get(leaf, []), key=lambda t: t[0]):
+      flat = rows_by_tier[tier].reshape(-1)
+      parts.append(jax.lax.slice_in_dim(flat, run.offset, run.offset + run.size))
+    leaves.append((jnp.concatenate(parts) if len(parts) > 1 else parts[0]).reshape(shape))
+  return leaves
+
+
+def merge_tiers(tiers: dict[Tier, tuple[jax.Array, ...]],
+                partition: Partition) -> tuple[jax.Array, ...]:
+  """The tiers' `(R, K, S)` arrays (all in one memory) as `(G, K, S)` arrays in
+  subgroup order."""
+  ids = [g for tier in TIERS for g in partition.ids(tier)]
+  inverse = [0] * len(ids)
+  for position, g in enumerate(ids):
+    inverse[g] = position
+  groups = len(next(iter(tiers.values())))
+  merged = []
+  for j in range(groups):
+    parts = [tiers[tier][j] for tier in TIERS if partition.ids(tier)]
+    whole = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    if inverse != list(range(len(ids))):
+      whole = jnp.take(whole, jnp.asarray(inverse, jnp.int32), axis=0)
+    merged.append(whole)
+  return tuple(merged)
+
+
+def split_tiers(rows: tuple[jax.Array, ...],
+                partition: Partition) -> dict[Tier, tuple[jax.Array, ...]]:
+  """`(G, K, S)` arrays in subgroup order -> each tier's `(R, K, S)` arrays."""
+  out = {}
+  for tier in TIERS:
+    ids = partition.ids(tier)
+    if ids == tuple(range(partition.num_subgroups)):
+      out[tier] = rows
+    elif ids and ids == tuple(range(ids[0], ids[0] + len(ids))):
+      out[tier] = tuple(x[ids[0]:ids[0] + len(ids)] for x in rows)
+    elif ids:
+      out[tier] = tuple(jnp.take(x, jnp.asarray(ids, jnp.int32), axis=0) for x in rows)
+    else:
+      out[tier] = tuple(x[:0] for x in rows)
+  return out
