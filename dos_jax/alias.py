@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dos_jax import clipping
 from dos_jax.fused import FusedAdamW
 from dos_jax.offload import Offload
 from dos_jax.transform import offloaded
@@ -63,11 +64,17 @@ def chain(
   Leading stateless transforms (e.g. `optax.clip_by_global_norm`) run first on the whole
   gradient tree, so global quantities such as the gradient norm are computed before the
   subgroup loop. The remaining transforms must be element-wise (`ELEMENTWISE`); any
-  other is rejected at `init` with a TypeError that names it.
+  other is rejected at `init` with a TypeError that names it. Instead of them, the last
+  member may be one offloaded transform (`dos_jax.adamw(...)`).
+
+  When the last leading transform is `dos_jax.clip_by_global_norm(c)`, the clip factor
+  is applied where each subgroup is updated, so host-bound gradients leave the device
+  without waiting for the norm (see `dos_jax.clipping`).
 
   Args:
     *transforms: optax transforms, in order.
-    offload: subgroup size and placement policy; `None` means `Offload()`.
+    offload: subgroup size and placement policy; `None` means `Offload()`. Not used
+      when the last member is already an offloaded transform.
 
   Returns:
     A `GradientTransformationExtraArgs`; its update accepts `plan=` for one step.
@@ -82,6 +89,10 @@ def chain(
   prefix, rest = transforms[:split], transforms[split:]
   if not rest:  # no state at all: nothing to offload
     return optax.chain(*transforms)
+  if len(rest) == 1 and clipping.is_offloaded(rest[0]):
+    body = rest[0]
+  else:
+    body = None
 
   def validate(params):
     del params
@@ -95,9 +106,13 @@ def chain(
             ' the members of a nested optax.chain individually.'
         )
 
-  body = offloaded(optax.chain(*rest), offload, validate=validate)
+  if body is None:
+    body = offloaded(optax.chain(*rest), offload, validate=validate)
   if not prefix:
     return body
+  max_norm = clipping.max_norm_of(prefix[-1])
+  if max_norm is not None:
+    return clipping.clipped(prefix[:-1], max_norm, body)
   return optax.chain(*prefix, body)
 
 

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dos_jax import clipping
 from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
 from dos_jax import partition as partition_lib
@@ -170,7 +171,9 @@ def offloaded(
 
   Returns:
     A transform whose update also accepts `plan=` (a `Plan`, static under jit) to
-    override the policy's plan for this step.
+    override the policy's plan for this step, and `grad_scale=` (a scalar, e.g. a
+    global-norm clip factor) that multiplies every gradient, in fp32, on whichever path
+    updates it.
   """
   offload = Offload() if offload is None else offload
   shardings_by_layout: dict[layout_lib.Layout, tuple[Any, tuple[Any, ...]]] = {}
@@ -315,7 +318,7 @@ def offloaded(
         resident=new_tiers[Tier.RESIDENT], scalars=scalars, layout=layout,
         slots=state.slots, partition=part)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return clipping.mark_offloaded(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
