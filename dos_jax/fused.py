@@ -17,11 +17,13 @@ expressions. Results are bit-identical to the XLA path.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 from optax._src import numerics
 
 from dos_jax import paths
@@ -82,8 +84,7 @@ def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] 
   return (master[1] if has_master else -1, mu[1], nu[1])
 
 
-def usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep, stacked,
-           grad_leaves, sharded: bool) -> bool:
+def usable(fused: FusedAdamW | None, step: paths.RowStep, stacked, grad_leaves) -> bool:
   """Whether this step's rows can go through the native kernel (the caller checks the
   implementation each tier asks for)."""
   grad_dtypes = {jnp.dtype(g.dtype) for g in grad_leaves}
@@ -92,7 +93,6 @@ def usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep, stac
       # The kernel rounds Nesterov's sum an ulp apart from XLA's program in a few
       # elements; the fused path promises bit-identical results, so XLA keeps it.
       and not fused.nesterov
-      and not sharded  # the call has no sharding rule: sharded state stays on XLA
       and host_adamw_rows.rows_kernel_available()
       and slot_rows(step.slots, step.has_master) is not None
       and jnp.dtype(stacked[0].dtype) == jnp.float32
@@ -153,6 +153,48 @@ def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, lea
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
   # A custom call's results are typed as device memory; the state keeps its memory
   # kind (on CPU both are one memory, and this is no copy: see the memory test).
+  space = paths.DEVICE if resident else paths.HOST
+  return (jax.device_put(new_state, space),), out
+
+
+def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, grads, params,
+                   mesh, data_axis: str, resident: bool, num_threads: int | None = None):
+  """One-memory (CPU program) state sharded over `data_axis` (ZeRO-1): the native call
+  runs on every device's shard under `shard_map`; returns (stacked, out rows).
+
+  Each subgroup row is split along its elements, so a shard holds `(G, K, S / n)` of
+  the state and needs the matching `(G, S / n)` columns of the packed gradient (and
+  param) rows, given here sharded like the state.
+  """
+  adam_scalars, _ = _step_scalars(fused, step, scalars)
+  scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
+  is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
+  arrays = [x for x, a in zip(scalar_leaves, is_array) if a]
+  num_rows = stacked[0].shape[0]
+  if num_threads is None:
+    # The shards run at once, one per device: share the cores among them.
+    num_threads = max(1, (os.cpu_count() or 1) // max(1, mesh.shape[data_axis]))
+  kernel_args = dict(
+      slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads,
+      indexed=True)
+  rows_spec, state_spec = P(None, data_axis), P(None, None, data_axis)
+
+  def per_shard(state, grads, arrays, *params):
+    it = iter(arrays)
+    shard_scalars = scalar_tree.unflatten(
+        [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
+    return host_adamw_rows.adamw_host_rows(
+        state, grads, params[0] if params else None,
+        jnp.arange(num_rows, dtype=jnp.int32), shard_scalars, **kernel_args)
+
+  extra = () if params is None else (params,)
+  # The native call has no replication rule for the checker; every output is sharded.
+  new_state, out = jax.shard_map(
+      per_shard, mesh=mesh,
+      in_specs=(state_spec, rows_spec, [P()] * len(arrays)) + (rows_spec,) * len(extra),
+      out_specs=(state_spec, rows_spec), check_vma=False,
+  )(stacked[0], grads, arrays, *extra)
   space = paths.DEVICE if resident else paths.HOST
   return (jax.device_put(new_state, space),), out
 

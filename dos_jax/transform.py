@@ -288,12 +288,15 @@ def offloaded(
         row_update=row_update, slots=state.slots, has_master=layout.needs_master,
         decayed_rows=layout.decayed_rows, state_dtype=state_dtype, out_dtype=out_dtype,
         grad_scale=None if grad_scale is None else jnp.asarray(grad_scale, state_dtype))
-    native = fused_lib.usable(fused, offload, base_step, state.host, grad_leaves,
-                              sharded=mesh_info is not None)
+    # The native host call in a host region has no sharding rule: the accelerator
+    # program's sharded state stays on XLA's host loop.
+    native = fused_lib.usable(fused, base_step, state.host, grad_leaves) and not (
+        split and mesh_info is not None)
     context = _StepContext(
         layout=layout, part=part, plan=plan, offload=offload, fused=fused, split=split,
         grad_leaves=grad_leaves, param_leaves=None if layout.needs_master else param_leaves,
-        grad_dtype=grad_dtype, scalars=state.scalars)
+        grad_dtype=grad_dtype, scalars=state.scalars,
+        mesh=None if mesh_info is None else mesh_info[0])
     new_tiers, outs = dict(state.tiers), {}
     for tier in TIERS:
       if not part.ids(tier):
@@ -335,6 +338,7 @@ class _StepContext:
   param_leaves: list[Any] | None  # only for fp32 params (no master)
   grad_dtype: Any
   scalars: tuple[jax.Array, ...]
+  mesh: Any  # the mesh the state is sharded over (ZeRO-1), or None
 
   def update_tier(self, tier: Tier, step: paths.RowStep, arrays, native: bool):
     """Updates one tier; returns (new arrays, out rows on the device)."""
@@ -363,6 +367,24 @@ class _StepContext:
                           stream=tier is Tier.STREAMED)
 
   def _one_memory_native(self, step, arrays, resident: bool):
+    if self.mesh is not None:
+      num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
+      runs = partition_lib.pieces(self.layout, self.part, self.part.tier_of(0))
+      rows_sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
+
+      def packed(leaves, dtype):
+        rows = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs), runs,
+                                      num_rows, size, dtype)
+        return jax.lax.with_sharding_constraint(rows, rows_sharding)
+
+      params = None
+      if self.param_leaves is not None:
+        params = packed(self.param_leaves, step.state_dtype)
+      return fused_lib.sharded_update(
+          step, self.fused, stacked=arrays, scalars=self.scalars,
+          grads=packed(self.grad_leaves, self.grad_dtype), params=params, mesh=self.mesh,
+          data_axis=self.offload.data_axis, resident=resident,
+          num_threads=self.offload.host_threads)
     leaves = fused_lib.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
                               params=self.param_leaves)
     return fused_lib.host_update(step, self.fused, stacked=arrays, scalars=self.scalars,
