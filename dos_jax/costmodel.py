@@ -4,23 +4,32 @@
 (`SubgroupSpec`) and a `Plan` into a `Prediction` of the update phase.
 
 The model is a roofline over four resources that work at once (host cores, device,
-the H2D link, the D2H link):
+the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
+(`transform`, `paths`, `partition`):
 
 * device subgroups go through a pipeline of `plan.buffers` device buffers: state in
   (H2D), the fused AdamW, state out (D2H). Each subgroup holds a buffer from the start
   of its H2D to the end of its D2H, so the steady-state period per subgroup is
   `max(h, c, d, (h + c + d) / buffers)`, plus one full latency `h + c + d` to fill and
   drain the pipeline;
-* host subgroups need their gradients D2H (hidden behind the backward pass as far as it
-  lasts; fp32 params, which are their own master, go along), the host AdamW, and their
-  new low-precision params H2D;
-* both paths run concurrently; the host AdamW runs `host_copy_slowdown` times slower
-  while the device stream's copies run (they share host memory bandwidth);
-* packing gradients into subgroup rows before, and unpacking the new rows into the
-  params after, cost device-memory traffic (`layout_bytes`) outside both paths;
+* host subgroups need their gradients D2H, the host AdamW, and their new low-precision
+  params H2D. The gradients leave the device piece by piece as the backward pass makes
+  them (per leaf, never after a concatenation of all gradients, and never behind the
+  global-norm clip, whose factor is applied on the host), so their copies hide behind
+  the backward pass as far as it lasts; fp32 params, which are their own master, go
+  along (they exist before the backward pass);
+* the two paths run concurrently: the host tier and the streamed tier are separate
+  arrays, and no value flows from the host region to the device stream or back within
+  a step, so XLA runs the host region's asynchronous start/done pair alongside the
+  device loop. The host AdamW runs `host_copy_slowdown` times slower while the device
+  stream's copies run (they share host memory bandwidth);
+* assembling the device subgroups' gradient rows before the stream, and unpacking the
+  new rows into the params after, cost device-memory traffic (`layout_bytes`) outside
+  both paths; the host subgroups' rows are assembled in host memory;
 * the update phase lasts as long as the slowest path or link. On a machine whose
-  "device" is the host itself (`device_is_host`, the CPU backend), the two paths use
-  the same cores and memory, so their times add instead.
+  "device" is the host itself (`device_is_host`, the CPU backend) `dos_jax` builds the
+  CPU program: every subgroup, whatever the plan, is updated by the same host call,
+  and nothing is copied, so every plan costs the host AdamW over all elements.
 
 With a fast device and the state copies hidden, this reduces to the paper's rule
 (PAPER.md, the method, point 6): one device subgroup in every k hides behind the host
@@ -115,14 +124,15 @@ def host_pull_bytes(spec: SubgroupSpec) -> int:
   return spec.grad_bytes_per_element + extra
 
 
-def layout_bytes(spec: SubgroupSpec) -> int:
-  """Device-memory traffic per element around the two paths: gradients packed into
-  rows (read + write), fp32 params packed too when they are the master, the output rows
-  initialized, and the new rows unpacked into updates that `optax.apply_updates` adds
-  to the params (read row and param, write param)."""
+def layout_bytes(spec: SubgroupSpec, device_fraction: float = 1.0) -> float:
+  """Device-memory traffic per element around the two paths: the device subgroups'
+  gradients assembled into rows (read + write; `device_fraction` of the elements), fp32
+  params likewise when they are the master, the output rows initialized, and the new
+  rows unpacked into updates that `optax.apply_updates` adds to the params (read row
+  and param, write param)."""
   pb, gb = spec.param_bytes_per_element, spec.grad_bytes_per_element
   params_packed = 0 if master_kept(spec) else 2 * pb
-  return 2 * gb + params_packed + pb + 3 * pb
+  return device_fraction * (2 * gb + params_packed) + pb + 3 * pb
 
 
 def _slowed(work: float, window: float, slowdown: float) -> float:
@@ -159,7 +169,19 @@ def predict(
   u_dev = profile.device_adamw_gparams * _GB
   u_host = profile.host_adamw_gparams() * _GB
 
-  layout = spec.num_elements * layout_bytes(spec) / (profile.device_memory_gbps * _GB)
+  if profile.device_is_host:
+    # The CPU program: one host call over every subgroup, whatever the plan; it reads
+    # the gradient leaves in place, so only the unpacking remains outside it.
+    seconds = sum(sizes) / u_host
+    layout = spec.num_elements * layout_bytes(spec, 0.0) / (profile.device_memory_gbps * _GB)
+    return Prediction(
+        update_seconds=seconds + layout, device_stream_seconds=0.0, host_seconds=seconds,
+        bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
+        device_peak_bytes=0.0, bound='serialized', layout_seconds=layout,
+    )
+  device_fraction = sum(sizes[i] for i in plan.device) / max(1, sum(sizes))
+  layout = (spec.num_elements * layout_bytes(spec, device_fraction)
+            / (profile.device_memory_gbps * _GB))
   if plan.resident:
     seconds = spec.num_elements / u_dev
     return Prediction(
@@ -171,7 +193,7 @@ def predict(
 
   dev_sizes = [sizes[i] for i in plan.device]
   host_elements = sum(sizes[i] for i in plan.host)
-  serial = profile.device_is_host
+  serial = False  # device_is_host returned above
   # Both directions carry traffic at once only when the device stream overlaps.
   both = bool(dev_sizes) and not serial and (plan.buffers >= 2 or bool(plan.host))
   h2d_bw = (profile.both_gbps if both else profile.h2d_gbps) * _GB
