@@ -203,37 +203,43 @@ def leaves_from_rows(rows_by_tier: dict[Tier, jax.Array], layout: Layout,
   return leaves
 
 
+def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+  """`ids` as `(start, stop)` runs of consecutive values, in order."""
+  out: list[tuple[int, int]] = []
+  for i in ids:
+    if out and out[-1][1] == i:
+      out[-1] = (out[-1][0], i + 1)
+    else:
+      out.append((i, i + 1))
+  return out
+
+
+def take_rows(x: jax.Array, ids: Sequence[int]) -> jax.Array:
+  """`x[ids]` along the first axis with static slices, no index array: an index array
+  would be a device constant, which a host region cannot mix with host arrays."""
+  if not ids:
+    return x[:0]
+  parts = [x[a:b] for a, b in _runs(ids)]
+  return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
 def merge_tiers(tiers: dict[Tier, tuple[jax.Array, ...]],
                 partition: Partition) -> tuple[jax.Array, ...]:
   """The tiers' `(R, K, S)` arrays (all in one memory) as `(G, K, S)` arrays in
   subgroup order."""
-  ids = [g for tier in TIERS for g in partition.ids(tier)]
-  inverse = [0] * len(ids)
-  for position, g in enumerate(ids):
-    inverse[g] = position
+  stored = [g for tier in TIERS for g in partition.ids(tier)]  # concatenation order
+  position = {g: i for i, g in enumerate(stored)}
+  order = [position[g] for g in range(len(stored))]
   groups = len(next(iter(tiers.values())))
   merged = []
   for j in range(groups):
     parts = [tiers[tier][j] for tier in TIERS if partition.ids(tier)]
     whole = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    if inverse != list(range(len(ids))):
-      whole = jnp.take(whole, jnp.asarray(inverse, jnp.int32), axis=0)
-    merged.append(whole)
+    merged.append(whole if order == sorted(order) else take_rows(whole, order))
   return tuple(merged)
 
 
 def split_tiers(rows: tuple[jax.Array, ...],
                 partition: Partition) -> dict[Tier, tuple[jax.Array, ...]]:
   """`(G, K, S)` arrays in subgroup order -> each tier's `(R, K, S)` arrays."""
-  out = {}
-  for tier in TIERS:
-    ids = partition.ids(tier)
-    if ids == tuple(range(partition.num_subgroups)):
-      out[tier] = rows
-    elif ids and ids == tuple(range(ids[0], ids[0] + len(ids))):
-      out[tier] = tuple(x[ids[0]:ids[0] + len(ids)] for x in rows)
-    elif ids:
-      out[tier] = tuple(jnp.take(x, jnp.asarray(ids, jnp.int32), axis=0) for x in rows)
-    else:
-      out[tier] = tuple(x[:0] for x in rows)
-  return out
+  return {tier: tuple(take_rows(x, partition.ids(tier)) for x in rows) for tier in TIERS}

@@ -39,10 +39,10 @@ def decay_mask(params):
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 10, 50, 1e-3)
 
 
-def make_pair(policy, subgroup_size=23, impl=dos_jax.UpdateImpl.KERNEL):
+def make_pair(policy, subgroup_size=23, impl=dos_jax.UpdateImpl.KERNEL, platform=None):
   kwargs = dict(learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask)
   offload = dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, device_impl=impl,
-                            host_impl=impl)
+                            host_impl=impl, platform=platform)
   return dos_jax.adamw(**kwargs, offload=offload), optax.adamw(**kwargs)
 
 
@@ -59,10 +59,13 @@ def jit_step(opt, grad_dtype=None):
   return step
 
 
+# 'gpu': the accelerator program (split tiers, host regions, Pallas in interpret mode),
+# run on the CPU backend.
+@pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
-def test_fp32_matches_optax_over_50_steps(policy):
+def test_fp32_matches_optax_over_50_steps(policy, platform):
   seed = np.random.randint(1 << 30)
-  ours, ref = make_pair(policy)
+  ours, ref = make_pair(policy, platform=platform)
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)
   step, ref_step = jit_step(ours), jit_step(ref)
@@ -74,9 +77,10 @@ def test_fp32_matches_optax_over_50_steps(policy):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('impl', list(dos_jax.UpdateImpl), ids=lambda i: i.value)
 @pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
-def test_bf16_params_equal_optax_on_fp32_master(policy, impl):
+def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform):
   """bf16 params == cast(optax.adamw on the fp32 master), with the same grads.
 
   The XLA path runs optax's own ops on the rows: bit for bit. The native kernel is bit
@@ -86,7 +90,7 @@ def test_bf16_params_equal_optax_on_fp32_master(policy, impl):
   bf16 ulp. Either way our params are exactly the cast of our own master.
   """
   seed = np.random.randint(1 << 30)
-  ours, ref = make_pair(policy, impl=impl)
+  ours, ref = make_pair(policy, impl=impl, platform=platform)
   master = random_tree(seed)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
   # The reference master starts from the same values the bf16 params hold.
@@ -266,3 +270,31 @@ def test_inside_optax_chain_with_clipping():
   ru, _ = jax.jit(ref.update)(grads, ref.init(params), params)
   for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(ru)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math():
+  """The accelerator program stores each tier apart: a plan with another split moves
+  the rows (host <-> streamed <-> resident) inside the step, and the math is optax's."""
+  seed = np.random.randint(1 << 30)
+  ours, ref = make_pair(dos_jax.AllHost(), platform='gpu')
+  params = ref_params = random_tree(seed)
+  state, ref_state = ours.init(params), ref.init(params)
+  spec = state.layout.spec()
+  plans = [dos_jax.Stride(2).plan(spec), dos_jax.AllDevice().plan(spec),
+           dos_jax.DeviceFraction(0.4).plan(spec), dos_jax.AllHost().plan(spec)]
+
+  def step(p, s, g, plan):
+    u, s = ours.update(g, s, p, plan=plan)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(step, static_argnames='plan')
+  ref_step = jit_step(ref)
+  for i in range(8):
+    plan = plans[i % len(plans)]
+    grads = random_grads(params, i, seed)
+    params, state = step(params, state, grads, plan=plan)
+    ref_params, ref_state = ref_step(ref_params, ref_state, grads)
+    assert state.partition.streamed == (() if plan.resident else tuple(sorted(plan.device)))
+    assert state.partition.resident == (plan.device if plan.resident else ())
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
