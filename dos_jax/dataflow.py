@@ -1,148 +1,639 @@
 """The dataflow graph of a lowered program: what the GPU program does, seen on any machine.
 
-A step lowered for the GPU on a machine without one
-(`jax.jit(step).trace(...).lower(lowering_platforms=('cuda',))`) is StableHLO whose
+A step lowered for the GPU on a machine without one (`lower_for_gpu`, i.e.
+`jax.jit(step).trace(...).lower(lowering_platforms=('cuda',))`) is StableHLO whose
 def-use graph shows what XLA may overlap: two ops with no path between them can run at
 the same time, an op that (transitively) uses another's result cannot start before it.
-`Graph` walks the entry function's top-level ops, attributing everything nested in an
-op (loop bodies, called functions, host regions) to that op, and answers which ops
-depend on which. The tests use it to prove the shape of dos_jax's GPU program: the host
-region and the device stream are independent, and host-bound gradients leave the device
-before the backward pass ends.
+`Graph` walks the entry function's (`@main`'s) top-level ops and attributes everything
+nested in an op to that op: the ops in its regions (`stablehlo.while` bodies,
+`stablehlo.case` branches) and, transitively, the ops of the functions it calls
+(`func.call`; JAX outlines jitted and closed-over pieces into `func.func private`
+functions, also from inside loop bodies). The tests use it to prove the shape of
+dos_jax's GPU program without a GPU: the host region and the device stream are
+independent, and host-bound gradients leave the device before the backward pass ends.
+
+It reads the MLIR Python objects of `Lowered.compiler_ir('stablehlo')` (op names,
+attributes, operands, results), never the printed module, and imports nothing private
+from JAX. What each `OpKind` matches is in its docstring; the markers were read off
+JAX 0.10's lowering:
+
+* host region: `func.call @compute_on(...) {mhlo.frontend_attributes =
+  {_xla_compute_type = "host"}}` (`compute_on2(f, compute_type='device_host', ...)`
+  on JAX 0.10, `compute_on` on 0.11; JAX also stamps the attribute on every op inside
+  the callee);
+* transfer: `stablehlo.custom_call @annotate_device_placement(x)
+  {mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host" | "device"}}`
+  (`jax.device_put(x, jax.memory.Space.Host | Device)` inside jit). JAX also wraps every
+  output of a host region in one, `"pinned_host"` for a host-resident output: an
+  annotation of a value that is already there, which moves nothing (`Transfer.moves`);
+* Pallas kernel: `stablehlo.custom_call @__gpu$xla.gpu.triton` (Triton; its
+  `mhlo.backend_config` dictionary holds the kernel's `name`) or `@mosaic_gpu_v2`
+  (Mosaic GPU; no name outside the serialized kernel).
+
+`Graph.memory_space` tells where a top-level value lives, so that a placement of a value
+already in that memory is not counted as a transfer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable
+import math
+import re
+from typing import Any, Callable, Iterable, Iterator
+
+_HOST_PLACEMENTS = frozenset({'pinned_host', 'unpinned_host'})
+_DEVICE_PLACEMENTS = frozenset({'device'})
+# custom_call targets of Pallas kernels on the GPU (and Mosaic on TPU).
+_KERNEL_TARGETS = frozenset({
+    '__gpu$xla.gpu.triton',  # Pallas Triton (what JAX 0.10 emits)
+    'triton_kernel_call',  # older Pallas Triton and jax-triton
+    'mosaic_gpu', 'mosaic_gpu_v2',  # Pallas Mosaic GPU
+    'tpu_custom_call',  # Pallas Mosaic TPU
+})
+_HOST_KERNEL_PREFIX = 'dos_jax_adamw_host'  # kernels/host_adamw*.py FFI targets
+# Ops whose regions are computations applied to elements (results: where operands are).
+_REDUCERS = frozenset({
+    'stablehlo.reduce', 'stablehlo.reduce_window', 'stablehlo.scatter',
+    'stablehlo.select_and_scatter', 'stablehlo.sort', 'stablehlo.map',
+    'stablehlo.all_reduce', 'stablehlo.reduce_scatter'})
+# Ops whose result k is their operand k (a loop carry keeps its memory space).
+_CARRIES = frozenset({'stablehlo.while', 'stablehlo.optimization_barrier'})
 
 
 class OpKind(enum.Enum):
-  """What a top-level op does, itself or anywhere inside it."""
+  """What an op is; a node has a kind when it or an op anywhere inside it has it."""
 
-  HOST_REGION = 'host region'  # a call with _xla_compute_type = "host"
-  PALLAS = 'pallas kernel'  # a Triton (Pallas) GPU kernel call
-  HOST_KERNEL = 'native host kernel'  # dos_jax's native host AdamW custom call
-  TO_HOST = 'copy to host memory'  # annotate_device_placement to pinned_host
-  TO_DEVICE = 'copy to device memory'  # annotate_device_placement to device
+  HOST_REGION = 'host region'
+  """An op with frontend attribute `_xla_compute_type = "host"`: the `func.call` that
+  `compute_on2(..., compute_type='device_host')` lowers to (and the ops of its callee)."""
+  PALLAS = 'pallas kernel'
+  """A `stablehlo.custom_call` to a Pallas kernel: target `__gpu$xla.gpu.triton`,
+  `triton_kernel_call`, `mosaic_gpu`, `mosaic_gpu_v2` or `tpu_custom_call`."""
+  HOST_KERNEL = 'native host kernel'
+  """A `stablehlo.custom_call` to dos_jax's native host AdamW (`dos_jax_adamw_host*`)."""
+  TO_HOST = 'placement in host memory'
+  """`custom_call @annotate_device_placement` with `_xla_buffer_placement` =
+  `"pinned_host"` or `"unpinned_host"` (it may annotate a value already on the host)."""
+  TO_DEVICE = 'placement in device memory'
+  """`custom_call @annotate_device_placement` with `_xla_buffer_placement = "device"`."""
   DOT = 'dot_general'
+  """A `stablehlo.dot_general` (or `stablehlo.dot`)."""
 
 
-def _own_kinds(op) -> set[OpKind]:
-  name = op.name
+# ----------------------------------------------------------------------------------
+# Reading attributes and types.
+
+
+def _text(attr: Any) -> str:
+  """The string in a StringAttr / FlatSymbolRefAttr, without quotes or `@`."""
+  value = getattr(attr, 'value', None)
+  if isinstance(value, str):
+    return value
+  text = str(attr).strip()
+  if text.startswith('@'):
+    text = text[1:]
+  if len(text) >= 2 and text[0] == '"' and text[-1] == '"':
+    text = text[1:-1]
+  return text
+
+
+def _entry(attr: Any, key: str) -> Any | None:
+  """`attr[key]` for a DictAttr, or None when it has no such entry."""
+  if attr is None:
+    return None
+  try:
+    return attr[key] if key in attr else None
+  except (TypeError, KeyError, ValueError, IndexError):
+    pass
+  for named in _iterate(attr):  # bindings without DictAttr.__contains__
+    if getattr(named, 'name', None) == key:
+      return named.attr
+  return None
+
+
+def _iterate(attr: Any) -> Iterable[Any]:
+  try:
+    return list(attr)
+  except TypeError:
+    return []
+
+
+def _attribute(op: Any, name: str) -> Any | None:
   attrs = op.attributes
+  return attrs[name] if name in attrs else None
+
+
+def _frontend(op: Any, key: str) -> str | None:
+  """The frontend attribute `key` of `op` (`mhlo.frontend_attributes = {key = "..."}`)."""
+  value = _entry(_attribute(op, 'mhlo.frontend_attributes'), key)
+  return None if value is None else _text(value)
+
+
+_DTYPE_NAMES = {'i1': 'bool', 'bf16': 'bfloat16'}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorType:
+  """The type of a value: shape, dtype and size.
+
+  Attributes:
+    shape: dimensions, or None for a non-tensor (a token) or a dynamic shape.
+    element_type: the MLIR spelling of the element type, e.g. 'bf16'.
+    dtype: the NumPy name of the element type, e.g. 'bfloat16' (the `name` of a
+      `jnp.dtype`), or the MLIR spelling when it has none.
+    bits: bits per element (0 for a non-tensor).
+    text: the whole type as MLIR prints it, e.g. 'tensor<24x32xbf16>'.
+  """
+
+  shape: tuple[int, ...] | None
+  element_type: str
+  dtype: str
+  bits: int
+  text: str
+
+  @classmethod
+  def of(cls, mlir_type: Any) -> 'TensorType':
+    text = str(mlir_type)
+    element = getattr(mlir_type, 'element_type', None)
+    if element is None:
+      return cls(None, text, text, 0, text)
+    shape = None
+    if getattr(mlir_type, 'has_static_shape', False):
+      shape = tuple(int(d) for d in mlir_type.shape)
+    name = str(element)
+    bits = getattr(element, 'width', None)
+    if not isinstance(bits, int):
+      digits = re.search(r'\d+', name)
+      bits = int(digits.group()) if digits else 0
+    return cls(shape, name, _numpy_name(name), bits, text)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape) if self.shape is not None else 0
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the array (a bool takes one byte, as in XLA's buffers)."""
+    return self.size * max(1, -(-self.bits // 8))
+
+  def __str__(self) -> str:
+    return self.text
+
+
+def _numpy_name(element: str) -> str:
+  if element in _DTYPE_NAMES:
+    return _DTYPE_NAMES[element]
+  match = re.fullmatch(r'(f|i|ui|si)(\d+)(.*)', element)
+  if match:
+    prefix, width, rest = match.groups()
+    base = {'f': 'float', 'i': 'int', 'si': 'int', 'ui': 'uint'}[prefix]
+    return f'{base}{width}' + (f'_{rest.lower()}' if rest else '')
+  match = re.fullmatch(r'complex<f(\d+)>', element)
+  if match:
+    return f'complex{2 * int(match.group(1))}'
+  return element
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+  """A `dot_general` somewhere in a node: its operand and result types."""
+
+  lhs: TensorType
+  rhs: TensorType
+  result: TensorType
+
+
+# ----------------------------------------------------------------------------------
+# What an op is, and what it contains.
+
+
+def _own_kinds(op: Any) -> frozenset[OpKind]:
+  """The kinds of `op` itself, not of the ops inside it."""
+  name = op.name
   kinds = set()
-  if name == 'stablehlo.dot_general':
+  if _frontend(op, '_xla_compute_type') == 'host':
+    kinds.add(OpKind.HOST_REGION)
+  if name in ('stablehlo.dot_general', 'stablehlo.dot'):
     kinds.add(OpKind.DOT)
-  if name == 'func.call' and 'mhlo.frontend_attributes' in attrs:
-    if '_xla_compute_type = "host"' in str(attrs['mhlo.frontend_attributes']):
-      kinds.add(OpKind.HOST_REGION)
-  if name == 'stablehlo.custom_call':
-    target = str(attrs['call_target_name']).strip('"')
-    if target.startswith('__gpu$xla.gpu.triton'):
+  elif name == 'stablehlo.custom_call':
+    target = _custom_call_target(op)
+    if target in _KERNEL_TARGETS:
       kinds.add(OpKind.PALLAS)
-    elif target.startswith('dos_jax_adamw_host'):
+    elif target.startswith(_HOST_KERNEL_PREFIX):
       kinds.add(OpKind.HOST_KERNEL)
-    elif target == 'annotate_device_placement' and 'mhlo.frontend_attributes' in attrs:
-      placement = str(attrs['mhlo.frontend_attributes'])
-      if '"pinned_host"' in placement or '"unpinned_host"' in placement:
+    elif target == 'annotate_device_placement':
+      placement = _frontend(op, '_xla_buffer_placement')
+      if placement in _HOST_PLACEMENTS:
         kinds.add(OpKind.TO_HOST)
-      elif '"device"' in placement:
+      elif placement in _DEVICE_PLACEMENTS:
         kinds.add(OpKind.TO_DEVICE)
-  return kinds
+  return frozenset(kinds)
+
+
+def _custom_call_target(op: Any) -> str:
+  target = _attribute(op, 'call_target_name')
+  return '' if target is None else _text(target)
+
+
+def _kernel_name(op: Any) -> str:
+  """The Pallas kernel's `name=` (Triton), or '' where the call does not carry it."""
+  config = _attribute(op, 'mhlo.backend_config')
+  name = _entry(config, 'name')
+  return '' if name is None else _text(name)
+
+
+def _callees(op: Any) -> list[str]:
+  """Functions `op` calls: a `func.call`'s callee, a custom_call's called computations."""
+  names = []
+  callee = _attribute(op, 'callee')
+  if callee is not None:
+    names.append(_text(callee))
+  called = _attribute(op, 'called_computations')
+  if called is not None:
+    names.extend(_text(c) for c in _iterate(called))
+  return [n for n in names if n]
+
+
+def _nested_ops(op: Any) -> Iterator[Any]:
+  """Every op inside `op`'s regions, at any depth (not into called functions)."""
+  for region in op.regions:
+    for block in region.blocks:
+      for inner in block.operations:
+        inner = inner.operation
+        yield inner
+        yield from _nested_ops(inner)
+
+
+@dataclasses.dataclass
+class _Contents:
+  """What a node or function contains, itself included."""
+
+  kinds: set[OpKind] = dataclasses.field(default_factory=set)
+  dots: list[Dot] = dataclasses.field(default_factory=list)
+  kernels: list[str] = dataclasses.field(default_factory=list)
+
+  def add(self, other: '_Contents') -> None:
+    self.kinds |= other.kinds
+    self.dots.extend(other.dots)
+    self.kernels.extend(other.kernels)
+
+
+class _Functions:
+  """The module's functions by name, with what each contains (memoized)."""
+
+  def __init__(self, module: Any):
+    self.by_name: dict[str, Any] = {}
+    for op in module.body.operations:
+      op = op.operation  # a FuncOp view's `name` is its symbol, not 'func.func'
+      name = _attribute(op, 'sym_name')
+      if name is not None and op.name == 'func.func':
+        self.by_name[_text(name)] = op
+    self._memo: dict[str, _Contents] = {}
+    self._spaces: dict[tuple[str, tuple[str | None, ...]], tuple[str | None, ...]] = {}
+
+  def contents(self, name: str) -> _Contents:
+    if name not in self._memo:
+      self._memo[name] = _Contents()  # recursion guard (JAX emits no recursion)
+      found = _Contents()
+      function = self.by_name.get(name)
+      if function is not None:
+        for region in function.regions:
+          for block in region.blocks:
+            for op in block.operations:
+              found.add(self.op_contents(op.operation))
+      self._memo[name] = found
+    return self._memo[name]
+
+  def block_spaces(self, block: Any, arguments: tuple[str | None, ...]
+                   ) -> dict[Any, str | None]:
+    """The memory space of every value defined in `block` (see `Graph.memory_space`),
+    given its arguments' spaces."""
+    spaces: dict[Any, str | None] = {}
+    for i, argument in enumerate(block.arguments):
+      spaces[argument] = arguments[i] if i < len(arguments) else None
+    space = lambda value: spaces.get(value)  # None: defined outside `block`
+
+    for op in block.operations:
+      op = op.operation
+      kinds = _own_kinds(op)
+      results = list(op.results)
+      if kinds & {OpKind.TO_HOST, OpKind.HOST_REGION}:
+        out = ['host'] * len(results)
+      elif OpKind.TO_DEVICE in kinds:
+        out = ['device'] * len(results)
+      elif op.name in _CARRIES:
+        out = [space(v) for v in op.operands]
+      elif op.name == 'func.call':
+        out = list(self.result_spaces(_text(op.attributes['callee']),
+                                      tuple(space(v) for v in op.operands)))
+      elif len(op.regions) and op.name not in _REDUCERS:
+        out = [None] * len(results)  # a branch: could return a value from anywhere
+      else:
+        operands = list(op.operands)
+        out = [space(operands[0]) if operands else 'device'] * len(results)
+      if len(out) != len(results):
+        out = [None] * len(results)
+      spaces.update(zip(results, out))
+    return spaces
+
+  def result_spaces(self, name: str, arguments: tuple[str | None, ...]
+                    ) -> tuple[str | None, ...]:
+    """Memory spaces of the results of function `name` called with `arguments`."""
+    key = (name, arguments)
+    if key not in self._spaces:
+      self._spaces[key] = ()  # recursion guard
+      function = self.by_name.get(name)
+      result = ()
+      if function is not None and len(function.regions):
+        block = function.regions[0].blocks[0]
+        spaces = self.block_spaces(block, arguments)
+        returns = [op.operation for op in block.operations][-1:]
+        if returns and returns[0].name == 'func.return':
+          result = tuple(spaces.get(v) for v in returns[0].operands)
+      self._spaces[key] = result
+    return self._spaces[key]
+
+  def op_contents(self, op: Any) -> _Contents:
+    """What `op` contains: itself, its regions' ops, and (transitively) their callees."""
+    found = _Contents()
+    for inner in [op, *_nested_ops(op)]:
+      found.kinds |= _own_kinds(inner)
+      if inner.name in ('stablehlo.dot_general', 'stablehlo.dot'):
+        found.dots.append(Dot(*(TensorType.of(v.type) for v in list(inner.operands)[:2]),
+                              TensorType.of(inner.results[0].type)))
+      elif (inner.name == 'stablehlo.custom_call'
+            and _custom_call_target(inner) in _KERNEL_TARGETS):
+        found.kernels.append(_kernel_name(inner))
+      for callee in _callees(inner):
+        found.add(self.contents(callee))
+    return found
+
+
+# ----------------------------------------------------------------------------------
+# The graph.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Node:
-  """One top-level op of the entry function.
+  """One top-level op of the entry function, standing for everything inside it.
 
   Attributes:
-    index: position in the entry function (operands come before their users).
-    name: the op's name, e.g. 'stablehlo.while'.
-    kinds: what it does, itself or inside it.
-    result_types: its results' types as text, e.g. 'tensor<24x32xbf16>'.
-    op: the MLIR operation.
+    index: position in the entry function (an op comes after the ops it uses).
+    name: the op's name, e.g. 'stablehlo.while', 'func.call'.
+    own_kinds: what the op itself is.
+    kinds: what it or any op inside it (regions, called functions, transitively) is.
+    callee: the function a `func.call` calls, else None.
+    operand_types: its operands' types.
+    result_types: its results' types as MLIR prints them, e.g. 'tensor<24x32xbf16>'.
+    results: its results' types.
+    dots: every `dot_general` in it (itself included), in program order.
+    kernel_names: the name of every Pallas kernel called in it ('' where the call does
+      not carry one: Mosaic GPU).
+    op: the MLIR operation (valid while the graph, which holds the module, lives).
   """
 
   index: int
   name: str
+  own_kinds: frozenset[OpKind]
   kinds: frozenset[OpKind]
+  callee: str | None
+  operand_types: tuple[TensorType, ...]
   result_types: tuple[str, ...]
+  results: tuple[TensorType, ...]
+  dots: tuple[Dot, ...]
+  kernel_names: tuple[str, ...]
   op: Any
+
+  def __repr__(self) -> str:
+    kinds = ','.join(sorted(k.name for k in self.kinds))
+    callee = f' @{self.callee}' if self.callee else ''
+    return f'Node(#{self.index} {self.name}{callee} [{kinds}])'
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """A top-level `annotate_device_placement`: a value placed in host or device memory.
+
+  Attributes:
+    node: the annotation's node.
+    to: 'host' or 'device'.
+    placement: the `_xla_buffer_placement` value, e.g. 'pinned_host'.
+    type: the value moved (shape, dtype, bytes).
+    source: where the value was before (`Graph.memory_space` of the annotated value):
+      'host', 'device', or None when the graph cannot tell (a `stablehlo.case`
+      result).
+
+  JAX wraps every output of a host region in an annotation, `"pinned_host"` for one
+  left in host memory, and `device_put` inside jit annotates even a value that is
+  already in the requested memory: such a transfer moves nothing (`moves` is False).
+  """
+
+  node: Node
+  to: str
+  placement: str
+  type: TensorType
+  source: str | None
+
+  @property
+  def moves(self) -> bool:
+    """False when the value is known to be in `to` already: a no-op annotation.
+
+    An unknown source counts as moving.
+    """
+    return self.source != self.to
 
 
 class Graph:
-  """Top-level def-use graph of a module's entry function (`main`)."""
+  """The top-level def-use graph of a lowered module's entry function.
 
-  def __init__(self, module):
-    functions = {}
-    for op in module.body.operations:
-      if 'sym_name' in op.attributes:
-        functions[str(op.attributes['sym_name']).strip('"')] = op
-    entry = functions['main']
-    memo: dict[str, frozenset[OpKind]] = {}
+  Dependence is def-use between top-level ops only: an op nested in a region or a
+  called function is represented by its top-level op, and a top-level op uses every
+  top-level value that it or an op in its regions reads (branches of `stablehlo.case`
+  read outer values directly). Ancestor sets are bitsets over node indices.
 
-    def kinds_of_function(name: str) -> frozenset[OpKind]:
-      if name not in memo:
-        memo[name] = frozenset()  # recursion guard
-        found: set[OpKind] = set()
-        for region in functions[name].regions:
-          for block in region.blocks:
-            for inner in block.operations:
-              found |= kinds_of(inner)
-        memo[name] = frozenset(found)
-      return memo[name]
+  Attributes:
+    nodes: the entry function's top-level ops, in program order (its `func.return`
+      last).
+    module: the MLIR module (kept alive for the nodes' ops).
+  """
 
-    def kinds_of(op) -> set[OpKind]:
-      found = _own_kinds(op)
-      if op.name == 'func.call':
-        callee = str(op.attributes['callee']).lstrip('@')
-        if callee in functions:
-          found |= kinds_of_function(callee)
-      for region in op.regions:
-        for block in region.blocks:
-          for inner in block.operations:
-            found |= kinds_of(inner)
-      return found
-
-    ops = list(entry.regions[0].blocks[0].operations)
+  def __init__(self, module: Any, entry: str = 'main'):
+    """Builds the graph of `module`, an `ir.Module` (e.g. `compiler_ir('stablehlo')`)."""
+    self.module = module
+    functions = _Functions(module)
+    if entry not in functions.by_name:
+      raise ValueError(f'no function @{entry} in the module; it has '
+                       f'{sorted(functions.by_name)}')
+    self._function = functions.by_name[entry]
+    block = self._function.regions[0].blocks[0]
+    ops = [op.operation for op in block.operations]
     position = {}
     for i, op in enumerate(ops):
       for result in op.results:
         position[result] = i
+
     self.nodes: list[Node] = []
-    self._ancestors: list[int] = []  # bitset of each node's transitive operands
+    self._ancestors: list[int] = []  # bit j of [i]: node i transitively uses node j
+    self._operands: list[tuple[int, ...]] = []  # direct uses
     for i, op in enumerate(ops):
+      uses = set()
+      for inner in [op, *_nested_ops(op)]:
+        for operand in inner.operands:
+          j = position.get(operand)
+          if j is not None and j != i:
+            uses.add(j)
       bits = 0
-      for operand in op.operands:
-        j = position.get(operand)
-        if j is not None:
-          bits |= (1 << j) | self._ancestors[j]
+      for j in uses:
+        bits |= (1 << j) | self._ancestors[j]
       self._ancestors.append(bits)
+      self._operands.append(tuple(sorted(uses)))
+      contents = functions.op_contents(op)
+      callee = _attribute(op, 'callee') if op.name == 'func.call' else None
       self.nodes.append(Node(
-          index=i, name=op.name, kinds=frozenset(kinds_of(op)),
-          result_types=tuple(str(r.type) for r in op.results), op=op))
+          index=i, name=op.name, own_kinds=_own_kinds(op),
+          kinds=frozenset(contents.kinds),
+          callee=None if callee is None else _text(callee),
+          operand_types=tuple(TensorType.of(v.type) for v in op.operands),
+          result_types=tuple(str(r.type) for r in op.results),
+          results=tuple(TensorType.of(r.type) for r in op.results),
+          dots=tuple(contents.dots), kernel_names=tuple(contents.kernels), op=op))
+    self._descendants: list[int] | None = None
+    self._block = block
+    self._functions = functions
+    self._spaces: dict[Any, str | None] | None = None  # memory space of each value
 
   @classmethod
-  def from_lowered(cls, lowered) -> 'Graph':
-    """The graph of a `jax.stages.Lowered`."""
+  def from_lowered(cls, lowered: Any) -> 'Graph':
+    """The graph of a `jax.stages.Lowered` (e.g. from `lower_for_gpu`)."""
     return cls(lowered.compiler_ir('stablehlo'))
 
-  def with_kind(self, kind: OpKind) -> list[Node]:
-    """Top-level nodes that do `kind`, themselves or inside them."""
+  def __len__(self) -> int:
+    return len(self.nodes)
+
+  def __iter__(self) -> Iterator[Node]:
+    return iter(self.nodes)
+
+  # Kinds.
+
+  def nodes_containing(self, kind: OpKind) -> list[Node]:
+    """Top-level nodes that are `kind` or have an op of that kind anywhere inside."""
     return [n for n in self.nodes if kind in n.kinds]
+
+  with_kind = nodes_containing  # the name tests/test_gpu_program.py uses
+
+  def host_regions(self) -> list[Node]:
+    """Top-level nodes that are host-compute regions themselves (the `func.call`s)."""
+    return [n for n in self.nodes if OpKind.HOST_REGION in n.own_kinds]
+
+  def kernel_calls(self, name: str | None = None) -> list[Node]:
+    """Nodes that run a Pallas kernel (named `name`, when given) somewhere inside."""
+    return [n for n in self.nodes if OpKind.PALLAS in n.kinds
+            and (name is None or name in n.kernel_names)]
+
+  def dots(self) -> list[tuple[Node, Dot]]:
+    """Every dot_general of the program with its top-level node, in program order."""
+    return [(n, d) for n in self.nodes for d in n.dots]
+
+  # Dependence.
 
   def depends(self, user: Node, producer: Node) -> bool:
     """Whether `user` uses, directly or through other ops, a result of `producer`."""
     return bool(self._ancestors[user.index] >> producer.index & 1)
 
+  def independent(self, a: Node, b: Node) -> bool:
+    """Neither uses a result of the other: XLA may run them at the same time."""
+    return a is not b and not self.depends(a, b) and not self.depends(b, a)
+
+  def operands(self, node: Node) -> list[Node]:
+    """Nodes whose results `node` (or an op in its regions) uses directly."""
+    return [self.nodes[j] for j in self._operands[node.index]]
+
   def ancestors(self, node: Node) -> list[Node]:
-    bits = self._ancestors[node.index]
-    return [n for n in self.nodes if bits >> n.index & 1]
+    """Nodes that `node` transitively uses, in program order."""
+    return self._select(self._ancestors[node.index])
+
+  def descendants(self, node: Node) -> list[Node]:
+    """Nodes that transitively use `node`, in program order."""
+    if self._descendants is None:
+      below = [0] * len(self.nodes)
+      for i in reversed(range(len(self.nodes))):
+        for j in self._operands[i]:
+          below[j] |= (1 << i) | below[i]
+      self._descendants = below
+    return self._select(self._descendants[node.index])
+
+  def _select(self, bits: int) -> list[Node]:
+    out = []
+    while bits:
+      low = bits & -bits
+      out.append(self.nodes[low.bit_length() - 1])
+      bits ^= low
+    return out
+
+  # Transfers.
+
+  def transfers_to_host(self, include_noops: bool = False) -> list[Transfer]:
+    """Top-level placements in host memory; by default only those that move data.
+
+    A transfer nested in a loop or a called function is not listed: find the node
+    that holds it with `nodes_containing(OpKind.TO_HOST)`.
+    """
+    return self._transfers('host', include_noops)
+
+  def transfers_to_device(self, include_noops: bool = False) -> list[Transfer]:
+    """Top-level placements in device memory; by default only those that move data."""
+    return self._transfers('device', include_noops)
+
+  def _transfers(self, to: str, include_noops: bool) -> list[Transfer]:
+    kind = OpKind.TO_HOST if to == 'host' else OpKind.TO_DEVICE
+    out = []
+    for node in self.nodes:
+      if kind not in node.own_kinds:
+        continue
+      operand = node.op.operands[0]
+      transfer = Transfer(node=node, to=to,
+                          placement=_frontend(node.op, '_xla_buffer_placement') or '',
+                          type=TensorType.of(operand.type), source=self._space_of(operand))
+      if include_noops or transfer.moves:
+        out.append(transfer)
+    return out
+
+  def memory_space(self, node: Node, result: int = 0) -> str | None:
+    """Where `node`'s result lives: 'host', 'device', or None when not known.
+
+    Follows JAX's rules for memory spaces as the lowered program shows them: a
+    placement annotation puts its result where it says, a host region's results are
+    in host memory, a loop carry stays where its initial value was, a `func.call`'s
+    result is where its callee's is (given where the arguments are), an op's result is
+    where its first operand is (JAX requires an op's arrays to share a memory space),
+    and an op with no operands (a constant) is on the device. Unknown (None): the
+    results of branches (`stablehlo.case`, `stablehlo.if`) and of other ops with
+    regions that are not reductions (e.g. `sdy.manual_computation`).
+    """
+    return self._space_of(node.op.results[result])
+
+  def _space_of(self, value: Any) -> str | None:
+    if self._spaces is None:
+      self._spaces = self._functions.block_spaces(self._block, self._argument_spaces())
+    return self._spaces.get(value)
+
+  def _argument_spaces(self) -> tuple[str, ...]:
+    """Each entry argument's memory space, from its `mhlo.memory_kind`."""
+    attrs = _iterate(_attribute(self._function, 'arg_attrs'))
+    spaces = []
+    for i in range(len(self._block.arguments)):
+      kind = _entry(attrs[i], 'mhlo.memory_kind') if i < len(attrs) else None
+      spaces.append('host' if kind is not None and _text(kind) in _HOST_PLACEMENTS
+                    else 'device')
+    return tuple(spaces)
 
 
-def lower_for_gpu(fn: Callable[..., Any], *args, **jit_kwargs):
-  """`fn` jitted and lowered for CUDA: works on a machine without a GPU."""
+def lower_for_gpu(fn: Callable[..., Any], *args, **jit_kwargs) -> Any:
+  """`jax.jit(fn, **jit_kwargs)` traced on `args` and lowered for CUDA.
+
+  Works on a machine without a GPU (Pallas Triton / Mosaic GPU kernels included),
+  which is the point: the GPU program's structure can be checked anywhere.
+  """
   import jax  # pylint: disable=import-outside-toplevel
   return jax.jit(fn, **jit_kwargs).trace(*args).lower(lowering_platforms=('cuda',))
