@@ -33,11 +33,11 @@ def _compile_args() -> list[str]:
   return args
 
 
-def _native_extension(name: str, source: str) -> Extension:
+def _native_extension(name: str, *sources: str) -> Extension:
   """One native host AdamW library: optional, so a failed compile leaves XLA's path."""
   return Extension(
       f'dos_jax.kernels.{name}',
-      sources=[f'kernels/{source}'],
+      sources=[f'kernels/{source}' for source in sources],
       depends=['kernels/adamw_loop.h', 'kernels/adamw_common.h'],
       include_dirs=[_ffi_include_dir()],
       extra_compile_args=_compile_args(),
@@ -50,7 +50,8 @@ def _native_extension(name: str, source: str) -> Extension:
 setup(
     ext_modules=[
         _native_extension('_host_adamw', 'host_adamw.cc'),
-        # The same loop rules over rows of the stacked state (the core's host path).
-        _native_extension('_host_adamw_rows', 'host_adamw_rows.cc'),
+        # The same loop rules over rows of the stacked state (the core's host path), and
+        # its registration inside a GPU PJRT plugin, for GPU programs' host regions.
+        _native_extension('_host_adamw_rows', 'host_adamw_rows.cc', 'pjrt_register.cc'),
     ],
 )

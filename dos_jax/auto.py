@@ -6,7 +6,8 @@ the fastest one that fits the device-memory budget. Because the set is fixed per
 `SubgroupSpec`, a run compiles at most that many distinct plans, however often `Auto`
 changes its mind.
 
-`Auto.observe` compares measured update times with the prediction. After `patience`
+`Auto.observe` compares measured update times with the prediction (`wants_measurement`
+tells a runner that times only some steps when Auto needs the next one). After `patience`
 consecutive steps that depart from it by more than `tolerance`, it corrects the profile
 (`fitting`) and chooses again. With one plan measured, one factor (host AdamW or
 device stream throughput) explains the measurement; when the two explanations would
@@ -174,6 +175,7 @@ class Auto:
     self.replans = 0
     self._departures: list[float] = []
     self._skip = warmup
+    self._confirmed = False
     self._base: HardwareProfile | None = profile
     self._measured: dict[Plan, float] = {}
 
@@ -207,6 +209,7 @@ class Auto:
       self._skip = self.warmup
     self.current = new
     self._departures = []
+    self._confirmed = False
     return new
 
   def plan(self, spec: SubgroupSpec) -> Plan:
@@ -234,6 +237,7 @@ class Auto:
     self._remember(plan, measured_update_seconds)
     if abs(measured_update_seconds - predicted) <= self.tolerance * predicted:
       self._departures = []
+      self._confirmed = True
       return self.current
     self._departures.append(measured_update_seconds)
     if len(self._departures) < self.patience:
@@ -258,6 +262,19 @@ class Auto:
     self.corrections.append(pick[0].reason)
     self.replans += 1
     return self._choose(pick[1])
+
+  def wants_measurement(self) -> bool:
+    """Whether Auto needs the next step's update time now.
+
+    True while the current plan (or the profile's latest correction) is unconfirmed:
+    observations still to skip after a change, no measurement yet within `tolerance`
+    of the prediction, or a run of departures under way. A runner that times the
+    update phase only now and then (timing it means running the update as a program
+    of its own, which costs overlap) asks before every step: consecutive measurements
+    while Auto is deciding, occasional ones once its plan is confirmed.
+    """
+    return self.spec is not None and (
+        self._skip > 0 or not self._confirmed or bool(self._departures))
 
   def _remember(self, plan: Plan, seconds: float) -> None:
     self._measured.pop(plan, None)

@@ -27,6 +27,7 @@ from dos_jax import paths
 from dos_jax import slots as slots_lib
 from dos_jax.partition import Tier
 from dos_jax.partition import TIERS
+from dos_jax.kernels import host_adamw_rows
 from dos_jax.offload import Offload
 from dos_jax.offload import Platform
 from dos_jax.offload import UpdateImpl
@@ -292,6 +293,10 @@ def offloaded(
     # program's sharded state stays on XLA's host loop.
     native = fused_lib.usable(fused, base_step, state.host, grad_leaves) and not (
         split and mesh_info is not None)
+    if native and split:
+      # On a GPU the host regions run in the CUDA plugin's own XLA: the native kernel
+      # must be registered there too, else (one warning) XLA's host loop runs instead.
+      native = host_adamw_rows.host_kernel_in_gpu_programs()[0]
     context = _StepContext(
         layout=layout, part=part, plan=plan, offload=offload, fused=fused, split=split,
         grad_leaves=grad_leaves, param_leaves=None if layout.needs_master else param_leaves,

@@ -16,6 +16,7 @@ from dos_jax.kernels.host_adamw import HostIsa
 from dos_jax.kernels.host_adamw import supported_isas
 from dos_jax.kernels.host_adamw_rows import adamw_host_leaves
 from dos_jax.kernels.host_adamw_rows import adamw_host_rows
+from dos_jax.kernels.host_adamw_rows import host_kernel_in_gpu_programs
 from dos_jax.kernels.host_adamw_rows import rows_kernel_available
 from dos_jax.kernels.pallas_adamw import adamw_pallas
 from dos_jax.kernels.pallas_adamw import adamw_reference

@@ -393,12 +393,18 @@ DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWHostRows)
 DOS_HANDLER_CAPSULE(HandlerOutIn, DosJaxAdamWHostRowsOutIn)
 DOS_HANDLER_CAPSULE(HandlerLeaves, DosJaxAdamWHostLeaves)
 
+// pjrt_register.cc: registers handlers inside a PJRT plugin (GPU programs' host regions).
+PyObject* DosJaxRegisterWithPjrt(PyObject* self, PyObject* args);
+
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The XLA FFI handler of the row-wise host AdamW."},
     {"handler_out_in", HandlerOutIn, METH_NOARGS,
      "The same, taking a buffer to alias to the out rows."},
     {"handler_leaves", HandlerLeaves, METH_NOARGS,
      "The same, reading gradients and params from the parameter tree's leaves."},
+    {"register_with_pjrt", DosJaxRegisterWithPjrt, METH_VARARGS,
+     "register_with_pjrt(api, platform, targets) -> '' or why not: registers the "
+     "(name, handler) targets in the FFI registry of the PJRT plugin `api` for `platform`."},
     {nullptr, nullptr, 0, nullptr},
 };
 

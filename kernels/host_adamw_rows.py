@@ -12,6 +12,7 @@ allocated, and subgroups not listed keep their bytes.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dos_jax.kernels import _native
+from dos_jax.kernels import _pjrt
 from dos_jax.kernels import adamw_scalars
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.kernels.host_adamw import check_threads_and_isa
@@ -27,6 +29,9 @@ from dos_jax.kernels.host_adamw import HostIsa
 _TARGET = 'dos_jax_adamw_host_rows'
 _TARGET_OUT_IN = 'dos_jax_adamw_host_rows_out_in'  # also takes a buffer to alias to out
 _TARGET_LEAVES = 'dos_jax_adamw_host_leaves'  # gradients read from the tree's leaves
+# FFI target -> the native module's function returning its handler.
+_HANDLERS = {_TARGET: 'handler', _TARGET_OUT_IN: 'handler_out_in',
+             _TARGET_LEAVES: 'handler_leaves'}
 
 _GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -35,10 +40,7 @@ _LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.f
 @functools.cache
 def _load() -> tuple[Any, str]:
   """Imports the native module and registers its FFI targets; (module, '') or (None, why)."""
-  return _native.load('_host_adamw_rows',
-                      {_TARGET: 'handler', _TARGET_OUT_IN: 'handler_out_in',
-                       _TARGET_LEAVES: 'handler_leaves'},
-                      'native row-wise host AdamW')
+  return _native.load('_host_adamw_rows', _HANDLERS, 'native row-wise host AdamW')
 
 
 def rows_kernel_available() -> bool:
@@ -49,6 +51,32 @@ def rows_kernel_available() -> bool:
 def rows_kernel_unavailable_reason() -> str:
   """Why `rows_kernel_available()` is False ('' when it is True)."""
   return _load()[1]
+
+
+@functools.cache
+def host_kernel_in_gpu_programs() -> tuple[bool, str]:
+  """Whether host regions of GPU programs may call the native kernel: `(ok, why not)`.
+
+  A GPU program's host regions run in the GPU PJRT plugin's own XLA, whose FFI registry
+  `jax.ffi.register_ffi_target` does not reach, so the handlers are registered there
+  too (for XLA platform "Host", see `_pjrt`), once per process. Without a GPU backend
+  there is nothing to register and the answer is yes whenever the kernel is available.
+
+  Returns:
+    `(True, '')`, or `(False, why)`: the kernel is missing, or it could not be
+    registered in the plugin; the caller must then give host subgroups XLA's host loop.
+    A failed registration is also logged once, as a warning.
+  """
+  native, why = _load()
+  if native is None:
+    return False, why
+  ok, why = _pjrt.register_in_gpu_plugins(native, _HANDLERS)
+  if not ok:
+    logging.getLogger(__name__).warning(
+        "dos_jax: native host AdamW not registered in the GPU plugin (%s); host subgroups "
+        "use XLA's host loop instead, several times slower (4-7x in "
+        "experiments/results_kernels2.md)", why)
+  return ok, why
 
 
 def _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed) -> None:
@@ -121,6 +149,7 @@ def adamw_host_rows(stacked, grads, params, rows, scalars: AdamWScalars, *,
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())
+  host_kernel_in_gpu_programs()  # registers in a GPU plugin first, if there is one
   rows = jnp.asarray(rows)
   _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed)
   threads, isa = check_threads_and_isa(num_threads, isa)
@@ -167,6 +196,7 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())
+  host_kernel_in_gpu_programs()  # registers in a GPU plugin first, if there is one
   rows = jnp.asarray(rows)
   num_groups, k, size = stacked.shape
   grad_leaves = [jnp.ravel(g) for g in grad_leaves]

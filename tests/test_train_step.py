@@ -78,13 +78,13 @@ def test_four_devices_match_one(dataset):
   wq = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(four.params)
         if 'wq' in jax.tree_util.keystr(path)][0]
   assert wq.sharding.spec[1] == 'tensor'  # Really split, not replicated.
-  assert four.compile_counts() == {'grad': 1, 'update': 1}
+  assert four.compile_counts() == {'fused': 1, 'grad': 0, 'update': 0}
 
 
 def test_dos_jax_matches_optax_adamw_and_the_loss_falls(dataset):
   """The runner with dos_jax's offloaded AdamW (AllHost, Stride(2)) against the same
   runner with `optax.adamw`: same seed and batches, losses to 1e-5 relative over 20 steps,
-  the loss falls from ln(256) by more than 1.5, and neither phase ever recompiles.
+  the loss falls from ln(256) by more than 1.5, and the one-program step never recompiles.
 
   fp32 compute: with bf16 activations a 1-ulp difference in an fp32 update (XLA fuses
   the two optimizers' element-wise ops differently) can flip a bf16 rounding, and over
@@ -113,10 +113,117 @@ def test_dos_jax_matches_optax_adamw_and_the_loss_falls(dataset):
       losses[name].append(run.step(batch).loss)
   for name, run in runs.items():
     np.testing.assert_allclose(losses[name], losses['optax'], rtol=1e-5, err_msg=name)
-    assert run.compile_counts() == {'grad': 1, 'update': 1}
+    assert run.compile_counts() == {'fused': 1, 'grad': 0, 'update': 0}
   assert abs(losses['optax'][0] - np.log(256)) < 0.3  # A fresh model is near uniform.
   assert np.mean(losses['stride'][-5:]) < losses['stride'][0] - 1.5, losses['stride']
   assert np.isfinite(runs['stride'].evaluate(2))
+
+
+@pytest.mark.parametrize('policy', ['all_host', 'stride'])
+def test_one_program_step_matches_the_two_program_form(dataset, policy):
+  """The fused step (forward to applied update in one program, the clip factor handed
+  to the update as `grad_scale`) against the split pair (gradients, then update) and
+  against the loop's mix of the two: same losses to 1e-6 over 20 steps, with clipping
+  active in some steps only; state moves between the forms without a recompile."""
+  cfg = _cfg(dataset, f'offload.policy={policy}', 'offload.subgroup_size=100000',
+             'model.compute_dtype=float32', 'optim.clip_norm=2.0')
+  runs = {name: trainer.build(cfg, devices=jax.devices()[:1]) for name in ('fused', 'split', 'mix')}
+  sampler = runs['fused'].train_sampler()
+  losses = {name: [] for name in runs}
+  norms = []
+  for i in range(20):
+    batch = next(sampler)
+    for name, run in runs.items():
+      split = name == 'split' or (name == 'mix' and i % 3 == 0)
+      result = run.step(batch, split=split)
+      assert result.split == split and (result.update_s is not None) == split
+      losses[name].append(result.loss)
+      if name == 'fused':
+        norms.append(result.grad_norm)
+  clipped = [n > cfg.optim.clip_norm for n in norms]
+  assert any(clipped) and not all(clipped), norms
+  for name in ('split', 'mix'):
+    np.testing.assert_allclose(losses[name], losses['fused'], rtol=1e-6, err_msg=name)
+    for x, y in zip(jax.tree.leaves(runs['fused'].params), jax.tree.leaves(runs[name].params)):
+      np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+  assert runs['fused'].compile_counts() == {'fused': 1, 'grad': 0, 'update': 0}
+  assert runs['split'].compile_counts() == {'fused': 0, 'grad': 1, 'update': 1}
+  assert runs['mix'].compile_counts() == {'fused': 1, 'grad': 1, 'update': 1}
+
+
+def test_split_form_hands_the_clip_factor_to_the_update(dataset):
+  """The gradient program does not scale the gradients for dos_jax (the update does,
+  as `grad_scale`), but does for `optax.adamw`, which has no `grad_scale`."""
+  cfg = _cfg(dataset, 'offload.policy=stride', 'offload.subgroup_size=100000',
+             'optim.clip_norm=0.5')
+  ours = trainer.build(cfg, devices=jax.devices()[:1])
+  reference = trainer.build(
+      cfg, devices=jax.devices()[:1], tx=step.make_optimizer(cfg.optim, None, cfg.train.steps)
+  )
+  assert step.scales_in_update(ours.tx) and not step.scales_in_update(reference.tx)
+  tokens = ours.place_batch(next(ours.train_sampler()))
+  grads, grad_scale, stats = ours.grad_step(ours.params, tokens)
+  norm = float(stats['grad_norm'])
+  assert norm > 0.5
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), norm, rtol=1e-5)
+  np.testing.assert_allclose(float(grad_scale), 0.5 / norm, rtol=1e-6)
+  ref_grads, ref_scale, ref_stats = reference.grad_step(reference.params, tokens)
+  assert ref_scale is None
+  np.testing.assert_allclose(float(ref_stats['grad_norm']), norm, rtol=1e-6)
+  np.testing.assert_allclose(float(optax.tree.norm(ref_grads)), 0.5, rtol=1e-5)
+  unclipped = trainer.build(_cfg(dataset, 'optim.clip_norm=null'), devices=jax.devices()[:1])
+  assert unclipped.grad_step(unclipped.params, tokens)[1] is None  # No grad_scale at all.
+
+
+def test_one_program_step_donates_params_and_state_and_never_recompiles(dataset):
+  """The fused step updates in place: the input params and optimizer state (host
+  state included) are deleted by the call; later steps reuse the one compilation."""
+  run = trainer.build(_cfg(dataset, 'offload.policy=stride', 'offload.subgroup_size=100000'),
+                      devices=jax.devices()[:1])
+  sampler = run.train_sampler()
+  assert 'pinned_host' in {x.sharding.memory_kind for x in jax.tree.leaves(run.opt_state)}
+  for i in range(4):
+    params, opt_state = jax.tree.leaves(run.params), jax.tree.leaves(run.opt_state)
+    result = run.step(next(sampler))
+    assert all(x.is_deleted() for x in params + opt_state)
+    assert result.compiled == (i == 0)
+    assert run.compile_counts() == {'fused': 1, 'grad': 0, 'update': 0}
+
+
+def test_auto_asks_for_measurements_until_its_plan_is_confirmed():
+  """`Auto.wants_measurement`: after (re)planning, until a measurement within
+  tolerance confirms the plan, and again while departures accumulate."""
+  profile = dos_jax.HardwareProfile(
+      name='synthetic', h2d_gbps=20.0, d2h_gbps=20.0, both_gbps=20.0,
+      host_adamw_gparams_by_threads={8: 2.0}, device_adamw_gparams=60.0,
+      device_free_bytes=40e9, host_copy_slowdown=1.0,
+  )
+  policy = dos_jax.Auto(profile, warmup=1, patience=2)
+  assert not policy.wants_measurement()  # Not planned yet: nothing to measure.
+  plan = policy.plan(dos_jax.SubgroupSpec(8, 10**6, 8 * 10**6, 12, 2, 2))
+  predicted = policy.prediction.update_seconds
+  assert policy.wants_measurement()
+  assert policy.observe(plan, 10 * predicted) == plan  # Skipped: it compiled.
+  assert policy.wants_measurement()
+  policy.observe(plan, predicted)
+  assert not policy.wants_measurement()  # Confirmed.
+  policy.observe(plan, 3 * predicted)
+  assert policy.wants_measurement()  # A departure: the next one decides.
+  policy.observe(plan, predicted)
+  assert not policy.wants_measurement()
+
+
+def test_loop_times_the_update_on_logged_steps_only(dataset, tmp_path):
+  """With a fixed policy the loop runs the logged steps split (their metrics carry a
+  measured update time) and the others fused; the summary says how many were split."""
+  out_dir = tmp_path / 'run'
+  cfg = _cfg(dataset, 'train.steps=7', 'train.log_every=3', 'train.eval_batches=1',
+             'checkpoint.every=0', f'train.out_dir={out_dir}')
+  summary = loop.train(cfg, devices=jax.devices()[:1])
+  records = [r for r in read_metrics(str(out_dir / 'metrics.jsonl')) if 'loss' in r]
+  assert [(r['step'], r['split']) for r in records] == [(1, True), (3, True), (6, True), (7, True)]
+  assert all(r['update_s'] > 0 and r['grad_s'] > 0 for r in records)
+  assert summary.split_steps == 4 and summary.update_s > 0 and summary.step_s > 0
 
 
 class _Alternate:
@@ -134,24 +241,29 @@ class _Alternate:
 
 def test_adaptive_plans_compile_once_each_and_keep_the_math(dataset):
   """The loop's hook for `Auto`: each step's plan is a static argument; switching plans
-  compiles each plan once and gives the same training as one fixed plan."""
+  compiles each plan once in each form (fused, split) and gives the same training as
+  one fixed plan. Only split steps are measured and reach the policy."""
   cfg = _cfg(dataset, 'offload.policy=stride', 'offload.subgroup_size=100000',
              'model.compute_dtype=float32')
   switching = trainer.build(cfg, devices=jax.devices()[:1])
   fixed = trainer.build(cfg, devices=jax.devices()[:1])
   driver = placement.PlanDriver(_Alternate(), switching.opt_state)
+  assert driver.wants_measurement()  # No `wants_measurement`: measured every step.
   assert placement.PlanDriver(dos_jax.Stride(2), fixed.opt_state).plan is None
   sampler = fixed.train_sampler()
   plans = set()
-  for step_number in range(1, 7):
+  for step_number in range(1, 9):
     batch = next(sampler)
     plans.add(driver.plan)
-    result = switching.step(batch, plan=driver.plan)
+    # Split, fused, split, ...: the plan changes after each split step, so each plan
+    # runs in both forms.
+    result = switching.step(batch, plan=driver.plan, split=step_number % 2 == 1)
+    assert result.split == (step_number % 2 == 1)
     metrics = driver.observe(step_number, result.update_s)
     assert metrics['offload/plan'] in {p.describe() for p in plans}
     np.testing.assert_allclose(result.loss, fixed.step(batch).loss, rtol=1e-6)
   assert len(plans) == 2
-  assert switching.compile_counts() == {'grad': 1, 'update': 2}
+  assert switching.compile_counts() == {'fused': 2, 'grad': 1, 'update': 2}
 
 
 def test_auto_policy_through_the_loop_logs_the_cost_model(dataset, tmp_path, monkeypatch):

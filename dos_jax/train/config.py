@@ -163,6 +163,11 @@ class TrainConfig:
       every this many steps.
     out_dir: run directory: resolved config, metrics, checkpoints.
     metrics_file: JSON-lines metrics file name inside `out_dir`.
+    split_every: which steps run as two programs (gradients, then update) so that the
+      update phase is timed; the others run as one program, the faster form. null:
+      the steps whose metrics are logged; N: every N-th step; 0: none; 1: every step
+      (the two-program runner). An adaptive policy (auto) also gets a split step
+      whenever it asks for a measurement.
   """
 
   steps: int = field(1000, check=POSITIVE)
@@ -172,6 +177,7 @@ class TrainConfig:
   log_every: int = field(10, check=POSITIVE)
   out_dir: str = 'runs/default'
   metrics_file: str = 'metrics.jsonl'
+  split_every: int | None = field(None, check=NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,9 +39,12 @@ class Summary:
     final_loss: training loss of the last step (NaN if no step ran).
     eval_loss: validation loss at the end (None if never evaluated).
     seconds: wall time of the loop, compile included.
-    tokens_per_s: training throughput, the first (compiling) step excluded.
-    step_s: mean step time, the first step excluded.
-    update_s: mean update-phase time, the first step excluded.
+    tokens_per_s: training throughput, steps that compiled a program excluded.
+    step_s: mean step time, steps that compiled excluded (fused and split steps alike:
+      the time a step costs in this run).
+    update_s: mean update-phase time of the split steps that did not compile (the only
+      steps with an update phase of its own; NaN if there were none).
+    split_steps: steps run as two programs to time the update (`train.split_every`).
     interrupted: stopped by Ctrl-C (a checkpoint of `final_step` was saved).
   """
 
@@ -53,6 +56,7 @@ class Summary:
   tokens_per_s: float
   step_s: float
   update_s: float
+  split_steps: int
   interrupted: bool
 
   def line(self) -> str:
@@ -60,10 +64,12 @@ class Summary:
       return f'nothing to do: the run is already at step {self.final_step}'
     eval_part = '' if self.eval_loss is None else f', eval loss {self.eval_loss:.4f}'
     verb = 'interrupted at' if self.interrupted else 'finished'
+    update = (f'update {self.update_s * 1e3:.1f} ms' if math.isfinite(self.update_s)
+              else 'update not measured')
     return (
         f'{verb} step {self.final_step} in {self.seconds:.1f}s: loss {self.final_loss:.4f}'
         f'{eval_part}, {self.tokens_per_s:,.0f} tok/s, step {self.step_s * 1e3:.1f} ms'
-        f' (update {self.update_s * 1e3:.1f} ms)'
+        f' ({update})'
     )
 
 
@@ -135,12 +141,25 @@ def train(
   # Adaptive policies (the cost model's Auto) choose each step's plan from measured
   # update times; for fixed policies the plan stays None and the optimizer applies its own.
   placement = placement_lib.PlanDriver(cfg.offload.placement, trainer.opt_state)
+
+  def logged(at_step: int) -> bool:
+    return at_step % cfg.train.log_every == 0 or at_step in (start_step + 1, cfg.train.steps)
+
+  def split(at_step: int) -> bool:
+    """Whether step `at_step` runs as two programs, to time its update phase (see
+    `step_lib`): when its metrics are logged (or every `split_every`-th step), and
+    whenever the placement policy asks for a measurement."""
+    every = cfg.train.split_every
+    due = logged(at_step) if every is None else every > 0 and at_step % every == 0
+    return due or placement.wants_measurement()
+
   metrics = MetricsLog(cfg.metrics_path)
   progress = Progress(cfg.train.steps, start_step=step, every=cfg.train.log_every, stream=stream)
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   start_step, last_saved = step, latest
   loss, eval_loss = math.nan, None
-  timed_steps, timed_total, timed_update = 0, 0.0, 0.0
+  timed_steps, timed_total, timed_updates, timed_update, split_steps = 0, 0.0, 0, 0.0, 0
+  last_update_s = math.nan  # The latest measured update phase, for the progress line.
   started = time.perf_counter()
   interrupted = False
   try:
@@ -149,24 +168,30 @@ def train(
         if stop.requested:
           interrupted = True
           break
-        result = trainer.step(next(sampler), plan=placement.plan)
+        result = trainer.step(next(sampler), plan=placement.plan, split=split(step + 1))
         step += 1
         placement_metrics = placement.observe(step, result.update_s)
         loss = result.loss
-        if step > start_step + 1:  # The first step of a process compiles.
+        if result.split:
+          split_steps += 1
+          last_update_s = result.update_s
+        if not result.compiled:  # A step that compiled (the first ones) times the compiler.
           timed_steps += 1
           timed_total += result.step_s
-          timed_update += result.update_s
+          if result.split:
+            timed_updates += 1
+            timed_update += result.update_s
         progress.update(
             step, loss=loss, tokens_per_s=tokens_per_step / result.step_s,
-            step_s=result.step_s, update_s=result.update_s,
+            step_s=result.step_s, update_s=last_update_s,
         )
-        if step % cfg.train.log_every == 0 or step in (start_step + 1, cfg.train.steps):
+        if logged(step):
+          # grad_s and update_s are null on a fused step (no phases of its own).
           metrics.write({
               'step': step, 'loss': loss, 'grad_norm': result.grad_norm,
               'lr': float(schedule(step - 1)), 'tokens_per_s': tokens_per_step / result.step_s,
-              'step_s': result.step_s, 'grad_s': result.grad_s, 'update_s': result.update_s,
-              'time': time.time(), **placement_metrics,
+              'step_s': result.step_s, 'split': result.split, 'grad_s': result.grad_s,
+              'update_s': result.update_s, 'time': time.time(), **placement_metrics,
           })
         if not math.isfinite(loss):
           progress.message(f'step {step}: loss is {loss}; stopping')
@@ -192,7 +217,8 @@ def train(
         seconds=time.perf_counter() - started,
         tokens_per_s=tokens_per_step * timed_steps / timed_total if timed_total else math.nan,
         step_s=timed_total / timed_steps if timed_steps else math.nan,
-        update_s=timed_update / timed_steps if timed_steps else math.nan,
+        update_s=timed_update / timed_updates if timed_updates else math.nan,
+        split_steps=split_steps,
         interrupted=interrupted,
     )
     metrics.write({'summary': True, **dataclasses.asdict(summary)})

@@ -29,6 +29,10 @@ def _duration(seconds: float) -> str:
   return f'{hours}h{minutes:02d}m'
 
 
+def _ms(seconds: float) -> str:
+  return f'{seconds * 1e3:.1f} ms' if math.isfinite(seconds) else '- ms'
+
+
 def _rate(tokens_per_s: float) -> str:
   if tokens_per_s >= 1e6:
     return f'{tokens_per_s / 1e6:.2f}M'
@@ -56,7 +60,11 @@ class Progress:
   def update(
       self, step: int, *, loss: float, tokens_per_s: float, step_s: float, update_s: float,
   ) -> None:
-    """Redraws the bar after `step` steps (on a terminal) or prints every `every` steps."""
+    """Redraws the bar after `step` steps (on a terminal) or prints every `every` steps.
+
+    `update_s` is the latest measured update phase (measured on split steps only; NaN
+    before the first), so it may be older than `step`.
+    """
     if not self._tty and step % self._every and step not in (self._start_step + 1, self._total):
       return
     done = step / self._total
@@ -67,7 +75,7 @@ class Progress:
     eta = elapsed / steps_run * (self._total - step) if steps_run else float('inf')
     line = (
         f'[{bar}] {step}/{self._total} loss {loss:.4f} | {_rate(tokens_per_s)} tok/s'
-        f' | step {step_s * 1e3:.0f} ms (update {update_s * 1e3:.1f} ms) | eta {_duration(eta)}'
+        f' | step {step_s * 1e3:.0f} ms (update {_ms(update_s)}) | eta {_duration(eta)}'
     )
     if self._tty:
       self._stream.write('\r' + line + '\x1b[K')

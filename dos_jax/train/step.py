@@ -1,11 +1,38 @@
-"""The train step, in two jitted phases: gradients, then the optimizer update.
+"""The train step: one jitted program (forward, backward, norm, update, apply), and the
+same step split in two programs for timing the update phase.
 
-Phase 1 (`make_grad_step`): forward, backward, the global gradient norm (computed once,
-used for clipping and reported), clipping. Phase 2 (`make_update_step`): the dos_jax
-update and `optax.apply_updates`, with params and optimizer state donated so the update
-happens in place. Two programs rather than one so the update phase can be timed on its
-own (the cost model's `Auto` policy watches that time), with the placement `Plan` a
-static argument: each plan compiles once and repeated steps never recompile.
+`make_train_step` is the step the runner runs: the forward and backward passes, the
+global gradient norm, the dos_jax update and `optax.apply_updates`, in ONE program,
+with params and optimizer state donated (updated in place) and the placement `Plan`
+static (each plan compiles once; output shardings are pinned to the inputs', so step
+t's outputs are step t+1's inputs without a recompile). One program lets XLA start a
+host-bound gradient's copy as soon as the backward pass makes it, instead of after
+the whole backward pass (the paper's "gradient flush", DESIGN.md's second rule).
+
+Clipping never holds the gradients back. The clip factor (`optax.clip_by_global_norm`'s
+`min(1, max_norm / norm)`) needs every gradient; scaling the gradient tree by it would
+make each gradient wait for the last one. So for the dos_jax optimizer the factor is
+handed to its update as `grad_scale`, applied in fp32 where each subgroup is updated
+(host or device), after the gradient has moved. Plain `optax.adamw` (the reference of
+the tests and benchmarks) has no `grad_scale`: its gradient tree is scaled first.
+
+Timing the update phase. The cost model's `Auto` policy needs measured update-phase
+times, and the metrics report them; inside one program there is no update phase to
+time. The two-program form is kept for that: `make_grad_step` (forward, backward, norm,
+clip factor) then `make_update_step` (update + apply, donated, plan static), the same
+functions the fused step composes, so the math (the `grad_scale` handling included) is
+the same and the update program's wall time is the update phase alone. The loop runs
+a "split" step only when a time is wanted: on the steps whose metrics it logs (or
+every `train.split_every` steps) and whenever the placement policy asks for one
+(`Auto.wants_measurement`: while its plan is not yet confirmed by a measurement);
+every other step runs fused. Why not estimate the update from the fused step's time
+minus a gradient-only time: that needs the gradient program timed anyway, and the
+difference of two noisy times is noisier than either. The split step gives up the
+overlap of gradient transfers with the backward pass, and its cost is paid only on
+the few steps measured; what it measures is the update phase with no gradient copy
+hidden, which is the cost model's `update_seconds` with `backward_seconds=0` (the
+runner's `Auto()` default). Compiled programs stay bounded: per plan, one fused
+program and one update program, plus one gradient program for the run.
 """
 
 from __future__ import annotations
@@ -18,10 +45,12 @@ import jax.numpy as jnp
 import optax
 
 import dos_jax
+from dos_jax import clipping
 from dos_jax.train.config import OffloadConfig, OptimConfig
 
 Params = Any
 OptState = Any
+Stats = dict[str, jax.Array]
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -50,8 +79,9 @@ def make_optimizer(
   """AdamW from the config: dos_jax's offloaded one, or plain `optax.adamw` when
   `offload` is None (the reference the tests and the benchmark compare against).
 
-  Clipping is not part of the optimizer: `make_grad_step` clips, so that the global
-  norm is computed once and reported.
+  Clipping is not part of the optimizer: the step computes the global norm once (it is
+  also reported) and hands the clip factor to the dos_jax update as `grad_scale` (see
+  the module docstring), or scales the gradients for `optax.adamw`.
   """
   kwargs = dict(
       learning_rate=make_schedule(optim, total_steps),
@@ -77,11 +107,102 @@ def make_offload(cfg: OffloadConfig) -> Any:
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:
   """Scales `grads` so their global L2 norm is at most `max_norm` (as
   `optax.clip_by_global_norm`); returns them and the norm before clipping."""
-  norm = optax.tree.norm(grads)
   if max_norm is None:
-    return grads, norm
-  factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return grads, optax.tree.norm(grads)
+  factor, norm = clipping.clip_factor(grads, max_norm)
   return jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads), norm
+
+
+def scales_in_update(tx: optax.GradientTransformation) -> bool:
+  """Whether `tx` takes the clip factor as `grad_scale` (dos_jax's offloaded transforms
+  do; optax's do not, so their gradients are scaled before the update)."""
+  return clipping.is_offloaded(tx)
+
+
+def _loss_and_grads(apply: Callable, loss_fn: Callable, params: Params,
+                    tokens_BxLp1: jax.Array) -> tuple[Params, Stats]:
+  """Forward and backward: the gradients and the scalar metrics (the loss included)."""
+  (loss, metrics), grads = jax.value_and_grad(
+      lambda p: loss_fn(apply, p, tokens_BxLp1), has_aux=True
+  )(params)
+  stats = {k: v for k, v in dict(metrics).items() if jnp.ndim(v) == 0}
+  stats['loss'] = loss
+  return grads, stats
+
+
+def _clip(grads: Params, clip_norm: float | None,
+          scale_in_update: bool) -> tuple[Params, jax.Array | None, jax.Array]:
+  """`(grads, grad_scale, norm)`: what the update gets, and the norm before clipping.
+
+  With `scale_in_update` the gradients come back untouched and the clip factor is the
+  update's `grad_scale` (None without clipping); otherwise they come back scaled.
+  """
+  if clip_norm is None or not scale_in_update:
+    grads, norm = clip_by_global_norm(grads, clip_norm)
+    return grads, None, norm
+  factor, norm = clipping.clip_factor(grads, clip_norm)
+  return grads, factor, norm
+
+
+def _update(tx: optax.GradientTransformation, params: Params, opt_state: OptState,
+            grads: Params, grad_scale: jax.Array | None, plan: Any) -> tuple[Params, OptState]:
+  """The optimizer update and `optax.apply_updates`; `plan` and `grad_scale` are passed
+  only when set (`optax.adamw` takes neither)."""
+  extra = {}
+  if plan is not None:
+    extra['plan'] = plan
+  if grad_scale is not None:
+    extra['grad_scale'] = grad_scale
+  updates, opt_state = tx.update(grads, opt_state, params, **extra)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def _pinned(param_shardings: Any, state_shardings: Any) -> tuple[Any, Any] | None:
+  if param_shardings is None or state_shardings is None:
+    return None
+  return param_shardings, state_shardings
+
+
+def make_train_step(
+    apply: Callable,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    *,
+    clip_norm: float | None,
+    param_shardings: Any = None,
+    state_shardings: Any = None,
+) -> Callable[..., tuple[Params, OptState, Stats]]:
+  """The one-program step: jitted `(params, opt_state, tokens_BxLp1, plan=None) ->
+  (params, opt_state, {'loss', 'grad_norm', ...})`.
+
+  Forward, backward, global norm, update and apply in one program; params and
+  optimizer state are donated; `plan` (a hashable `dos_jax.Plan`) is static: one
+  compilation per plan. Output shardings are pinned to the inputs' (memory kinds
+  included), so step t's outputs are valid inputs of step t+1 without a recompile.
+  The clip factor goes to a dos_jax `tx` as `grad_scale` (module docstring).
+  """
+  scale_in_update = scales_in_update(tx)
+
+  def train_step(params, opt_state, tokens_BxLp1, plan):
+    grads, stats = _loss_and_grads(apply, loss_fn, params, tokens_BxLp1)
+    grads, grad_scale, stats['grad_norm'] = _clip(grads, clip_norm, scale_in_update)
+    params, opt_state = _update(tx, params, opt_state, grads, grad_scale, plan)
+    return params, opt_state, stats
+
+  pinned = _pinned(param_shardings, state_shardings)
+  jitted = jax.jit(
+      train_step,
+      static_argnames=('plan',),
+      donate_argnums=(0, 1),
+      out_shardings=None if pinned is None else (*pinned, None),
+  )
+
+  @functools.wraps(train_step)
+  def call(params, opt_state, tokens_BxLp1, plan=None):
+    return jitted(params, opt_state, tokens_BxLp1, plan=plan)
+
+  call.jitted = jitted  # For compile-count checks (`call.jitted._cache_size()`).
+  return call
 
 
 def make_grad_step(
@@ -89,24 +210,25 @@ def make_grad_step(
     loss_fn: Callable,
     *,
     clip_norm: float | None,
+    scale_in_update: bool = False,
     grad_shardings: Any = None,
-) -> Callable[[Params, jax.Array], tuple[Params, dict[str, jax.Array]]]:
-  """Jitted `(params, tokens_BxLp1) -> (clipped grads, {'loss', 'grad_norm', ...})`.
+) -> Callable[[Params, jax.Array], tuple[Params, jax.Array | None, Stats]]:
+  """The first program of the split step: jitted `(params, tokens_BxLp1) -> (grads,
+  grad_scale, {'loss', 'grad_norm', ...})`.
 
+  With `scale_in_update` (a dos_jax optimizer, see `scales_in_update`) the gradients
+  are returned unclipped and `grad_scale` is the clip factor for `make_update_step`, as
+  in the fused step; otherwise the gradients are clipped and `grad_scale` is None.
   `grad_shardings` (the params' shardings) pins the gradients' layout so that the
   update step sees the same input shardings every step.
   """
 
   def grad_step(params, tokens_BxLp1):
-    (loss, metrics), grads = jax.value_and_grad(
-        lambda p: loss_fn(apply, p, tokens_BxLp1), has_aux=True
-    )(params)
-    grads, norm = clip_by_global_norm(grads, clip_norm)
-    stats = {k: v for k, v in dict(metrics).items() if jnp.ndim(v) == 0}
-    stats.update(loss=loss, grad_norm=norm)
-    return grads, stats
+    grads, stats = _loss_and_grads(apply, loss_fn, params, tokens_BxLp1)
+    grads, grad_scale, stats['grad_norm'] = _clip(grads, clip_norm, scale_in_update)
+    return grads, grad_scale, stats
 
-  out_shardings = None if grad_shardings is None else (grad_shardings, None)
+  out_shardings = None if grad_shardings is None else (grad_shardings, None, None)
   return jax.jit(grad_step, out_shardings=out_shardings)
 
 
@@ -116,30 +238,25 @@ def make_update_step(
     param_shardings: Any = None,
     state_shardings: Any = None,
 ) -> Callable[..., tuple[Params, OptState]]:
-  """Jitted `(params, opt_state, grads, plan=None) -> (params, opt_state)`, donating
-  params and optimizer state. `plan` (a hashable `dos_jax.Plan`) is static: one
-  compilation per plan. Output shardings are pinned to the inputs' (memory kinds
-  included), so step t's outputs are valid inputs of step t+1 without a recompile.
+  """The second program of the split step: jitted `(params, opt_state, grads,
+  grad_scale=None, plan=None) -> (params, opt_state)`, donating params and optimizer
+  state, `plan` static (one compilation per plan), output shardings pinned as in
+  `make_train_step`. Its wall time is the update phase the cost model predicts.
   """
 
-  def update_step(params, opt_state, grads, plan):
-    extra = {} if plan is None else {'plan': plan}
-    updates, opt_state = tx.update(grads, opt_state, params, **extra)
-    return optax.apply_updates(params, updates), opt_state
+  def update_step(params, opt_state, grads, grad_scale, plan):
+    return _update(tx, params, opt_state, grads, grad_scale, plan)
 
-  out_shardings = None
-  if param_shardings is not None and state_shardings is not None:
-    out_shardings = (param_shardings, state_shardings)
   jitted = jax.jit(
       update_step,
       static_argnames=('plan',),
       donate_argnums=(0, 1),
-      out_shardings=out_shardings,
+      out_shardings=_pinned(param_shardings, state_shardings),
   )
 
   @functools.wraps(update_step)
-  def call(params, opt_state, grads, plan=None):
-    return jitted(params, opt_state, grads, plan=plan)
+  def call(params, opt_state, grads, grad_scale=None, plan=None):
+    return jitted(params, opt_state, grads, grad_scale, plan=plan)
 
   call.jitted = jitted  # For compile-count checks (`call.jitted._cache_size()`).
   return call

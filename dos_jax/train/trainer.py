@@ -3,7 +3,8 @@
 `build` does everything that can fail on the user's input (mesh sizes, dataset path,
 tensor splits) and writes nothing, so the loop can check a run before creating its
 directory. The loop, the tests and the benchmark all drive training through
-`Trainer.step`, so they measure and compare the same code.
+`Trainer.step` (one fused program, or the split pair when the update phase is to be
+timed), so they measure and compare the same code.
 """
 
 from __future__ import annotations
@@ -31,18 +32,24 @@ class StepResult:
   Attributes:
     loss: training loss of the batch (before the update).
     grad_norm: global L2 norm of the gradients before clipping.
-    grad_s: wall time of forward + backward + norm + clip.
-    update_s: wall time of the optimizer update (the phase dos_jax offloads).
+    step_s: wall time of the whole step.
+    grad_s: wall time of forward + backward + norm (split steps only, else None).
+    update_s: wall time of the optimizer update, the phase dos_jax offloads (split
+      steps only, else None: a fused step has no separate update phase).
+    compiled: the step compiled a program (its times include compiling).
   """
 
   loss: float
   grad_norm: float
-  grad_s: float
-  update_s: float
+  step_s: float
+  grad_s: float | None = None
+  update_s: float | None = None
+  compiled: bool = False
 
   @property
-  def step_s(self) -> float:
-    return self.grad_s + self.update_s
+  def split(self) -> bool:
+    """Whether the step ran as two programs (and so has an update time)."""
+    return self.update_s is not None
 
 
 @dataclasses.dataclass
@@ -59,6 +66,7 @@ class Trainer:
   param_shardings: Any
   state_shardings: Any
   batch_sharding: jax.sharding.NamedSharding
+  train_step: Any
   grad_step: Any
   update_step: Any
   eval_step: Any
@@ -66,19 +74,34 @@ class Trainer:
   def place_batch(self, tokens_BxLp1: np.ndarray) -> jax.Array:
     return jax.device_put(tokens_BxLp1, self.batch_sharding)
 
-  def step(self, tokens_BxLp1: np.ndarray, plan: Any = None) -> StepResult:
-    """One optimizer step on a host batch; blocks so each phase is timed on its own."""
+  def step(self, tokens_BxLp1: np.ndarray, plan: Any = None, *, split: bool = False) -> StepResult:
+    """One optimizer step on a host batch, blocking until it is done.
+
+    Fused (default): one program, forward to applied update. `split`: the same math as
+    two programs, gradients then update, each timed on its own (see `step_lib`).
+    """
     tokens = self.place_batch(tokens_BxLp1)
+    programs = self._programs()
     t0 = time.perf_counter()
-    grads, stats = self.grad_step(self.params, tokens)
-    jax.block_until_ready(grads)
-    t1 = time.perf_counter()
-    self.params, self.opt_state = self.update_step(self.params, self.opt_state, grads, plan=plan)
-    jax.block_until_ready((self.params, self.opt_state))
-    t2 = time.perf_counter()
+    grad_s = update_s = None
+    if split:
+      grads, grad_scale, stats = self.grad_step(self.params, tokens)
+      jax.block_until_ready((grads, grad_scale, stats))
+      t1 = time.perf_counter()
+      self.params, self.opt_state = self.update_step(
+          self.params, self.opt_state, grads, grad_scale, plan=plan
+      )
+      jax.block_until_ready((self.params, self.opt_state))
+      grad_s, update_s = t1 - t0, time.perf_counter() - t1
+    else:
+      self.params, self.opt_state, stats = self.train_step(
+          self.params, self.opt_state, tokens, plan=plan
+      )
+      jax.block_until_ready((self.params, self.opt_state, stats))
+    step_s = time.perf_counter() - t0
     return StepResult(
-        loss=float(stats['loss']), grad_norm=float(stats['grad_norm']),
-        grad_s=t1 - t0, update_s=t2 - t1,
+        loss=float(stats['loss']), grad_norm=float(stats['grad_norm']), step_s=step_s,
+        grad_s=grad_s, update_s=update_s, compiled=self._programs() != programs,
     )
 
   def set_state(self, params: Any, opt_state: Any) -> None:
@@ -104,11 +127,17 @@ class Trainer:
     )
 
   def compile_counts(self) -> dict[str, int]:
-    """Compiled variants of each jitted phase (stays 1 per plan across steps)."""
+    """Compiled variants of each jitted program: the fused step and the split pair
+    (stays at most 1 per plan each across steps; 0 for a form never run)."""
+    # pylint: disable=protected-access
     return {
-        'grad': self.grad_step._cache_size(),  # pylint: disable=protected-access
-        'update': self.update_step.jitted._cache_size(),  # pylint: disable=protected-access
+        'fused': self.train_step.jitted._cache_size(),
+        'grad': self.grad_step._cache_size(),
+        'update': self.update_step.jitted._cache_size(),
     }
+
+  def _programs(self) -> int:
+    return sum(self.compile_counts().values())
 
 
 def dataset_dir_for(cfg: data_lib.DataConfig) -> str:
@@ -161,9 +190,13 @@ def build(
       param_shardings=param_shardings,
       state_shardings=state_shardings,
       batch_sharding=mesh_lib.batch_sharding(mesh),
+      train_step=step_lib.make_train_step(
+          apply, model_lib.loss_fn, tx, clip_norm=cfg.optim.clip_norm,
+          param_shardings=param_shardings, state_shardings=state_shardings,
+      ),
       grad_step=step_lib.make_grad_step(
           apply, model_lib.loss_fn, clip_norm=cfg.optim.clip_norm,
-          grad_shardings=param_shardings,
+          scale_in_update=step_lib.scales_in_update(tx), grad_shardings=param_shardings,
       ),
       update_step=step_lib.make_update_step(
           tx, param_shardings=param_shardings, state_shardings=state_shardings

@@ -1,0 +1,330 @@
+"""Registering the native host AdamW inside a GPU PJRT plugin (kernels/pjrt_register.cc).
+
+On CPU: the C walker against a fake `PJRT_Api` built with ctypes (an extension chain
+whose FFI extension records what `register_handler` is given), and the Python routes
+around it. On a GPU (`gpu` marker): the native kernel called in a host region of a GPU
+program compiles, runs and agrees with the same call on the CPU backend; that is the
+only proof that the handlers reach the plugin's registry.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import logging
+import os
+import shutil
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dos_jax.kernels import _pjrt
+from dos_jax.kernels import host_adamw_rows
+from tests.test_kernels_host_rows import random_stacked
+from tests.test_kernels_scalars import Hyper
+from tests.test_kernels_scalars import step_scalars
+
+pytestmark = pytest.mark.skipif(
+    not host_adamw_rows.rows_kernel_available(),
+    reason=f'not available: {host_adamw_rows.rows_kernel_unavailable_reason()}')
+
+FFI_TYPE = 5  # PJRT_Extension_Type_FFI
+LAYOUTS_TYPE = 4  # PJRT_Extension_Type_Layouts: any other extension
+
+
+# --- a fake PJRT_Api: the leading fields of xla/pjrt/c/pjrt_c_api.h's structs -----------
+
+class _RegisterArgs(ctypes.Structure):
+  _fields_ = [('struct_size', ctypes.c_size_t), ('target_name', ctypes.c_void_p),
+              ('target_name_size', ctypes.c_size_t), ('handler', ctypes.c_void_p),
+              ('platform_name', ctypes.c_void_p), ('platform_name_size', ctypes.c_size_t),
+              ('traits', ctypes.c_uint32)]
+
+
+class _MessageArgs(ctypes.Structure):
+  _fields_ = [('struct_size', ctypes.c_size_t), ('extension_start', ctypes.c_void_p),
+              ('error', ctypes.c_void_p), ('message', ctypes.c_void_p),
+              ('message_size', ctypes.c_size_t)]
+
+
+class _DestroyArgs(ctypes.Structure):
+  _fields_ = [('struct_size', ctypes.c_size_t), ('extension_start', ctypes.c_void_p),
+              ('error', ctypes.c_void_p)]
+
+
+_REGISTER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_RegisterArgs))
+_MESSAGE = ctypes.CFUNCTYPE(None, ctypes.POINTER(_MessageArgs))
+_DESTROY = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DestroyArgs))
+
+
+class _Extension(ctypes.Structure):  # PJRT_Extension_Base + the FFI extension's fields
+  _fields_ = [('struct_size', ctypes.c_size_t), ('type', ctypes.c_int32),
+              ('next', ctypes.c_void_p), ('type_register', ctypes.c_void_p),
+              ('user_data_add', ctypes.c_void_p), ('register_handler', _REGISTER)]
+
+
+class _Api(ctypes.Structure):
+  _fields_ = [('struct_size', ctypes.c_size_t), ('extension_start', ctypes.c_void_p),
+              ('version_struct_size', ctypes.c_size_t),
+              ('version_extension_start', ctypes.c_void_p), ('major', ctypes.c_int),
+              ('minor', ctypes.c_int), ('error_destroy', _DESTROY),
+              ('error_message', _MESSAGE), ('rest', ctypes.c_void_p * 120)]
+
+
+class FakePlugin:
+  """A PJRT_Api whose extension chain is `types` (FFI_TYPE marks the FFI extension).
+
+  `calls` records every register_handler call as (target, handler, platform, traits,
+  struct_size); with `fail_with`, register_handler returns an error with that message.
+  """
+
+  def __init__(self, types_=(LAYOUTS_TYPE, FFI_TYPE), *, ffi_size=48, fail_with=None,
+               major=0):
+    self.calls = []
+    self.destroyed = []
+    self._message = ctypes.create_string_buffer((fail_with or '').encode())
+    self._error = ctypes.create_string_buffer(8)  # any non-null address
+    self._fail = fail_with is not None
+    self._callbacks = (_REGISTER(self._register), _MESSAGE(self._error_message),
+                       _DESTROY(self._error_destroy))
+    self.extensions = [_Extension(struct_size=ffi_size if t == FFI_TYPE else 24, type=t)
+                       for t in types_]
+    for ext in self.extensions:
+      if ext.type == FFI_TYPE:
+        ext.register_handler = self._callbacks[0]
+    for a, b in zip(self.extensions, self.extensions[1:]):
+      a.next = ctypes.addressof(b)
+    self.api = _Api(struct_size=ctypes.sizeof(_Api), version_struct_size=24, major=major,
+                    minor=90, error_destroy=self._callbacks[2],
+                    error_message=self._callbacks[1])
+    if self.extensions:
+      self.api.extension_start = ctypes.addressof(self.extensions[0])
+
+  @property
+  def address(self) -> int:
+    return ctypes.addressof(self.api)
+
+  def _register(self, args):
+    a = args.contents
+    self.calls.append((ctypes.string_at(a.target_name, a.target_name_size).decode(),
+                       a.handler, ctypes.string_at(a.platform_name,
+                                                   a.platform_name_size).decode(),
+                       a.traits, a.struct_size))
+    return ctypes.addressof(self._error) if self._fail else None
+
+  def _error_message(self, args):
+    a = args.contents
+    assert a.error == ctypes.addressof(self._error)
+    a.message = ctypes.addressof(self._message)
+    a.message_size = len(self._message.value)
+
+  def _error_destroy(self, args):
+    self.destroyed.append(args.contents.error)
+
+
+def _capsule_pointer(capsule) -> int:
+  get = ctypes.pythonapi.PyCapsule_GetPointer
+  get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+  return get(capsule, None)
+
+
+_CAPSULE_NAME = b'pjrt_c_api'  # lives as long as the module: capsules point at it
+
+
+def _capsule(address: int):
+  """A named capsule holding `address`, as JAX's PJRT_Api capsules are."""
+  new = ctypes.pythonapi.PyCapsule_New
+  new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                  ctypes.c_void_p]
+  return new(address, _CAPSULE_NAME, None)
+
+
+def _native():
+  return host_adamw_rows._load()[0]  # pylint: disable=protected-access
+
+
+def _handlers():
+  return host_adamw_rows._HANDLERS  # pylint: disable=protected-access
+
+
+def _pairs():
+  native = _native()
+  return [(name, getattr(native, fn)()) for name, fn in _handlers().items()]
+
+
+# --- the C walker -----------------------------------------------------------------------
+
+@pytest.mark.parametrize('as_capsule', [False, True], ids=['int', 'capsule'])
+def test_registers_every_target_for_host(as_capsule):
+  plugin = FakePlugin((0, 3, LAYOUTS_TYPE, FFI_TYPE, 6))
+  api = _capsule(plugin.address) if as_capsule else plugin.address
+  assert _native().register_with_pjrt(api, 'Host', _pairs()) == ''
+  want = [(name, _capsule_pointer(handler), 'Host', 0, 52) for name, handler in _pairs()]
+  assert plugin.calls == want
+  assert {c[0] for c in plugin.calls} == set(_handlers())
+
+
+def test_python_side_registers_the_module_handlers():
+  plugin = FakePlugin()
+  assert _pjrt.register(_native(), _handlers(), 'cuda', plugin.address) == ''
+  assert [c[0] for c in plugin.calls] == list(_handlers())
+  assert all(c[2] == _pjrt.HOST_PLATFORM == 'Host' for c in plugin.calls)
+
+
+def test_plugin_error_is_the_reason_and_is_freed():
+  plugin = FakePlugin(fail_with='duplicate registration, say')
+  why = _native().register_with_pjrt(plugin.address, 'Host', _pairs())
+  assert 'dos_jax_adamw_host_rows' in why and 'duplicate registration, say' in why
+  assert len(plugin.calls) == 1  # stops at the first failure
+  assert plugin.destroyed == [ctypes.addressof(plugin._error)]  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('plugin,reason', [
+    (FakePlugin((LAYOUTS_TYPE, 0)), 'no PJRT FFI extension'),
+    (FakePlugin(()), 'no PJRT FFI extension'),
+    (FakePlugin(ffi_size=40), 'no register_handler'),  # FFI extension version 1
+    (FakePlugin(major=1), 'major version'),
+], ids=['no_ffi', 'no_extensions', 'old_ffi', 'major_1'])
+def test_unusable_plugin_gives_a_reason(plugin, reason):
+  why = _native().register_with_pjrt(plugin.address, 'Host', _pairs())
+  assert reason in why
+  assert not plugin.calls
+
+
+def test_bad_pointers_give_reasons_not_crashes():
+  native = _native()
+  assert 'null' in native.register_with_pjrt(0, 'Host', _pairs())
+  tiny = FakePlugin()
+  tiny.api.struct_size = 16
+  assert 'too small' in native.register_with_pjrt(tiny.address, 'Host', _pairs())
+  cycle = FakePlugin((LAYOUTS_TYPE, 0))
+  cycle.extensions[-1].next = ctypes.addressof(cycle.extensions[0])
+  assert 'does not end' in native.register_with_pjrt(cycle.address, 'Host', _pairs())
+  plugin = FakePlugin()
+  assert 'null handler' in native.register_with_pjrt(plugin.address, 'Host', [('x', 0)])
+  assert 'empty platform' in native.register_with_pjrt(plugin.address, '', _pairs())
+  assert not plugin.calls
+  with pytest.raises(TypeError):
+    native.register_with_pjrt('not a pointer', 'Host', _pairs())
+  with pytest.raises(TypeError):
+    native.register_with_pjrt(plugin.address, 'Host', [['x', 1]])
+
+
+# --- the Python routes ------------------------------------------------------------------
+
+def test_no_gpu_backend_means_nothing_to_register():
+  if _pjrt.gpu_platforms():
+    pytest.skip('this machine has a GPU backend')
+  assert _pjrt.register_in_gpu_plugins(_native(), _handlers()) == (True, '')
+  assert host_adamw_rows.host_kernel_in_gpu_programs() == (True, '')
+
+
+def test_found_plugin_gets_the_handlers(monkeypatch):
+  plugin = FakePlugin()
+  monkeypatch.setattr(_pjrt, 'gpu_platforms', lambda: ['cuda'])
+  monkeypatch.setattr(_pjrt, 'plugin_c_api', lambda p: (_capsule(plugin.address), ''))
+  assert _pjrt.register_in_gpu_plugins(_native(), _handlers()) == (True, '')
+  assert [c[0] for c in plugin.calls] == list(_handlers())
+
+
+def test_failure_is_reported_once(monkeypatch, caplog):
+  monkeypatch.setattr(_pjrt, 'gpu_platforms', lambda: ['cuda'])
+  monkeypatch.setattr(_pjrt, 'plugin_c_api', lambda p: (None, 'no PJRT_Api for cuda'))
+  host_adamw_rows.host_kernel_in_gpu_programs.cache_clear()
+  try:
+    with caplog.at_level(logging.WARNING):
+      for _ in range(3):
+        ok, why = host_adamw_rows.host_kernel_in_gpu_programs()
+    assert not ok and why == 'no PJRT_Api for cuda'
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "XLA's host loop" in lines[0] and why in lines[0]
+  finally:
+    host_adamw_rows.host_kernel_in_gpu_programs.cache_clear()
+
+
+def test_jax_route_reads_the_backend_registration(monkeypatch):
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  fake = types.SimpleNamespace(c_api='the capsule')
+  monkeypatch.setitem(xla_bridge._backend_factories, 'cuda', fake)  # pylint: disable=protected-access
+  assert _pjrt.plugin_c_api('cuda') == ('the capsule', '')
+
+
+def test_library_route_never_loads_a_library(monkeypatch, tmp_path):
+  """Only a plugin library already in the process is used (RTLD_NOLOAD)."""
+  copy = tmp_path / 'xla_cuda_plugin.so'  # a loadable library, not loaded yet
+  shutil.copyfile(_native().__file__, copy)
+  missing = types.ModuleType('jax_plugins.xla_cuda99')
+  missing._get_library_path = lambda: copy  # pylint: disable=protected-access
+  monkeypatch.setitem(sys.modules, 'jax_plugins.xla_cuda99', missing)
+  api, why = _pjrt._api_from_library('cuda')  # pylint: disable=protected-access
+  assert api is None and 'xla_cuda99' in why
+  if os.path.exists('/proc/self/maps'):
+    with open('/proc/self/maps', encoding='utf-8') as maps:
+      assert str(copy) not in maps.read()
+  # A loaded library without GetPjrtApi: a reason, not an exception.
+  loaded = types.ModuleType('jax_plugins.xla_cuda99')
+  loaded._get_library_path = lambda: _native().__file__  # pylint: disable=protected-access
+  monkeypatch.setitem(sys.modules, 'jax_plugins.xla_cuda99', loaded)
+  api, why = _pjrt._api_from_library('cuda')  # pylint: disable=protected-access
+  assert api is None and 'GetPjrtApi' in why
+
+
+# --- on a GPU: the kernel in a host region of a GPU program ----------------------------
+
+def _compute_on():
+  """jax 0.11's `compute_on(f, *, compute_type, out_memory_spaces)`, or 0.10's
+  `compute_on2` (same signature; 0.10's `compute_on` is a context manager)."""
+  from jax.experimental import compute_on as module  # pylint: disable=g-import-not-at-top
+  for name in ('compute_on', 'compute_on2'):
+    fn = getattr(module, name, None)
+    if fn is not None and 'out_memory_spaces' in inspect.signature(fn).parameters:
+      return fn
+  pytest.fail('no function form of compute_on in this jax')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('form', ['rows', 'rows_out_in', 'leaves'])
+def test_native_kernel_runs_in_a_gpu_host_region(form):
+  ok, why = host_adamw_rows.host_kernel_in_gpu_programs()
+  assert ok, why
+  gpu, cpu = jax.devices()[0], jax.devices('cpu')[0]
+  assert gpu.platform == 'gpu'
+  pinned = jax.sharding.SingleDeviceSharding(gpu, memory_kind='pinned_host')
+  rng = np.random.default_rng(0)
+  groups, size, slots, decayed_rows = 5, 1031, (0, 2, 1), 2
+  rows = np.array([4, 0, 2], np.int32)
+  stacked = random_stacked(rng, groups, size, slots)
+  grads = (rng.standard_normal((groups, size)) * 1e-2).astype(jnp.bfloat16)
+  out = np.full((groups, size), 7, jnp.bfloat16)
+  # Plain numpy scalars: constants of the host region, not device arrays.
+  scalars = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x,
+                         step_scalars(Hyper(), 3))
+  kw = dict(slots=slots, decayed_rows=decayed_rows, lowp_dtype=jnp.bfloat16)
+
+  def update(st, g, r, o):
+    if form == 'rows':
+      return host_adamw_rows.adamw_host_rows(st, g[r], None, r, scalars, **kw)
+    if form == 'rows_out_in':
+      return host_adamw_rows.adamw_host_rows(st, g, None, r, scalars, out=o, indexed=True,
+                                             **kw)
+    return host_adamw_rows.adamw_host_leaves(st, [g[:2], g[2:]], None, r, scalars,
+                                             offsets=[0, 2 * size], out=o, **kw)
+
+  region = _compute_on()(update, compute_type='device_host',
+                         out_memory_spaces=jax.memory.Space.Host)
+  args = (stacked, grads, rows, out)
+  got = jax.jit(region)(*jax.device_put(args, pinned))
+  got = jax.block_until_ready(got)
+  assert all(x.sharding.memory_kind == 'pinned_host' for x in got)
+  want = jax.jit(update)(*jax.device_put(args, cpu))
+  # The same native loop on the same host: equal up to how each XLA folds the scalars.
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=0)
+  np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32),
+                             rtol=1e-2, atol=0)
+  untouched = [g for g in range(groups) if g not in rows]
+  np.testing.assert_array_equal(np.asarray(got[0])[untouched], stacked[untouched])
+  assert not np.array_equal(np.asarray(got[0])[rows], stacked[rows])
