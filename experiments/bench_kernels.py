@@ -5,11 +5,17 @@ CPU (always): the native host AdamW at 1 and 2 threads, `jax.jit(optax.adamw)` (
 probes that bound what any AdamW can do: an update reads and writes master, m, v and
 reads the gradient, 28 bytes per parameter with fp32 gradients and no 16-bit copy (or
 bf16 gradients plus a bf16 copy), so Gparam/s <= probe GB/s / 28.
-GPU (only where JAX sees one): the Pallas AdamW, jitted optax and a device copy at
-16M-256M parameters.
+GPU (only where JAX sees one): the Pallas AdamW (bf16 gradients and a bf16 copy, as the
+device path runs it, and fp32 gradients without a copy) against two jitted device copies
+of the same byte count (`x + 1` and `jnp.copy` on an f32 buffer of 3.5 elements per
+parameter: 28 bytes read and written per parameter, like the AdamW) and against
+`jax.jit(optax.adamw)` (update + apply + the 16-bit copy, donated) at the same sizes
+(default 16M and 256M). The bandwidth goal is 85% of the copy's.
 
   python experiments/bench_kernels.py                      # 64M params, prints a table
   python experiments/bench_kernels.py --out experiments/results_kernels.md
+  python experiments/bench_kernels.py --gpu-only --gpu-sizes 16,256 --json $OUT/pallas.json
+  python experiments/bench_kernels.py --gpu-only --interpret --gpu-sizes 1   # smoke test, CPU
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import functools
+import json
 import platform
 import statistics
 import time
@@ -40,6 +47,7 @@ class Row:
   seconds: float  # median of the timed repetitions
   size: int  # parameters (or f32 elements for probes)
   bytes_per_elem: int
+  probe: bool = False  # a bound (copy, bandwidth probe), not an AdamW
 
   @property
   def gparams(self) -> float:
@@ -73,6 +81,7 @@ class Case:
   what: str
   bytes_per_elem: int
   run: Callable[[], float]
+  probe: bool = False
 
 
 class Carry:
@@ -155,11 +164,13 @@ def host_cases(size: int) -> list[Case]:
   return cases
 
 
-def optax_cases(size: int, variants=((jnp.float32, None), (jnp.bfloat16, jnp.bfloat16))):
-  """jax.jit(optax.adamw) update + apply (+ the 16-bit copy), donated."""
+def optax_cases(size: int, variants=((jnp.float32, None), (jnp.bfloat16, jnp.bfloat16)),
+                on_device: bool = False):
+  """jax.jit(optax.adamw) update + apply (+ the 16-bit copy), donated. `on_device`: make
+  the inputs with jax.random where they live (numpy takes seconds at 256M)."""
   rng = np.random.default_rng(2)
   opt = optax.adamw(1e-3, weight_decay=0.1)
-  master = _state(size, rng)[0]
+  master = _device_arrays(size, 2)[0] if on_device else _state(size, rng)[0]
   carry = Carry((master, opt.init(master), jnp.zeros(size, jnp.bfloat16)))
 
   @functools.partial(jax.jit, static_argnames='lowp_dtype', donate_argnums=0)
@@ -171,7 +182,10 @@ def optax_cases(size: int, variants=((jnp.float32, None), (jnp.bfloat16, jnp.bfl
 
   cases = []
   for grad_dtype, lowp_dtype in variants:
-    grad = jnp.asarray(rng.standard_normal(size, dtype=np.float32) * 1e-2, grad_dtype)
+    if on_device:
+      grad = _device_arrays(size, 3)[3].astype(grad_dtype)
+    else:
+      grad = jnp.asarray(rng.standard_normal(size, dtype=np.float32) * 1e-2, grad_dtype)
     step = functools.partial(update, grad=grad, lowp_dtype=lowp_dtype)
     cases.append(Case(f'jit(optax.adamw), XLA:{jax.default_backend().upper()}, '
                       f'{jnp.dtype(grad_dtype).name} grads, {_lowp_name(lowp_dtype)}',
@@ -201,7 +215,7 @@ def measure(cases: list[Case], size: int, reps: int, warmup: int = 2) -> list[Ro
       seconds = case.run()
       if round_ >= warmup:
         case_times.append(seconds)
-  return [Row(c.what, statistics.median(t), size, c.bytes_per_elem)
+  return [Row(c.what, statistics.median(t), size, c.bytes_per_elem, c.probe)
           for c, t in zip(cases, times)]
 
 
@@ -213,28 +227,79 @@ def cpu_rows(size: int, reps: int) -> list[Row]:
 # ----------------------------------------------------------------------------- GPU
 
 
-def gpu_rows(sizes: list[int], reps: int) -> list[Row]:
+def _device_arrays(size: int, seed: int):
+  """master, mu, nu and an f32 gradient made by jax.random on the default device."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(keys[0], (size,), jnp.float32),
+          jax.random.normal(keys[1], (size,), jnp.float32) * 1e-3,
+          jax.random.uniform(keys[2], (size,), jnp.float32) * 1e-6,
+          jax.random.normal(keys[3], (size,), jnp.float32) * 1e-2)
+
+
+PALLAS_BF16 = 'Pallas AdamW, bf16 grads, bf16 copy'
+PALLAS_F32 = 'Pallas AdamW, fp32 grads, no 16-bit copy'
+COPY_ADD = 'device copy: jit(x + 1), same bytes'
+COPY_COPY = 'device copy: jit(jnp.copy), same bytes'
+
+
+def gpu_cases(size: int, interpret: bool = False) -> list[Case]:
+  """The Pallas AdamW, two device copies moving its bytes, and jitted optax at `size`.
+
+  Bytes per parameter (28 in both Pallas variants): read master, mu, nu (12) and the
+  gradient (2 bf16 or 4 f32); write master, mu, nu (12) and the bf16 copy (2, or none).
+  The copies read and write an f32 buffer of size * 28 / 8 elements: the same 28 bytes.
+  """
+  master, mu, nu, grad32 = _device_arrays(size, 0)
+  grads = {None: grad32, jnp.bfloat16: grad32.astype(jnp.bfloat16)}
+  state = Carry((master, mu, nu, jnp.zeros(size, jnp.bfloat16)))
+  scalars = _scalars()
+
+  @functools.partial(jax.jit, static_argnames='lowp_dtype', donate_argnums=0)
+  def update(state, grad, *, lowp_dtype):
+    master, mu, nu, lowp = state
+    master, mu, nu, new_lowp = kernels.adamw_pallas(
+        master, mu, nu, grad, scalars, decay_limit=size // 2, lowp_dtype=lowp_dtype,
+        lowp_out=None if lowp_dtype is None else lowp, interpret=interpret)
+    return master, mu, nu, lowp if new_lowp is None else new_lowp
+
+  buffer = jax.random.uniform(jax.random.key(9), (size * BYTES_PER_PARAM // 8,), jnp.float32)
+  add_one, copy = jax.jit(lambda x: x + 1), jax.jit(jnp.copy)  # no donation: new buffers
+  cases = [
+      Case(COPY_ADD, BYTES_PER_PARAM, lambda: _timed(lambda: add_one(buffer)), probe=True),
+      Case(COPY_COPY, BYTES_PER_PARAM, lambda: _timed(lambda: copy(buffer)), probe=True),
+  ]
+  for lowp_dtype, what in ((jnp.bfloat16, PALLAS_BF16), (None, PALLAS_F32)):
+    step = functools.partial(update, grad=grads[lowp_dtype], lowp_dtype=lowp_dtype)
+    cases.append(Case(what, BYTES_PER_PARAM, functools.partial(state.timed, step)))
+  return cases + optax_cases(size, variants=((jnp.bfloat16, jnp.bfloat16), (jnp.float32, None)),
+                             on_device=True)
+
+
+def gpu_rows(sizes: list[int], reps: int, interpret: bool = False) -> list[Row]:
   rows = []
   for size in sizes:
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.random(size, dtype=np.float32))
-    copy = jax.jit(lambda x: x + 1)  # reads and writes 4 B per element
-    state = Carry(_state(size, rng))
-    grad = jnp.asarray(rng.standard_normal(size, dtype=np.float32) * 1e-2)
-    scalars = _scalars()
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def update(state, grad):
-      return kernels.adamw_pallas(*state, grad, scalars, decay_limit=size // 2,
-                                  lowp_dtype=None)[:3]
-    cases = [
-        Case(f'device copy (x + 1), {size >> 20}M f32', 8, lambda: _timed(lambda: copy(x))),
-        Case(f'Pallas AdamW, {size >> 20}M, fp32 grads, no 16-bit copy', BYTES_PER_PARAM,
-             lambda: state.timed(lambda s: update(s, grad))),
-    ] + optax_cases(size, variants=((jnp.float32, None),))
-    rows += measure(cases, size, reps)
-    del x, state, grad, cases
+    rows += measure(gpu_cases(size, interpret), size, reps)
   return rows
+
+
+def gpu_summary(rows: list[Row]) -> list[str]:
+  """Per size: the Pallas AdamW's bandwidth as a share of the copies', and vs optax with
+  the same gradient and copy dtypes. The bf16 line of the largest size comes last."""
+  lines = []
+  for size in sorted({r.size for r in rows}):
+    at = {r.what: r for r in rows if r.size == size}
+    best_copy = max(at[COPY_ADD].gbytes, at[COPY_COPY].gbytes)
+    for what, dtypes in ((PALLAS_F32, 'float32 grads, no 16-bit copy'),
+                         (PALLAS_BF16, 'bfloat16 grads, bfloat16 copy')):
+      pallas = at[what]
+      reference = next((r for w, r in at.items() if 'optax' in w and w.endswith(dtypes)), None)
+      lines.append(
+          f'{size / 2**20:g}M {what}: {pallas.gbytes:.0f} GB/s = '
+          f'{100 * pallas.gbytes / best_copy:.0f}% of the faster copy '
+          f'(x + 1 {at[COPY_ADD].gbytes:.0f} GB/s, jnp.copy {at[COPY_COPY].gbytes:.0f} GB/s)'
+          + ('' if reference is None else
+             f', {pallas.seconds / reference.seconds:.2f}x the time of jit(optax.adamw)'))
+  return lines
 
 
 # ----------------------------------------------------------------------------- report
@@ -245,9 +310,10 @@ def table(rows: list[Row]) -> str:
            '|---|---|---|---|---|']
   for r in rows:
     bound = r.gbytes / BYTES_PER_PARAM
-    is_adamw = r.bytes_per_elem == BYTES_PER_PARAM and 'AdamW traffic' not in r.what
+    is_adamw = (not r.probe and r.bytes_per_elem == BYTES_PER_PARAM
+                and 'AdamW traffic' not in r.what)
     gp = f'{r.gparams:.3f}' if is_adamw else f'(<= {bound:.3f})'
-    lines.append(f'| {r.what} | {r.size / 2**20:.0f}M | {r.seconds * 1e3:.1f} | '
+    lines.append(f'| {r.what} | {r.size / 2**20:g}M | {r.seconds * 1e3:.1f} | '
                  f'{r.gbytes:.1f} | {gp} |')
   return '\n'.join(lines)
 
@@ -256,28 +322,51 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--size', type=int, default=64 << 20, help='CPU parameters')
   parser.add_argument('--reps', type=int, default=7, help='timed repetitions (median)')
-  parser.add_argument('--gpu-sizes', type=str, default='16,64,256',
+  parser.add_argument('--gpu-sizes', type=str, default='16,256',
                       help='GPU parameter counts in Mi, comma separated')
+  parser.add_argument('--gpu-only', action='store_true',
+                      help='skip the CPU section (and its need for the native kernel)')
+  parser.add_argument('--interpret', action='store_true',
+                      help='run the GPU section without a GPU, Pallas in interpret mode '
+                      '(a smoke test: its numbers mean nothing)')
   parser.add_argument('--out', type=str, default=None, help='also write a markdown table')
+  parser.add_argument('--json', type=str, default=None, help='also write the rows as JSON')
   args = parser.parse_args()
 
-  if not kernels.host_kernel_available():
+  on_gpu = jax.default_backend() == 'gpu'
+  if args.gpu_only and not (on_gpu or args.interpret):
+    raise SystemExit(f'--gpu-only: no GPU here ({jax.default_backend()}); add --interpret '
+                     'for a smoke test')
+  if not args.gpu_only and not kernels.host_kernel_available():
     raise SystemExit(f'host kernel missing: {kernels.host_kernel_unavailable_reason()}')
   header = (f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, '
             f'{platform.processor() or platform.machine()}, '
-            f'{kernels.default_num_threads()} cores available, jax {jax.__version__}, '
-            f'host ISA {max(kernels.supported_isas()).name}')
+            f'{kernels.default_num_threads()} cores available, jax {jax.__version__}'
+            + (f', host ISA {max(kernels.supported_isas()).name}'
+               if kernels.host_kernel_available() else ''))
   print(header)
-  report = ['## CPU', '', table(cpu_rows(args.size, args.reps))]
-  print('\n'.join(report))
-  if jax.default_backend() == 'gpu':
-    sizes = [int(s) << 20 for s in args.gpu_sizes.split(',')]
-    gpu = ['', f'## GPU: {jax.devices()[0].device_kind}', '', table(gpu_rows(sizes, args.reps))]
+  report, rows = [], {}
+  if not args.gpu_only:
+    rows['cpu'] = cpu_rows(args.size, args.reps)
+    report += ['## CPU', '', table(rows['cpu'])]
+    print('\n'.join(report))
+  if on_gpu or args.interpret:
+    sizes = [int(float(s) * 2**20) for s in args.gpu_sizes.split(',')]
+    rows['gpu'] = gpu_rows(sizes, args.reps, interpret=not on_gpu)
+    summary = gpu_summary(rows['gpu'])
+    kind = jax.devices()[0].device_kind + ('' if on_gpu else ', Pallas in interpret mode')
+    gpu = ['', f'## GPU: {kind}', '', table(rows['gpu']), ''] + summary
     print('\n'.join(gpu))
     report += gpu
+    print(f'SUMMARY {summary[-1]}')
   if args.out:
     with open(args.out, 'w') as f:
       f.write(header + '\n\n' + '\n'.join(report) + '\n')
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump({'header': header, 'backend': jax.default_backend(),
+                 **{k: [dict(dataclasses.asdict(r), gbytes_per_s=r.gbytes) for r in v]
+                    for k, v in rows.items()}}, f, indent=1)
 
 
 if __name__ == '__main__':
