@@ -6,10 +6,10 @@ partly on the host, in one jitted step.
 """
 
 from dos_jax.alias import adamw as adamw
-from dos_jax.auto import Auto as Auto
-from dos_jax.hardware import HardwareProfile as HardwareProfile
-from dos_jax.report import StepRecord as StepRecord
-from dos_jax.report import explain as explain
+from dos_jax.planner.auto import Auto as Auto
+from dos_jax.planner.hardware import HardwareProfile as HardwareProfile
+from dos_jax.planner.report import StepRecord as StepRecord
+from dos_jax.planner.report import explain as explain
 from dos_jax.alias import chain as chain
 from dos_jax.clipping import clip_by_global_norm as clip_by_global_norm
 from dos_jax.layout import Layout as Layout
@@ -26,8 +26,12 @@ from dos_jax.policies import AllHost as AllHost
 from dos_jax.policies import DeviceFraction as DeviceFraction
 from dos_jax.policies import Plan as Plan
 from dos_jax.policies import Policy as Policy
+from dos_jax.policies import Resident as Resident
+from dos_jax.policies import ResidentFraction as ResidentFraction
 from dos_jax.policies import Stride as Stride
 from dos_jax.policies import SubgroupSpec as SubgroupSpec
+from dos_jax.state_ops import abstract_state as abstract_state
+from dos_jax.state_ops import reset_moments as reset_moments
 from dos_jax.transform import OffloadedState as OffloadedState
 from dos_jax.transform import offloaded as offloaded
 

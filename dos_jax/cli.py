@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
   subparsers = parser.add_subparsers(dest='command', required=True)
   # Imported here so that `dos-jax --help` stays fast and each module stays optional.
   from dos_jax.train import cli as train_cli  # pylint: disable=import-outside-toplevel
-  from dos_jax import plan_cli  # pylint: disable=import-outside-toplevel
+  from dos_jax.planner import plan_cli  # pylint: disable=import-outside-toplevel
 
   train_cli.register(subparsers)
   plan_cli.register(subparsers)

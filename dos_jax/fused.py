@@ -142,7 +142,10 @@ def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, lea
   (stacked, out rows).
 
   The kernel reads the gradient (and param) leaves directly, so the packed `(G, S)`
-  rows are never built, and writes a fresh out buffer (every row of it).
+  rows are never built, and writes a fresh out buffer (every row of it; the kernel
+  asks for huge pages for it, see adamw_common.h). Writing the out leaves over the
+  gradients instead (`into_grads`) saves that buffer's memory but was not faster: XLA
+  copies gradients that are arguments of the step first (experiments/RESULTS.md).
   """
   adam_scalars, _ = _step_scalars(fused, step, scalars)
   num_rows = stacked[0].shape[0]

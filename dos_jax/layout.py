@@ -90,26 +90,11 @@ def _path_str(path) -> str:
   return jax.tree_util.keystr(path) or '<root>'
 
 
-def _has_explicit_axes(leaf) -> bool:
-  try:
-    mesh = jax.typeof(leaf).sharding.mesh
-  except Exception:  # pylint: disable=broad-except  # not an array with a typed sharding
-    return False
-  explicit = getattr(jax.sharding.AxisType, 'Explicit', None)
-  return any(t == explicit for t in getattr(mesh, 'axis_types', ()))
-
-
 def _check_leaves(tree: PyTree) -> list[tuple[Any, Any]]:
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   if not leaves:
     raise ValueError('dos_jax: the parameter tree is empty; nothing to optimize.')
   for path, leaf in leaves:
-    if _has_explicit_axes(leaf):
-      raise ValueError(
-          f'dos_jax: parameter {_path_str(path)} is sharded over a mesh with Explicit axes;'
-          ' use a mesh with Auto axes (jax.sharding.Mesh(...), or jax.make_mesh(...,'
-          ' axis_types=(jax.sharding.AxisType.Auto,) * n)).'
-      )
     dtype = jnp.result_type(leaf)
     if jnp.issubdtype(dtype, jnp.complexfloating):
       raise TypeError(

@@ -1,8 +1,14 @@
 """Transformer shapes by name: the one place the preset sizes are written down.
 
-Used by the runner (`model.preset` in a run config) and by `dos-jax plan`. The 7b-70b
-shapes are the ones the Deep Optimizer States paper trained (Llama-style: SwiGLU MLP,
-untied embeddings); 125m and 1.3b follow GPT-3's widths; `tiny` is the CPU default.
+Used by the runner (`model.preset` in a run config) and by `dos-jax plan`. Each name is
+the preset's parameter count (within 4%; 7b is Llama's 6.74B) for this Llama-style architecture (SwiGLU MLP,
+untied embeddings, no grouped-query attention); `tiny` is the CPU default. 7b and 13b
+are the Deep Optimizer States paper's shapes (PAPER.md); its 20b, 30b and 70b shapes
+count 17.1B, 32.5B and 78.4B here (the paper's models differ in MLP or attention), so
+those presets keep the paper's widths, depths and heads and narrow the MLP until the
+count matches the name. 125m and 1.3b keep GPT-2's 50304-token vocabulary, whose untied
+embeddings would push GPT-3's widths to 162M and 1.42B: 125m is narrower (640), 1.3b
+has a narrower MLP.
 """
 
 from __future__ import annotations
@@ -51,13 +57,13 @@ class ModelShape:
 
 PRESETS: dict[str, ModelShape] = {
     'tiny': ModelShape(dim=128, ffn_dim=384, n_layers=4, n_heads=4, vocab_size=256),
-    '125m': ModelShape(dim=768, ffn_dim=2048, n_layers=12, n_heads=12, vocab_size=50304),
-    '1.3b': ModelShape(dim=2048, ffn_dim=5504, n_layers=24, n_heads=16, vocab_size=50304),
+    '125m': ModelShape(dim=640, ffn_dim=1792, n_layers=12, n_heads=10, vocab_size=50304),
+    '1.3b': ModelShape(dim=2048, ffn_dim=4608, n_layers=24, n_heads=16, vocab_size=50304),
     '7b': ModelShape(dim=4096, ffn_dim=11008, n_layers=32, n_heads=32),
     '13b': ModelShape(dim=5120, ffn_dim=13824, n_layers=40, n_heads=40),
-    '20b': ModelShape(dim=5120, ffn_dim=20480, n_layers=40, n_heads=64),
-    '30b': ModelShape(dim=6656, ffn_dim=17920, n_layers=60, n_heads=52),
-    '70b': ModelShape(dim=8192, ffn_dim=28672, n_layers=80, n_heads=64),
+    '20b': ModelShape(dim=5120, ffn_dim=25088, n_layers=40, n_heads=64),
+    '30b': ModelShape(dim=6656, ffn_dim=15872, n_layers=60, n_heads=52),
+    '70b': ModelShape(dim=8192, ffn_dim=24576, n_layers=80, n_heads=64),
 }
 
 

@@ -93,16 +93,19 @@ class Partition:
 def for_plan(plan: Plan, split: bool) -> Partition:
   """The partition a plan runs on.
 
-  With `split` (the accelerator program) the plan's device subgroups are streamed and
-  its host subgroups stay on the host, each tier its own array. Without it (one memory,
-  the CPU program) every subgroup takes the same path and the state is one array.
+  With `split` (the accelerator program) each of the plan's three placements is its
+  own tier: resident subgroups in device memory, streamed and host subgroups in pinned
+  host memory, each tier its own array. Without it (one memory, the CPU program) every
+  subgroup takes the same path and the state is one array: the resident tier when the
+  plan keeps everything resident, else the host tier.
   """
   everything = tuple(range(plan.num_subgroups))
-  if plan.resident:
+  if plan.all_resident:
     return Partition(host=(), resident=everything)
   if not split:
     return Partition(host=everything)
-  return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.device)))
+  return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.device)),
+                   resident=tuple(sorted(plan.resident)))
 
 
 @dataclasses.dataclass(frozen=True)

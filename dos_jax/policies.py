@@ -1,9 +1,10 @@
 """Placement policies: which optimizer-state subgroups are updated where.
 
-A *policy* is a small immutable value chosen by the user (`AllHost()`, `Stride(2)`, ...).
-Given the shape of the packed state (a `SubgroupSpec`) it produces a `Plan`: the
-subgroups updated on the device, in the order they are streamed, and those updated
-on the host. Plans are hashable so that a jitted step can take one as a static
+A *policy* is a small immutable value chosen by the user (`AllHost()`, `Stride(2)`,
+`ResidentFraction(0.3, then=Stride(2))`, ...). Given the shape of the packed state (a
+`SubgroupSpec`) it produces a `Plan` with one of three placements per subgroup:
+resident in device memory, streamed through the device (in the order they are
+streamed), or updated on the host. Plans are hashable so that a jitted step can take one as a static
 argument and compile each distinct plan exactly once.
 """
 
@@ -38,47 +39,62 @@ class SubgroupSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Where each subgroup is updated in one step.
+  """Where each subgroup's state lives and is updated in one step: three placements.
 
   Attributes:
-    device: subgroup indices streamed host -> device, updated there and streamed
-      back, in this order.
+    device: subgroup indices *streamed*: state in pinned host memory, copied host ->
+      device, updated there and copied back, in this order.
     host: subgroup indices updated in host memory by the host path, in this order.
-    resident: keep the whole state in device memory (the no-offload baseline);
-      `device` then lists every subgroup and nothing is streamed.
-    buffers: device subgroups in flight at once (double buffering = 2); bounds the
+    resident: subgroup indices whose state stays in device memory and is updated
+      there, with no copies at all (every subgroup: the `AllDevice` baseline).
+    buffers: streamed subgroups in flight at once (double buffering = 2); bounds the
       device memory the streamed path needs to `buffers` subgroups of state.
   """
 
   device: tuple[int, ...]
   host: tuple[int, ...]
-  resident: bool = False
+  resident: tuple[int, ...] = ()
   buffers: int = 2
 
   def __post_init__(self):
-    everything = sorted(self.device + self.host)
+    for name in ('device', 'host', 'resident'):
+      value = getattr(self, name)
+      if not isinstance(value, tuple) or not all(
+          isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise TypeError(f'Plan.{name} must be a tuple of subgroup indices, got {value!r}')
+    everything = sorted(self.device + self.host + self.resident)
     if everything != list(range(len(everything))):
       raise ValueError(
-          f'Plan must name every subgroup exactly once; got device={self.device},'
-          f' host={self.host}'
+          f'Plan must name every subgroup exactly once; got resident={self.resident},'
+          f' device={self.device}, host={self.host}'
       )
-    if self.resident and self.host:
-      raise ValueError('A resident plan keeps every subgroup on the device.')
     if self.buffers < 1:
       raise ValueError(f'Plan.buffers must be >= 1, got {self.buffers}')
 
   @property
+  def streamed(self) -> tuple[int, ...]:
+    """The streamed subgroups (`device`), by the name of their tier."""
+    return self.device
+
+  @property
   def num_subgroups(self) -> int:
-    return len(self.device) + len(self.host)
+    return len(self.device) + len(self.host) + len(self.resident)
+
+  @property
+  def all_resident(self) -> bool:
+    """Whether every subgroup stays in device memory (the no-offload baseline)."""
+    return len(self.resident) == self.num_subgroups
 
   def describe(self) -> str:
     """One line: how many subgroups go where."""
-    if self.resident:
-      return f'{self.num_subgroups} subgroups resident on device'
-    return (
-        f'{len(self.device)}/{self.num_subgroups} subgroups streamed to device'
-        f' ({self.buffers} in flight), {len(self.host)} updated on host'
-    )
+    n = self.num_subgroups
+    if self.all_resident:
+      return f'{n} subgroups resident on device'
+    streamed = (f'{len(self.device)}/{n} subgroups streamed to device'
+                f' ({self.buffers} in flight), {len(self.host)} updated on host')
+    if not self.resident:
+      return streamed
+    return f'{len(self.resident)}/{n} subgroups resident on device, ' + streamed.replace(f'/{n}', '', 1)
 
 
 @runtime_checkable
@@ -108,7 +124,7 @@ class AllDevice:
   """State kept in device memory and updated there: the no-offload baseline."""
 
   def plan(self, spec: SubgroupSpec) -> Plan:
-    return Plan(device=tuple(range(_checked_count(spec))), host=(), resident=True)
+    return Plan(device=(), host=(), resident=tuple(range(_checked_count(spec))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,3 +169,69 @@ class DeviceFraction:
     )
     host = tuple(i for i in range(n) if i not in set(device))
     return Plan(device=device, host=host, buffers=self.buffers)
+
+
+def _then_plan(then: 'Policy', spec: SubgroupSpec, resident: int) -> Plan:
+  """`then`'s plan over the subgroups after the first `resident`, which stay resident."""
+  n = _checked_count(spec)
+  head = tuple(range(resident))
+  if resident == n:
+    return Plan(device=(), host=(), resident=head)
+  rest = dataclasses.replace(
+      spec, num_subgroups=n - resident,
+      num_elements=min(spec.num_elements, (n - resident) * spec.subgroup_size))
+  sub = then.plan(rest)
+  if sub.resident:
+    raise ValueError(f'{then!r} keeps subgroups resident: combine resident counts in one policy')
+  shift = lambda ids: tuple(resident + i for i in ids)
+  return Plan(device=shift(sub.device), host=shift(sub.host), resident=head,
+              buffers=sub.buffers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resident:
+  """The first `n` subgroups resident in device memory; `then` places the rest.
+
+  `Resident(4, then=Stride(2))` keeps subgroups 0-3 on the device and streams every
+  second one of the others. With `then=AllHost()` (the default) this is a fixed
+  device-resident share, as DeepSpeed's Twin-Flow keeps. An `n` above the subgroup
+  count is an error, not a silent clip.
+  """
+
+  n: int
+  then: 'Policy' = dataclasses.field(default_factory=AllHost)
+
+  def __post_init__(self):
+    if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 0:
+      raise ValueError(f'Resident.n must be an integer >= 0, got {self.n!r}')
+    _check_then(self.then, 'Resident')
+
+  def plan(self, spec: SubgroupSpec) -> Plan:
+    n = _checked_count(spec)
+    if self.n > n:
+      raise ValueError(f'Resident({self.n}): the state has only {n} subgroups')
+    return _then_plan(self.then, spec, self.n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentFraction:
+  """A fraction `f` of the subgroups (rounded, the first ones) resident in device
+  memory; `then` places the rest, e.g. `ResidentFraction(0.3, then=Stride(2))`."""
+
+  f: float
+  then: 'Policy' = dataclasses.field(default_factory=AllHost)
+
+  def __post_init__(self):
+    if not (isinstance(self.f, (int, float)) and not isinstance(self.f, bool)
+            and 0.0 <= self.f <= 1.0):
+      raise ValueError(f'ResidentFraction.f must be in [0, 1], got {self.f!r}')
+    _check_then(self.then, 'ResidentFraction')
+
+  def plan(self, spec: SubgroupSpec) -> Plan:
+    n = _checked_count(spec)
+    return _then_plan(self.then, spec, int(round(self.f * n)))
+
+
+def _check_then(then, owner: str) -> None:
+  if not isinstance(then, Policy) or isinstance(then, type):
+    raise TypeError(f'{owner}.then must be a placement policy such as Stride(2), got {then!r}')

@@ -1,6 +1,6 @@
 """Predicted vs measured update time of `dos_jax.adamw` for several plans on this machine.
 
-Calibrates this machine (`dos_jax.calibrate.calibrate`), then for each plan jits one
+Calibrates this machine (`dos_jax.planner.calibrate.calibrate`), then for each plan jits one
 offloaded AdamW step (update + `optax.apply_updates`, params and state donated) over a
 state of `--elements` fp32 parameters; all plans are timed round-robin (`--reps`
 rounds; median and min). The cost
@@ -28,9 +28,9 @@ import numpy as np
 import optax
 
 import dos_jax
-from dos_jax import calibrate
-from dos_jax import costmodel
-from dos_jax import fitting
+from dos_jax.planner import calibrate
+from dos_jax.planner import costmodel
+from dos_jax.planner import fitting
 from dos_jax.policies import SubgroupSpec
 
 

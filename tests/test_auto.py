@@ -7,11 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from dos_jax import auto
-from dos_jax import costmodel
+from dos_jax.planner import auto
+from dos_jax.planner import costmodel
 from dos_jax import model_shapes
-from dos_jax.auto import Auto
-from dos_jax.costmodel import HardwareProfile
+from dos_jax.planner.auto import Auto
+from dos_jax.planner.costmodel import HardwareProfile
+from dos_jax.policies import AllDevice
 from dos_jax.policies import DeviceFraction
 from dos_jax.policies import Plan
 from dos_jax.policies import Policy
@@ -66,7 +67,14 @@ def test_candidate_set_is_bounded_and_has_no_duplicates():
     plans = auto.candidates(spec_of(n * 10**6))
     assert len(plans) == len(set(plans)) <= (41 + 8) * 2 * 3
     assert not any(p.resident for p in plans)
-  assert any(p.resident for p in auto.candidates(spec_of(10**6), resident=True))
+  for n in (1, 7, 70):
+    spec = spec_of(n * 10**6)
+    counts = auto.resident_counts(spec, budget_bytes=12e6 * n * 0.6)
+    assert len(counts) <= 9 and counts[0] == 0 and max(counts) == int(0.6 * n)
+    plans = auto.candidates(spec, resident=counts)
+    assert len(plans) == len(set(plans)) <= 9 * (41 + 8) * 2 * 3
+    assert {len(p.resident) for p in plans} == set(counts)
+  assert auto.candidates(spec_of(10**6), resident=(1,)) == [AllDevice().plan(spec_of(10**6))]
 
 
 GRID = list(itertools.product([0.3, 1.0, 3.0], [10.0, 40.0], [5.0, 25.0, 60.0], [1.0, 1.4]))
@@ -99,10 +107,11 @@ def test_auto_no_worse_than_any_stride_or_fraction(u_host, u_dev, bw, slowdown):
 
 @pytest.mark.parametrize('model', ['7b', '13b', '20b'])
 def test_h100_preset_chooses_about_half_on_device(model):
-  """PAPER.md: on 4x H100 the paper measured k=2 (half the subgroups) best."""
+  """PAPER.md: on 4x H100 the paper measured k=2 (half the subgroups) best, streaming
+  every subgroup it did not update on the host (no resident tier)."""
   n = math.ceil(model_shapes.preset(model).num_params() / 4)  # per GPU of a 4-GPU node
   spec = SubgroupSpec(math.ceil(n / 10**8), 10**8, n, 12, 2, 2)
-  plan, _ = auto.choose(costmodel.H100_PCIE_GEN5_NODE, spec, budget_bytes=10e9)
+  plan = auto.rank(costmodel.H100_PCIE_GEN5_NODE, spec, 10e9, resident=False)[0].plan
   fraction = len(plan.device) / spec.num_subgroups
   assert 0.4 <= fraction <= 0.6, (plan.describe(), fraction)
 
@@ -176,7 +185,7 @@ def test_compiles_stay_bounded_under_noisy_replanning():
 
 
 def test_lazy_profile_comes_from_the_cache(tmp_path, monkeypatch):
-  from dos_jax import calibrate
+  from dos_jax.planner import calibrate
   monkeypatch.setenv(calibrate.CACHE_DIR_ENV, str(tmp_path))
   cached = profile(name='cached-machine')
   cached.to_json(calibrate.profile_path())

@@ -8,9 +8,9 @@ import numpy as np
 import optax
 
 import dos_jax
-from dos_jax import costmodel
-from dos_jax.auto import Auto
-from dos_jax.costmodel import HardwareProfile
+from dos_jax.planner import costmodel
+from dos_jax.planner.auto import Auto
+from dos_jax.planner.costmodel import HardwareProfile
 
 
 def test_auto_plans_the_core_and_replans_with_one_compile_per_plan():

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from dos_jax import costmodel
-from dos_jax.costmodel import HardwareProfile
+from dos_jax.planner import costmodel
+from dos_jax.planner.costmodel import HardwareProfile
 from dos_jax.policies import AllDevice
 from dos_jax.policies import AllHost
 from dos_jax.policies import Plan

@@ -5,8 +5,8 @@ import math
 import jax
 import pytest
 
-from dos_jax import calibrate
-from dos_jax.costmodel import HardwareProfile
+from dos_jax.planner import calibrate
+from dos_jax.planner.costmodel import HardwareProfile
 
 
 def _valid(profile: HardwareProfile):

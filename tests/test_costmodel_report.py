@@ -3,9 +3,9 @@
 import json
 import math
 
-from dos_jax import costmodel
-from dos_jax import report
-from dos_jax.auto import Auto
+from dos_jax.planner import costmodel
+from dos_jax.planner import report
+from dos_jax.planner.auto import Auto
 from dos_jax.policies import Stride
 from dos_jax.policies import SubgroupSpec
 
@@ -43,5 +43,7 @@ def test_auto_records_its_current_plan():
   policy = Auto(costmodel.H100_PCIE_GEN5_NODE, budget_bytes=10e9)
   plan = policy.plan(spec)
   rec = policy.record(3, 0.5)
-  assert rec.step == 3 and rec.n_device == len(plan.device) and rec.measured_s == 0.5
+  assert rec.step == 3 and rec.measured_s == 0.5
+  assert rec.n_device == len(plan.device) + len(plan.resident) and rec.n_resident == len(plan.resident)
+  assert rec.migrated_subgroups == 0 and rec.migration_s == 0.0
   assert rec.predicted_s == costmodel.predict(policy.profile, spec, plan).update_seconds

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from dos_jax import cli
-from dos_jax import costmodel
+from dos_jax.planner import costmodel
 
 
 def run(capsys, *argv):

@@ -1,10 +1,14 @@
 """`Auto`: the placement policy that asks the cost model, and re-plans when it was wrong.
 
-`choose` predicts every plan of a small fixed candidate set (device fractions on a
-grid, the paper's strides, two orders, 1-3 buffers: at most 294 plans) and keeps
-the fastest one that fits the device-memory budget. Because the set is fixed per
-`SubgroupSpec`, a run compiles at most that many distinct plans, however often `Auto`
-changes its mind.
+`choose` predicts every plan of a small fixed candidate set and keeps the fastest one
+that fits the device-memory budget. Each candidate places every subgroup in one of three
+tiers: the first r subgroups resident in device memory (r from `resident_counts`: none,
+the most that fit beside the activations, a few steps between), and the rest split
+between streamed and host (device fractions on a grid, the paper's strides, two orders,
+1-3 buffers: at most 294 splits per r). Because the set is fixed per `SubgroupSpec` and
+budget, a run compiles at most that many distinct plans, however often `Auto` changes
+its mind; a change of plan moves rows between tiers once (`costmodel.migration`, shown
+in the next `StepRecord`).
 
 `Auto.observe` compares measured update times with the prediction (`wants_measurement`
 tells a runner that times only some steps when Auto needs the next one). After `patience`
@@ -23,10 +27,10 @@ import dataclasses
 import math
 import statistics
 
-from dos_jax import costmodel
-from dos_jax import fitting
-from dos_jax.costmodel import HardwareProfile
-from dos_jax.costmodel import Prediction
+from dos_jax.planner import costmodel
+from dos_jax.planner import fitting
+from dos_jax.planner.costmodel import HardwareProfile
+from dos_jax.planner.costmodel import Prediction
 from dos_jax.policies import DeviceFraction
 from dos_jax.policies import Plan
 from dos_jax.policies import Stride
@@ -48,19 +52,59 @@ def _first(count: int, n: int, buffers: int) -> Plan:
   return Plan(device=tuple(range(count)), host=tuple(range(count, n)), buffers=buffers)
 
 
+def resident_counts(spec: SubgroupSpec, budget_bytes: float,
+                    activation_bytes: float = 0.0) -> tuple[int, ...]:
+  """How many subgroups Auto tries keeping resident: none, the most whose state fits
+  in `budget_bytes` beside the activations, the few below that (leaving room for 1-3
+  streamed buffers when those outgrow the activations) and quarter steps between.
+  At most 9 counts, fixed for a given spec and budget."""
+  per = float(spec.state_bytes_per_element * spec.subgroup_size)
+  room = budget_bytes - max(activation_bytes, 0.0)
+  most = 0 if room < per else min(spec.num_subgroups, int(room // per))
+  counts = {0, most} | {max(0, most - b) for b in BUFFER_CHOICES}
+  counts |= {int(round(most * q)) for q in (0.25, 0.5, 0.75)}
+  return tuple(sorted(counts))
+
+
+def _shifted(plan: Plan, resident: int) -> Plan:
+  """`plan` over the subgroups after the first `resident`, which stay resident."""
+  shift = lambda ids: tuple(resident + i for i in ids)
+  return Plan(device=shift(plan.device), host=shift(plan.host),
+              resident=tuple(range(resident)), buffers=plan.buffers)
+
+
 def candidates(
     spec: SubgroupSpec,
     *,
     fractions: tuple[float, ...] = FRACTION_GRID,
     strides: tuple[int, ...] = STRIDES,
     buffers: tuple[int, ...] = BUFFER_CHOICES,
-    resident: bool = False,
+    resident: tuple[int, ...] = (0,),
 ) -> list[Plan]:
   """The bounded set of plans Auto chooses from, without duplicates, in a fixed order
-  (ties in predicted time go to the earlier plan: spread before first, fewer buffers
-  first). `resident` adds the AllDevice plan, whose state stays in device memory
-  through the forward and backward passes too, so only a caller that knows the
-  memory left beside the activations can judge whether it fits."""
+  (ties in predicted time go to the earlier plan: fewer resident, spread before first,
+  fewer buffers first). For each count in `resident` (see `resident_counts`), the
+  first that many subgroups stay resident and the streamed/host candidates cover the
+  rest; a count equal to the subgroup count is the AllDevice plan. A resident tier
+  stays in device memory through the forward and backward passes too, so only a
+  caller that knows the memory left beside the activations can judge whether it fits."""
+  n = spec.num_subgroups
+  out: list[Plan] = []
+  for r in sorted(set(resident)):
+    if not 0 <= r <= n:
+      raise ValueError(f'resident count {r} outside 0..{n}')
+    if r == n:
+      out.append(Plan(device=(), host=(), resident=tuple(range(n))))
+      continue
+    rest = spec if r == 0 else dataclasses.replace(
+        spec, num_subgroups=n - r, num_elements=min(spec.num_elements, (n - r) * spec.subgroup_size))
+    base = _streamed_candidates(rest, fractions=fractions, strides=strides, buffers=buffers)
+    out += base if r == 0 else [_shifted(p, r) for p in base]
+  return out
+
+
+def _streamed_candidates(spec: SubgroupSpec, *, fractions, strides, buffers) -> list[Plan]:
+  """Streamed/host splits of every subgroup: fractions, strides, both orders."""
   n = spec.num_subgroups
   if n <= EVERY_COUNT_UP_TO:
     fractions = tuple(c / n for c in range(n + 1))
@@ -75,10 +119,7 @@ def candidates(
       seen.setdefault(stride, None)
       seen.setdefault(_first(len(stride.device), n, b), None)
   # With nothing on the device, the buffer count is meaningless: keep one AllHost plan.
-  out = [p for p in seen if p.device or p.buffers == buffers[0]]
-  if resident:
-    out.append(Plan(device=tuple(range(n)), host=(), resident=True))
-  return out
+  return [p for p in seen if p.device or p.buffers == buffers[0]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +138,19 @@ def rank(
     *,
     backward_seconds: float = 0.0,
     plans: list[Plan] | None = None,
+    activation_bytes: float = 0.0,
+    resident: bool = True,
 ) -> list[Choice]:
-  """Every candidate with its prediction, the fitting ones first, fastest first."""
-  plans = candidates(spec) if plans is None else plans
+  """Every candidate with its prediction, the fitting ones first, fastest first.
+
+  A plan fits when its resident state plus the larger of `activation_bytes` and its
+  streamed buffers stays within `budget_bytes` (device memory beyond params and grads).
+  `resident` adds plans that keep subgroups resident (see `resident_counts`)."""
+  if plans is None:
+    counts = resident_counts(spec, budget_bytes, activation_bytes) if resident else (0,)
+    plans = candidates(spec, resident=counts)
   choices = [
-      Choice(p, pred, pred.device_peak_bytes <= budget_bytes)
+      Choice(p, pred, pred.device_bytes_beside(activation_bytes) <= budget_bytes)
       for p in plans
       for pred in [costmodel.predict(profile, spec, p, backward_seconds=backward_seconds)]
   ]
@@ -118,11 +167,15 @@ def choose(
     budget_bytes: float | None = None,
     *,
     backward_seconds: float = 0.0,
+    activation_bytes: float = 0.0,
 ) -> tuple[Plan, Prediction]:
-  """The fastest candidate plan whose device memory fits `budget_bytes` (default: the
-  profile's free device memory). AllHost needs no device memory, so one always fits."""
+  """The fastest candidate plan whose device memory fits `budget_bytes` beside
+  `activation_bytes` (see `rank`). Given a budget (device memory beyond params and
+  grads), resident plans compete too; without one, the profile's free device memory
+  bounds the streamed buffers only. AllHost needs no device memory, so one always fits."""
   budget = profile.device_free_bytes if budget_bytes is None else budget_bytes
-  best = rank(profile, spec, budget, backward_seconds=backward_seconds)[0]
+  best = rank(profile, spec, budget, backward_seconds=backward_seconds,
+              activation_bytes=activation_bytes, resident=budget_bytes is not None)[0]
   return best.plan, best.prediction
 
 
@@ -141,6 +194,7 @@ class Auto:
       profile: HardwareProfile | None = None,
       *,
       budget_bytes: float | None = None,
+      activation_bytes: float = 0.0,
       backward_seconds: float = 0.0,
       tolerance: float = 0.15,
       patience: int = 3,
@@ -148,8 +202,13 @@ class Auto:
   ):
     """Args:
       profile: the machine; None calibrates this one on first use (cached as JSON).
-      budget_bytes: device memory the streamed buffers may use; default: the
-        profile's free device memory.
+      budget_bytes: device memory free beyond the model's params and grads, less a
+        safety margin (`planner.memory.device_budget`). Given, Auto also keeps as many
+        subgroups resident as fit beside the activations; None: the profile's free
+        device memory bounds the streamed buffers only, and nothing stays resident
+        (Auto cannot know what the model itself takes).
+      activation_bytes: device memory the forward and backward passes need beside
+        params and grads; a resident tier must leave room for it.
       backward_seconds: the backward pass's length, behind which host gradient
         copies hide.
       tolerance: relative departure of a measurement from its prediction that counts.
@@ -164,6 +223,8 @@ class Auto:
       raise ValueError(f'Auto.warmup must be an integer >= 0, got {warmup!r}')
     self._profile = profile
     self.budget_bytes = budget_bytes
+    self.activation_bytes = activation_bytes
+    self.last_migration: costmodel.Migration | None = None
     self.backward_seconds = backward_seconds
     self.tolerance = tolerance
     self.patience = patience
@@ -186,7 +247,7 @@ class Auto:
   @property
   def profile(self) -> HardwareProfile:
     if self._profile is None:
-      from dos_jax import calibrate  # pylint: disable=import-outside-toplevel
+      from dos_jax.planner import calibrate  # pylint: disable=import-outside-toplevel
       self._profile = self._base = calibrate.cached_profile()
     return self._profile
 
@@ -200,13 +261,16 @@ class Auto:
 
   def _rank(self, profile: HardwareProfile) -> list[Choice]:
     budget = profile.device_free_bytes if self.budget_bytes is None else self.budget_bytes
-    return rank(profile, self.spec, budget, backward_seconds=self.backward_seconds)
+    return rank(profile, self.spec, budget, backward_seconds=self.backward_seconds,
+                activation_bytes=self.activation_bytes, resident=self.budget_bytes is not None)
 
   def _choose(self, ranking: list[Choice] | None = None) -> Plan:
     self.ranking = ranking or self._rank(self.profile)
     new = self.ranking[0].plan
     if new != self.current:
       self._skip = self.warmup
+      if self.current is not None:
+        self.last_migration = costmodel.migration(self.profile, self.spec, self.current, new)
     self.current = new
     self._departures = []
     self._confirmed = False
@@ -284,19 +348,21 @@ class Auto:
 
   def record(self, step: int, measured_update_seconds: float | None = None):
     """A `report.StepRecord` of the current plan at `step`, for the metrics log."""
-    from dos_jax import report  # pylint: disable=import-outside-toplevel
+    from dos_jax.planner import report  # pylint: disable=import-outside-toplevel
     if self.spec is None or self.current is None:
       raise ValueError('Auto.record called before Auto.plan(spec)')
     prediction = costmodel.predict(
         self.profile, self.spec, self.current, backward_seconds=self.backward_seconds
     )
-    return report.StepRecord.of(step, self.current, prediction, measured_update_seconds)
+    migration, self.last_migration = self.last_migration, None
+    return report.StepRecord.of(step, self.current, prediction, measured_update_seconds,
+                                migration=migration)
 
   def explain(self, top: int = 5) -> str:
     """Why the current plan: the candidates compared, the best few, some baselines."""
     if self.spec is None:
       return 'Auto has not planned yet (call plan(spec) first).'
-    from dos_jax import report  # pylint: disable=import-outside-toplevel
+    from dos_jax.planner import report  # pylint: disable=import-outside-toplevel
     return report.explain_choice(
         self.profile, self.spec, self.ranking, self.current, corrections=self.corrections,
         top=top, backward_seconds=self.backward_seconds,

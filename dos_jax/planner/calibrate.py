@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dos_jax import paths
+from dos_jax import cache, paths
 
-from dos_jax.costmodel import HardwareProfile
+from dos_jax.planner.costmodel import HardwareProfile
 
-CACHE_DIR_ENV = 'DOS_JAX_CACHE_DIR'
+CACHE_DIR_ENV = cache.CACHE_DIR_ENV
 
 # The update calibrated: AdamW with fixed hyper-parameters (their values do not
 # change the cost), reading p, g, m, v and writing p, m, v, all fp32.
@@ -235,8 +235,9 @@ def calibrate(
 
 
 def profile_path(backend: str | None = None) -> str:
-  """Where this machine's profile is cached: $DOS_JAX_CACHE_DIR or ~/.cache/dos_jax."""
-  root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser('~'), '.cache', 'dos_jax')
+  """Where this machine's profile is cached: in `dos_jax.cache.cache_dir()`
+  ($DOS_JAX_CACHE_DIR, else $XDG_CACHE_HOME/dos_jax, else ~/.cache/dos_jax)."""
+  root = str(cache.cache_dir())
   backend = backend or jax.default_backend()
   return os.path.join(root, f'profile-{socket.gethostname()}-{backend}.json')
 

@@ -41,11 +41,11 @@ from __future__ import annotations
 import dataclasses
 
 # The profile lives in `hardware`; re-exported so callers need one import.
-from dos_jax.hardware import A100_PCIE_GEN4_NODE as A100_PCIE_GEN4_NODE
-from dos_jax.hardware import ADAMW_BYTES_PER_PARAM as ADAMW_BYTES_PER_PARAM
-from dos_jax.hardware import H100_PCIE_GEN5_NODE as H100_PCIE_GEN5_NODE
-from dos_jax.hardware import HardwareProfile as HardwareProfile
-from dos_jax.hardware import PROFILE_PRESETS as PROFILE_PRESETS
+from dos_jax.planner.hardware import A100_PCIE_GEN4_NODE as A100_PCIE_GEN4_NODE
+from dos_jax.planner.hardware import ADAMW_BYTES_PER_PARAM as ADAMW_BYTES_PER_PARAM
+from dos_jax.planner.hardware import H100_PCIE_GEN5_NODE as H100_PCIE_GEN5_NODE
+from dos_jax.planner.hardware import HardwareProfile as HardwareProfile
+from dos_jax.planner.hardware import PROFILE_PRESETS as PROFILE_PRESETS
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
 
@@ -67,7 +67,8 @@ class Prediction:
       gradients, including those hidden behind the backward pass).
     grad_transfer_hidden_seconds: how much of the host subgroups' gradient copies
       hides behind the backward pass.
-    device_peak_bytes: device memory the update needs beyond params and grads.
+    device_peak_bytes: device memory the update needs beyond params and grads: the
+      resident tier's state plus the streamed path's buffers.
     bound: what limits the update: 'device stream', 'host', 'H2D link', 'D2H link',
       'resident' or 'serialized' (device_is_host).
     layout_seconds: packing gradients (and fp32 params) into subgroup rows before the
@@ -84,6 +85,19 @@ class Prediction:
   device_peak_bytes: float
   bound: str
   layout_seconds: float = 0.0
+  resident_bytes: float = 0.0
+
+  @property
+  def buffer_bytes(self) -> float:
+    """Device memory the update needs only while it runs (the streamed buffers); the
+    resident state (`resident_bytes`) stays through the forward and backward passes."""
+    return self.device_peak_bytes - self.resident_bytes
+
+  def device_bytes_beside(self, activation_bytes: float) -> float:
+    """Device memory beyond params and grads over a whole iteration: the resident
+    state always, plus the larger of the activations (forward/backward) and the
+    streamed buffers (update phase), which never coexist."""
+    return self.resident_bytes + max(activation_bytes, self.buffer_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,16 +193,21 @@ def predict(
         bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
         device_peak_bytes=0.0, bound='serialized', layout_seconds=layout,
     )
-  device_fraction = sum(sizes[i] for i in plan.device) / max(1, sum(sizes))
+  on_device = plan.device + plan.resident
+  device_fraction = sum(sizes[i] for i in on_device) / max(1, sum(sizes))
   layout = (spec.num_elements * layout_bytes(spec, device_fraction)
             / (profile.device_memory_gbps * _GB))
-  if plan.resident:
+  resident_bytes = float(sb * sum(sizes[i] for i in plan.resident))
+  # Resident subgroups are updated in device memory with no copies; their update
+  # shares the device with the stream's, so the device path does both in turn.
+  resident_seconds = sum(sizes[i] for i in plan.resident) / u_dev
+  if plan.all_resident:
     seconds = spec.num_elements / u_dev
     return Prediction(
         update_seconds=seconds + layout, device_stream_seconds=seconds, host_seconds=0.0,
         bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
-        device_peak_bytes=float(sb * spec.num_subgroups * spec.subgroup_size),
-        bound='resident', layout_seconds=layout,
+        device_peak_bytes=resident_bytes, bound='resident', layout_seconds=layout,
+        resident_bytes=resident_bytes,
     )
 
   dev_sizes = [sizes[i] for i in plan.device]
@@ -214,6 +233,8 @@ def predict(
         latencies.append((h + c + d) - max(h, c, d, (h + c + d) / plan.buffers))
     if latencies:
       stream += latencies[0]  # filling the pipeline: the first subgroup's whole latency
+  stream_alone = stream
+  stream += resident_seconds
 
   grad_seconds = gb * host_elements / d2h_bw
   hidden = min(grad_seconds, max(backward_seconds, 0.0))
@@ -222,7 +243,7 @@ def predict(
   host = 0.0
   if plan.host:
     work = host_elements / u_host
-    compute = work if serial else _slowed(work, stream, profile.host_copy_slowdown)
+    compute = work if serial else _slowed(work, stream_alone, profile.host_copy_slowdown)
     first, last = sizes[plan.host[0]], sizes[plan.host[-1]]
     # The first subgroup's exposed gradients must arrive before its update starts, and
     # the last one's params go back after it ends; the rest pipelines.
@@ -240,16 +261,70 @@ def predict(
   else:
     h2d_link = (bytes_h2d) / h2d_bw
     d2h_link = (bytes_d2h - gb * host_elements * (hidden / grad_seconds if grad_seconds else 0)) / d2h_bw
+    device_label = 'device stream' if dev_sizes else 'resident'
     update, bound = max(
-        (stream, 'device stream'), (host, 'host'), (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
+        (stream, device_label), (host, 'host'), (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
         key=lambda item: item[0],
     )
   peak = float(sb * plan.buffers * max(dev_sizes)) if dev_sizes else 0.0
   return Prediction(
       update_seconds=update + layout, device_stream_seconds=stream, host_seconds=host,
       bytes_h2d=bytes_h2d, bytes_d2h=bytes_d2h, grad_transfer_hidden_seconds=hidden,
-      device_peak_bytes=peak, bound=bound, layout_seconds=layout,
+      device_peak_bytes=peak + resident_bytes, bound=bound, layout_seconds=layout,
+      resident_bytes=resident_bytes,
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+  """What moving from one plan's tiers to another's costs, once.
+
+  Attributes:
+    subgroups: subgroups whose tier changes.
+    bytes_h2d: state bytes copied host -> device (rows becoming resident).
+    bytes_d2h: state bytes copied device -> host (rows leaving the resident tier).
+    bytes_host: state bytes copied within host memory (streamed <-> host rows).
+    seconds: the predicted time of those copies (links and host memory in parallel).
+  """
+
+  subgroups: int
+  bytes_h2d: float
+  bytes_d2h: float
+  bytes_host: float
+  seconds: float
+
+
+def _placement_of(plan: Plan) -> dict[int, str]:
+  out = {g: 'host' for g in plan.host}
+  out.update({g: 'streamed' for g in plan.device})
+  out.update({g: 'resident' for g in plan.resident})
+  return out
+
+
+def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan) -> Migration:
+  """The one-off cost of moving the state's rows from `old`'s tiers to `new`'s.
+
+  Rows that become resident cross H2D, rows that leave the resident tier cross D2H,
+  and rows moving between the two host tiers are copied in host memory (read + write,
+  at the host AdamW's memory rate: 28 bytes per param it streams). The order within a
+  tier does not matter: only the tier of each subgroup does.
+  """
+  before, after = _placement_of(old), _placement_of(new)
+  sizes = subgroup_sizes(spec)
+  sb = spec.state_bytes_per_element
+  moved = [g for g in after if before.get(g) != after[g]]
+  h2d = float(sum(sb * sizes[g] for g in moved if after[g] == 'resident'))
+  d2h = float(sum(sb * sizes[g] for g in moved if before[g] == 'resident'))
+  host = float(sum(sb * sizes[g] for g in moved
+                   if 'resident' not in (before[g], after[g])))
+  if profile.device_is_host:
+    seconds = (h2d + d2h + 2 * host) / (profile.device_memory_gbps * _GB)
+  else:
+    host_gbps = ADAMW_BYTES_PER_PARAM * profile.host_adamw_gparams()
+    seconds = max(h2d / (profile.h2d_gbps * _GB), d2h / (profile.d2h_gbps * _GB),
+                  2 * host / (host_gbps * _GB))
+  return Migration(subgroups=len(moved), bytes_h2d=h2d, bytes_d2h=d2h, bytes_host=host,
+                   seconds=seconds)
 
 
 def predict_iteration(

@@ -12,8 +12,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from dos_jax import costmodel
-from dos_jax.hardware import HardwareProfile
+from dos_jax.planner import costmodel
+from dos_jax.planner.hardware import HardwareProfile
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
 

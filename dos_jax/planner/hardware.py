@@ -3,7 +3,7 @@
 A profile holds the handful of rates that decide an offloaded update phase: PCIe
 bandwidth each way (alone and with both directions busy), host and device AdamW
 throughput, the device memory free for the update, and how much the host update slows
-while copies compete with it for host memory bandwidth. `dos_jax.calibrate` measures
+while copies compete with it for host memory bandwidth. `dos_jax.planner.calibrate` measures
 one for this machine; the presets describe the paper's nodes, with their sources.
 """
 

@@ -16,13 +16,16 @@ import os
 import re
 import sys
 
-from dos_jax import auto
-from dos_jax import costmodel
+from dos_jax.planner import auto
+from dos_jax.planner import costmodel
+from dos_jax.planner import memory
 from dos_jax import model_shapes
-from dos_jax.costmodel import HardwareProfile
+from dos_jax.planner.costmodel import HardwareProfile
 from dos_jax.policies import AllDevice
 from dos_jax.policies import AllHost
 from dos_jax.policies import DeviceFraction
+from dos_jax.policies import Plan
+from dos_jax.policies import Resident
 from dos_jax.policies import Stride
 from dos_jax.policies import SubgroupSpec
 
@@ -32,10 +35,6 @@ _THIS = 'this'
 # the paper's 20B run achieved (2NT FLOPs forward in 288 ms and 4NT backward in 852 ms
 # per GPU, ~190-280 TFLOP/s); A100: assumed, ~1/3 of its 312 TFLOP/s bf16 peak.
 _DEFAULT_TFLOPS = {'h100-pcie5': 200.0, 'a100-pcie4': 100.0}
-# Activation bytes per layer and token for 16-bit training without recomputation,
-# with a fused (flash) attention that stores no s x s scores: Korthikanti et al. 2022,
-# "Reducing Activation Recomputation in Large Transformer Models", 34 s b h.
-_ACT_BYTES_PER_LAYER_TOKEN_DIM = 34
 
 _UNITS = {
     '': 1, 'b': 1, 'kb': 1e3, 'mb': 1e6, 'gb': 1e9, 'tb': 1e12,
@@ -101,6 +100,10 @@ def register(subparsers) -> None:
   p.add_argument('--achieved-tflops', type=_positive_float, help='training TFLOP/s per device,'
                  ' for the forward/backward estimate (default: 200 on h100-pcie5, 100 on'
                  ' a100-pcie4; otherwise no iteration time)')
+  p.add_argument('--pipeline', type=_positive_int, default=1, metavar='S',
+                 help='pipeline stages: report the GPipe bubble and each stage\'s memory')
+  p.add_argument('--microbatches', type=_positive_int, default=1, metavar='M',
+                 help='microbatches per step of a pipelined run (default: 1)')
   p.set_defaults(handler=handler)
 
 
@@ -130,7 +133,7 @@ def _load_profile(name: str) -> HardwareProfile:
   if name in costmodel.PROFILE_PRESETS:
     return costmodel.PROFILE_PRESETS[name]
   if name == _THIS:
-    from dos_jax import calibrate  # pylint: disable=import-outside-toplevel
+    from dos_jax.planner import calibrate  # pylint: disable=import-outside-toplevel
     if not os.path.exists(calibrate.profile_path()):
       print(f'calibrating this machine (a few seconds; cached in {calibrate.profile_path()})',
             file=sys.stderr)
@@ -157,28 +160,31 @@ def _count(n: float) -> str:
   return f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'
 
 
+Sizing = memory.Sizing
+sizing = memory.sizing
+
+
 @dataclasses.dataclass(frozen=True)
-class Sizing:
-  """What one device and one node hold for a model, in bytes."""
+class _Row:
+  """One plan of the comparison table."""
 
-  params: float
-  grads: float
-  activations: float
-  state_per_device: float
-  num_elements: int
+  name: str
+  plan: Plan
+  iteration: costmodel.IterationPrediction
+  fits: bool
 
 
-def sizing(shape, *, param_bytes: int, state_bytes: int, devices: int, seq_len: int, micro_batch: int) -> Sizing:
-  """Per-device sizes with params, grads and state sharded over the node's devices
-  (as ZeRO-3/FSDP would) and one micro-batch of activations per device."""
-  n = shape.num_params()
-  per_device = math.ceil(n / devices)
-  acts = shape.n_layers * seq_len * micro_batch * shape.dim * _ACT_BYTES_PER_LAYER_TOKEN_DIM
-  acts *= param_bytes / 2  # the estimate is for 16-bit activations
-  return Sizing(
-      params=per_device * param_bytes, grads=per_device * param_bytes, activations=acts,
-      state_per_device=per_device * state_bytes, num_elements=per_device,
-  )
+def _best_resident_only(profile, spec, budget, acts, bwd) -> Plan:
+  """The fastest `Resident(r)` (the rest on the host, nothing streamed) that fits."""
+  best = None
+  for r in range(spec.num_subgroups + 1):
+    plan = Resident(r).plan(spec)
+    pred = costmodel.predict(profile, spec, plan, backward_seconds=bwd)
+    if pred.device_bytes_beside(acts) > budget:
+      break
+    if best is None or pred.update_seconds < best[1]:
+      best = (plan, pred.update_seconds)
+  return best[0] if best else AllHost().plan(spec)
 
 
 def handler(args) -> int:
@@ -194,6 +200,17 @@ def handler(args) -> int:
   state_bytes = 12 if param_bytes == 2 else 8
   size = sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=devices,
                 seq_len=args.seq_len, micro_batch=args.micro_batch)
+  per_stage = None
+  if args.pipeline > 1:
+    from dos_jax.planner import stages  # pylint: disable=import-outside-toplevel
+    try:
+      per_stage = stages.stage_sizes(
+          shape, stages=args.pipeline, microbatches=args.microbatches, devices=devices,
+          param_bytes=param_bytes, state_bytes=state_bytes, seq_len=args.seq_len,
+          micro_batch=args.micro_batch,
+          act_bytes_per_layer_token_dim=memory.ACT_BYTES_PER_LAYER_TOKEN_DIM)
+    except ValueError as e:
+      return _error(f'--pipeline: {e}')
   subgroup = args.subgroup_size or (
       int(1e8) if shape.num_params() >= 1e9 else int(1e7) if shape.num_params() >= 1e8 else int(1e6)
   )
@@ -230,38 +247,74 @@ def handler(args) -> int:
     short.append(f'pinned host memory short by {_gib(host_state - host_mem)} per node'
                  f' (optimizer state {_gib(host_state)} > {_gib(host_mem)})')
 
-  budget = max(device_mem - base, 0.0)
-  ranking = auto.rank(profile, spec, budget, backward_seconds=bwd)
+  budget = memory.device_budget(device_mem, size)
+  acts = size.activations
+  ranking = auto.rank(profile, spec, budget, backward_seconds=bwd, activation_bytes=acts)
   chosen = ranking[0]
-  print('\nmemory per tier:')
+  pred = chosen.prediction
+  sb = state_bytes
+  print('\nmemory per tier (chosen plan):')
   print(f'  device (each): params {_gib(size.params)}, grads {_gib(size.grads)}, activations'
-        f' ~{_gib(size.activations)} (fwd/bwd), update buffers {_gib(chosen.prediction.device_peak_bytes)}'
-        f' -> peak {_gib(base + max(size.activations, chosen.prediction.device_peak_bytes))}'
-        f' of {_gib(device_mem)}')
-  print(f'  pinned host (node): optimizer state {_gib(host_state)}'
-        f' ({state_bytes} B/param) of {_gib(host_mem) if host_mem else "unknown"}')
+        f' ~{_gib(acts)} (fwd/bwd), resident state {_gib(pred.resident_bytes)}, update'
+        f' buffers {_gib(pred.buffer_bytes)} -> peak {_gib(base + pred.device_bytes_beside(acts))}'
+        f' of {_gib(device_mem)} ({memory.MARGIN:.0%} kept free)')
+  on_host = sb * subgroup * (len(chosen.plan.device) + len(chosen.plan.host)) * devices
+  print(f'  pinned host (node): optimizer state {_gib(on_host)} of {_gib(host_state)}'
+        f' ({state_bytes} B/param) in {_gib(host_mem) if host_mem else "unknown"}')
+  if per_stage:
+    print()
+    print('\n'.join(stages.report(per_stage, microbatches=args.microbatches, gib=_gib)))
   if short:
     for line in short:
       print(f'\ndoes not fit: {line}')
     return 1
 
   plan = chosen.plan
-  print(f'\nchosen plan: {plan.describe()} ({len(plan.device) / spec.num_subgroups:.0%} of'
-        f' subgroups on the device), order: {_order(plan)}')
-  rows = [('Auto (chosen)', plan)] + [
-      (name, policy.plan(spec)) for name, policy in
-      (('AllHost', AllHost()), ('Stride(2)', Stride(2)), ('DeviceFraction(0.5)', DeviceFraction(0.5)))
-  ]
-  if backward_peak + size.state_per_device <= device_mem:
-    rows.append(('AllDevice (state fits on device)', AllDevice().plan(spec)))
-  print(f'\n  {"plan":34} {"update":>10} {"iteration":>10}  bound')
-  for name, p in rows:
+  print(f'\nchosen plan: {plan.describe()} ({len(plan.resident) / spec.num_subgroups:.0%}'
+        f' resident, {len(plan.device) / spec.num_subgroups:.0%} streamed), order: {_order(plan)}')
+  statics = [('AllHost', AllHost().plan(spec)), ('Stride(2)', Stride(2).plan(spec)),
+             ('DeviceFraction(0.5)', DeviceFraction(0.5).plan(spec))]
+  best_resident = _best_resident_only(profile, spec, budget, acts, bwd)
+  statics.append((f'Resident({len(best_resident.resident)}) (best resident-only)', best_resident))
+  statics.append(('AllDevice', AllDevice().plan(spec)))
+  rows = []
+  for name, p in [('Auto (chosen)', plan)] + statics:
     it = costmodel.predict_iteration(profile, spec, p, forward_seconds=fwd, backward_seconds=bwd)
-    iteration = _ms(it.iteration_seconds) if tflops else '-'
-    print(f'  {name:34} {_ms(it.update.update_seconds):>10} {iteration:>10}  {it.update.bound}')
+    rows.append(_Row(name, p, it, it.update.device_bytes_beside(acts) <= budget))
+  print(f'\n  {"plan":40} {"update":>9} {"iteration":>10}  {"resident":>9} {"buffers":>9}'
+        f' {"host/node":>10}  bound')
+  for row in rows:
+    u = row.iteration.update
+    iteration = _ms(row.iteration.iteration_seconds) if tflops else '-'
+    host = sb * subgroup * (len(row.plan.device) + len(row.plan.host)) * devices
+    name = row.name if row.fits else row.name + ' (no fit)'
+    print(f'  {name:40} {_ms(u.update_seconds):>9} {iteration:>10}  {_gib(u.resident_bytes):>9}'
+          f' {_gib(u.buffer_bytes):>9} {_gib(host):>10}  {u.bound}')
   if tflops:
     print(f'\n(forward {_ms(fwd)} + backward {_ms(bwd)} estimated at {tflops:g} TFLOP/s per device)')
+  for line in _why(rows, budget, acts):
+    print(line)
   return 0
+
+
+def _why(rows: list[_Row], budget: float, acts: float) -> list[str]:
+  """Why Auto's plan is slower than a listed one: that one does not fit (or, were a
+  fitting plan faster, that it is not among Auto's candidates)."""
+  chosen = rows[0].iteration.update.update_seconds
+  out = []
+  for row in rows[1:]:
+    u = row.iteration.update
+    if u.update_seconds >= chosen:
+      continue
+    if not row.fits:
+      out.append(f'{row.name} would take {_ms(u.update_seconds)} but needs'
+                 f' {_gib(u.device_bytes_beside(acts))} of device memory beside params and'
+                 f' grads (resident state {_gib(u.resident_bytes)} + the larger of activations'
+                 f' {_gib(acts)} and buffers {_gib(u.buffer_bytes)}); {_gib(budget)} is free')
+    else:
+      out.append(f'{row.name} ({_ms(u.update_seconds)}) fits but is not among Auto\'s'
+                 ' candidates')
+  return ['\nwhy Auto is slower than:'] + ['  ' + line for line in out] if out else []
 
 
 def _order(plan) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from dos_jax import costmodel
-from dos_jax.costmodel import HardwareProfile
-from dos_jax.costmodel import Prediction
+from dos_jax.planner import costmodel
+from dos_jax.planner.costmodel import HardwareProfile
+from dos_jax.planner.costmodel import Prediction
 from dos_jax.policies import AllHost
 from dos_jax.policies import DeviceFraction
 from dos_jax.policies import Plan
@@ -29,10 +29,15 @@ class StepRecord:
     plan: `Plan.describe()` of the plan the step ran.
     n_host: subgroups updated on the host.
     n_device: subgroups updated on the device (streamed or resident).
+    n_resident: of those, the subgroups whose state stays in device memory.
     bytes_h2d: bytes the plan moves host -> device.
     bytes_d2h: bytes the plan moves device -> host.
     predicted_s: the cost model's update-phase time.
     measured_s: the measured update-phase time (None when not measured this step).
+    migrated_subgroups: subgroups whose tier changed before this step because the
+      policy re-planned (0 when it did not).
+    migration_bytes: state bytes those moves copy (H2D, D2H and within host memory).
+    migration_s: the cost model's time for those copies, paid once.
   """
 
   step: int
@@ -43,13 +48,23 @@ class StepRecord:
   bytes_d2h: float
   predicted_s: float
   measured_s: float | None = None
+  n_resident: int = 0
+  migrated_subgroups: int = 0
+  migration_bytes: float = 0.0
+  migration_s: float = 0.0
 
   @classmethod
-  def of(cls, step: int, plan: Plan, prediction: Prediction, measured_s: float | None = None) -> StepRecord:
+  def of(cls, step: int, plan: Plan, prediction: Prediction, measured_s: float | None = None,
+         *, migration: costmodel.Migration | None = None) -> StepRecord:
+    moved = {}
+    if migration is not None:
+      moved = dict(migrated_subgroups=migration.subgroups, migration_s=migration.seconds,
+                   migration_bytes=migration.bytes_h2d + migration.bytes_d2h + migration.bytes_host)
     return cls(
-        step=step, plan=plan.describe(), n_host=len(plan.host), n_device=len(plan.device),
+        step=step, plan=plan.describe(), n_host=len(plan.host),
+        n_device=len(plan.device) + len(plan.resident), n_resident=len(plan.resident),
         bytes_h2d=prediction.bytes_h2d, bytes_d2h=prediction.bytes_d2h,
-        predicted_s=prediction.update_seconds, measured_s=measured_s,
+        predicted_s=prediction.update_seconds, measured_s=measured_s, **moved,
     )
 
   @property

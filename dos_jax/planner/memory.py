@@ -1,0 +1,175 @@
+"""Memory per tier, before anything is allocated: what a run needs against what exists.
+
+`sizing` is the one model of a run's memory that `dos-jax plan` prints and that
+`dos-jax train` checks (`check_run`) before it creates an array or a run folder:
+params, grads and activations per device, the optimizer state in host memory.
+`device_budget` is the device memory left for the optimizer's resident tier and
+streamed buffers once params, grads and a safety margin are counted; `Auto` fills it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+# Fraction of device (and host) memory kept free: allocator fragmentation, XLA's
+# workspace and temporaries the model does not count.
+MARGIN = 0.05
+# Activation bytes per layer and token for 16-bit training without recomputation,
+# with a fused (flash) attention that stores no s x s scores: Korthikanti et al. 2022,
+# "Reducing Activation Recomputation in Large Transformer Models", 34 s b h.
+ACT_BYTES_PER_LAYER_TOKEN_DIM = 34
+# With every block recomputed, only each block's 16-bit input stays (2 s b h per
+# layer), plus one block's full activations during its recomputation.
+REMAT_BYTES_PER_LAYER_TOKEN_DIM = 2
+
+_GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+  """What one device and one node hold for a model, in bytes.
+
+  Attributes:
+    params: parameters per device.
+    grads: gradients per device.
+    activations: one micro-batch's activations per device (forward/backward).
+    state_per_device: optimizer state (fp32 master if kept, m, v) per device's shard.
+    num_elements: parameter elements per device (the packed state's size).
+  """
+
+  params: float
+  grads: float
+  activations: float
+  state_per_device: float
+  num_elements: int
+
+
+def sizing(shape, *, param_bytes: int, state_bytes: int, devices: int, seq_len: int,
+           micro_batch: int, remat: bool = False) -> Sizing:
+  """Per-device sizes with params, grads and state sharded over `devices` (as ZeRO-3 /
+  FSDP or a tensor split would) and one micro-batch of activations per device."""
+  n = shape.num_params()
+  per_device = math.ceil(n / devices)
+  tokens_dim = seq_len * micro_batch * shape.dim
+  if remat:
+    acts = (shape.n_layers * REMAT_BYTES_PER_LAYER_TOKEN_DIM
+            + ACT_BYTES_PER_LAYER_TOKEN_DIM) * tokens_dim
+  else:
+    acts = shape.n_layers * ACT_BYTES_PER_LAYER_TOKEN_DIM * tokens_dim
+  acts *= param_bytes / 2  # the estimate is for 16-bit activations
+  return Sizing(
+      params=per_device * param_bytes, grads=per_device * param_bytes, activations=acts,
+      state_per_device=per_device * state_bytes, num_elements=per_device,
+  )
+
+
+def device_budget(device_bytes: float, size: Sizing, margin: float = MARGIN) -> float:
+  """Device memory the optimizer may use beside the model (resident state, streamed
+  buffers; activations still to be counted against it): the device's memory less the
+  margin, params and grads. Never negative."""
+  return max(device_bytes * (1 - margin) - size.params - size.grads, 0.0)
+
+
+def gib(n: float) -> str:
+  return f'{n / _GIB:,.1f} GiB'
+
+
+@dataclasses.dataclass(frozen=True)
+class Shortfall:
+  """One memory that is too small: what needs it, how much, how much there is."""
+
+  memory: str  # e.g. 'device memory (each of 4)', 'host memory'
+  needed: float
+  available: float
+  parts: str  # what `needed` is made of
+
+  def line(self) -> str:
+    return (f'{self.memory} short by {gib(self.needed - self.available)}: needs'
+            f' {gib(self.needed)} ({self.parts}), {gib(self.available)} available')
+
+
+def shortfalls(size: Sizing, *, devices: int, device_bytes: float, host_bytes: float,
+               device_is_host: bool, margin: float = MARGIN) -> list[Shortfall]:
+  """What does not fit, with everything offloadable on the host (AllHost: the least
+  device memory any plan needs). `host_bytes` 0 means unknown (not checked).
+
+  On the CPU backend the "device" is host memory, so both needs are one sum against
+  the host's memory."""
+  model = size.params + size.grads + size.activations
+  state = size.state_per_device * devices
+  parts = (f'params {gib(size.params)} + grads {gib(size.grads)} + activations'
+           f' {gib(size.activations)}')
+  if device_is_host:
+    needed = model * devices + state
+    available = host_bytes * (1 - margin)
+    if host_bytes and needed > available:
+      return [Shortfall('host memory', needed, available,
+                        f'{parts} per device, x{devices}, + optimizer state {gib(state)}')]
+    return []
+  out = []
+  if model > device_bytes * (1 - margin):
+    out.append(Shortfall(f'device memory (each of {devices})', model,
+                         device_bytes * (1 - margin), parts))
+  if host_bytes and state > host_bytes * (1 - margin):
+    out.append(Shortfall('pinned host memory', state, host_bytes * (1 - margin),
+                         f'optimizer state of {devices} device(s)'))
+  return out
+
+
+def host_available_bytes() -> float:
+  """Host memory available now: /proc/meminfo's MemAvailable, else free pages (0 when
+  neither is readable)."""
+  try:
+    with open('/proc/meminfo', encoding='ascii') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return float(line.split()[1]) * 1024
+  except OSError:
+    pass
+  try:
+    return float(os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE'))
+  except (ValueError, OSError, AttributeError):
+    return 0.0
+
+
+def device_available_bytes(device) -> float | None:
+  """Free memory of `device` from its allocator's statistics, or None when the backend
+  keeps none (the CPU backend)."""
+  stats = getattr(device, 'memory_stats', lambda: None)()
+  if not stats or 'bytes_limit' not in stats:
+    return None
+  return float(stats['bytes_limit'] - stats.get('bytes_in_use', 0))
+
+
+_DTYPE_BYTES = {'float32': 4, 'bfloat16': 2}
+
+
+def check_run(cfg) -> str | None:
+  """Checks a run config (`dos_jax.train.config.RunConfig`) against this machine's
+  memory before anything is allocated; returns one line naming the shortfall, or None.
+
+  Uses the same sizing as `dos-jax plan`: params, grads and the state sharded over the
+  local devices, one micro-batch of activations per data-parallel device."""
+  import jax  # pylint: disable=import-outside-toplevel  # the backend starts here
+
+  devices = jax.local_devices()
+  shape = cfg.model.shape()
+  param_bytes = _DTYPE_BYTES.get(str(cfg.model.param_dtype), 4)
+  state_bytes = 12 if param_bytes < 4 else 8
+  count = len(devices)
+  data = cfg.mesh.data if cfg.mesh.data > 0 else max(
+      count // (cfg.mesh.tensor * cfg.mesh.pipeline), 1)
+  micro_batch = max(cfg.data.batch_size // data, 1)
+  size = sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=count,
+                seq_len=cfg.data.seq_len, micro_batch=micro_batch, remat=bool(cfg.model.remat))
+  device_is_host = devices[0].platform == 'cpu'
+  free = None if device_is_host else device_available_bytes(devices[0])
+  short = shortfalls(size, devices=count, device_bytes=free or math.inf,
+                     host_bytes=host_available_bytes(), device_is_host=device_is_host)
+  if not short:
+    return None
+  name = f'model.preset={cfg.model.preset}' if cfg.model.preset else 'the model'
+  return (f'{name} ({shape.num_params() / 1e9:.2f}B params) does not fit this machine: '
+          + '; '.join(s.line() for s in short))
