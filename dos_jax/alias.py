@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from dos_jax import clipping
+from dos_jax import validate as validate_lib
 from dos_jax.fused import FusedAdamW
 from dos_jax.offload import Offload
 from dos_jax.transform import offloaded
@@ -83,6 +84,7 @@ def chain(
     >>> opt = dos_jax.chain(optax.scale_by_adam(), optax.add_decayed_weights(0.1),
     ...                     optax.scale_by_learning_rate(1e-3))
   """
+  validate_lib.check_offload(offload, 'dos_jax.chain')
   split = 0
   while split < len(transforms) and _is_stateless(transforms[split]):
     split += 1
@@ -137,9 +139,13 @@ def adamw(
   `pinned_host` memory. Each step the placement policy decides which subgroups are
   streamed to the device and which are updated on the host.
 
-  With bf16/fp16 params the result is optax.adamw run on the fp32 master, then cast:
-  updates are returned in fp32 so that `optax.apply_updates` reproduces
-  `master.astype(param_dtype)` exactly, and moments default to fp32.
+  With bf16/fp16 params the result is optax.adamw run on the fp32 master, then cast,
+  and moments default to fp32. Updates have optax's dtype (the promotion of the
+  param's and the gradient's), which `optax.apply_if_finite` and `optax.MultiSteps`
+  need: with fp32 gradients `optax.apply_updates` reproduces
+  `master.astype(param_dtype)` exactly; with 16-bit ones too, except where a value
+  changes by a large factor or crosses zero in one step (see
+  `transform._updates_from_leaves`). The master is exact either way.
 
   Args:
     learning_rate: a scalar or an optax schedule.
@@ -153,6 +159,7 @@ def adamw(
   Returns:
     A `GradientTransformationExtraArgs`; its update accepts `plan=` for one step.
   """
+  validate_lib.check_offload(offload, 'dos_jax.adamw')
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
     raise TypeError(f'dos_jax.adamw: mu_dtype must be a real floating dtype, got {mu_dtype}')

@@ -86,6 +86,10 @@ class Offload:
     size = self.subgroup_size
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
       raise ValueError(f'Offload.subgroup_size must be a positive integer, got {size!r}')
+    if isinstance(self.policy, type):
+      raise TypeError(
+          f'Offload.policy must be a policy instance, e.g. dos_jax.{self.policy.__name__}(...),'
+          f' not the class {self.policy.__name__}')
     if not isinstance(self.policy, Policy):
       raise TypeError(
           f'Offload.policy must be a placement policy such as dos_jax.AllHost(),'

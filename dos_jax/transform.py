@@ -22,9 +22,11 @@ from jax.sharding import PartitionSpec as P
 from dos_jax import clipping
 from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
+from dos_jax import meshes
 from dos_jax import partition as partition_lib
 from dos_jax import paths
 from dos_jax import slots as slots_lib
+from dos_jax import validate as validate_lib
 from dos_jax.partition import Tier
 from dos_jax.partition import TIERS
 from dos_jax.kernels import host_adamw_rows
@@ -32,72 +34,9 @@ from dos_jax.offload import Offload
 from dos_jax.offload import Platform
 from dos_jax.offload import UpdateImpl
 from dos_jax.policies import Plan
+from dos_jax.state import OffloadedState
 
 PyTree = Any
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class OffloadedState:
-  """State of an offloaded transform.
-
-  The per-element state is stored in tiers (see `partition`): each tier holds one
-  `(R, K, S)` array per dtype (see `slots`) for its R subgroups, in ascending subgroup
-  order: the fp32 master (kept only for lower-precision params) and the wrapped
-  transforms' moments. A tier with no subgroup holds `(0, K, S)` arrays.
-
-  Attributes:
-    host: the host-updated subgroups' state, in `pinned_host` memory.
-    streamed: the device-streamed subgroups' state, in `pinned_host` memory.
-    resident: the state kept in device memory (`AllDevice`).
-    scalars: the wrapped transforms' scalar state (step counts), shared by every
-      subgroup since all subgroups take every step together; in device memory.
-    layout: how parameters map onto subgroups (static metadata).
-    slots: where each state leaf is stored (static metadata).
-    partition: which subgroups each tier holds (static metadata).
-  """
-
-  host: tuple[jax.Array, ...]
-  streamed: tuple[jax.Array, ...]
-  resident: tuple[jax.Array, ...]
-  scalars: tuple[jax.Array, ...]
-  layout: layout_lib.Layout = dataclasses.field(metadata=dict(static=True))
-  slots: slots_lib.Slots = dataclasses.field(metadata=dict(static=True))
-  partition: partition_lib.Partition = dataclasses.field(metadata=dict(static=True))
-
-  def tier(self, tier: Tier) -> tuple[jax.Array, ...]:
-    return getattr(self, tier.value)
-
-  @property
-  def tiers(self) -> dict[Tier, tuple[jax.Array, ...]]:
-    return {tier: self.tier(tier) for tier in TIERS}
-
-  def rows(self) -> tuple[jax.Array, ...]:
-    """The whole per-element state, one `(G, K, S)` array per dtype in subgroup order.
-    A copy in device memory: for inspection and checkpoints, not for the training step."""
-    moved = {t: tuple(_to_device_memory(x) for x in arrays) for t, arrays in self.tiers.items()}
-    return partition_lib.merge_tiers(moved, self.partition)
-
-  def unstacked(self) -> tuple[jax.Array | None, Any]:
-    """`(master, inner_state)` as the wrapped transforms define it, with `(G, S)`
-    leaves; a copy in device memory (see `rows`)."""
-    return slots_lib.join(self.rows(), self.scalars, self.slots, axis=1)
-
-  @property
-  def inner(self) -> Any:
-    """The wrapped transforms' state (e.g. `inner[0].mu`), unstacked; see `unstacked`."""
-    return self.unstacked()[1]
-
-  @property
-  def master(self) -> jax.Array | None:
-    """The `(G, S)` fp32 master weights, or None when params are fp32; a copy."""
-    return self.unstacked()[0]
-
-
-def _to_device_memory(x: jax.Array) -> jax.Array:
-  if isinstance(x, jax.core.Tracer):
-    return jax.device_put(x, paths.DEVICE)
-  return jax.device_put(x, x.sharding.with_memory_kind('device'))
 
 
 class _Placement(NamedTuple):
@@ -105,19 +44,6 @@ class _Placement(NamedTuple):
 
   rows: dict[Tier, Any]
   scalars: Any
-
-
-def _find_mesh(params: PyTree, offload: Offload):
-  if offload.mesh is not None:
-    return offload.mesh
-  for leaf in jax.tree.leaves(params):
-    try:
-      sharding = leaf.sharding
-    except Exception:  # pylint: disable=broad-except  # tracers have no concrete sharding
-      return None
-    if isinstance(sharding, NamedSharding) and offload.data_axis in sharding.mesh.shape:
-      return sharding.mesh
-  return None
 
 
 def _memory_kind(tier: Tier) -> str:
@@ -138,8 +64,11 @@ def _placement(mesh, offload: Offload) -> _Placement:
 
 def _place(tiers: dict[Tier, tuple], scalars, placement: _Placement, constrain: bool = False):
   def put(x, target):
-    if constrain and isinstance(target, NamedSharding):
-      return jax.lax.with_sharding_constraint(x, target)
+    # With Explicit mesh axes the sharding is part of the type: device_put reshards.
+    if constrain and isinstance(target, NamedSharding) and not meshes.is_explicit(target.mesh):
+      # device_put moves the memory; only a constraint makes sharding propagation keep
+      # the spec (a device_put to an abstract mesh or of a constant may lose it).
+      return jax.lax.with_sharding_constraint(jax.device_put(x, target), target)
     return jax.device_put(x, target)
 
   tiers = {t: tuple(put(x, placement.rows[t]) for x in arrays) for t, arrays in tiers.items()}
@@ -176,6 +105,7 @@ def offloaded(
     global-norm clip factor) that multiplies every gradient, in fp32, on whichever path
     updates it.
   """
+  validate_lib.check_offload(offload, 'dos_jax.offloaded')
   offload = Offload() if offload is None else offload
   shardings_by_layout: dict[layout_lib.Layout, tuple[Any, tuple[Any, ...]]] = {}
 
@@ -183,9 +113,13 @@ def offloaded(
     return inner.update(grad, state, param, row_decayed=decayed)
 
   def init_fn(params):
+    if validate_lib.is_params_placeholder(params):
+      # optax.tree_utils.tree_map_params: the packed state holds no params-shaped tree.
+      return validate_lib.NOT_PARAMS_SHAPED
+    validate_lib.check_params(params)
     if validate is not None:
       validate(params)
-    mesh = _find_mesh(params, offload)
+    mesh = meshes.find_mesh(params, offload)
     shard_multiple = mesh.shape[offload.data_axis] if mesh is not None else 1
     layout = layout_lib.make_layout(
         params,
@@ -195,9 +129,11 @@ def offloaded(
     )
     if mesh is not None:
       param_shardings = tuple(
-          getattr(leaf, 'sharding', None) for leaf in layout.treedef.flatten_up_to(params)
-      )
-      shardings_by_layout[layout] = (mesh, param_shardings)
+          meshes.leaf_sharding(leaf) for leaf in layout.treedef.flatten_up_to(params))
+      if all(s is None for s in param_shardings):  # traced: keep what a concrete init saw
+        shardings_by_layout.setdefault(layout, (mesh, param_shardings))
+      else:
+        shardings_by_layout[layout] = (mesh, param_shardings)
     split = offload.target() is Platform.GPU
     part = partition_lib.for_plan(offload.policy.plan(layout.spec()), split)
     placement = _placement(mesh, offload)
@@ -216,7 +152,9 @@ def offloaded(
           row_state(master))
       return master if layout.needs_master else None, state
 
-    template = jax.eval_shape(full_state, params)
+    # Shapes only: no sharding, which Explicit mesh axes would make part of the types.
+    template = jax.eval_shape(full_state, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params))
     slots = slots_lib.build(template, row_ndim=2)
 
     def tier_state(leaves, tier: Tier, space):
@@ -252,10 +190,26 @@ def offloaded(
           fn = functools.partial(tier_state, tier=tier, space=paths.HOST)
           fn = paths.host_region(fn) if split else fn
           tiers[tier], scalars = fn(host_leaves)
-      return _place(tiers, scalars, placement)
+      if mesh is not None:
+        # Keeps the params an input of the jitted init even where no state value reads
+        # them (fp32 params keep no master): that jit takes its devices from them.
+        probe = [jnp.ravel(x)[0] for x in leaves if x.size][:1]
+        scalars = tuple(jnp.where(jnp.isnan(probe[0]), x, x) for x in scalars) if probe \
+            else scalars
+      return _place(tiers, scalars, placement, constrain=True)
+
+    def run(params):
+      explicit = meshes.explicit_mesh(jax.tree.leaves(params))
+      if explicit is None:
+        return build(params)
+      rows = P(None, None, offload.data_axis) if offload.data_axis in explicit.shape else P()
+      specs = ({t: (rows,) * len(slots.groups) for t in TIERS},
+               (P(),) * sum(1 for g, _ in slots.places if g < 0))
+      with jax.sharding.use_abstract_mesh(explicit):  # see update_fn
+        return jax.sharding.auto_axes(build, out_sharding=specs)(params)
 
     traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
-    tiers, scalars = build(params) if traced else jax.jit(build)(params)
+    tiers, scalars = run(params) if traced else jax.jit(run)(params)
     return OffloadedState(
         host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
         scalars=scalars, layout=layout, slots=slots, partition=part)
@@ -273,22 +227,52 @@ def offloaded(
       raise ValueError(
           'dos_jax: params are required: updates are computed against the fp32 master.'
       )
+    grad_leaves = validate_lib.leaves_like(updates, layout, 'updates')
+    param_leaves = None if params is None else validate_lib.leaves_like(params, layout, 'params')
     split = offload.target() is Platform.GPU
     mesh_info = shardings_by_layout.get(layout)
     placement = _placement(None if mesh_info is None else mesh_info[0], offload)
     wanted = partition_lib.for_plan(plan, split)
     if wanted != state.partition:
       state = _migrate(state, wanted, placement, split)
-    part = state.partition
-    grad_leaves = layout.treedef.flatten_up_to(updates)
-    param_leaves = None if params is None else layout.treedef.flatten_up_to(params)
+    if grad_scale is not None:
+      grad_scale = jnp.asarray(grad_scale, layout.state_dtype)
+    explicit = meshes.explicit_mesh(grad_leaves + (param_leaves or []))
+    if explicit is None:
+      new_leaves, new_state = step_body(grad_leaves, param_leaves, state, grad_scale,
+                                        plan, mesh_info, placement)
+    else:
+      # Sharding in types: the packing concatenates leaves sharded unlike each other,
+      # which Explicit axes refuse; inside `auto_axes` XLA chooses, as with Auto axes.
+      def spec(leaf):
+        return getattr(getattr(jax.typeof(leaf), 'sharding', None), 'spec', P())
+
+      out_specs = ([spec(x) for x in (param_leaves or grad_leaves)],
+                   meshes.state_specs(state, explicit, offload.data_axis))
+      body = functools.partial(step_body, plan=plan, mesh_info=mesh_info, placement=placement)
+      with jax.sharding.use_abstract_mesh(explicit):
+        new_leaves, new_state = jax.sharding.auto_axes(body, out_sharding=out_specs)(
+            grad_leaves, param_leaves, state, grad_scale)
+    # The updates take the structure of the updates given (optax's convention), not
+    # the init-time one: node types may differ (nnx.Param at init, arrays here).
+    return jax.tree.structure(updates).unflatten(new_leaves), new_state
+
+  def step_body(grad_leaves, param_leaves, state, grad_scale, plan, mesh_info, placement):
+    """The step proper, on checked leaves and a state already in the plan's partition."""
+    if mesh_info is not None and meshes.is_explicit(mesh_info[0]):
+      # Inside `auto_axes`: the context mesh has the same axes, as Auto axes; the
+      # outputs' shardings are `auto_axes`'s to set.
+      mesh_info = (jax.sharding.get_abstract_mesh(), (None,) * len(mesh_info[1]))
+      placement = _placement(mesh_info[0], offload)
+    layout, part = state.layout, state.partition
+    split = offload.target() is Platform.GPU
     grad_dtype = _common_dtype(grad_leaves, layout.state_dtype)
     state_dtype = jnp.dtype(layout.state_dtype)
     out_dtype = layout.lowp_dtype if layout.needs_master else state_dtype
     base_step = paths.RowStep(
         row_update=row_update, slots=state.slots, has_master=layout.needs_master,
         decayed_rows=layout.decayed_rows, state_dtype=state_dtype, out_dtype=out_dtype,
-        grad_scale=None if grad_scale is None else jnp.asarray(grad_scale, state_dtype))
+        grad_scale=grad_scale)
     # The native host call in a host region has no sharding rule: the accelerator
     # program's sharded state stays on XLA's host loop.
     native = fused_lib.usable(fused, base_step, state.host, grad_leaves) and not (
@@ -314,14 +298,15 @@ def offloaded(
     # Computed once from the pre-step scalars, apart from both paths.
     scalars = tuple(jax.device_put(x, paths.DEVICE)
                     for x in paths.next_scalars(base_step, state.scalars))
-    new_updates = _updates_from_leaves(
-        partition_lib.leaves_from_rows(outs, layout, part), layout, params)
+    new_leaves = _updates_from_leaves(
+        partition_lib.leaves_from_rows(outs, layout, part), layout, param_leaves,
+        validate_lib.update_dtypes(layout, grad_leaves))
     if mesh_info is not None:
       # Inside jit a device_put to the same memory kind is a no-op that sharding
       # propagation may override; a constraint pins the ZeRO-1 layout.
       new_tiers, scalars = _place(new_tiers, scalars, placement, constrain=True)
-      new_updates = _constrain_like(new_updates, layout, mesh_info[1])
-    return new_updates, OffloadedState(
+      new_leaves = _constrain_like(new_leaves, mesh_info[1])
+    return new_leaves, OffloadedState(
         host=new_tiers[Tier.HOST], streamed=new_tiers[Tier.STREAMED],
         resident=new_tiers[Tier.RESIDENT], scalars=scalars, layout=layout,
         slots=state.slots, partition=part)
@@ -439,22 +424,60 @@ def _migrate(state: OffloadedState, wanted: partition_lib.Partition, placement: 
              split: bool) -> OffloadedState:
   """Moves rows between tiers for a plan whose partition differs from the state's.
 
-  Rare (a new plan from `Auto`, or `plan=` naming another split): it merges the tiers
-  in host memory and splits them again, so it briefly holds a second copy of the state
-  in host memory, never in device memory beyond the resident tier itself.
+  Rare (a new plan from `Auto`, or `plan=` naming another split), and part of the
+  jitted step that first runs the new plan. A tier whose subgroups do not change is
+  passed through untouched (under donation it keeps its buffer). A tier that changes
+  is rebuilt from runs of consecutive rows, each sliced where it lives and copied
+  straight into the new tier's memory: no merged copy of the whole state is ever
+  built, so the step holds the state plus the new arrays of the tiers that change
+  (an XLA array cannot grow or shrink in place), and device memory holds the moved
+  rows only when they become resident.
   """
-  host_tiers = {t: paths.to_host(arrays) for t, arrays in state.tiers.items()}
-
-  def move(host_tiers):
-    return partition_lib.split_tiers(partition_lib.merge_tiers(host_tiers, state.partition), wanted)
-
-  tiers = (paths.host_region(move) if split else move)(host_tiers)
-  tiers = {t: paths.put(arrays, paths.DEVICE if t is Tier.RESIDENT else paths.HOST)
-           for t, arrays in tiers.items()}
   del placement  # the step's output constraints place the tiers on the mesh
+  old = state.partition
+  region = paths.host_region if split else (lambda fn: fn)
+  tiers = dict(state.tiers)
+  for tier in TIERS:
+    ids = wanted.ids(tier)
+    if ids == old.ids(tier):
+      continue
+    dest = paths.DEVICE if tier is Tier.RESIDENT else paths.HOST
+    segments = _segments(old, ids)
+    rebuilt = []
+    for j, same in enumerate(state.tier(tier)):
+      parts = []
+      for src, start, stop in segments:
+        x = state.tier(src)[j]
+        take = lambda y, a=start, b=stop: y[a:b]
+        part = take(x) if src is Tier.RESIDENT else region(take)(x)
+        parts.append(jax.device_put(part, dest))
+      if not parts:
+        rebuilt.append(same[:0] if tier is Tier.RESIDENT else region(lambda y: y[:0])(same))
+      elif len(parts) == 1:
+        rebuilt.append(parts[0])
+      elif tier is Tier.RESIDENT:
+        rebuilt.append(jnp.concatenate(parts))
+      else:
+        rebuilt.append(region(lambda *p: jnp.concatenate(p))(*parts))
+    tiers[tier] = tuple(rebuilt)
   return OffloadedState(
       host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
       scalars=state.scalars, layout=state.layout, slots=state.slots, partition=wanted)
+
+
+def _segments(old: partition_lib.Partition,
+              ids: tuple[int, ...]) -> list[tuple[Tier, int, int]]:
+  """`ids` (ascending subgroups of a new tier) as `(old tier, start row, stop row)` runs
+  of rows that are consecutive in one old tier."""
+  out: list[tuple[Tier, int, int]] = []
+  for g in ids:
+    src = old.tier_of(g)
+    row = old.local(src, [g])[0]
+    if out and out[-1][0] is src and out[-1][2] == row:
+      out[-1] = (src, out[-1][1], row + 1)
+    else:
+      out.append((src, row, row + 1))
+  return out
 
 
 def _check_plan(plan: Plan, state: OffloadedState) -> None:
@@ -468,25 +491,34 @@ def _check_plan(plan: Plan, state: OffloadedState) -> None:
 
 
 def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,
-                         params) -> PyTree:
-  """Optax updates from the new parameter leaves (master case) or the raw updates."""
+                         param_leaves: list[jax.Array] | None,
+                         dtypes: list[jnp.dtype]) -> list[jax.Array]:
+  """Optax update leaves, in `dtypes` (see `validate.update_dtypes`), from the new
+  parameter leaves (master case) or the raw updates.
+
+  Master case: `new_lowp - p`, computed in the state dtype. With fp32 updates,
+  `optax.apply_updates` adds in fp32 and casts, which reproduces `new_lowp` exactly
+  (JAX_NOTES). With bf16 updates (bf16 params and gradients, optax's convention) it
+  does too whenever `new_lowp - p` is a bf16 number, i.e. unless a value changes by a
+  large factor or crosses zero in one step; there the param lands within one bf16 ulp
+  of `max(|p|, |new_lowp|)` of it. The master is exact either way, and the next
+  update is computed against the param as it is, so the gap never accumulates.
+  """
   if not layout.needs_master:
-    return layout.treedef.unflatten(leaves)
+    return [leaf.astype(d) for leaf, d in zip(leaves, dtypes)]
   state_dtype = jnp.dtype(layout.state_dtype)
-  param_leaves = layout.treedef.flatten_up_to(params)
-  # new_lowp - p in the state dtype: optax.apply_updates then adds in that dtype and
-  # casts, which reproduces new_lowp exactly (JAX_NOTES: a 16-bit update would not).
-  new = [
-      leaf.astype(dtype).astype(state_dtype) - p.astype(state_dtype)
-      for leaf, dtype, p in zip(leaves, layout.dtypes, param_leaves)
+  return [
+      (leaf.astype(dtype).astype(state_dtype) - p.astype(state_dtype)).astype(d)
+      for leaf, dtype, p, d in zip(leaves, layout.dtypes, param_leaves, dtypes)
   ]
-  return layout.treedef.unflatten(new)
 
 
-def _constrain_like(updates: PyTree, layout: layout_lib.Layout, shardings) -> PyTree:
-  leaves = layout.treedef.flatten_up_to(updates)
-  constrained = [
-      leaf if s is None else jax.lax.with_sharding_constraint(leaf, s)
-      for leaf, s in zip(leaves, shardings)
-  ]
-  return layout.treedef.unflatten(constrained)
+def _constrain_like(leaves: list[jax.Array], shardings) -> list[jax.Array]:
+  def pin(leaf, s):
+    if s is None:
+      return leaf
+    if isinstance(s, NamedSharding) and meshes.is_explicit(s.mesh):
+      return jax.device_put(leaf, s)
+    return jax.lax.with_sharding_constraint(leaf, s)
+
+  return [pin(leaf, s) for leaf, s in zip(leaves, shardings)]

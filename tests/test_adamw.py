@@ -87,7 +87,8 @@ def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform):
   for bit with jit(optax.adamw) on flat data, but optax compiled over a multi-leaf tree
   contracts its final add into an FMA differently, so the two fp32 masters may differ
   in the last bit; where that straddles a bf16 rounding boundary the casts differ by one
-  bf16 ulp. Either way our params are exactly the cast of our own master.
+  bf16 ulp. Our params, updated with optax's bf16 updates, track the cast of our own
+  master (see `assert_params_track_master`).
   """
   seed = np.random.randint(1 << 30)
   ours, ref = make_pair(policy, impl=impl, platform=platform)
@@ -102,14 +103,13 @@ def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform):
     params, state = step(params, state, grads)
     ref_master, ref_state = ref_step(ref_master, ref_state, grads)
 
-  ours_leaves = jax.tree.leaves(params)
+  master_leaves = dos_jax.layout.unpack(jax.device_put(state.master, jax.devices()[0]),
+                                        state.layout)
+  assert_params_track_master(params, master_leaves, step_bound=4 * 3e-2)
+  ours_leaves = [m.astype(jnp.bfloat16) for m in master_leaves]
   ref_cast = [np.asarray(b.astype(jnp.bfloat16)) for b in jax.tree.leaves(ref_master)]
   differ = [np.asarray(a) != b for a, b in zip(ours_leaves, ref_cast)]
   mismatches, total = sum(int(d.sum()) for d in differ), sum(a.size for a in ours_leaves)
-  master_leaves = dos_jax.layout.unpack(jax.device_put(state.master, jax.devices()[0]),
-                                        state.layout)
-  for p, m in zip(ours_leaves, master_leaves):
-    np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
   if impl == dos_jax.UpdateImpl.XLA:
     assert mismatches == 0, f'{mismatches}/{total} bf16 params differ from the cast master'
     return
@@ -120,6 +120,22 @@ def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform):
     gap = np.abs(np.asarray(a, np.float32)[d] - b.astype(np.float32)[d])
     ulp = np.spacing(np.abs(b.astype(np.float32)[d])) * 2.0**16  # one bf16 ulp
     assert np.all(gap <= ulp), (gap, ulp)
+
+
+def assert_params_track_master(params, master_leaves, step_bound: float):
+  """bf16 params updated with bf16 updates (optax's dtype for bf16 params and grads) are
+  the cast of the fp32 master except where a value changed by a large factor or crossed
+  zero in one step: there `p + bf16(new - p)` rounds, by at most half a bf16 ulp of the
+  step's change (< `step_bound`). Such elements must be rare (<= 5%: their share grows
+  with the share of values near zero, e.g. zero-initialised biases)."""
+  leaves = jax.tree.leaves(params)
+  gaps = [np.abs(np.asarray(p, np.float32) - np.asarray(m.astype(jnp.bfloat16), np.float32))
+          for p, m in zip(leaves, master_leaves)]
+  total = sum(g.size for g in gaps)
+  mismatches = sum(int((g > 0).sum()) for g in gaps)
+  assert mismatches <= max(1, total // 20), f'{mismatches}/{total} params off the master'
+  worst = max(float(g.max()) for g in gaps)
+  assert worst <= step_bound * 2.0**-8, (worst, step_bound)
 
 
 def test_fp32_params_keep_no_master():
@@ -294,7 +310,7 @@ def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math():
     grads = random_grads(params, i, seed)
     params, state = step(params, state, grads, plan=plan)
     ref_params, ref_state = ref_step(ref_params, ref_state, grads)
-    assert state.partition.streamed == (() if plan.resident else tuple(sorted(plan.device)))
-    assert state.partition.resident == (plan.device if plan.resident else ())
+    assert state.partition.streamed == tuple(sorted(plan.device))
+    assert state.partition.resident == tuple(sorted(plan.resident))
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -54,12 +54,15 @@ def test_sharded_matches_unsharded(policy):
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 (virtual) devices')
-def test_explicit_axes_mesh_gets_a_clear_error():
+def test_explicit_axes_mesh_is_accepted():
+  """Explicit mesh axes (jax.make_mesh's default) shard the state like Auto ones; the
+  steps' numbers are checked in tests/test_dropin.py."""
   mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Explicit,))
   params = {'w': jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('data', None)))}
-  with pytest.raises(ValueError, match=r"\['w'\].*Explicit axes"):
-    dos_jax.adamw(1e-3).init(params)
+  state = dos_jax.adamw(1e-3, offload=dos_jax.Offload(policy=dos_jax.AllHost())).init(params)
+  rows = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
+  assert rows and all(x.sharding.spec == P(None, None, 'data') for x in rows)
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 (virtual) devices')
@@ -108,8 +111,10 @@ def test_sharded_state_runs_the_native_kernel_per_shard(policy, dtype):
     want = np.asarray(ref_p[key].astype(dtype), np.float32)
     if dtype == jnp.float32:
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    else:  # bf16 params: the cast of an fp32 master within an ulp of optax's
-      np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+    else:  # bf16 params: the cast of an fp32 master within an ulp of optax's, plus
+      # where a bf16 update rounds (a value crossing zero): half a bf16 ulp of one
+      # step's change, < 4 * lr * 2**-8 (see test_adamw.assert_params_track_master).
+      np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=4 * 1e-2 * 2 ** -8)
     assert p[key].sharding.is_equivalent_to(shardings[key], p[key].ndim), key
   rows = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
   assert all(x.sharding.spec == P(None, None, 'data') for x in rows)

@@ -1,0 +1,239 @@
+"""`OffloadedState`, the state of an offloaded transform, and how tools see it.
+
+Inside, the per-element state is a few stacked `(R, K, S)` arrays per tier and the
+scalars a flat tuple (see `slots`). Tools that walk an optax state by name, such as
+`optax.tree_utils.tree_get(state, 'count')`, `tree_set`, orbax and
+`flax.serialization`, see the pytree instead: its children are the tiers' arrays and
+the scalars, in dicts keyed by the names of their fields in the wrapped transforms'
+state (`{'0': {'count': ...}}` for AdamW). So `tree_get(state, 'count')` finds the step
+count as it does in optax's state (and, as there, raises when a chain has two), and
+`tree_set(state, count=...)` sets it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dos_jax import layout as layout_lib
+from dos_jax import partition as partition_lib
+from dos_jax import paths
+from dos_jax import slots as slots_lib
+from dos_jax.partition import TIERS
+from dos_jax.partition import Tier
+
+_ARRAY_FIELDS = ('host', 'streamed', 'resident')
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadedState:
+  """State of an offloaded transform.
+
+  The per-element state is stored in tiers (see `partition`): each tier holds one
+  `(R, K, S)` array per dtype (see `slots`) for its R subgroups, in ascending subgroup
+  order: the fp32 master (kept only for lower-precision params) and the wrapped
+  transforms' moments. A tier with no subgroup holds `(0, K, S)` arrays.
+
+  As a pytree its children are `host`, `streamed`, `resident` and the scalars keyed
+  by their field names (see the module docstring); `layout`, `slots` and `partition`
+  are static.
+
+  Attributes:
+    host: the host-updated subgroups' state, in `pinned_host` memory.
+    streamed: the device-streamed subgroups' state, in `pinned_host` memory.
+    resident: the state kept in device memory (`AllDevice`).
+    scalars: the wrapped transforms' scalar state (step counts), shared by every
+      subgroup since all subgroups take every step together; in device memory.
+    layout: how parameters map onto subgroups (static metadata).
+    slots: where each state leaf is stored (static metadata).
+    partition: which subgroups each tier holds (static metadata).
+  """
+
+  host: tuple[jax.Array, ...]
+  streamed: tuple[jax.Array, ...]
+  resident: tuple[jax.Array, ...]
+  scalars: tuple[jax.Array, ...]
+  layout: layout_lib.Layout
+  slots: slots_lib.Slots
+  partition: partition_lib.Partition
+  # What a pytree round trip brought at the children that hold no array (empty tiers,
+  # the scalars when there are none), given back as they came: tools that treat empty
+  # nodes as leaves (orbax) put their own values there and expect them back.
+  empty_children: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  def tier(self, tier: Tier) -> tuple[jax.Array, ...]:
+    return getattr(self, tier.value)
+
+  @property
+  def tiers(self) -> dict[Tier, tuple[jax.Array, ...]]:
+    return {tier: self.tier(tier) for tier in TIERS}
+
+  def rows(self) -> tuple[jax.Array, ...]:
+    """The whole per-element state, one `(G, K, S)` array per dtype in subgroup order.
+    A copy in device memory: for inspection and checkpoints, not for the training step."""
+    moved = {t: tuple(_to_device_memory(x) for x in arrays) for t, arrays in self.tiers.items()}
+    return partition_lib.merge_tiers(moved, self.partition)
+
+  def unstacked(self) -> tuple[jax.Array | None, Any]:
+    """`(master, inner_state)` as the wrapped transforms define it, with `(G, S)`
+    leaves; a copy in device memory (see `rows`)."""
+    return slots_lib.join(self.rows(), self.scalars, self.slots, axis=1)
+
+  @property
+  def inner(self) -> Any:
+    """The wrapped transforms' state (e.g. `inner[0].mu`), unstacked; see `unstacked`."""
+    return self.unstacked()[1]
+
+  @property
+  def master(self) -> jax.Array | None:
+    """The `(G, S)` fp32 master weights, or None when params are fp32; a copy."""
+    return self.unstacked()[0]
+
+
+def _to_device_memory(x: jax.Array) -> jax.Array:
+  if isinstance(x, jax.core.Tracer):
+    return jax.device_put(x, paths.DEVICE)
+  return jax.device_put(x, x.sharding.with_memory_kind('device'))
+
+
+def _key_name(key: Any) -> str:
+  for attr in ('name', 'idx', 'key'):  # GetAttrKey, SequenceKey, DictKey / FlattenedIndexKey
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _view_structure(slots: slots_lib.Slots) -> tuple[tuple[int, ...], tuple[tuple[str, ...], ...]]:
+  """(scalar index, key names of its path in the wrapped transforms' state) per scalar."""
+  marks = [k if group < 0 else None for group, k in slots.places]
+  template = slots.treedef.unflatten(marks)[1]
+  with_paths = jax.tree_util.tree_leaves_with_path(template)
+  return (tuple(k for _, k in with_paths),
+          tuple(tuple(_key_name(key) for key in path) for path, _ in with_paths))
+
+
+def scalar_view(scalars: tuple, slots: slots_lib.Slots) -> Any:
+  """The scalars in nested dicts keyed by their path in the wrapped transforms' state,
+  e.g. `{'0': {'count': c}}` for AdamW's chain; `()` when there are none.
+
+  Only scalars, no None and no empty node: tools that treat those as leaves (orbax)
+  then see only leaves that survive a round trip through the state.
+  """
+  order, names = _view_structure(slots)
+  if not order:
+    return ()
+  view: dict[str, Any] = {}
+  for k, path in zip(order, names):
+    node = view
+    for name in path[:-1]:
+      node = node.setdefault(name, {})
+    node[path[-1]] = scalars[k]
+  return view
+
+
+def scalars_from_view(view: Any, slots: slots_lib.Slots) -> tuple:
+  """The inverse of `scalar_view`; its leaves may be anything (tracers, specs)."""
+  order, names = _view_structure(slots)
+  out = [None] * len(order)
+  for k, path in zip(order, names):
+    node = view
+    for name in path:
+      node = node[name]
+    out[k] = node
+  return tuple(out)
+
+
+def _children(state: OffloadedState) -> tuple:
+  """A tier without subgroups is `()`: its `(0, K, S)` arrays are no leaves (orbax
+  refuses to save zero-size arrays) and are made again, from the static metadata, by
+  `_unflatten`."""
+  raw = state.empty_children or (None,) * 4
+  tiers = tuple(state.tier(t) if state.partition.ids(t) else (() if r is None else r)
+                for t, r in zip(TIERS, raw))
+  view = scalar_view(state.scalars, state.slots)
+  if not state.scalars and raw[3] is not None:
+    view = raw[3]
+  return tiers + (view,)
+
+
+@functools.lru_cache(maxsize=1024)
+def empty_tier(layout: layout_lib.Layout, slots: slots_lib.Slots,
+               tier: Tier) -> tuple[jax.Array, ...]:
+  """The `(0, K, S)` arrays of a tier without subgroups, in the tier's memory kind on
+  the first device: made once per layout, eagerly even inside a trace (they hold no
+  data, so a concrete array is a fine constant there)."""
+  kind = 'device' if tier is Tier.RESIDENT else 'pinned_host'
+  with jax.ensure_compile_time_eval():
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    return tuple(jax.device_put(np.zeros((0, k, layout.subgroup_size), jnp.dtype(g)), sharding)
+                 for g, k in zip(slots.groups, slots.group_sizes))
+
+
+def _flatten_with_keys(state: OffloadedState):
+  keys = [jax.tree_util.GetAttrKey(n) for n in _ARRAY_FIELDS + ('scalars',)]
+  return tuple(zip(keys, _children(state))), (state.layout, state.slots, state.partition)
+
+
+def _flatten(state: OffloadedState):
+  return _children(state), (state.layout, state.slots, state.partition)
+
+
+def _unflatten(aux, children) -> OffloadedState:
+  layout, slots, partition = aux
+  tiers = [tuple(c) if partition.ids(t) else empty_tier(layout, slots, t)
+           for t, c in zip(TIERS, children[:3])]
+  scalars = scalars_from_view(children[3], slots)
+  raw = tuple(None if partition.ids(t) else c for t, c in zip(TIERS, children[:3]))
+  raw += (None if scalars else children[3],)
+  return OffloadedState(host=tiers[0], streamed=tiers[1], resident=tiers[2],
+                        scalars=scalars, layout=layout, slots=slots, partition=partition,
+                        empty_children=raw)
+
+
+jax.tree_util.register_pytree_with_keys(OffloadedState, _flatten_with_keys, _unflatten,
+                                        _flatten)
+
+
+def _register_flax_serialization() -> None:
+  """`flax.serialization.to_bytes(state)` / `from_bytes(target, data)` support.
+
+  The restored arrays are placed like the target's (host state back in pinned_host).
+  """
+  try:
+    from flax import serialization  # pylint: disable=import-outside-toplevel
+  except ImportError:  # flax is optional for the library itself
+    return
+  names = _ARRAY_FIELDS + ('scalars',)
+
+  def to_state_dict(state: OffloadedState) -> dict[str, Any]:
+    return {n: serialization.to_state_dict(c) for n, c in zip(names, _children(state))}
+
+  def from_state_dict(target: OffloadedState, state_dict: dict[str, Any]) -> OffloadedState:
+    missing = [n for n in names if n not in state_dict]
+    if missing:
+      raise ValueError(f'dos_jax: serialized OffloadedState lacks {missing}')
+    children = []
+    for name, child in zip(names, _children(target)):
+      restored = serialization.from_state_dict(child, state_dict[name], name=name)
+      restored = jax.tree.unflatten(jax.tree.structure(child), jax.tree.leaves(restored))
+      children.append(jax.tree.map(_placed_like, child, restored))
+    return _unflatten((target.layout, target.slots, target.partition), children)
+
+  serialization.register_serialization_state(OffloadedState, to_state_dict, from_state_dict,
+                                             override=True)
+
+
+def _placed_like(target: Any, value: Any) -> Any:
+  sharding = getattr(target, 'sharding', None)
+  if isinstance(target, jax.Array) and sharding is not None:
+    return jax.device_put(value, sharding)
+  return value
+
+
+_register_flax_serialization()

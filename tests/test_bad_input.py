@@ -1,0 +1,98 @@
+"""Misuse of the library gets one line naming the mistake, never an internal error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dos_jax
+
+OFFLOAD = dos_jax.Offload(subgroup_size=64, policy=dos_jax.Stride(2))
+
+
+def params_and_state(dtype=jnp.float32):
+  rng = np.random.default_rng(np.random.randint(1 << 30))
+  params = {'w': jnp.asarray(rng.standard_normal((128, 8)), dtype),
+            'b': jnp.asarray(rng.standard_normal((8,)), dtype)}
+  tx = dos_jax.adamw(1e-3, offload=OFFLOAD)
+  return tx, params, tx.init(params)
+
+
+def one_line(err: pytest.ExceptionInfo) -> str:
+  text = str(err.value)
+  assert '\n' not in text, text
+  return text
+
+
+@pytest.mark.parametrize('jit', [False, True], ids=['eager', 'jit'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
+def test_transposed_gradients_are_refused_naming_the_leaf(jit, dtype):
+  tx, params, state = params_and_state(dtype)
+  grads = {'w': jnp.ones((8, 128), dtype), 'b': jnp.ones((8,), dtype)}
+  update = jax.jit(tx.update) if jit else tx.update
+  with pytest.raises(ValueError, match=r"\['w'\] has shape mismatch.*\(8, 128\).*\(128, 8\)") as err:
+    update(grads, state, params)
+  one_line(err)
+  # optax refuses them too: the same input is a mistake for both.
+  with pytest.raises(Exception):
+    optax.adamw(1e-3).update(grads, optax.adamw(1e-3).init(params), params)
+
+
+def test_wrong_size_and_wrong_count_and_integer_gradients_are_refused():
+  tx, params, state = params_and_state()
+  cases = [
+      ({'w': jnp.ones((128, 9)), 'b': jnp.ones(8)}, r"\['w'\] has size mismatch"),
+      ({'w': jnp.ones((128, 8))}, r"have 1 leaves.*had 2: params leaf \['b'\] has no match"),
+      ({'w': jnp.ones((128, 8)), 'b': jnp.ones(8), 'c': jnp.ones(2)},
+       r"have 3 leaves.*had 2: updates leaf \['c'\] matches no param"),
+      ({'w': jnp.ones((128, 8), jnp.int32), 'b': jnp.ones(8)}, r"\['w'\] has dtype int32"),
+  ]
+  for grads, pattern in cases:
+    with pytest.raises(ValueError, match=pattern) as err:
+      tx.update(grads, state, params)
+    one_line(err)
+  with pytest.raises(ValueError, match=r"params leaf \['w'\] has shape mismatch") as err:
+    tx.update(jax.tree.map(jnp.ones_like, params), state,
+              {'w': jnp.ones((8, 128)), 'b': jnp.ones(8)})
+  one_line(err)
+
+
+def test_any_updates_tree_with_matching_leaves_is_accepted():
+  """optax's rule: the leaves, not the node types, must match (a tuple for a dict)."""
+  tx, params, state = params_and_state()
+  grads = jax.tree.map(jnp.ones_like, params)
+  as_tuple = tuple(jax.tree.leaves(grads))
+  u_dict, _ = tx.update(grads, state, params)
+  u_tuple, _ = tx.update(as_tuple, state, params)
+  assert isinstance(u_tuple, tuple)
+  for a, b in zip(jax.tree.leaves(u_dict), u_tuple, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('bad, pattern', [
+    (None, r'init\(params\) got None'),
+    ({'w': [1.0, 2.0]}, r"\['w'\]\[0\] is a float, not an array"),
+    ({'w': 'weights'}, r"\['w'\] is a str, not an array"),
+    ({}, 'empty'),
+])
+def test_init_refuses_what_is_not_a_parameter_tree(bad, pattern):
+  with pytest.raises((TypeError, ValueError), match=pattern) as err:
+    dos_jax.adamw(1e-3, offload=OFFLOAD).init(bad)
+  one_line(err)
+
+
+def test_configuration_mistakes_name_the_argument():
+  with pytest.raises(TypeError, match=r'dos_jax\.Stride\(\.\.\.\), not the class Stride') as err:
+    dos_jax.Offload(policy=dos_jax.Stride)
+  one_line(err)
+  with pytest.raises(TypeError, match=r'dos_jax\.AllHost\(\.\.\.\), not the class AllHost'):
+    dos_jax.Offload(policy=dos_jax.AllHost)
+  for make, name in [(lambda o: dos_jax.adamw(1e-3, offload=o), 'dos_jax.adamw'),
+                     (lambda o: dos_jax.chain(optax.scale_by_adam(), offload=o), 'dos_jax.chain'),
+                     (lambda o: dos_jax.offloaded(optax.scale_by_adam(), o), 'dos_jax.offloaded')]:
+    with pytest.raises(TypeError, match=rf"{name}: offload must be a dos_jax.Offload.*'yes'") as err:
+      make('yes')
+    one_line(err)
+  with pytest.raises(TypeError, match='got None'):
+    dos_jax.adamw(1e-3, offload=None).init(None)
