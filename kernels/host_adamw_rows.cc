@@ -149,7 +149,7 @@ struct Setup {
 ffi::Error Prepare(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& rows,
                    ffi::Buffer<ffi::F32>& coeffs, ffi::DataType grad_type,
                    ffi::ResultBuffer<ffi::F32>& stacked_out,
-                   ffi::Result<ffi::AnyBuffer>& out, int64_t master_k, int64_t mu_k,
+                   ffi::DataType out_type, int64_t master_k, int64_t mu_k,
                    int64_t nu_k, int64_t decayed_rows, int64_t num_threads,
                    bool nesterov, int64_t isa, Setup& su) {
   const auto dims = stacked.dimensions();
@@ -174,12 +174,12 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& rows,
   if (!ResolveIsa(isa)) {
     return Invalid("this CPU lacks the ISA asked for");
   }
-  su.fn = SelectRows(grad_type, su.has_master, out->element_type(), nesterov, isa);
+  su.fn = SelectRows(grad_type, su.has_master, out_type, nesterov, isa);
   if (su.fn == nullptr) return Invalid("unsupported dtypes");
   su.master_k = master_k, su.mu_k = mu_k, su.nu_k = nu_k, su.decayed_rows = decayed_rows;
   su.threads = num_threads;
-  su.out = static_cast<char*>(out->untyped_data());
-  su.out_bytes = ffi::ByteWidth(out->element_type());
+  su.out = nullptr;  // the caller's
+  su.out_bytes = ffi::ByteWidth(out_type);
   su.state = stacked_out->typed_data();
   const float* state_in = stacked.typed_data();
   const int64_t state_size = su.G * su.K * su.S;
@@ -217,12 +217,12 @@ RowPointers StateAt(const Setup& su, int64_t g, int64_t at) {
                      nullptr, nullptr, nullptr};
 }
 
-ffi::Error RowsImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
+ffi::Error RowsBody(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
                     ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::S32> rows,
                     ffi::Buffer<ffi::F32> coeffs, ffi::ResultBuffer<ffi::F32> stacked_out,
                     ffi::Result<ffi::AnyBuffer> out, int64_t master_k, int64_t mu_k,
                     int64_t nu_k, int64_t decayed_rows, bool indexed, int64_t num_threads,
-                    bool nesterov, int64_t isa) {
+                    bool nesterov, int64_t isa, bool out_in) {
   Setup su;
   const int64_t dims = stacked.dimensions().size();
   if (dims == 3) {
@@ -238,12 +238,14 @@ ffi::Error RowsImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
       return Invalid("params rows are needed without a master slot");
     }
   }
-  if (ffi::Error e = Prepare(stacked, rows, coeffs, grads.element_type(), stacked_out, out,
-                             master_k, mu_k, nu_k, decayed_rows, num_threads, nesterov,
-                             isa, su);
+  if (ffi::Error e = Prepare(stacked, rows, coeffs, grads.element_type(), stacked_out,
+                             out->element_type(), master_k, mu_k, nu_k, decayed_rows,
+                             num_threads, nesterov, isa, su);
       e.failure()) {
     return e;
   }
+  su.out = static_cast<char*>(out->untyped_data());
+  if (!out_in) AdviseHugePages(su.out, out->size_bytes());
   const Coeffs c(coeffs.typed_data());
   const size_t grad_bytes = ffi::ByteWidth(grads.element_type());
   auto* grad_base = static_cast<const char*>(grads.untyped_data());
@@ -259,6 +261,16 @@ ffi::Error RowsImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
   return ffi::Error::Success();
 }
 
+ffi::Error RowsImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
+                    ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::S32> rows,
+                    ffi::Buffer<ffi::F32> coeffs, ffi::ResultBuffer<ffi::F32> stacked_out,
+                    ffi::Result<ffi::AnyBuffer> out, int64_t master_k, int64_t mu_k,
+                    int64_t nu_k, int64_t decayed_rows, bool indexed, int64_t num_threads,
+                    bool nesterov, int64_t isa) {
+  return RowsBody(stacked, grads, params, rows, coeffs, stacked_out, out, master_k, mu_k,
+                  nu_k, decayed_rows, indexed, num_threads, nesterov, isa, /*out_in=*/false);
+}
+
 ffi::Error RowsOutInImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
                          ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::S32> rows,
                          ffi::Buffer<ffi::F32> coeffs, ffi::AnyBuffer /*out_in*/,
@@ -266,25 +278,34 @@ ffi::Error RowsOutInImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
                          ffi::Result<ffi::AnyBuffer> out, int64_t master_k, int64_t mu_k,
                          int64_t nu_k, int64_t decayed_rows, bool indexed,
                          int64_t num_threads, bool nesterov, int64_t isa) {
-  return RowsImpl(stacked, grads, params, rows, coeffs, stacked_out, out, master_k, mu_k,
-                  nu_k, decayed_rows, indexed, num_threads, nesterov, isa);
+  return RowsBody(stacked, grads, params, rows, coeffs, stacked_out, out, master_k, mu_k,
+                  nu_k, decayed_rows, indexed, num_threads, nesterov, isa, /*out_in=*/true);
 }
 
 // The leaves form: gradients (and, without a master, params) are read from the
 // parameter tree's leaves where they lie, not from packed (G, S) rows. Leaf i holds the
 // flat elements [offsets[i], offsets[i] + sizes[i]) of the (G * S) vector; leaves are
 // sorted by offset. Elements between leaves are padding: zero in the state, never read
-// from out, so they are skipped. `out` is (G, S), indexed by subgroup.
-ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
-                      ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
-                      ffi::ResultBuffer<ffi::F32> stacked_out,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> offsets,
-                      ffi::Span<const int64_t> sizes, bool out_in, int64_t master_k,
-                      int64_t mu_k, int64_t nu_k, int64_t decayed_rows,
-                      int64_t num_threads, bool nesterov, int64_t isa) {
+// from out, so they are skipped.
+//
+// Out is either one (G, S) array indexed by subgroup (`out_leaves` empty), or one
+// buffer per gradient leaf (`out_leaves`), which XLA aliases to the gradient leaf: the
+// result then overwrites the gradient it came from, so no state-sized buffer is
+// allocated (and first touched) per step and no (G, S) rows are unpacked afterwards.
+// In place, each block of gradients is copied to the stack before it is read, so the
+// loop's restrict-qualified pointers never alias.
+ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& rows,
+                        ffi::Buffer<ffi::F32>& coeffs, ffi::RemainingArgs& leaves,
+                        ffi::ResultBuffer<ffi::F32>& stacked_out, ffi::DataType out_type,
+                        char* out_rows, const std::vector<char*>& out_leaves,
+                        ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> sizes,
+                        size_t extra_args, int64_t master_k, int64_t mu_k, int64_t nu_k,
+                        int64_t decayed_rows, int64_t num_threads, bool nesterov,
+                        int64_t isa) {
   const size_t n = offsets.size();
   const size_t sources = master_k >= 0 ? n : 2 * n;  // grad leaves, then param leaves
-  if (n == 0 || sizes.size() != n || leaves.size() != sources + (out_in ? 1 : 0)) {
+  if (n == 0 || sizes.size() != n || leaves.size() != sources + extra_args ||
+      (!out_leaves.empty() && out_leaves.size() != n)) {
     return Invalid("leaves, offsets and sizes do not match");
   }
   std::vector<const char*> grad(n);
@@ -311,18 +332,21 @@ ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
     }
   }
   const auto dims = stacked.dimensions();
-  if (dims.size() == 3 && (ends[n - 1] > dims[0] * dims[2] ||
-                           static_cast<int64_t>(out->element_count()) != dims[0] * dims[2])) {
-    return Invalid("leaves beyond the state, or out is not (G, S)");
+  if (dims.size() == 3 && ends[n - 1] > dims[0] * dims[2]) {
+    return Invalid("leaves beyond the state");
   }
   Setup su;
-  if (ffi::Error e = Prepare(stacked, rows, coeffs, grad_type, stacked_out, out, master_k,
-                             mu_k, nu_k, decayed_rows, num_threads, nesterov, isa, su);
+  if (ffi::Error e = Prepare(stacked, rows, coeffs, grad_type, stacked_out, out_type,
+                             master_k, mu_k, nu_k, decayed_rows, num_threads, nesterov,
+                             isa, su);
       e.failure()) {
     return e;
   }
+  su.out = out_rows;
   const Coeffs c(coeffs.typed_data());
   const size_t grad_bytes = ffi::ByteWidth(grad_type);
+  const bool in_place = !out_leaves.empty();
+  if (in_place && grad_bytes != su.out_bytes) return Invalid("out leaves must be grad-typed");
   ForEachSegment(su, [&](int64_t, int64_t g, int64_t begin, int64_t end) {
     const int64_t row = g * su.S, f0 = row + begin, f1 = row + end;
     const bool decay = g < su.decayed_rows;
@@ -330,14 +354,76 @@ ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
     for (; i < n && offsets[i] < f1; ++i) {
       const int64_t a = std::max(f0, offsets[i]), b = std::min(f1, ends[i]);
       if (a >= b) continue;
-      RowPointers p = StateAt(su, g, a - row);
-      p.grad = grad[i] + (a - offsets[i]) * grad_bytes;
-      p.param = su.has_master ? nullptr : param[i] + (a - offsets[i]);
-      p.out = su.out + a * su.out_bytes;
-      su.fn(c, p, 0, b - a, decay);
+      if (!in_place) {
+        RowPointers p = StateAt(su, g, a - row);
+        p.grad = grad[i] + (a - offsets[i]) * grad_bytes;
+        p.param = su.has_master ? nullptr : param[i] + (a - offsets[i]);
+        p.out = su.out + a * su.out_bytes;
+        su.fn(c, p, 0, b - a, decay);
+        continue;
+      }
+      constexpr int64_t kBlock = 2048;  // elements: 8 KB of f32 gradients, in L1
+      alignas(64) char block[kBlock * sizeof(float)];
+      for (int64_t at = a; at < b; at += kBlock) {
+        const int64_t len = std::min(kBlock, b - at), k = at - offsets[i];
+        std::memcpy(block, grad[i] + k * grad_bytes, len * grad_bytes);
+        RowPointers p = StateAt(su, g, at - row);
+        p.grad = block;
+        p.param = su.has_master ? nullptr : param[i] + k;
+        p.out = out_leaves[i] + k * su.out_bytes;
+        su.fn(c, p, 0, len, decay);
+      }
     }
   });
   return ffi::Error::Success();
+}
+
+// Out as (G, S) rows (see LeavesCommon); with `out_in`, the last argument is a buffer
+// XLA aliases to out.
+ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
+                      ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
+                      ffi::ResultBuffer<ffi::F32> stacked_out,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> offsets,
+                      ffi::Span<const int64_t> sizes, bool out_in, int64_t master_k,
+                      int64_t mu_k, int64_t nu_k, int64_t decayed_rows,
+                      int64_t num_threads, bool nesterov, int64_t isa) {
+  const auto dims = stacked.dimensions();
+  if (dims.size() == 3 && static_cast<int64_t>(out->element_count()) != dims[0] * dims[2]) {
+    return Invalid("out is not (G, S)");
+  }
+  if (!out_in) AdviseHugePages(out->untyped_data(), out->size_bytes());
+  return LeavesCommon(stacked, rows, coeffs, leaves, stacked_out, out->element_type(),
+                      static_cast<char*>(out->untyped_data()), {}, offsets, sizes,
+                      out_in ? 1 : 0, master_k, mu_k, nu_k, decayed_rows, num_threads,
+                      nesterov, isa);
+}
+
+// Out as one buffer per gradient leaf, aliased to it (see LeavesCommon): the results
+// after the state are the out leaves, in the order of the gradient leaves.
+ffi::Error LeavesInPlaceImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
+                             ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
+                             ffi::ResultBuffer<ffi::F32> stacked_out,
+                             ffi::RemainingRets outs, ffi::Span<const int64_t> offsets,
+                             ffi::Span<const int64_t> sizes, int64_t master_k,
+                             int64_t mu_k, int64_t nu_k, int64_t decayed_rows,
+                             int64_t num_threads, bool nesterov, int64_t isa) {
+  const size_t n = offsets.size();
+  if (outs.size() != n || n == 0) return Invalid("one out leaf per gradient leaf");
+  std::vector<char*> out_leaves(n);
+  ffi::DataType out_type = ffi::DataType::INVALID;
+  for (size_t i = 0; i < n; ++i) {
+    auto o = outs.get<ffi::AnyBuffer>(i);
+    if (!o.has_value()) return o.error();
+    if (i == 0) out_type = (*o)->element_type();
+    if ((*o)->element_type() != out_type ||
+        (i < sizes.size() && static_cast<int64_t>((*o)->element_count()) != sizes[i])) {
+      return Invalid("out leaves must share one dtype and match the gradient leaves");
+    }
+    out_leaves[i] = static_cast<char*>((*o)->untyped_data());
+  }
+  return LeavesCommon(stacked, rows, coeffs, leaves, stacked_out, out_type, nullptr,
+                      out_leaves, offsets, sizes, 0, master_k, mu_k, nu_k, decayed_rows,
+                      num_threads, nesterov, isa);
 }
 
 }  // namespace
@@ -389,9 +475,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeaves, LeavesImpl,
                                   .Attr<bool>("nesterov")
                                   .Attr<int64_t>("isa"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesInPlace, LeavesInPlaceImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
+                                  .Attr<int64_t>("master_k")
+                                  .Attr<int64_t>("mu_k")
+                                  .Attr<int64_t>("nu_k")
+                                  .Attr<int64_t>("decayed_rows")
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<int64_t>("isa"));
+
 DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWHostRows)
 DOS_HANDLER_CAPSULE(HandlerOutIn, DosJaxAdamWHostRowsOutIn)
 DOS_HANDLER_CAPSULE(HandlerLeaves, DosJaxAdamWHostLeaves)
+DOS_HANDLER_CAPSULE(HandlerLeavesInPlace, DosJaxAdamWHostLeavesInPlace)
 
 // pjrt_register.cc: registers handlers inside a PJRT plugin (GPU programs' host regions).
 PyObject* DosJaxRegisterWithPjrt(PyObject* self, PyObject* args);
@@ -402,6 +507,8 @@ static PyMethodDef kMethods[] = {
      "The same, taking a buffer to alias to the out rows."},
     {"handler_leaves", HandlerLeaves, METH_NOARGS,
      "The same, reading gradients and params from the parameter tree's leaves."},
+    {"handler_leaves_in_place", HandlerLeavesInPlace, METH_NOARGS,
+     "The leaves form, writing each out leaf over its gradient leaf."},
     {"register_with_pjrt", DosJaxRegisterWithPjrt, METH_VARARGS,
      "register_with_pjrt(api, platform, targets) -> '' or why not: registers the "
      "(name, handler) targets in the FFI registry of the PJRT plugin `api` for `platform`."},

@@ -29,9 +29,10 @@ from dos_jax.kernels.host_adamw import HostIsa
 _TARGET = 'dos_jax_adamw_host_rows'
 _TARGET_OUT_IN = 'dos_jax_adamw_host_rows_out_in'  # also takes a buffer to alias to out
 _TARGET_LEAVES = 'dos_jax_adamw_host_leaves'  # gradients read from the tree's leaves
+_TARGET_IN_PLACE = 'dos_jax_adamw_host_leaves_in_place'  # out leaves over the gradients
 # FFI target -> the native module's function returning its handler.
 _HANDLERS = {_TARGET: 'handler', _TARGET_OUT_IN: 'handler_out_in',
-             _TARGET_LEAVES: 'handler_leaves'}
+             _TARGET_LEAVES: 'handler_leaves', _TARGET_IN_PLACE: 'handler_leaves_in_place'}
 
 _GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -176,7 +177,8 @@ def adamw_host_rows(stacked, grads, params, rows, scalars: AdamWScalars, *,
 def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWScalars, *,
                       offsets, slots: tuple[int, int, int], decayed_rows: int,
                       lowp_dtype: Any, out=None, nesterov: bool = False,
-                      num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO):
+                      num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO,
+                      into_grads: bool = False):
   """`adamw_host_rows` reading gradients (and params) from the parameter tree's leaves.
 
   The packed `(G, S)` gradient (and param) rows are never built: leaf i supplies the
@@ -185,20 +187,30 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
   left alone (in `out` too: they are never read from it). Out rows are `(G, S)`,
   indexed by subgroup, as with `indexed=True`.
 
+  With `into_grads`, the out values come back as one array per gradient leaf (its
+  shape, in `lowp_dtype`, which must be the gradients' dtype), written over the
+  gradient leaf: XLA aliases each to its gradient, so where the gradients are
+  temporaries of the program (a train step's backward pass) no out buffer is allocated
+  and nothing is unpacked; where they are arguments that are not donated, XLA copies
+  them first. `rows` must then be every subgroup, so that every out element is written.
+
   Args:
     grad_leaves: gradient leaves, one dtype (f32 or bf16), any shapes.
     param_leaves: None with a master slot; else the f32 param leaves, same shapes.
     offsets: static ints, the flat offset of each leaf; leaves must not overlap.
+    into_grads: return out leaves written over the gradient leaves (see above).
     Others as `adamw_host_rows`.
 
   Returns:
-    `(new_stacked, new_out)`.
+    `(new_stacked, new_out)`: new_out is `(G, S)`, or with `into_grads` a list of out
+    leaves in the order of `grad_leaves`.
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())
   host_kernel_in_gpu_programs()  # registers in a GPU plugin first, if there is one
   rows = jnp.asarray(rows)
   num_groups, k, size = stacked.shape
+  shapes = [jnp.shape(g) for g in grad_leaves]
   grad_leaves = [jnp.ravel(g) for g in grad_leaves]
   sizes = [int(g.shape[0]) for g in grad_leaves]
   offsets = [int(o) for o in offsets]
@@ -231,6 +243,30 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
   sources = [grad_leaves[i] for i in order]
   if master_k < 0:
     sources += [param_leaves[i] for i in order]
+  _, mu_k, nu_k = (int(s) for s in slots)
+  if into_grads:
+    if out is not None or jnp.dtype(lowp_dtype) != grad_leaves[0].dtype:
+      raise ValueError(f'into_grads needs lowp_dtype == the gradients\' dtype '
+                       f'({grad_leaves[0].dtype}) and no out, got {jnp.dtype(lowp_dtype)}')
+    if rows.shape != (num_groups,):
+      raise ValueError(f'into_grads needs every one of the {num_groups} subgroups in rows, '
+                       f'got {rows.shape[0]}')
+    call = jax.ffi.ffi_call(
+        _TARGET_IN_PLACE,
+        (jax.ShapeDtypeStruct(stacked.shape, stacked.dtype),
+         *(jax.ShapeDtypeStruct(grad_leaves[i].shape, grad_leaves[i].dtype) for i in order)),
+        input_output_aliases={0: 0, **{3 + j: 1 + j for j in range(len(order))}},
+    )
+    new_stacked, *outs = call(
+        stacked, rows.astype(jnp.int32), packed, *sources,
+        offsets=np.asarray([offsets[i] for i in order], np.int64),
+        sizes=np.asarray([sizes[i] for i in order], np.int64), master_k=np.int64(master_k),
+        mu_k=np.int64(mu_k), nu_k=np.int64(nu_k), decayed_rows=np.int64(decayed_rows),
+        num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa)))
+    leaves = [None] * len(order)
+    for j, i in enumerate(order):
+      leaves[i] = outs[j].reshape(shapes[i])
+    return new_stacked, leaves
   reuse = out is not None
   call = jax.ffi.ffi_call(
       _TARGET_LEAVES,
@@ -239,7 +275,6 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
       input_output_aliases={0: 0, **({3 + len(sources): 1} if reuse else {})},
   )
   args = (stacked, rows.astype(jnp.int32), packed, *sources) + ((out,) if reuse else ())
-  _, mu_k, nu_k = (int(s) for s in slots)
   return tuple(call(
       *args, offsets=np.asarray([offsets[i] for i in order], np.int64),
       sizes=np.asarray([sizes[i] for i in order], np.int64), out_in=reuse,
