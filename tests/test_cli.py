@@ -53,7 +53,8 @@ def test_bad_config_is_one_line_exit_2_and_writes_nothing(
   assert code == 2
   line = _one_error_line(capsys)
   assert culprit in line
-  assert str(path) in line
+  # The culprit's source: the `--set` argument that set the key, else the file.
+  assert (f'--set {overrides[0]}: ' in line) if overrides else (f'{path}: ' in line)
   assert not out_dir.exists()
 
 

@@ -62,7 +62,7 @@ def _error(path, overrides=()):
         ('offload.policy=gpu', "offload.policy: expected one of 'all_host'"),
         ('offload.fraction=1.5', 'offload.fraction: expected a float in [0, 1], got 1.5'),
         ('offload.subgroup_size=0', 'offload.subgroup_size: expected a positive integer'),
-        ('mesh.pipeline=2', 'mesh.pipeline: pipeline parallelism is not supported yet'),
+        ('train.microbatches=4', 'train.microbatches: 4 needs mesh.pipeline > 1'),
         ('mesh.data=0', 'mesh.data: expected a positive integer or -1'),
         ('data.seq_len=4096', 'data.seq_len: 4096 exceeds model.max_seq_len (256)'),
         ('mesh.data=3', 'data.batch_size: 32 is not divisible by mesh.data (3)'),
@@ -74,7 +74,7 @@ def _error(path, overrides=()):
 def test_bad_values_name_the_key_and_the_file(override, expected):
   path = os.path.join(REPO, 'configs', 'tiny.yaml')
   message = _error(path, [override])
-  assert message.startswith(path + ': ')
+  assert message.startswith(f'--set {override}: ')  # The culprit is the override.
   assert expected in message
 
 

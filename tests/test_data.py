@@ -54,7 +54,7 @@ def test_prepare_writes_the_bytes_and_meta(corpus, tmp_path):
   extra = tmp_path / 'extra.txt'
   extra.write_bytes(b'explicit file \x00 is taken as given\n')
   out = tmp_path / 'ds'
-  meta = data.prepare([root, extra], out, val_fraction=0.1, progress=False)
+  meta = data.prepare([root, extra], out, val_fraction=0.1, min_val_tokens=0, progress=False)
 
   stream = np.frombuffer(expected + extra.read_bytes(), np.uint8)
   train, val = _read(out / 'train.bin'), _read(out / 'val.bin')
@@ -105,7 +105,7 @@ def test_failure_midway_leaves_no_partial_files(corpus, tmp_path):
   fresh = tmp_path / 'fresh'
   with pytest.raises(OSError):
     data.prepare([root, unreadable], fresh, progress=False)
-  assert os.listdir(fresh) == []
+  assert not fresh.exists()  # A directory it created is removed again.
 
 
 def test_default_corpus_is_the_stdlib_sources(tmp_path, capsys):
@@ -137,7 +137,8 @@ def _dataset(tmp_path, val_fraction=0.1):
   rng = np.random.default_rng()
   src = tmp_path / 'src.txt'
   src.write_bytes(_random_text(rng, 2000))
-  data.prepare([src], tmp_path / 'ds', val_fraction=val_fraction, progress=False)
+  data.prepare([src], tmp_path / 'ds', val_fraction=val_fraction, min_val_tokens=0,
+               progress=False)
   return tmp_path / 'ds'
 
 
@@ -158,7 +159,7 @@ def test_val_split_is_disjoint_from_train(tmp_path):
   src = tmp_path / 'src.txt'
   # The last 10% of the stream is digits, the rest letters: each split sees only its own.
   src.write_bytes(b'abcdefghij' * 90 + b'0123456789' * 10)
-  data.prepare([src], tmp_path / 'ds', val_fraction=0.1, progress=False)
+  data.prepare([src], tmp_path / 'ds', val_fraction=0.1, min_val_tokens=0, progress=False)
   train = data.BatchSampler(tmp_path / 'ds', 'train', 8, 12, seed=0)
   val = data.BatchSampler(tmp_path / 'ds', 'val', 8, 12, seed=0)
   for _ in range(20):
@@ -223,13 +224,31 @@ def test_split_too_small_for_a_window(tmp_path):
     data.BatchSampler(ds, 'val', 2, 64, 0)
 
 
+def test_the_validation_split_is_raised_to_its_minimum_with_a_warning(tmp_path, capsys):
+  """1% of 3000 tokens is 30, too few for any useful window: the split is raised to
+  `min_val_tokens` (the tail of the stream still), and prepare says so."""
+  rng = np.random.default_rng()
+  src = tmp_path / 'src.txt'
+  text = bytes(rng.integers(32, 127, 3000, dtype=np.uint8))
+  src.write_bytes(text)
+  meta = data.prepare([src], tmp_path / 'ds', val_fraction=0.01, min_val_tokens=500)
+  assert (meta.train_tokens, meta.val_tokens) == (2500, 500)
+  np.testing.assert_array_equal(_read(tmp_path / 'ds' / 'val.bin'),
+                                np.frombuffer(text[-500:], np.uint8))
+  assert 'validation split raised from 30 to 500 tokens' in capsys.readouterr().err
+  # A corpus smaller than twice the minimum gives half of itself, and says it is too small.
+  meta = data.prepare([src], tmp_path / 'ds2', val_fraction=0.01, min_val_tokens=2000)
+  assert (meta.train_tokens, meta.val_tokens) == (1500, 1500)
+  assert 'too small' in capsys.readouterr().err
+
+
 def test_bad_inputs(tmp_path):
   with pytest.raises(ValueError, match='input .*missing.txt does not exist'):
     data.prepare([tmp_path / 'missing.txt'], tmp_path / 'ds', progress=False)
   (tmp_path / 'empty').mkdir()
   with pytest.raises(ValueError, match='no text found'):
     data.prepare([tmp_path / 'empty'], tmp_path / 'ds', progress=False)
-  assert os.listdir(tmp_path / 'ds') == []
+  assert not (tmp_path / 'ds').exists()
   with pytest.raises(ValueError, match='val_fraction'):
     data.prepare(None, tmp_path / 'ds', val_fraction=1.0)
 

@@ -9,19 +9,25 @@ state fits the device; for 7B+ on a GPU they need a host-side unpack/pack.)
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete,
 so a process killed mid-save leaves no checkpoint that looks finished; leftover
-temporary directories are removed when the manager next opens the directory.
+temporary directories are removed when the manager next opens the directory. On top of
+that each checkpoint gets a checksum manifest (`integrity`): restore verifies it and a
+damaged newest checkpoint falls back to the previous complete one; non-finite params
+are never saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 import dos_jax
+from dos_jax.train import integrity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +42,17 @@ class Restored:
 
 def state_to_trees(opt_state: Any, params: Any) -> Any:
   """Optimizer state in the layout-independent form that checkpoints hold."""
+  to_trees = getattr(opt_state, 'to_trees', None)  # A pipelined run's per-stage state.
+  if to_trees is not None:
+    return to_trees()
   return dos_jax.state_to_pytrees(opt_state, params)
 
 
 def state_from_trees(trees: Any, params: Any, tx: Any) -> Any:
   """The inverse of `state_to_trees` for optimizer `tx`: re-packs and places the state."""
+  from_trees = getattr(tx, 'state_from_trees', None)  # A pipelined run's stage optimizers.
+  if from_trees is not None:
+    return from_trees(trees, params)
   return dos_jax.state_from_pytrees(trees, params, tx)
 
 
@@ -52,28 +64,113 @@ def _abstract(tree: Any) -> Any:
   )
 
 
+class NonFiniteState(ValueError):
+  """The params about to be saved hold NaN or Inf; nothing was written."""
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def all_finite(tree: Any) -> bool:
+  """Whether every float leaf of `tree` is finite (one small program, one scalar back)."""
+  return bool(_all_finite(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+  """A checkpoint that `find_restorable` passed over, and why."""
+
+  step: int
+  reason: str
+
+
+def _step_dirs(directory: str) -> list[int]:
+  """Integer-named subdirectories: orbax's finished checkpoints (temporaries excluded)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory)
+                if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def find_restorable(directory: str) -> tuple[int | None, dict | None, list[Skipped]]:
+  """The newest checkpoint in `directory` whose files match their checksums, its
+  manifest, and the newer ones passed over (incomplete or corrupt). Reads only, so the
+  loop can check a resume before it writes anything.
+
+  When no checkpoint has a manifest at all (a directory written before checksums
+  existed), the newest one is returned with manifest None: restored unverified rather
+  than silently starting the run again.
+  """
+  skipped = []
+  steps = _step_dirs(directory)
+  for step in reversed(steps):
+    try:
+      return step, integrity.verify(os.path.join(directory, str(step))), skipped
+    except integrity.CheckpointDamaged as err:
+      skipped.append(Skipped(step, str(err)))
+  if steps and not any(integrity.has_manifest(os.path.join(directory, str(s))) for s in steps):
+    return steps[-1], None, []
+  return None, None, skipped
+
+
 class Checkpointer:
-  """Saves and restores a run's checkpoints in one directory, keeping the newest `keep`."""
+  """Saves and restores a run's checkpoints in one directory, keeping the newest `keep`.
+
+  Every save gets a checksum manifest (`integrity`) once orbax has finished writing it
+  (hashed in a background thread after an async save; `wait` joins it); only then does
+  rotation delete older checkpoints, and it counts only checkpoints that
+  have a manifest, so the newest complete checkpoint is never deleted in favour of one
+  that may not finish. Params that are not finite are refused before anything is
+  written (`NonFiniteState`), so a diverged run cannot replace good checkpoints.
+  In a multi-process run only process 0 writes manifests and deletes.
+  """
 
   def __init__(self, directory: str, *, keep: int, async_save: bool):
+    self.directory = os.path.abspath(directory)
+    self._keep = keep
+    self._async = async_save
+    self._pending: list[tuple[int, dict | None]] = []
+    self._finisher: threading.Thread | None = None
+    self._error: BaseException | None = None
+    self._lead = jax.process_index() == 0
     self._manager = ocp.CheckpointManager(
-        os.path.abspath(directory),
+        self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None,  # Rotation is ours: after the manifest, complete ones only.
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True,
         ),
         item_names=('params', 'opt_state', 'meta'),
     )
 
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+    """The newest checkpoint that has a manifest (not verified: see `find_restorable`)."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
+    """Steps of the complete checkpoints (those with a manifest), oldest first."""
+    return [s for s in sorted(self._manager.all_steps())
+            if integrity.has_manifest(self.step_dir(s))]
 
-  def save(self, step: int, *, params: Any, opt_state: Any, meta: dict) -> None:
-    """Starts saving (in the background when async); `wait()` blocks until it is on disk."""
+  def save(self, step: int, *, params: Any, opt_state: Any, meta: dict,
+           run: dict | None = None) -> None:
+    """Starts saving (in the background when async); `wait()` blocks until it is on disk
+    with its manifest. `run` (JSON) is stored in the manifest for the resume check.
+
+    Raises:
+      NonFiniteState: a param is NaN or Inf (nothing is written).
+    """
+    if not all_finite(params):
+      raise NonFiniteState(f'step {step}: the parameters are not finite; not saved')
+    self.wait()
     trees = state_to_trees(opt_state, params)
     self._manager.save(
         step,
@@ -84,6 +181,32 @@ class Checkpointer:
         ),
         force=True,
     )
+    self._pending.append((step, run))
+    if not self._async:
+      self.wait()
+    else:  # Hash in the background too: training goes on while it reads the files.
+      self._finisher = threading.Thread(target=self._finish, name='checkpoint-manifest')
+      self._finisher.start()
+
+  def find_restorable(self) -> tuple[int | None, dict | None, list[Skipped]]:
+    return find_restorable(self.directory)
+
+  def quarantine(self, skipped: list[Skipped]) -> list[str]:
+    """Moves damaged checkpoints aside (`<step>.damaged`, kept for inspection) so the
+    resumed run can save those steps again; returns the new paths."""
+    moved = []
+    for item in skipped:
+      target = f'{self.step_dir(item.step)}.damaged'
+      n = 1
+      while os.path.exists(target):
+        n += 1
+        target = f'{self.step_dir(item.step)}.damaged{n}'
+      if self._lead:
+        os.replace(self.step_dir(item.step), target)
+      moved.append(target)
+    if moved:
+      self._manager.reload()
+    return moved
 
   def restore(self, step: int, *, params: Any, opt_state: Any, tx: Any) -> Restored:
     """Restores checkpoint `step` into the layout of the given (freshly initialized)
@@ -102,8 +225,50 @@ class Checkpointer:
     return Restored(step=step, params=new_params, opt_state=new_state, meta=dict(restored['meta']))
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Blocks until pending saves are on disk with their manifests, and rotated."""
+    finisher, self._finisher = self._finisher, None
+    if finisher is not None:
+      finisher.join()
+      error, self._error = self._error, None
+      if error is not None:
+        raise error
+    self._finish()
+
+  def _finish(self) -> None:
+    """Waits for orbax, writes the pending manifests, rotates (in the finisher thread
+    after an async save; the main thread touches the manager only after joining it)."""
+    try:
+      self._manager.wait_until_finished()
+      self._write_manifests()
+    except BaseException as err:  # pylint: disable=broad-exception-caught
+      if threading.current_thread() is threading.main_thread():
+        raise
+      self._error = err
+
+  def _write_manifests(self) -> None:
+    if not self._pending:
+      return
+    if self._lead:
+      for step, run in self._pending:
+        if os.path.isdir(self.step_dir(step)):
+          integrity.write_manifest(self.step_dir(step), step=step, run=run)
+    self._pending.clear()
+    self._rotate()
+
+  def _rotate(self) -> None:
+    """Deletes all but the newest `keep` complete checkpoints, and incomplete ones older
+    than the newest complete one (never one newer: it may still be being written)."""
+    if not self._lead:
+      return
+    complete = self.all_steps()
+    if not complete:
+      return
+    doomed = complete[:-self._keep]
+    doomed += [s for s in self._manager.all_steps()
+               if s < complete[-1] and s not in complete]
+    for step in sorted(set(doomed)):
+      self._manager.delete(step)
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()

@@ -16,6 +16,7 @@ import textwrap
 
 from dos_jax.train.configlib import ConfigError
 
+FAILED = 1
 USAGE_ERROR = 2
 INTERRUPTED = 130
 
@@ -39,21 +40,46 @@ def _config_keys_epilog() -> str:
 
 
 def train_handler(args: argparse.Namespace) -> int:
-  """Loads the config, trains; returns 0 when done, 130 when stopped by Ctrl-C."""
-  from dos_jax.train import config, loop  # pylint: disable=import-outside-toplevel
+  """Loads the config, trains; returns 0 when done, 1 when a step was not finite or the
+  machine ran out of memory, 128 + the signal number when stopped by SIGINT (130) or
+  SIGTERM (143) after saving a checkpoint."""
+  from dos_jax.train import config, distributed, loop  # pylint: disable=import-outside-toplevel
 
+  overrides = args.set or ()
+  for text in overrides:
+    if '=' not in text and args.config is not None and not os.path.exists(args.config):
+      # `--set train.steps 10`: argparse took `10` for CONFIG.
+      return _fail(f'--set {text} {args.config}: expected KEY=VALUE with no spaces,'
+                   f' e.g. --set {text}={args.config}')
   try:
-    cfg = config.load(args.config, args.set or ())
+    cfg = config.load(args.config, overrides)
+    # A multi-process run joins its peers before any JAX backend starts.
+    distributed.initialize_from_env()
   except ConfigError as err:
     return _fail(str(err))
+  from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
+  # Before any array or run folder exists: a run that cannot fit stops here.
+  shortfall = memory.check_run(cfg)
+  if shortfall is not None:
+    return _fail(shortfall)
   try:
     summary = loop.train(cfg)
   except ConfigError as err:
-    return _fail(f'{args.config or "<packaged tiny.yaml>"}: {err}')
+    return _fail(config.blame(str(err), args.config, overrides))
   except KeyboardInterrupt:  # A second Ctrl-C, or one before the first step.
     print('dos-jax: interrupted', file=sys.stderr)
     return INTERRUPTED
-  return INTERRUPTED if summary.interrupted else 0
+  except Exception as err:  # pylint: disable=broad-exception-caught
+    if 'RESOURCE_EXHAUSTED' not in str(err):
+      raise
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f'dos-jax: error: out of memory ({first[:200]}); try a smaller model,'
+          ' batch or sequence, model.remat=true or more devices', file=sys.stderr)
+    return FAILED
+  if summary.nonfinite_step is not None:
+    return FAILED
+  return 128 + summary.signal if summary.interrupted and summary.signal else (
+      INTERRUPTED if summary.interrupted else 0)
 
 
 def prepare_handler(args: argparse.Namespace) -> int:
@@ -70,6 +96,8 @@ def prepare_handler(args: argparse.Namespace) -> int:
     options['val_fraction'] = args.val_fraction
   if args.max_bytes is not None:
     options['max_bytes'] = args.max_bytes
+  if args.min_val_tokens is not None:
+    options['min_val_tokens'] = args.min_val_tokens
   try:
     meta = data.prepare(
         list(args.inputs) or None, args.out, tokenizer_path=args.tokenizer, progress=True,
@@ -93,7 +121,9 @@ def register(subparsers) -> None:
       description=textwrap.fill(
           'Train (or resume) the run a YAML config describes. Without CONFIG, runs the'
           ' packaged tiny CPU config. A run directory holding checkpoints resumes from'
-          ' the newest. Ctrl-C saves a checkpoint and exits with code 130.', width=88,
+          ' the newest complete checkpoint (checksums verified). Ctrl-C or SIGTERM saves a'
+          ' checkpoint and exits with code 130 or 143; a loss or gradient that is not finite'
+          ' stops the run without saving that step and exits with code 1.', width=88,
       ),
       epilog=_config_keys_epilog(),
       formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -129,5 +159,10 @@ def register(subparsers) -> None:
   prepare.add_argument(
       '--max-bytes', type=int, metavar='N',
       help=f'read at most this many bytes of text (default corpus: {data.DEFAULT_CORPUS_BYTES:,})',
+  )
+  prepare.add_argument(
+      '--min-val-tokens', type=int, metavar='N',
+      help=('least tokens in the validation split (raised to it with a warning), so that'
+            f' evaluation windows of seq_len + 1 fit (default: {data.MIN_VAL_TOKENS})'),
   )
   prepare.set_defaults(handler=prepare_handler)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import os
+import re
 from typing import Literal, Sequence
 
 import dos_jax
 from dos_jax.policies import Policy
 from dos_jax.train.configlib import (
+    NON_EMPTY,
     NON_NEGATIVE,
     OPEN_UNIT_INTERVAL,
     POSITIVE,
@@ -25,6 +27,7 @@ from dos_jax.train.configlib import (
     apply_overrides,
     field,
     from_dict,
+    parse_override,
     read_yaml,
 )
 from dos_jax.train.data import DataConfig
@@ -115,7 +118,8 @@ class MeshConfig:
     data: data-parallel size (batch split, optimizer state sharded ZeRO-1 style);
       -1 takes every device the other axes leave.
     tensor: tensor-parallel size (Megatron-style split of attention and MLP).
-    pipeline: pipeline stages; only 1 is supported until pipeline execution lands.
+    pipeline: pipeline stages (GPipe, `train.microbatches` per batch); the model's
+      layers split evenly over them (dos_jax/train/pipeline.py).
   """
 
   data: int = -1
@@ -125,10 +129,6 @@ class MeshConfig:
   def __post_init__(self):
     if self.data != -1 and self.data < 1:
       raise ValueError(f'data: expected a positive integer or -1 (all devices), got {self.data}')
-    if self.pipeline > 1:
-      raise ValueError(
-          f'pipeline: pipeline parallelism is not supported yet (got {self.pipeline}); use 1'
-      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +143,7 @@ class CheckpointConfig:
     async_save: write in a background thread while training continues.
   """
 
-  dir: str | None = None
+  dir: str | None = field(None, check=NON_EMPTY)
   every: int = field(500, check=NON_NEGATIVE)
   keep: int = field(3, check=POSITIVE)
   async_save: bool = True
@@ -168,6 +168,8 @@ class TrainConfig:
       the steps whose metrics are logged; N: every N-th step; 0: none; 1: every step
       (the two-program runner). An adaptive policy (auto) also gets a split step
       whenever it asks for a measurement.
+    microbatches: microbatches per batch in a pipelined run (mesh.pipeline > 1): the
+      GPipe bubble is (pipeline-1)/(microbatches+pipeline-1); must be 1 otherwise.
   """
 
   steps: int = field(1000, check=POSITIVE)
@@ -175,9 +177,17 @@ class TrainConfig:
   eval_every: int = field(200, check=NON_NEGATIVE)
   eval_batches: int = field(8, check=POSITIVE)
   log_every: int = field(10, check=POSITIVE)
-  out_dir: str = 'runs/default'
-  metrics_file: str = 'metrics.jsonl'
+  out_dir: str = field('runs/default', check=NON_EMPTY)
+  metrics_file: str = field('metrics.jsonl', check=NON_EMPTY)
   split_every: int | None = field(None, check=NON_NEGATIVE)
+  microbatches: int = field(1, check=POSITIVE)
+
+  def __post_init__(self):
+    name = os.path.normpath(self.metrics_file)
+    if os.path.isabs(self.metrics_file) or name == '.' or name.split(os.sep)[0] == '..':
+      raise ValueError(
+          f'metrics_file: must be a file name inside train.out_dir, got {self.metrics_file!r}'
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +213,11 @@ class RunConfig:
           f'data.batch_size: {self.data.batch_size} is not divisible by mesh.data'
           f' ({self.mesh.data})'
       )
+    if self.train.microbatches > 1 and self.mesh.pipeline == 1:
+      raise ValueError(
+          f'train.microbatches: {self.train.microbatches} needs mesh.pipeline > 1'
+          ' (microbatches feed pipeline stages; there is no gradient accumulation)'
+      )
 
   @property
   def checkpoint_dir(self) -> str:
@@ -225,12 +240,15 @@ def load(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:
   """Reads a YAML run config, applies `KEY=VALUE` overrides and validates it.
 
   Raises:
-    ConfigError: one line naming the file and the offending key.
+    ConfigError: one line naming the culprit: the `--set` argument that gave the key,
+      else the file.
   """
+  for text in overrides:  # Before the file: `--set a.b 3` makes `3` look like CONFIG.
+    parse_override(text)
+  source = source_name(path)
   if path is None:
-    source, text = f'<packaged {DEFAULT_CONFIG}>', default_config_text()
+    text = default_config_text()
   else:
-    source = path
     try:
       with open(path, encoding='utf-8') as f:
         text = f.read()
@@ -242,5 +260,27 @@ def load(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     data = apply_overrides(read_yaml(text, source), overrides)
     return from_dict(RunConfig, data)
   except ConfigError as err:
-    message = str(err)
-    raise ConfigError(message if message.startswith(source) else f'{source}: {message}') from None
+    raise ConfigError(blame(str(err), path, overrides)) from None
+
+
+def source_name(path: str | None) -> str:
+  return f'<packaged {DEFAULT_CONFIG}>' if path is None else path
+
+
+def blame(message: str, path: str | None, overrides: Sequence[str]) -> str:
+  """Prefixes a config error with its culprit: `--set KEY=VALUE` when an override set
+  the key the message names (or a key inside it, or its section), else the file."""
+  if message.startswith('--set '):
+    return message
+  source = source_name(path)
+  if message.startswith(source + ':'):
+    return message
+  head = message.split(':', 1)[0].strip()
+  names = [(text, text.partition('=')[0].strip()) for text in reversed(overrides)]
+  for text, name in names:
+    if head and (head == name or head.startswith(name + '.') or name.startswith(head + '.')):
+      return f'--set {text}: {message}'
+  for text, name in names:  # A cross-field check that names the overridden key later.
+    if re.search(rf'(?<![\w.]){re.escape(name)}(?![\w])', message):
+      return f'--set {text}: {message}'
+  return f'{source}: {message}'

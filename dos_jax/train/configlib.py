@@ -45,6 +45,7 @@ POSITIVE = Check('positive', lambda v: v > 0)
 NON_NEGATIVE = Check('non-negative', lambda v: v >= 0)
 UNIT_INTERVAL = Check('in [0, 1]', lambda v: 0.0 <= v <= 1.0)
 OPEN_UNIT_INTERVAL = Check('in [0, 1)', lambda v: 0.0 <= v < 1.0)
+NON_EMPTY = Check('non-empty', lambda v: len(v) > 0)
 
 
 def field(default: Any = dataclasses.MISSING, *, check: Check | None = None, **kwargs):
@@ -245,7 +246,10 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
   name, sep, raw = text.partition('=')
   name = name.strip()
   if not sep or not name or any(not part for part in name.split('.')):
-    raise ConfigError(f'--set {text!r}: expected KEY=VALUE, e.g. optim.lr=1e-3')
+    raise ConfigError(
+        f'--set {text}: expected KEY=VALUE with no spaces around =, e.g.'
+        f' --set {name or "optim.lr"}={"VALUE" if name else "1e-3"}'
+    )
   try:
     value = yaml.safe_load(raw) if raw.strip() else None
   except yaml.YAMLError:
@@ -276,10 +280,39 @@ def _deep_copy(data: Any) -> Any:
   return data
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):  # pylint: disable=too-many-ancestors
+  """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last,
+  silently dropping a whole section written earlier)."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=True)
+      try:
+        first = seen.setdefault(key, key_node.start_mark.line + 1)
+      except TypeError:
+        continue  # An unhashable key: SafeLoader's own error says so.
+      if first != key_node.start_mark.line + 1:
+        raise DuplicateKey(key, key_node.start_mark.line + 1, first)
+    return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKey(Exception):
+  def __init__(self, key, line: int, first: int):
+    super().__init__(key, line, first)
+    self.key, self.line, self.first = key, line, first
+
+
 def read_yaml(text: str, source: str) -> dict:
-  """Parses a YAML document that must be a mapping (or empty); errors name `source`."""
+  """Parses a YAML document that must be a mapping (or empty); errors name `source`.
+  A key repeated in one mapping is an error (naming the key and both lines)."""
   try:
-    data = yaml.safe_load(text)
+    data = yaml.load(text, Loader=_UniqueKeyLoader)  # A SafeLoader: no arbitrary objects.
+  except DuplicateKey as err:
+    raise ConfigError(
+        f'{source}: duplicate key {err.key!r} (line {err.line}; first given on line'
+        f' {err.first})'
+    ) from None
   except yaml.YAMLError as err:
     mark = getattr(err, 'problem_mark', None)
     where = f' (line {mark.line + 1})' if mark is not None else ''
@@ -300,7 +333,22 @@ def describe_fields(cls: type) -> list[tuple[str, str]]:
       if isinstance(v, dict):
         walk(v, f'{prefix}{k}.')
       else:
-        rows.append((f'{prefix}{k}', repr(v)))
+        choices = _choices(cls, f'{prefix}{k}')
+        rows.append((f'{prefix}{k}', repr(v) + (f'  (one of {choices})' if choices else '')))
 
   walk(to_dict(from_dict(cls, {})), '')
   return rows
+
+
+def _choices(cls: type, dotted: str) -> str:
+  """"'a', 'b'" if the field at `dotted` is a Literal (or an optional one), else ''."""
+  tp: Any = cls
+  for part in dotted.split('.'):
+    if not dataclasses.is_dataclass(tp):
+      return ''
+    tp = typing.get_type_hints(tp).get(part)
+  args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+  for arg in args:
+    if typing.get_origin(arg) is Literal:
+      return ', '.join(repr(c) for c in typing.get_args(arg))
+  return ''

@@ -24,10 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+from dos_jax import cache
 from dos_jax.train import tokenizer as tokenizer_lib
 
 SPLITS = ('train', 'val')
 DEFAULT_CORPUS_BYTES = 8 * 2**20
+MIN_VAL_TOKENS = 1025
+"""Default least size of a validation split: evaluation windows up to seq_len 1024."""
 META = 'meta.json'
 _PROGRESS_EVERY = 4 * 2**20
 _READ_CHUNK = 2**20
@@ -112,6 +115,16 @@ def load_meta(dataset_dir: str | Path) -> DatasetMeta:
   return meta
 
 
+def max_token(dataset_dir: str | Path, split: str, meta: DatasetMeta) -> int:
+  """The largest token id in a split (-1 if empty), read in pieces of 64 Mi tokens:
+  one pass over the file, about a second per GB."""
+  tokens = np.memmap(Path(dataset_dir) / f'{split}.bin', dtype=meta.dtype, mode='r')
+  top = -1
+  for start in range(0, len(tokens), 64 * 2**20):
+    top = max(top, int(tokens[start:start + 64 * 2**20].max()))
+  return top
+
+
 # ----- prepare -----
 
 
@@ -193,6 +206,24 @@ def _pieces(
             break
 
 
+def _val_size(num_tokens: int, val_fraction: float, minimum: int, *, warn: bool) -> int:
+  """Tokens of the validation split: `val_fraction` of the stream, raised to `minimum`
+  while at least as many tokens stay for training (then capped at half the stream)."""
+  num_val = math.ceil(num_tokens * val_fraction)
+  if val_fraction == 0 or num_val >= minimum:
+    return num_val
+  raised = min(minimum, num_tokens // 2)
+  if warn:
+    if raised < minimum:
+      note = (f'the corpus ({num_tokens} tokens) is too small for that; the split is half'
+              f' of it ({raised} tokens), enough for data.seq_len <= {raised - 1}')
+    else:
+      note = f'enough for data.seq_len <= {raised - 1}'
+    print(f'prepare: warning: validation split raised from {num_val} to {raised} tokens'
+          f' (minimum {minimum}, --min-val-tokens): {note}', file=sys.stderr)
+  return max(num_val, raised)
+
+
 def _copy(src: np.ndarray, f) -> None:
   for start in range(0, len(src), _READ_CHUNK):
     f.write(np.asarray(src[start:start + _READ_CHUNK]).tobytes())
@@ -205,6 +236,7 @@ def prepare(
     tokenizer_path: str | Path | None = None,
     val_fraction: float = 0.01,
     max_bytes: int | None = None,
+    min_val_tokens: int = MIN_VAL_TOKENS,
     progress: bool = True,
 ) -> DatasetMeta:
   """Tokenizes text files into `out_dir`/{train,val}.bin and meta.json.
@@ -220,6 +252,9 @@ def prepare(
     tokenizer_path: a tokenizer.json; None for bytes (vocabulary 256).
     val_fraction: share of tokens, in [0, 1), held out for validation.
     max_bytes: stop reading input after this many bytes.
+    min_val_tokens: the validation split holds at least this many tokens (when
+      `val_fraction` > 0), so that evaluation windows of `seq_len + 1` fit; a split
+      raised to it, or a corpus too small for it, is reported with a warning.
     progress: print progress lines to stderr.
 
   Returns:
@@ -231,6 +266,9 @@ def prepare(
   if max_bytes is not None and (
       isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
     raise ValueError(f'max_bytes must be a positive integer, got {max_bytes!r}')
+  if isinstance(min_val_tokens, bool) or not isinstance(min_val_tokens, int) or (
+      min_val_tokens < 0):
+    raise ValueError(f'min_val_tokens must be a non-negative integer, got {min_val_tokens!r}')
   tok = tokenizer_lib.load_tokenizer(tokenizer_path)
   if inputs is None:
     roots, suffix = [stdlib_dir()], '.py'
@@ -246,6 +284,7 @@ def prepare(
         raise ValueError(f'input {root} does not exist')
   dtype = _dtype_for(tok.vocab_size)
   out_dir = Path(out_dir)
+  made = not out_dir.exists()  # Removed again if nothing gets written into it.
   out_dir.mkdir(parents=True, exist_ok=True)
 
   temps: list[Path] = []
@@ -253,6 +292,7 @@ def prepare(
   def temp_file(name):
     fd, path = tempfile.mkstemp(prefix=f'.{name}.', suffix='.tmp', dir=out_dir)
     temps.append(Path(path))
+    os.fchmod(fd, cache.umask_mode())  # mkstemp makes 0600; a dataset is for sharing.
     return os.fdopen(fd, 'wb')
 
   counts = {'bytes': 0, 'files': 0, 'skipped': 0}
@@ -272,7 +312,7 @@ def prepare(
     if num_tokens == 0:
       raise ValueError(f'no text found in {", ".join(sources)}')
     # The split is the stream's tail: move it to val.bin, then cut it off train.
-    num_val = math.ceil(num_tokens * val_fraction)
+    num_val = _val_size(num_tokens, val_fraction, min_val_tokens, warn=progress)
     num_train = num_tokens - num_val
     all_tokens = np.memmap(temps[0], dtype=dtype, mode='r')
     with temp_file('val.bin') as f:
@@ -301,6 +341,8 @@ def prepare(
   finally:
     for path in temps:
       path.unlink(missing_ok=True)
+    if made and not any(out_dir.iterdir()):
+      out_dir.rmdir()
   report.done(out_dir, meta)
   return meta
 
@@ -343,9 +385,9 @@ class DataConfig:
 
 
 def default_cache_dir() -> Path:
-  """$XDG_CACHE_HOME (or ~/.cache)/dos_jax/data/stdlib-bytes."""
-  base = os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache'
-  return Path(base) / 'dos_jax' / 'data' / 'stdlib-bytes'
+  """<dos_jax cache>/data/stdlib-bytes (see `dos_jax.cache`: $DOS_JAX_CACHE_DIR, else
+  $XDG_CACHE_HOME/dos_jax, else ~/.cache/dos_jax)."""
+  return cache.cache_dir('data', 'stdlib-bytes')
 
 
 def resolve_dataset(cfg: DataConfig, *, progress: bool = True) -> Path:

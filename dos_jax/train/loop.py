@@ -2,8 +2,11 @@
 
 Order matters for the user: everything that can fail because of their input (mesh
 sizes, dataset path, batch divisibility) is checked before anything is written, so a
-bad run leaves no output directory behind. Ctrl-C stops at the next step boundary,
-saves a checkpoint and returns; a second Ctrl-C aborts at once.
+bad run leaves no output directory behind, and a resume that would change the model or
+the data stream is refused before anything is written. Ctrl-C or SIGTERM stops at the
+next step boundary, saves a checkpoint and returns; a second one aborts at once. A loss,
+gradient norm or parameter that is not finite stops the run without saving that step,
+so the good checkpoints survive (see `Summary.nonfinite_step`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import yaml
 
 from dos_jax.train import checkpoint as ckpt_lib
 from dos_jax.train import placement as placement_lib
+from dos_jax.train import resume as resume_lib
+from dos_jax.train import rundir
 from dos_jax.train import step as step_lib
 from dos_jax.train import trainer as trainer_lib
 from dos_jax.train.config import RunConfig
@@ -45,7 +50,13 @@ class Summary:
     update_s: mean update-phase time of the split steps that did not compile (the only
       steps with an update phase of its own; NaN if there were none).
     split_steps: steps run as two programs to time the update (`train.split_every`).
-    interrupted: stopped by Ctrl-C (a checkpoint of `final_step` was saved).
+    interrupted: stopped by SIGINT (Ctrl-C) or SIGTERM (a checkpoint of `final_step`
+      was saved).
+    signal: the number of that signal, else None.
+    nonfinite_step: the step whose loss, gradient norm or updated params were not
+      finite (the run stopped there and saved nothing from it), else None.
+    nonfinite_what: what was not finite at that step.
+    last_checkpoint: the newest checkpoint step of the run (None if none).
   """
 
   start_step: int
@@ -58,8 +69,17 @@ class Summary:
   update_s: float
   split_steps: int
   interrupted: bool
+  signal: int | None = None
+  nonfinite_step: int | None = None
+  nonfinite_what: str | None = None
+  last_checkpoint: int | None = None
 
   def line(self) -> str:
+    if self.nonfinite_step is not None:
+      kept = ('no checkpoint was saved' if self.last_checkpoint is None
+              else f'the newest checkpoint is step {self.last_checkpoint}')
+      return (f'step {self.nonfinite_step}: not finite ({self.nonfinite_what}); stopped'
+              f' without saving it, {kept}')
     if self.final_step == self.start_step and not self.interrupted:
       return f'nothing to do: the run is already at step {self.final_step}'
     eval_part = '' if self.eval_loss is None else f', eval loss {self.eval_loss:.4f}'
@@ -74,27 +94,47 @@ class Summary:
 
 
 class _StopFlag:
-  """Turns the first SIGINT into a request to stop at the next step boundary, so that
-  donated buffers are never abandoned mid-update; the second SIGINT aborts."""
+  """Turns the first SIGINT or SIGTERM into a request to stop at the next step boundary
+  (so that donated buffers are never abandoned mid-update, and the stop saves a
+  checkpoint); the second one aborts. Schedulers send SIGTERM before killing a job."""
+
+  SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
   def __init__(self):
-    self.requested = False
-    self._previous = None
+    self.signum: int | None = None
+    self._previous = {}
+
+  @property
+  def requested(self) -> bool:
+    return self.signum is not None
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGINT, self._handle)
+      for signum in self.SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
     if self.requested:
       raise KeyboardInterrupt
-    self.requested = True
+    self.signum = signum
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+
+
+def _resume_point(cfg: RunConfig, run_id: dict):
+  """The checkpoint to resume (after the identity check) and the damaged newer ones.
+
+  Reads only. Raises ConfigError if resuming would change the model or data stream.
+  """
+  restorable, manifest, skipped = ckpt_lib.find_restorable(cfg.checkpoint_dir)
+  if manifest is not None:
+    where = os.path.join(cfg.checkpoint_dir, str(restorable))
+    resume_lib.check(manifest.get('run'), run_id, where)
+  return restorable, manifest is not None, skipped
 
 
 def train(
@@ -106,23 +146,51 @@ def train(
   """Trains (or resumes) the run `cfg` describes; returns its summary.
 
   Raises:
-    ConfigError: a mistake in `cfg` found against the machine or the files (nothing
-      has been written then).
+    ConfigError: a mistake in `cfg` found against the machine or the files, or a resume
+      that would change the model or the data stream (nothing has been written then).
   """
   stream = stream if stream is not None else sys.stderr
+  rundir.check(cfg)
   trainer = trainer_lib.build(cfg, devices=devices)
   schedule = step_lib.make_schedule(cfg.optim, cfg.train.steps)
   sampler = trainer.train_sampler()
+  run_id = resume_lib.identity(cfg, trainer.dataset_dir, sampler.meta)
+  latest, verified, skipped = _resume_point(cfg, run_id)
+  if latest is not None and latest >= cfg.train.steps and not skipped:
+    print(f'nothing to do: the run is already at step {latest}', file=stream)
+    return Summary(start_step=latest, final_step=latest, final_loss=math.nan, eval_loss=None,
+                   seconds=0.0, tokens_per_s=math.nan, step_s=math.nan, update_s=math.nan,
+                   split_steps=0, interrupted=False)
 
   # From here on the run writes: its directory, resolved config, metrics, checkpoints.
-  os.makedirs(cfg.train.out_dir, exist_ok=True)
-  with open(os.path.join(cfg.train.out_dir, 'config.yaml'), 'w', encoding='utf-8') as f:
-    yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-  checkpointer = ckpt_lib.Checkpointer(
-      cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
-  )
+  # In a multi-process run (dos_jax.train.distributed) every process trains and saves
+  # jointly, but only process 0 writes the config and the metrics.
+  lead = jax.process_index() == 0
+  birth = rundir.Birth(cfg)
+  try:
+    os.makedirs(cfg.train.out_dir, exist_ok=True)
+    if lead:
+      with open(os.path.join(cfg.train.out_dir, 'config.yaml'), 'w', encoding='utf-8') as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    checkpointer = ckpt_lib.Checkpointer(
+        cfg.checkpoint_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+    )
+  except OSError as err:
+    birth.undo()
+    raise rundir.created_error(err, cfg) from None
+  where = os.path.abspath(cfg.train.out_dir)
+  elsewhere = '' if os.path.abspath(cfg.checkpoint_dir).startswith(where + os.sep) else (
+      f', checkpoints in {os.path.abspath(cfg.checkpoint_dir)}')
+  print(f'run directory: {where} (config.yaml, {cfg.train.metrics_file}{elsewhere})',
+        file=stream)
+  for item, moved in zip(skipped, checkpointer.quarantine(skipped)):
+    fallback = f'step {latest}' if latest is not None else 'the start (no complete checkpoint)'
+    print(f'checkpoint {item.step} is {item.reason}; moved to {moved}, resuming from'
+          f' {fallback}', file=stream)
+  if latest is not None and not verified:
+    print(f'checkpoint {latest} has no checksum manifest (written before checksums, or'
+          ' its save was cut short): resuming from it unverified', file=stream)
   step = 0
-  latest = checkpointer.latest_step()
   if latest is not None:
     restored = checkpointer.restore(
         latest, params=trainer.params, opt_state=trainer.opt_state, tx=trainer.tx
@@ -136,6 +204,7 @@ def train(
     checkpointer.save(
         at_step, params=trainer.params, opt_state=trainer.opt_state,
         meta={'step': at_step, 'sampler': sampler.state(), 'seed': cfg.train.seed},
+        run=run_id,
     )
 
   # Adaptive policies (the cost model's Auto) choose each step's plan from measured
@@ -153,20 +222,23 @@ def train(
     due = logged(at_step) if every is None else every > 0 and at_step % every == 0
     return due or placement.wants_measurement()
 
-  metrics = MetricsLog(cfg.metrics_path)
+  # Records past the resumed step belong to work that was lost: they are dropped, and a
+  # marker record says where the file continues (see MetricsLog).
+  metrics = MetricsLog(cfg.metrics_path if lead else os.devnull, resume_step=step)
   progress = Progress(cfg.train.steps, start_step=step, every=cfg.train.log_every, stream=stream)
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   start_step, last_saved = step, latest
-  loss, eval_loss = math.nan, None
+  loss, eval_loss, bad = math.nan, None, None
   timed_steps, timed_total, timed_updates, timed_update, split_steps = 0, 0.0, 0, 0.0, 0
   last_update_s = math.nan  # The latest measured update phase, for the progress line.
   started = time.perf_counter()
-  interrupted = False
+  signum = None
+  succeeded = False
   try:
     with _StopFlag() as stop:
       while step < cfg.train.steps:
         if stop.requested:
-          interrupted = True
+          signum = stop.signum
           break
         result = trainer.step(next(sampler), plan=placement.plan, split=split(step + 1))
         step += 1
@@ -183,9 +255,10 @@ def train(
             timed_update += result.update_s
         progress.update(
             step, loss=loss, tokens_per_s=tokens_per_step / result.step_s,
-            step_s=result.step_s, update_s=last_update_s,
+            step_s=result.step_s, update_s=last_update_s, compiled=result.compiled,
         )
-        if logged(step):
+        finite = math.isfinite(loss) and math.isfinite(result.grad_norm)
+        if logged(step) or not finite:
           # grad_s and update_s are null on a fused step (no phases of its own).
           metrics.write({
               'step': step, 'loss': loss, 'grad_norm': result.grad_norm,
@@ -193,22 +266,31 @@ def train(
               'step_s': result.step_s, 'split': result.split, 'grad_s': result.grad_s,
               'update_s': result.update_s, 'time': time.time(), **placement_metrics,
           })
-        if not math.isfinite(loss):
-          progress.message(f'step {step}: loss is {loss}; stopping')
+        if not finite:  # The params now hold the bad update: never save them.
+          bad = _NonFinite(step, f'loss {loss}, grad_norm {result.grad_norm}')
           break
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
           eval_loss = trainer.evaluate(cfg.train.eval_batches)
           metrics.write({'step': step, 'eval_loss': eval_loss, 'time': time.time()})
           progress.message(f'step {step}: eval loss {eval_loss:.4f}')
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-          save(step)
+          try:
+            save(step)
+          except ckpt_lib.NonFiniteState:
+            bad = _NonFinite(step, 'the parameters after the update')
+            break
           last_saved = step
     progress.close()
-    if step > start_step and not interrupted:
+    if bad is None and step > start_step and signum is None:
       eval_loss = trainer.evaluate(cfg.train.eval_batches)
       metrics.write({'step': step, 'eval_loss': eval_loss, 'time': time.time()})
-    if last_saved != step:
-      save(step)
+    if bad is None and last_saved != step:
+      try:
+        save(step)
+        last_saved = step
+      except ckpt_lib.NonFiniteState:
+        bad = _NonFinite(step, 'the parameters after the update')
+    checkpointer.wait()
     summary = Summary(
         start_step=start_step,
         final_step=step,
@@ -219,12 +301,30 @@ def train(
         step_s=timed_total / timed_steps if timed_steps else math.nan,
         update_s=timed_update / timed_updates if timed_updates else math.nan,
         split_steps=split_steps,
-        interrupted=interrupted,
+        interrupted=signum is not None,
+        signal=signum,
+        nonfinite_step=None if bad is None else bad.step,
+        nonfinite_what=None if bad is None else bad.what,
+        last_checkpoint=last_saved,
     )
-    metrics.write({'summary': True, **dataclasses.asdict(summary)})
+    if step > start_step or signum is not None:
+      metrics.write({'summary': True, **dataclasses.asdict(summary)})
+    succeeded = True
   finally:
     progress.close()
-    checkpointer.close()
-    metrics.close()
+    try:
+      checkpointer.close()
+    finally:
+      metrics.close()
+      # A run that dies before its first checkpoint (e.g. out of memory at step 1)
+      # leaves nothing half-made behind.
+      if not succeeded and last_saved is None:
+        birth.undo()
   print(summary.line(), file=stream)
   return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class _NonFinite:
+  step: int
+  what: str

@@ -266,16 +266,25 @@ class Transformer(nnx.Module):
           f'sequence length {seq_len} exceeds ModelConfig.max_seq_len={self.max_seq_len}'
       )
     sin_LxK2, cos_LxK2 = rotary_tables(seq_len, self.head_dim, self.rope_theta)
-    x_BxLxD = jnp.take(self.embedding[...], tokens_BxL, axis=0).astype(self.compute_dtype)
+    x_BxLxD = embed(self.embedding[...], tokens_BxL, self.compute_dtype)
     run = nnx.remat(_run_block) if self.remat else _run_block
     for i in range(self.n_layers):
       x_BxLxD = run(self.blocks[block_name(i, self.n_layers)], x_BxLxD, sin_LxK2, cos_LxK2)
-    x_BxLxD = self.final_norm(x_BxLxD)
-    # Logits accumulate in float32 even from bf16 inputs: the softmax over V needs it.
-    return jnp.einsum(
-        'bld,dv->blv', x_BxLxD, self.head[...].astype(self.compute_dtype),
-        preferred_element_type=jnp.float32,
-    )
+    return logits(self.head[...], self.final_norm(x_BxLxD), self.compute_dtype)
+
+
+def embed(embedding_VxD: jax.Array, tokens_BxL: jax.Array, compute_dtype) -> jax.Array:
+  """The input embedding: rows of `embedding` looked up, in the compute dtype."""
+  return jnp.take(embedding_VxD, tokens_BxL, axis=0).astype(compute_dtype)
+
+
+def logits(head_DxV: jax.Array, x_BxLxD: jax.Array, compute_dtype) -> jax.Array:
+  """The output head on the final-normed stream."""
+  # Logits accumulate in float32 even from bf16 inputs: the softmax over V needs it.
+  return jnp.einsum(
+      'bld,dv->blv', x_BxLxD, head_DxV.astype(compute_dtype),
+      preferred_element_type=jnp.float32,
+  )
 
 
 def init_params(cfg: ModelConfig, seed: int | jax.Array) -> Params:
@@ -294,6 +303,45 @@ def make_apply(cfg: ModelConfig) -> ApplyFn:
     return nnx.merge(graphdef, params)(tokens_BxL)
 
   return apply
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """The forward pass in pieces, as pure functions of the params' subtrees, for a
+  pipeline that runs the blocks on their stages and the rest around them. Composed as
+  `head(p, blocks(embed(p, tokens)))` they compute exactly `make_apply(cfg)`."""
+
+  # (embedding VxD, tokens BxL) -> stream BxLxD in the compute dtype.
+  embed: Callable[[jax.Array, jax.Array], jax.Array]
+  # (one block's params, stream BxLxD, sin LxK/2, cos LxK/2) -> stream BxLxD.
+  block: Callable[..., jax.Array]
+  # ({'final_norm', 'head'} params, stream BxLxD) -> float32 logits BxLxV.
+  head: Callable[[Params, jax.Array], jax.Array]
+  # seq_len -> (sin, cos) rotary tables.
+  rotary: Callable[[int], tuple[jax.Array, jax.Array]]
+
+
+def make_parts(cfg: ModelConfig) -> Parts:
+  """`Parts` of the transformer `cfg` describes (remat applied to each block if set)."""
+  shape = cfg.shape()
+  pdt, cdt = cfg.param_jnp_dtype, cfg.compute_jnp_dtype
+  rngs = lambda: nnx.Rngs(params=jax.random.key(0))
+  block_def, _ = nnx.split(nnx.eval_shape(
+      lambda: Block(shape, param_dtype=pdt, compute_dtype=cdt, rngs=rngs())))
+  norm_def, _ = nnx.split(nnx.eval_shape(lambda: RMSNorm(shape.dim, param_dtype=pdt)))
+
+  def block(params, x_BxLxD, sin_LxK2, cos_LxK2):
+    return nnx.merge(block_def, params)(x_BxLxD, sin_LxK2, cos_LxK2)
+
+  def head(params, x_BxLxD):
+    return logits(params['head'], nnx.merge(norm_def, params['final_norm'])(x_BxLxD), cdt)
+
+  return Parts(
+      embed=lambda embedding, tokens: embed(embedding, tokens, cdt),
+      block=jax.checkpoint(block) if cfg.remat else block,
+      head=head,
+      rotary=lambda seq_len: rotary_tables(seq_len, shape.head_dim, float(cfg.rope_theta)),
+  )
 
 
 def build_model(cfg: ModelConfig, seed: int) -> tuple[ApplyFn, Params]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from dos_jax import report
+from dos_jax.planner import report
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
 

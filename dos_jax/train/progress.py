@@ -54,25 +54,31 @@ class Progress:
     self._start_step = start_step
     self._every = every
     self._width = width
-    self._started = time.perf_counter()
     self._open_line = False
+    self._timed_steps = 0
+    self._timed_s = 0.0
 
   def update(
       self, step: int, *, loss: float, tokens_per_s: float, step_s: float, update_s: float,
+      compiled: bool = False,
   ) -> None:
     """Redraws the bar after `step` steps (on a terminal) or prints every `every` steps.
 
     `update_s` is the latest measured update phase (measured on split steps only; NaN
-    before the first), so it may be older than `step`.
+    before the first), so it may be older than `step`. The ETA is the mean time of the
+    steps that did not compile (`compiled` False) times the steps left, so compiling
+    the first steps does not inflate it ('?' until such a step has run).
     """
+    if not compiled:
+      self._timed_steps += 1
+      self._timed_s += step_s
     if not self._tty and step % self._every and step not in (self._start_step + 1, self._total):
       return
     done = step / self._total
     filled = int(done * self._width)
     bar = '#' * filled + '.' * (self._width - filled)
-    elapsed = time.perf_counter() - self._started
-    steps_run = step - self._start_step
-    eta = elapsed / steps_run * (self._total - step) if steps_run else float('inf')
+    eta = (self._timed_s / self._timed_steps * (self._total - step) if self._timed_steps
+           else float('nan'))
     line = (
         f'[{bar}] {step}/{self._total} loss {loss:.4f} | {_rate(tokens_per_s)} tok/s'
         f' | step {step_s * 1e3:.0f} ms (update {_ms(update_s)}) | eta {_duration(eta)}'
@@ -100,11 +106,22 @@ class Progress:
 
 
 class MetricsLog:
-  """Appends one JSON object per line; floats rounded for readability, NaN kept as null."""
+  """Appends one JSON object per line; floats rounded for readability, NaN kept as null.
 
-  def __init__(self, path: str):
+  A run that resumes from step N passes `resume_step=N`: records of later steps (work
+  done after the checkpoint and lost with the process) are dropped from the file, which
+  is rewritten atomically, and a marker record `{"resumed_from": N, "time": ...}` is
+  appended, so each step appears once and the file says where it was resumed. A fresh
+  run (N = 0) drops the records of an earlier attempt that saved no checkpoint.
+  """
+
+  def __init__(self, path: str, *, resume_step: int | None = None):
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    if resume_step is not None and os.path.isfile(path):
+      _truncate_after(path, resume_step)
     self._file = open(path, 'a', encoding='utf-8')  # pylint: disable=consider-using-with
+    if resume_step:
+      self.write({'resumed_from': resume_step, 'time': time.time()})
 
   def write(self, record: dict[str, Any]) -> None:
     clean = {k: _jsonable(v) for k, v in record.items()}
@@ -113,6 +130,39 @@ class MetricsLog:
 
   def close(self) -> None:
     self._file.close()
+
+
+def _record_step(record: dict[str, Any]) -> int | None:
+  for key in ('step', 'final_step', 'resumed_from'):
+    if isinstance(record.get(key), int):
+      return record[key]
+  return None
+
+
+def _truncate_after(path: str, step: int) -> None:
+  """Rewrites `path` without the records of steps after `step` (unreadable lines too)."""
+  kept, dropped = [], False
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+        at = _record_step(record) if isinstance(record, dict) else None
+      except json.JSONDecodeError:
+        at = None  # A line cut short by a kill.
+        if not line.strip():
+          continue
+        dropped = True
+        continue
+      if at is not None and at > step:
+        dropped = True
+        continue
+      kept.append(line if line.endswith('\n') else line + '\n')
+  if not dropped:
+    return
+  tmp = f'{path}.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
 
 
 def _jsonable(value: Any) -> Any:

@@ -75,9 +75,11 @@ def make_optimizer(
     optim: OptimConfig,
     offload: OffloadConfig | None,
     total_steps: int,
+    mask: Callable[[Params], Any] | None = None,
 ) -> optax.GradientTransformation:
   """AdamW from the config: dos_jax's offloaded one, or plain `optax.adamw` when
   `offload` is None (the reference the tests and the benchmark compare against).
+  `mask` (default `decay_mask`) says which leaves get weight decay.
 
   Clipping is not part of the optimizer: the step computes the global norm once (it is
   also reported) and hands the clip factor to the dos_jax update as `grad_scale` (see
@@ -90,7 +92,7 @@ def make_optimizer(
       eps=optim.eps,
       mu_dtype=None if optim.mu_dtype is None else jnp.dtype(optim.mu_dtype),
       weight_decay=optim.weight_decay,
-      mask=decay_mask,
+      mask=decay_mask if mask is None else mask,
   )
   if offload is None:
     return optax.adamw(**kwargs)

@@ -10,6 +10,7 @@ timed), so they measure and compare the same code.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Sequence
 
@@ -149,6 +150,35 @@ def dataset_dir_for(cfg: data_lib.DataConfig) -> str:
     raise ConfigError(f'data.path: {err}') from None
 
 
+def check_dataset(cfg: RunConfig, dataset_dir: str) -> None:
+  """Checks the dataset against the run before anything trains on it: each split holds
+  a window of seq_len + 1 tokens, and every token id is an embedding row of the model
+  (an out-of-range id reads garbage and trains to NaN). One line naming the file."""
+  meta = data_lib.load_meta(dataset_dir)
+  vocab = cfg.model.shape().vocab_size
+  meta_path = os.path.join(dataset_dir, data_lib.META)
+  if meta.vocab_size > vocab:
+    raise ConfigError(
+        f'model.vocab_size: {vocab} is smaller than the vocabulary of the dataset'
+        f' ({meta.vocab_size}, {meta_path})'
+    )
+  for split in data_lib.SPLITS:
+    path = os.path.join(dataset_dir, f'{split}.bin')
+    num = meta.num_tokens(split)
+    if num < cfg.data.seq_len + 1:
+      raise ConfigError(
+          f'data.path: {path} holds {num} tokens, fewer than data.seq_len + 1 ='
+          f' {cfg.data.seq_len + 1}; use a smaller data.seq_len or run `dos-jax prepare`'
+          f' again with more text or a larger --min-val-tokens'
+      )
+    top = data_lib.max_token(dataset_dir, split, meta)
+    if top >= meta.vocab_size:
+      raise ConfigError(
+          f'data.path: {path} holds token id {top}, out of range for the vocabulary of'
+          f' {meta.vocab_size} in {meta_path}'
+      )
+
+
 def build(
     cfg: RunConfig,
     *,
@@ -169,6 +199,12 @@ def build(
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   mesh_lib.check_divisible(mesh, cfg.data.batch_size)
   dataset_dir = dataset_dir_for(cfg.data)
+  check_dataset(cfg, dataset_dir)
+  if cfg.mesh.pipeline > 1:
+    from dos_jax.train import pipeline_run  # pylint: disable=import-outside-toplevel
+    if tx is not None:
+      raise ValueError('a pipelined run builds one optimizer per stage from the config')
+    return pipeline_run.build(cfg, devices=devices, dataset_dir=dataset_dir)
   apply, params = model_lib.build_model(cfg.model, cfg.train.seed)
   param_shardings = mesh_lib.param_shardings(mesh, params)
   params = jax.device_put(params, param_shardings)
