@@ -55,6 +55,11 @@ def _args(argv=None):
   parser.add_argument('--reps', type=int, default=5)
   parser.add_argument('--warmup', type=int, default=2)
   parser.add_argument('--out', default=None, help='write the results as JSON here')
+  parser.add_argument(
+      '--no-keep-freed-memory', dest='keep_freed_memory', action='store_false',
+      help="leave glibc's allocator as it is: every large output faults in and zeroes"
+      " fresh pages (by default the process keeps freed memory, as dos-jax train does;"
+      ' see dos_jax.host_memory)')
   return parser.parse_args(argv)
 
 
@@ -299,6 +304,8 @@ def _print(title: str, cases: dict, ref: str | None, key: str = 'gparam_s') -> N
 
 
 def main(args) -> None:
+  if args.keep_freed_memory:
+    dos_jax.keep_freed_host_memory()
   results = {'machine': machine(), 'args': vars(args)}
   print(results['machine'])
   sections = [s.strip() for s in args.sections.split(',') if s.strip()]

@@ -43,6 +43,7 @@ def train_handler(args: argparse.Namespace) -> int:
   """Loads the config, trains; returns 0 when done, 1 when a step was not finite or the
   machine ran out of memory, 128 + the signal number when stopped by SIGINT (130) or
   SIGTERM (143) after saving a checkpoint."""
+  from dos_jax import host_memory  # pylint: disable=import-outside-toplevel
   from dos_jax.train import config, distributed, loop  # pylint: disable=import-outside-toplevel
 
   overrides = args.set or ()
@@ -53,6 +54,10 @@ def train_handler(args: argparse.Namespace) -> int:
                    f' e.g. --set {text}={args.config}')
   try:
     cfg = config.load(args.config, overrides)
+    if cfg.offload.keep_freed_host_memory:
+      # Before JAX starts its worker threads, which would otherwise get arenas of
+      # their own (see dos_jax.host_memory).
+      host_memory.keep_freed_host_memory()
     # A multi-process run joins its peers before any JAX backend starts.
     distributed.initialize_from_env()
   except ConfigError as err:
