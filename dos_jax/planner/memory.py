@@ -146,6 +146,19 @@ def device_available_bytes(device) -> float | None:
 _DTYPE_BYTES = {'float32': 4, 'bfloat16': 2}
 
 
+def _run_sizing(cfg, count: int) -> Sizing:
+  """A run config's per-device sizes over `count` local devices (see `check_run`)."""
+  shape = cfg.model.shape()
+  param_bytes = _DTYPE_BYTES.get(str(cfg.model.param_dtype), 4)
+  state_bytes = 12 if param_bytes < 4 else 8
+  data = cfg.mesh.data if cfg.mesh.data > 0 else max(
+      count // (cfg.mesh.tensor * cfg.mesh.pipeline), 1)
+  micro_batch = max(cfg.data.batch_size // data, 1)
+  return sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=count,
+                seq_len=cfg.data.seq_len, micro_batch=micro_batch,
+                remat=bool(cfg.model.remat))
+
+
 def check_run(cfg) -> str | None:
   """Checks a run config (`dos_jax.train.config.RunConfig`) against this machine's
   memory before anything is allocated; returns one line naming the shortfall, or None.
@@ -155,21 +168,32 @@ def check_run(cfg) -> str | None:
   import jax  # pylint: disable=import-outside-toplevel  # the backend starts here
 
   devices = jax.local_devices()
-  shape = cfg.model.shape()
-  param_bytes = _DTYPE_BYTES.get(str(cfg.model.param_dtype), 4)
-  state_bytes = 12 if param_bytes < 4 else 8
   count = len(devices)
-  data = cfg.mesh.data if cfg.mesh.data > 0 else max(
-      count // (cfg.mesh.tensor * cfg.mesh.pipeline), 1)
-  micro_batch = max(cfg.data.batch_size // data, 1)
-  size = sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=count,
-                seq_len=cfg.data.seq_len, micro_batch=micro_batch, remat=bool(cfg.model.remat))
+  size = _run_sizing(cfg, count)
   device_is_host = devices[0].platform == 'cpu'
   free = None if device_is_host else device_available_bytes(devices[0])
   short = shortfalls(size, devices=count, device_bytes=free or math.inf,
                      host_bytes=host_available_bytes(), device_is_host=device_is_host)
   if not short:
     return None
+  shape = cfg.model.shape()
   name = f'model.preset={cfg.model.preset}' if cfg.model.preset else 'the model'
   return (f'{name} ({shape.num_params() / 1e9:.2f}B params) does not fit this machine: '
           + '; '.join(s.line() for s in short))
+
+
+def run_budget(cfg, devices, device_bytes: float | None = None) -> tuple[float, float] | None:
+  """`(budget_bytes, activation_bytes)` for a run's `Auto` on `devices`: the device
+  memory beyond params, grads and the margin that the resident tier and the streamed
+  buffers may use, and the activations that must still fit beside them. None where the
+  devices are the host (the CPU backend: nothing to keep resident) or report no memory.
+
+  `device_bytes` replaces the free memory read from the first device's allocator."""
+  if device_bytes is None:
+    if devices[0].platform == 'cpu':
+      return None
+    device_bytes = device_available_bytes(devices[0])
+    if device_bytes is None:
+      return None
+  size = _run_sizing(cfg, len(devices))
+  return device_budget(device_bytes, size), size.activations

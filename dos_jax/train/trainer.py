@@ -18,6 +18,8 @@ import jax
 import numpy as np
 import optax
 
+import dos_jax
+from dos_jax.planner import memory
 from dos_jax.train import data as data_lib
 from dos_jax.train import mesh as mesh_lib
 from dos_jax.train import model as model_lib
@@ -179,6 +181,20 @@ def check_dataset(cfg: RunConfig, dataset_dir: str) -> None:
       )
 
 
+def budget_auto(cfg: RunConfig, devices: Sequence[jax.Device],
+                device_bytes: float | None = None) -> None:
+  """Gives the configured `Auto` the device memory it may fill beside the model, from
+  the same sizing as the up-front memory check, so that it also weighs keeping
+  subgroups resident in device memory (without a budget it only streams or updates on
+  the host). No-op for other policies and on the CPU backend."""
+  auto = cfg.offload.placement
+  if not isinstance(auto, dos_jax.Auto) or auto.budget_bytes is not None:
+    return
+  budget = memory.run_budget(cfg, devices, device_bytes)
+  if budget is not None:
+    auto.budget_bytes, auto.activation_bytes = budget
+
+
 def build(
     cfg: RunConfig,
     *,
@@ -208,6 +224,7 @@ def build(
   apply, params = model_lib.build_model(cfg.model, cfg.train.seed)
   param_shardings = mesh_lib.param_shardings(mesh, params)
   params = jax.device_put(params, param_shardings)
+  budget_auto(cfg, list(mesh.devices.flat))
   if tx is None:
     tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps)
   opt_state = tx.init(params)
