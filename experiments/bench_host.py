@@ -1,6 +1,6 @@
 """The host AdamW against DeepSpeedCPUAdam, and the whole CPU step against optax, in one run.
 
-Four sections, each timed in alternating rounds (one run of every case per round, a
+Five sections, each timed in alternating rounds (one run of every case per round, a
 median over `--reps` rounds after `--warmup`), so that load from other processes falls
 on every case alike, and every ratio is taken against a baseline of the same run:
 
@@ -9,6 +9,10 @@ on every case alike, and every ratio is taken against a baseline of the same run
           one per call, and into a donated one), against DeepSpeedCPUAdam's step plus
           the fp32 -> bf16 cast of its params.
   isa     the same call (donated out) per instruction set, at 1 and 2 threads.
+  bandwidth  experiments/traffic_probe.c (compiled here with cc -O3 -march=native
+          -fopenmp): the kernel's 28 bytes per element with trivial arithmetic, the
+          bound the machine's memory sets; with the kernel section, the fraction of it
+          the kernel (donated out) reaches.
   step    the whole jitted CPU step (dos_jax.adamw update + optax.apply_updates,
           donated, AllHost) for fp32 and bf16 params, against DeepSpeedCPUAdam (bf16:
           plus the cast) and jit(optax.adamw) on fp32 params.
@@ -34,7 +38,10 @@ import functools
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from typing import Callable
 
@@ -43,7 +50,7 @@ number = lambda s: int(float(s))  # 64e6, 64_000_000
 
 def _args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--sections', default='kernel,isa,step,mlp')
+  parser.add_argument('--sections', default='kernel,isa,bandwidth,step,mlp')
   parser.add_argument('--params', type=number, default=64_000_000,
                       help='elements of the kernel and step sections')
   parser.add_argument('--subgroup-size', type=number, default=8_000_000)
@@ -158,6 +165,29 @@ def kernel_section(args) -> dict:
   for r in result.values():
     r['gparam_s'] = n / r['median_s'] / 1e9
   return {'elements': n, 'subgroups': groups, 'cases': result}
+
+
+# Bytes the kernel moves per element with a donated out: 2 (bf16 grad) + 12 (state
+# read) + 12 (state written) + 2 (bf16 params out).
+KERNEL_BYTES_PER_ELEMENT = 28
+
+
+def bandwidth_section(args) -> dict | None:
+  """Seconds per pass of traffic_probe.c over `--params` elements at `--threads`
+  threads (median of `--reps` after one warm-up pass), or None without a C compiler."""
+  cc = shutil.which('cc') or shutil.which('gcc')
+  if cc is None:
+    return None
+  source = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'traffic_probe.c')
+  with tempfile.TemporaryDirectory() as tmp:
+    exe = os.path.join(tmp, 'probe')
+    subprocess.run([cc, '-O3', '-march=native', '-fopenmp', source, '-o', exe], check=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    lines = subprocess.run([exe, str(args.params), str(args.reps + 1)], env=env, check=True,
+                           capture_output=True, text=True).stdout.split()
+  seconds = statistics.median(float(x) for x in lines[1:])
+  return {'elements': args.params, 'threads': args.threads, 'median_s': seconds,
+          'gbps': args.params * KERNEL_BYTES_PER_ELEMENT / seconds / 1e9}
 
 
 def isa_section(args) -> dict:
@@ -317,6 +347,21 @@ def main(args) -> None:
   if 'isa' in sections:
     results['isa'] = isa_section(args)
     _print('kernel per instruction set (donated out)', results['isa']['cases'], None)
+  if 'bandwidth' in sections:
+    results['bandwidth'] = probe = bandwidth_section(args)
+    if probe is None:
+      print('\nbandwidth: no C compiler (cc/gcc) found, skipped')
+    else:
+      print(f'\nmemory traffic probe, {probe["elements"] / 1e6:.0f}M x'
+            f' {KERNEL_BYTES_PER_ELEMENT} B, {probe["threads"]} threads:'
+            f' {probe["median_s"] * 1e3:.1f} ms, {probe["gbps"]:.1f} GB/s')
+      if 'kernel' in results:
+        kernel = results['kernel']
+        t = kernel['cases']['dos_jax rows, donated out']['median_s']
+        gbps = kernel['elements'] * KERNEL_BYTES_PER_ELEMENT / t / 1e9
+        kernel['donated_gbps'] = gbps
+        print(f'  kernel, donated out: {gbps:.1f} GB/s, {gbps / probe["gbps"]:.0%} of the probe'
+              ' (same elements only when --subgroup-size divides --params)')
   if 'step' in sections:
     results['step'] = step_section(args)
     cases = results['step']['cases']
