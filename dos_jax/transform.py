@@ -23,6 +23,7 @@ from dos_jax import clipping
 from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
 from dos_jax import meshes
+from dos_jax import migrate as migrate_lib
 from dos_jax import partition as partition_lib
 from dos_jax import paths
 from dos_jax import slots as slots_lib
@@ -222,7 +223,7 @@ def offloaded(
     layout = state.layout
     if plan is None:
       plan = offload.policy.plan(layout.spec())
-    _check_plan(plan, state)
+    migrate_lib.check_plan(plan, state)
     if params is None and layout.needs_master:
       raise ValueError(
           'dos_jax: params are required: updates are computed against the fp32 master.'
@@ -234,7 +235,7 @@ def offloaded(
     placement = _placement(None if mesh_info is None else mesh_info[0], offload)
     wanted = partition_lib.for_plan(plan, split)
     if wanted != state.partition:
-      state = _migrate(state, wanted, placement, split)
+      state = migrate_lib.migrate(state, wanted, split)
     if grad_scale is not None:
       grad_scale = jnp.asarray(grad_scale, layout.state_dtype)
     explicit = meshes.explicit_mesh(grad_leaves + (param_leaves or []))
@@ -418,76 +419,6 @@ class _StepContext:
           param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
           region=self.split)
     return paths.put(arrays, paths.HOST), jax.device_put(out_h, paths.DEVICE)
-
-
-def _migrate(state: OffloadedState, wanted: partition_lib.Partition, placement: _Placement,
-             split: bool) -> OffloadedState:
-  """Moves rows between tiers for a plan whose partition differs from the state's.
-
-  Rare (a new plan from `Auto`, or `plan=` naming another split), and part of the
-  jitted step that first runs the new plan. A tier whose subgroups do not change is
-  passed through untouched (under donation it keeps its buffer). A tier that changes
-  is rebuilt from runs of consecutive rows, each sliced where it lives and copied
-  straight into the new tier's memory: no merged copy of the whole state is ever
-  built, so the step holds the state plus the new arrays of the tiers that change
-  (an XLA array cannot grow or shrink in place), and device memory holds the moved
-  rows only when they become resident.
-  """
-  del placement  # the step's output constraints place the tiers on the mesh
-  old = state.partition
-  region = paths.host_region if split else (lambda fn: fn)
-  tiers = dict(state.tiers)
-  for tier in TIERS:
-    ids = wanted.ids(tier)
-    if ids == old.ids(tier):
-      continue
-    dest = paths.DEVICE if tier is Tier.RESIDENT else paths.HOST
-    segments = _segments(old, ids)
-    rebuilt = []
-    for j, same in enumerate(state.tier(tier)):
-      parts = []
-      for src, start, stop in segments:
-        x = state.tier(src)[j]
-        take = lambda y, a=start, b=stop: y[a:b]
-        part = take(x) if src is Tier.RESIDENT else region(take)(x)
-        parts.append(jax.device_put(part, dest))
-      if not parts:
-        rebuilt.append(same[:0] if tier is Tier.RESIDENT else region(lambda y: y[:0])(same))
-      elif len(parts) == 1:
-        rebuilt.append(parts[0])
-      elif tier is Tier.RESIDENT:
-        rebuilt.append(jnp.concatenate(parts))
-      else:
-        rebuilt.append(region(lambda *p: jnp.concatenate(p))(*parts))
-    tiers[tier] = tuple(rebuilt)
-  return OffloadedState(
-      host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
-      scalars=state.scalars, layout=state.layout, slots=state.slots, partition=wanted)
-
-
-def _segments(old: partition_lib.Partition,
-              ids: tuple[int, ...]) -> list[tuple[Tier, int, int]]:
-  """`ids` (ascending subgroups of a new tier) as `(old tier, start row, stop row)` runs
-  of rows that are consecutive in one old tier."""
-  out: list[tuple[Tier, int, int]] = []
-  for g in ids:
-    src = old.tier_of(g)
-    row = old.local(src, [g])[0]
-    if out and out[-1][0] is src and out[-1][2] == row:
-      out[-1] = (src, out[-1][1], row + 1)
-    else:
-      out.append((src, row, row + 1))
-  return out
-
-
-def _check_plan(plan: Plan, state: OffloadedState) -> None:
-  if not isinstance(plan, Plan):
-    raise TypeError(f'dos_jax: plan must be a dos_jax.Plan, got {type(plan).__name__}')
-  if plan.num_subgroups != state.layout.num_subgroups:
-    raise ValueError(
-        f'dos_jax: the plan covers {plan.num_subgroups} subgroups but the state has'
-        f' {state.layout.num_subgroups}'
-    )
 
 
 def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,

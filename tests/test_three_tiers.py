@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import dos_jax
+from dos_jax import migrate as migrate_lib
 from dos_jax import transform
 from dos_jax.partition import Tier
 from dos_jax.policies import SubgroupSpec
@@ -120,7 +121,7 @@ def test_migration_is_exact_and_lands_in_the_right_memory():
   state = transform.OffloadedState(
       host=host(Tier.HOST), streamed=host(Tier.STREAMED), resident=tiers[Tier.RESIDENT],
       scalars=state.scalars, layout=state.layout, slots=state.slots, partition=state.partition)
-  migrate = jax.jit(lambda s, part: transform._migrate(s, part, None, True),  # pylint: disable=protected-access
+  migrate = jax.jit(lambda s, part: migrate_lib.migrate(s, part, True),
                     static_argnums=1)
   for plan in _plans(state.layout.spec()):
     wanted = dos_jax.partition.for_plan(plan, split=True)
@@ -180,7 +181,7 @@ def test_migration_temporaries_stay_below_one_copy_and_unchanged_tiers_alias():
 
   def stats(plan):
     wanted = dos_jax.partition.for_plan(plan, split=True)
-    migrate = jax.jit(lambda s: transform._migrate(s, wanted, None, True),  # pylint: disable=protected-access
+    migrate = jax.jit(lambda s: migrate_lib.migrate(s, wanted, True),
                       donate_argnums=0)
     return migrate.lower(state).compile().memory_analysis()
 

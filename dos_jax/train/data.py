@@ -465,3 +465,8 @@ class BatchSampler:
       if not _is_int(state[key]) or state[key] < 0:
         raise ValueError(f'sampler state {key} must be a non-negative integer, got {state[key]!r}')
     self.step, self.seed = state['step'], state['seed']
+
+
+def sampler_for(cfg: DataConfig, dataset_dir: str, split: str) -> BatchSampler:
+  """The run's sampler of `split` ('train' or 'val') of the prepared data in `dataset_dir`."""
+  return BatchSampler(dataset_dir, split, cfg.batch_size, cfg.seq_len, cfg.seed)

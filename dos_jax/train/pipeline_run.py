@@ -172,20 +172,14 @@ class PipelineTrainer:
             st, pipe.stage_mesh(self.mesh, s))) for s, st in enumerate(opt_state.states)])
 
   def evaluate(self, num_batches: int) -> float:
-    sampler = data_lib.BatchSampler(
-        self.dataset_dir, 'val', self.cfg.data.batch_size, self.cfg.data.seq_len,
-        self.cfg.data.seed,
-    )
+    sampler = data_lib.sampler_for(self.cfg.data, self.dataset_dir, 'val')
     total = 0.0
     for _ in range(num_batches):
       total += float(self.eval_step(self.piped, self.place_batch(next(sampler))))
     return total / num_batches
 
   def train_sampler(self) -> Any:
-    return data_lib.BatchSampler(
-        self.dataset_dir, 'train', self.cfg.data.batch_size, self.cfg.data.seq_len,
-        self.cfg.data.seed,
-    )
+    return data_lib.sampler_for(self.cfg.data, self.dataset_dir, 'train')
 
   def compile_counts(self) -> dict[str, int]:
     # pylint: disable=protected-access

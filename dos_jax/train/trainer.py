@@ -114,20 +114,14 @@ class Trainer:
 
   def evaluate(self, num_batches: int) -> float:
     """Mean loss over the first `num_batches` validation batches (the same every time)."""
-    sampler = data_lib.BatchSampler(
-        self.dataset_dir, 'val', self.cfg.data.batch_size, self.cfg.data.seq_len,
-        self.cfg.data.seed,
-    )
+    sampler = data_lib.sampler_for(self.cfg.data, self.dataset_dir, 'val')
     total = 0.0
     for _ in range(num_batches):
       total += float(self.eval_step(self.params, self.place_batch(next(sampler))))
     return total / num_batches
 
   def train_sampler(self) -> Any:
-    return data_lib.BatchSampler(
-        self.dataset_dir, 'train', self.cfg.data.batch_size, self.cfg.data.seq_len,
-        self.cfg.data.seed,
-    )
+    return data_lib.sampler_for(self.cfg.data, self.dataset_dir, 'train')
 
   def compile_counts(self) -> dict[str, int]:
     """Compiled variants of each jitted program: the fused step and the split pair
