@@ -93,8 +93,8 @@ def test_diverging_run_exits_1_names_the_step_and_keeps_the_finite_checkpoint(
     assert code == 1
     err = capsys.readouterr().err
     bad = [line for line in err.splitlines() if 'not finite' in line]
-    assert len(bad) == 1 and bad[0].startswith('step '), err
-    bad_step = int(bad[0].split()[1].rstrip(':'))
+    assert len(bad) == 1 and bad[0].startswith('dos-jax: error: step '), err
+    bad_step = int(bad[0].split()[3].rstrip(':'))
     assert bad_step >= 3
     step, restored = _restore_newest(out / 'checkpoints', dataset)
     assert step == bad_step - 1  # Every finite step before the bad one was saved.

@@ -320,7 +320,9 @@ def train(
       # leaves nothing half-made behind.
       if not succeeded and last_saved is None:
         birth.undo()
-  print(summary.line(), file=stream)
+  # A run stopped by a non-finite value fails (exit 1): its line reads as the CLI's errors.
+  prefix = 'dos-jax: error: ' if summary.nonfinite_step is not None else ''
+  print(prefix + summary.line(), file=stream)
   return summary
 
 
