@@ -136,16 +136,27 @@ SCALARS = kernels.AdamWScalars(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0
                                weight_decay=1e-4, bc1=0.1, bc2=0.001)
 
 
-def kernel_section(args) -> dict:
+def kernel_inputs(args, seed: int):
+  """`(groups, size, elements, bf16 gradient rows)` of the kernel sections."""
   size = args.subgroup_size
   groups = -(-args.params // size)
-  n = groups * size
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(seed)
   grads = jnp.asarray(rng.standard_normal((groups, size), np.float32) * 1e-2, jnp.bfloat16)
-  rows = jnp.arange(groups, dtype=jnp.int32)
-  call = functools.partial(
-      kernels.adamw_host_rows, rows=rows, scalars=SCALARS, slots=(0, 1, 2),
-      decayed_rows=groups, lowp_dtype=jnp.bfloat16, indexed=True, num_threads=args.threads)
+  return groups, size, groups * size, grads
+
+
+def rows_call(groups: int, threads: int, **isa):
+  """The kernel as the core calls it on every row: `(state, grads, None, out=)`."""
+  return functools.partial(
+      kernels.adamw_host_rows, rows=jnp.arange(groups, dtype=jnp.int32), scalars=SCALARS,
+      slots=(0, 1, 2), decayed_rows=groups, lowp_dtype=jnp.bfloat16, indexed=True,
+      num_threads=threads, **isa)
+
+
+def kernel_section(args) -> dict:
+  groups, size, n, grads = kernel_inputs(args, 0)
+  rng = np.random.default_rng(2)
+  call = rows_call(groups, args.threads)
   fresh = jax.jit(lambda st, g: call(st, g, None), donate_argnums=(0,))
   into = jax.jit(lambda st, out, g: call(st, g, None, out=out), donate_argnums=(0, 1))
 
@@ -192,18 +203,11 @@ def bandwidth_section(args) -> dict | None:
 
 def isa_section(args) -> dict:
   """The kernel (donated out) per instruction set and thread count, Gparam/s."""
-  size = args.subgroup_size
-  groups = -(-args.params // size)
-  n = groups * size
-  rng = np.random.default_rng(1)
-  grads = jnp.asarray(rng.standard_normal((groups, size), np.float32) * 1e-2, jnp.bfloat16)
+  groups, size, n, grads = kernel_inputs(args, 1)
   cases = {}
   for isa in kernels.supported_isas():
     for threads in (1, 2):
-      call = functools.partial(
-          kernels.adamw_host_rows, rows=jnp.arange(groups, dtype=jnp.int32),
-          scalars=SCALARS, slots=(0, 1, 2), decayed_rows=groups, lowp_dtype=jnp.bfloat16,
-          indexed=True, num_threads=threads, isa=isa)
+      call = rows_call(groups, threads, isa=isa)
       fn = jax.jit(lambda st, out, g, call=call: call(st, g, None, out=out),
                    donate_argnums=(0, 1))
       state = jnp.zeros((groups, 3, size), jnp.float32)

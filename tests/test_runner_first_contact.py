@@ -13,16 +13,10 @@ import pytest
 from dos_jax import cache, cli
 from dos_jax.train import config, data
 from dos_jax.train.progress import Progress
+from tests.test_cli import _sets
 
 SMALL = ['model.n_layers=2', 'data.seq_len=32', 'data.batch_size=8', 'optim.warmup_steps=1',
          'train.eval_batches=1', 'train.log_every=1', 'train.split_every=0']
-
-
-def _sets(*items):
-  args = []
-  for item in items:
-    args += ['--set', item]
-  return args
 
 
 def _one_error_line(capsys) -> str:
