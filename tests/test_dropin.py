@@ -154,6 +154,11 @@ def test_multi_transform_equals_optax():
   assert_close(ours, ref)
 
 
+@jax.jit
+def _welford(acc, grads, n):
+  return jax.tree.map(lambda a, g: a + (g - a) / (n + 1), acc, grads)
+
+
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 def test_multi_steps_accumulates_like_optax(dtype):
   """k=3 MultiSteps: fp32 equals optax; bf16 (where optax's own math is bf16) equals
@@ -174,9 +179,12 @@ def test_multi_steps_accumulates_like_optax(dtype):
   for k in range(3):
     grads = [random_grads(params, 3 * k + i, seed) for i in range(3)]
     # MultiSteps' running mean (Welford, in its fp32 accumulator), cast to the grads'.
+    # As MultiSteps computes it: jitted, divided by its int32 step count (an eager
+    # division by a constant may round otherwise, and a gradient near zero then turns
+    # into a visibly different AdamW step).
     acc = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), grads[0])
     for n, g in enumerate(grads):
-      acc = jax.tree.map(lambda a, x, n=n: a + (x - a) / (n + 1), acc, g)
+      acc = _welford(acc, g, jnp.int32(n))
     p, s = step(p, s, jax.tree.map(lambda a: a.astype(dtype), acc))
   assert_close(ours, p, rtol=0, atol=0)
 
