@@ -15,8 +15,10 @@ from dos_jax.clipping import clip_by_global_norm as clip_by_global_norm
 from dos_jax.host_memory import keep_freed_host_memory as keep_freed_host_memory
 from dos_jax.layout import Layout as Layout
 from dos_jax.layout import spec_for as spec_for
+from dos_jax.migration import migrate as migrate
 from dos_jax.offload import Offload as Offload
 from dos_jax.offload import Platform as Platform
+from dos_jax.offload import Storage as Storage
 from dos_jax.offload import UpdateImpl as UpdateImpl
 from dos_jax.partition import Partition as Partition
 from dos_jax.partition import Tier as Tier

@@ -84,7 +84,7 @@ def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] 
   return (master[1] if has_master else -1, mu[1], nu[1])
 
 
-def usable(fused: FusedAdamW | None, step: paths.RowStep, stacked, grad_leaves) -> bool:
+def usable(fused: FusedAdamW | None, step: paths.RowStep, grad_leaves) -> bool:
   """Whether this step's rows can go through the native kernel (the caller checks the
   implementation each tier asks for)."""
   grad_dtypes = {jnp.dtype(g.dtype) for g in grad_leaves}
@@ -95,7 +95,7 @@ def usable(fused: FusedAdamW | None, step: paths.RowStep, stacked, grad_leaves) 
       and not fused.nesterov
       and host_adamw_rows.rows_kernel_available()
       and slot_rows(step.slots, step.has_master) is not None
-      and jnp.dtype(stacked[0].dtype) == jnp.float32
+      and jnp.dtype(step.slots.groups[0]) == jnp.float32
       # One gradient dtype: XLA rounds a moment's FMA by whether the gradient arrives as
       # bf16 or f32 (see host_adamw_rows.cc); packed rows of mixed leaves blur that.
       and len(grad_dtypes) == 1

@@ -47,6 +47,23 @@ class UpdateImpl(enum.Enum):
   XLA = 'xla'
 
 
+class Storage(enum.Enum):
+  """How each tier of the accelerator program's state is stored.
+
+  STACKED: one `(R, K, S)` array per dtype per tier. The row loop is one `fori_loop`
+    (compile time independent of the number of subgroups) and its `buffers` bound the
+    streamed rows in flight. A plan change copies every tier whose subgroups change.
+  PER_SUBGROUP: one `(1, K, S)` array per dtype per subgroup. A plan change moves only
+    the rows that change tier (a row that changes only its path, host or streamed,
+    moves not at all), and every other row keeps its buffer under donation: no tier is
+    ever held twice. The program has one update per subgroup, and the streamed rows are
+    chained so that at most `buffers` are in flight.
+  """
+
+  STACKED = 'stacked'
+  PER_SUBGROUP = 'per_subgroup'
+
+
 @dataclasses.dataclass(frozen=True)
 class Offload:
   """Configuration of the offloaded optimizer state.
@@ -64,6 +81,10 @@ class Offload:
     host_threads: threads for the native host update (None: the cores available).
     platform: which program to build (`Platform`, or its value 'cpu' / 'gpu'); None
       follows the backend the step is traced on (`jax.default_backend()`).
+    storage: how the accelerator program stores each tier (`Storage`); None:
+      per subgroup when the policy re-plans as it runs (`Auto`), so that its plan
+      changes move only the rows that change tier, else stacked. The CPU program keeps
+      one stacked array.
   """
 
   subgroup_size: int = 100_000_000
@@ -74,6 +95,7 @@ class Offload:
   host_impl: UpdateImpl = UpdateImpl.KERNEL
   host_threads: int | None = None
   platform: Platform | None = None
+  storage: Storage | None = None
 
   def __post_init__(self):
     if self.platform is not None and not isinstance(self.platform, Platform):
@@ -100,10 +122,19 @@ class Offload:
         raise TypeError(
             f'Offload.{name} must be a dos_jax.UpdateImpl, got {getattr(self, name)!r}'
         )
+    if self.storage is not None and not isinstance(self.storage, Storage):
+      raise TypeError(f'Offload.storage must be None or a dos_jax.Storage, got {self.storage!r}')
     if self.host_threads is not None and (
         not isinstance(self.host_threads, int) or self.host_threads < 1
     ):
       raise ValueError(f'Offload.host_threads must be >= 1, got {self.host_threads!r}')
+
+  def per_subgroup(self) -> bool:
+    """Whether tiers are stored per subgroup (see `storage`)."""
+    if self.storage is not None:
+      return self.storage is Storage.PER_SUBGROUP
+    from dos_jax.planner.auto import Auto  # pylint: disable=import-outside-toplevel
+    return isinstance(self.policy, Auto)
 
   def target(self) -> Platform:
     """The program to build now: `platform`, or the default backend's."""

@@ -8,6 +8,11 @@ host region and the device stream at the same time. Within a tier, rows are stor
 ascending subgroup order, so the weight-decayed subgroups (the layout packs them first)
 are the tier's leading rows and "decayed" stays one threshold per tier.
 
+A tier is stored in *blocks*, each one `(R_b, K, S)` array per dtype (see `slots`).
+Stacked storage keeps one block per tier: one array the row loop walks with a
+`fori_loop`. Per-subgroup storage keeps one block per subgroup: a plan change then moves
+only the rows that change tier, and a row that stays keeps its buffer (see `migration`).
+
 `Piece`s describe a leaf's elements per tier: a contiguous run of a leaf that lands in
 consecutive elements of a tier's rows. Gradients leave the device piece by piece (a
 piece of a leaf needs only that leaf, never a concatenation of all gradients), and the
@@ -52,11 +57,17 @@ class Partition:
   """The subgroups of each tier, ascending; every subgroup in exactly one tier.
 
   Hashable: it is static metadata of the state (array shapes depend on it).
+  `per_subgroup`: each subgroup's rows are their own arrays (one block per subgroup)
+  rather than one stacked array per tier (see the module docstring). `split`: the
+  accelerator program's partition (see `for_plan`), so that a plan change can be
+  applied to a state alone.
   """
 
   host: tuple[int, ...]
   streamed: tuple[int, ...] = ()
   resident: tuple[int, ...] = ()
+  per_subgroup: bool = False
+  split: bool = True
 
   def __post_init__(self):
     for tier in TIERS:
@@ -79,9 +90,12 @@ class Partition:
     where = {g: i for i, g in enumerate(self.ids(tier))}
     return tuple(where[g] for g in subgroups)
 
-  def decayed_rows(self, tier: Tier, decayed_rows: int) -> int:
-    """How many leading rows of `tier`'s array are weight-decayed."""
-    return sum(1 for g in self.ids(tier) if g < decayed_rows)
+  def blocks(self, tier: Tier) -> tuple[tuple[int, ...], ...]:
+    """The subgroups of each of `tier`'s blocks, in storage order: one block per
+    subgroup, or the whole tier as one block (also when it is empty: its arrays then
+    have no row)."""
+    ids = self.ids(tier)
+    return tuple((g,) for g in ids) if self.per_subgroup else (ids,)
 
   def tier_of(self, subgroup: int) -> Tier:
     for tier in TIERS:
@@ -90,22 +104,33 @@ class Partition:
     raise ValueError(f'subgroup {subgroup} is in no tier of {self}')
 
 
-def for_plan(plan: Plan, split: bool) -> Partition:
+def for_plan(plan: Plan, split: bool, per_subgroup: bool = False) -> Partition:
   """The partition a plan runs on.
 
   With `split` (the accelerator program) each of the plan's three placements is its
   own tier: resident subgroups in device memory, streamed and host subgroups in pinned
   host memory, each tier its own array. Without it (one memory, the CPU program) every
   subgroup takes the same path and the state is one array: the resident tier when the
-  plan keeps everything resident, else the host tier.
+  plan keeps everything resident, else the host tier. `per_subgroup` (see `Partition`)
+  applies to the accelerator program only: the CPU program's state is one array.
   """
   everything = tuple(range(plan.num_subgroups))
+  per_subgroup = per_subgroup and split
   if plan.all_resident:
-    return Partition(host=(), resident=everything)
+    return Partition(host=(), resident=everything, per_subgroup=per_subgroup, split=split)
   if not split:
-    return Partition(host=everything)
+    return Partition(host=everything, split=False)
   return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.device)),
-                   resident=tuple(sorted(plan.resident)))
+                   resident=tuple(sorted(plan.resident)), per_subgroup=per_subgroup)
+
+
+def blocks_of(arrays: Sequence[jax.Array], count: int) -> list[tuple[jax.Array, ...]]:
+  """A tier's flat tuple of arrays (block-major: each block's arrays, one per dtype)
+  as `count` blocks."""
+  if not count:
+    return []
+  width = len(arrays) // count
+  return [tuple(arrays[b * width:(b + 1) * width]) for b in range(count)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +151,19 @@ class Piece:
 
 
 def pieces(layout: Layout, partition: Partition, tier: Tier) -> tuple[Piece, ...]:
-  """The runs of every leaf that fall in `tier`, ordered by leaf, then by start.
+  """The runs of every leaf that fall in `tier`, ordered by leaf, then by start."""
+  return pieces_of(layout, partition.ids(tier))
 
-  A leaf that spans several subgroups of the tier gives one piece per run of
-  consecutive rows (adjacent pieces are merged).
+
+def pieces_of(layout: Layout, ids: Sequence[int]) -> tuple[Piece, ...]:
+  """The runs of every leaf that fall in rows holding subgroups `ids` (in that order),
+  ordered by leaf, then by start.
+
+  A leaf that spans several of the subgroups gives one piece per run of consecutive
+  rows (adjacent pieces are merged).
   """
   size = layout.subgroup_size
-  local = {g: i for i, g in enumerate(partition.ids(tier))}
+  local = {g: i for i, g in enumerate(ids)}
   out: list[Piece] = []
   for leaf, (offset, count) in enumerate(zip(layout.offsets, layout.sizes)):
     cursor, end = offset, offset + count
@@ -189,18 +220,19 @@ def assemble(arrays: Sequence[jax.Array], runs: Sequence[Piece], rows: int, size
   return flat.reshape(rows, size)
 
 
-def leaves_from_rows(rows_by_tier: dict[Tier, jax.Array], layout: Layout,
-                     partition: Partition) -> list[jax.Array]:
-  """The layout's leaves (treedef order) read back from each tier's `(R, S)` rows."""
-  runs_by_leaf: dict[int, list[tuple[int, Tier, Piece]]] = {}
-  for tier, rows in rows_by_tier.items():
-    for run in pieces(layout, partition, tier):
-      runs_by_leaf.setdefault(run.leaf, []).append((run.start, tier, run))
+def leaves_from_blocks(blocks: Sequence[tuple[jax.Array, tuple[Piece, ...]]],
+                       layout: Layout) -> list[jax.Array]:
+  """The layout's leaves (treedef order) read back from `(R, S)` rows, each given with
+  its pieces (`pieces_of` the subgroups it holds)."""
+  runs_by_leaf: dict[int, list[tuple[int, int, Piece]]] = {}
+  for b, (_, runs) in enumerate(blocks):
+    for run in runs:
+      runs_by_leaf.setdefault(run.leaf, []).append((run.start, b, run))
   leaves = []
   for leaf, shape in enumerate(layout.shapes):
     parts = []
-    for _, tier, run in sorted(runs_by_leaf.get(leaf, []), key=lambda t: t[0]):
-      flat = rows_by_tier[tier].reshape(-1)
+    for _, b, run in sorted(runs_by_leaf.get(leaf, []), key=lambda t: t[0]):
+      flat = blocks[b][0].reshape(-1)
       parts.append(jax.lax.slice_in_dim(flat, run.offset, run.offset + run.size))
     leaves.append((jnp.concatenate(parts) if len(parts) > 1 else parts[0]).reshape(shape))
   return leaves
@@ -228,15 +260,16 @@ def take_rows(x: jax.Array, ids: Sequence[int]) -> jax.Array:
 
 def merge_tiers(tiers: dict[Tier, tuple[jax.Array, ...]],
                 partition: Partition) -> tuple[jax.Array, ...]:
-  """The tiers' `(R, K, S)` arrays (all in one memory) as `(G, K, S)` arrays in
-  subgroup order."""
+  """The tiers' block arrays (all in one memory) as `(G, K, S)` arrays in subgroup
+  order."""
   stored = [g for tier in TIERS for g in partition.ids(tier)]  # concatenation order
   position = {g: i for i, g in enumerate(stored)}
   order = [position[g] for g in range(len(stored))]
-  groups = len(next(iter(tiers.values())))
+  blocks = [block for tier in TIERS if partition.ids(tier)
+            for block in blocks_of(tiers[tier], len(partition.blocks(tier)))]
   merged = []
-  for j in range(groups):
-    parts = [tiers[tier][j] for tier in TIERS if partition.ids(tier)]
+  for j in range(len(blocks[0])):
+    parts = [block[j] for block in blocks]
     whole = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
     merged.append(whole if order == sorted(order) else take_rows(whole, order))
   return tuple(merged)
@@ -244,5 +277,6 @@ def merge_tiers(tiers: dict[Tier, tuple[jax.Array, ...]],
 
 def split_tiers(rows: tuple[jax.Array, ...],
                 partition: Partition) -> dict[Tier, tuple[jax.Array, ...]]:
-  """`(G, K, S)` arrays in subgroup order -> each tier's `(R, K, S)` arrays."""
-  return {tier: tuple(take_rows(x, partition.ids(tier)) for x in rows) for tier in TIERS}
+  """`(G, K, S)` arrays in subgroup order -> each tier's block arrays (block-major)."""
+  return {tier: tuple(take_rows(x, ids) for ids in partition.blocks(tier) for x in rows)
+          for tier in TIERS}

@@ -94,10 +94,13 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
       return saved
     layout, slots, part = target.layout, target.slots, target.partition
     resident = not (part.host or part.streamed)
-    # Shapes and dtypes only: nothing of the template state is read.
+    # Shapes and dtypes only (not memory spaces, which differ between the tiers):
+    # nothing of the template state is read.
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          (target.tiers, target.scalars))
     template_full = jax.eval_shape(
         lambda tiers, sc: slots_lib.join(partition_lib.merge_tiers(tiers, part), sc, slots,
-                                         axis=1), target.tiers, target.scalars)
+                                         axis=1), *shapes)
     master_source = None
     if template_full[0] is not None:
       master_source = saved['master'] if saved['master'] is not None else params

@@ -3,8 +3,8 @@
 Inside, the per-element state is a few stacked `(R, K, S)` arrays per tier and the
 scalars a flat tuple (see `slots`). Tools that walk an optax state by name, such as
 `optax.tree_utils.tree_get(state, 'count')`, `tree_set`, orbax and
-`flax.serialization`, see the pytree instead: its children are the tiers' arrays and
-the scalars, in dicts keyed by the names of their fields in the wrapped transforms'
+`flax.serialization`, see the pytree instead: its children are the tiers' arrays (with
+per-subgroup storage, every subgroup's arrays in subgroup order) and the scalars, in dicts keyed by the names of their fields in the wrapped transforms'
 state (`{'0': {'count': ...}}` for AdamW). So `tree_get(state, 'count')` finds the step
 count as it does in optax's state (and, as there, raises when a chain has two), and
 `tree_set(state, count=...)` sets it.
@@ -37,7 +37,9 @@ class OffloadedState:
   The per-element state is stored in tiers (see `partition`): each tier holds one
   `(R, K, S)` array per dtype (see `slots`) for its R subgroups, in ascending subgroup
   order: the fp32 master (kept only for lower-precision params) and the wrapped
-  transforms' moments. A tier with no subgroup holds `(0, K, S)` arrays.
+  transforms' moments. A tier with no subgroup holds `(0, K, S)` arrays. With
+  per-subgroup storage (`partition.per_subgroup`) a tier holds those arrays for each of
+  its subgroups, `(1, K, S)` each, block after block, and an empty tier holds none.
 
   As a pytree its children are `host`, `streamed`, `resident` and the scalars keyed
   by their field names (see the module docstring); `layout`, `slots` and `partition`
@@ -150,16 +152,38 @@ def scalars_from_view(view: Any, slots: slots_lib.Slots) -> tuple:
 
 
 def _children(state: OffloadedState) -> tuple:
-  """A tier without subgroups is `()`: its `(0, K, S)` arrays are no leaves (orbax
-  refuses to save zero-size arrays) and are made again, from the static metadata, by
-  `_unflatten`."""
+  """Stacked storage: the three tiers and the scalars. A tier without subgroups is
+  `()`: its `(0, K, S)` arrays are no leaves (orbax refuses to save zero-size arrays)
+  and are made again, from the static metadata, by `_unflatten`.
+
+  Per-subgroup storage: every subgroup's arrays in subgroup order, then the scalars.
+  The leaves keep their order whatever the plan, so `jit`'s donation (which pairs
+  donated inputs with outputs of the same shape in order) gives each row its own
+  buffer back, also in a step whose plan moves rows between tiers."""
+  part = state.partition
   raw = state.empty_children or (None,) * 4
-  tiers = tuple(state.tier(t) if state.partition.ids(t) else (() if r is None else r)
-                for t, r in zip(TIERS, raw))
   view = scalar_view(state.scalars, state.slots)
   if not state.scalars and raw[3] is not None:
     view = raw[3]
+  if part.per_subgroup:
+    return (_by_subgroup(state.tiers, part), view)
+  tiers = tuple(state.tier(t) if part.ids(t) else (() if r is None else r)
+                for t, r in zip(TIERS, raw))
   return tiers + (view,)
+
+
+def _by_subgroup(tiers: dict[Tier, tuple], part: partition_lib.Partition) -> tuple:
+  """Per-subgroup storage: each subgroup's arrays, in subgroup order."""
+  rows: dict[int, tuple] = {}
+  for tier in TIERS:
+    blocks = part.blocks(tier)
+    for (g,), block in zip(blocks, partition_lib.blocks_of(tiers[tier], len(blocks))):
+      rows[g] = block
+  return tuple(rows[g] for g in range(part.num_subgroups))
+
+
+def _child_names(part: partition_lib.Partition) -> tuple[str, ...]:
+  return ('subgroups', 'scalars') if part.per_subgroup else _ARRAY_FIELDS + ('scalars',)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -176,7 +200,7 @@ def empty_tier(layout: layout_lib.Layout, slots: slots_lib.Slots,
 
 
 def _flatten_with_keys(state: OffloadedState):
-  keys = [jax.tree_util.GetAttrKey(n) for n in _ARRAY_FIELDS + ('scalars',)]
+  keys = [jax.tree_util.GetAttrKey(n) for n in _child_names(state.partition)]
   return tuple(zip(keys, _children(state))), (state.layout, state.slots, state.partition)
 
 
@@ -186,11 +210,17 @@ def _flatten(state: OffloadedState):
 
 def _unflatten(aux, children) -> OffloadedState:
   layout, slots, partition = aux
-  tiers = [tuple(c) if partition.ids(t) else empty_tier(layout, slots, t)
-           for t, c in zip(TIERS, children[:3])]
-  scalars = scalars_from_view(children[3], slots)
-  raw = tuple(None if partition.ids(t) else c for t, c in zip(TIERS, children[:3]))
-  raw += (None if scalars else children[3],)
+  if partition.per_subgroup:
+    rows, view = children
+    tiers = [tuple(x for g in partition.ids(t) for x in rows[g]) for t in TIERS]
+    scalars = scalars_from_view(view, slots)
+    raw = (None, None, None, None if scalars else view)
+  else:
+    tiers = [tuple(c) if partition.ids(t) else empty_tier(layout, slots, t)
+             for t, c in zip(TIERS, children[:3])]
+    scalars = scalars_from_view(children[3], slots)
+    raw = tuple(None if partition.ids(t) else c for t, c in zip(TIERS, children[:3]))
+    raw += (None if scalars else children[3],)
   return OffloadedState(host=tiers[0], streamed=tiers[1], resident=tiers[2],
                         scalars=scalars, layout=layout, slots=slots, partition=partition,
                         empty_children=raw)
@@ -209,12 +239,12 @@ def _register_flax_serialization() -> None:
     from flax import serialization  # pylint: disable=import-outside-toplevel
   except ImportError:  # flax is optional for the library itself
     return
-  names = _ARRAY_FIELDS + ('scalars',)
-
   def to_state_dict(state: OffloadedState) -> dict[str, Any]:
+    names = _child_names(state.partition)
     return {n: serialization.to_state_dict(c) for n, c in zip(names, _children(state))}
 
   def from_state_dict(target: OffloadedState, state_dict: dict[str, Any]) -> OffloadedState:
+    names = _child_names(target.partition)
     missing = [n for n in names if n not in state_dict]
     if missing:
       raise ValueError(f'dos_jax: serialized OffloadedState lacks {missing}')

@@ -72,12 +72,18 @@ def _reset(state: OffloadedState) -> OffloadedState:
   master = state.slots.places[0] if state.layout.needs_master else None
   host_program = jax.default_backend() != 'cpu'
 
+  groups = len(state.slots.groups)
+
   def reset_tier(arrays):
-    return tuple(_zero_rows(x, master[1] if master and master[0] == g else None)
-                 for g, x in enumerate(arrays))
+    # Block-major arrays (see `partition.blocks_of`): array i holds dtype group i % groups.
+    return tuple(_zero_rows(x, master[1] if master and master[0] == i % groups else None)
+                 for i, x in enumerate(arrays))
 
   tiers = {}
   for tier, arrays in state.tiers.items():
+    if not arrays:  # an empty tier stored per subgroup
+      tiers[tier] = ()
+      continue
     in_host = tier is not Tier.RESIDENT and host_program
     tiers[tier] = (paths.host_region(reset_tier) if in_host else reset_tier)(arrays)
   return dataclasses.replace(

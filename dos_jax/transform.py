@@ -16,6 +16,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,7 +24,7 @@ from dos_jax import clipping
 from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
 from dos_jax import meshes
-from dos_jax import migrate as migrate_lib
+from dos_jax import migration as migration_lib
 from dos_jax import partition as partition_lib
 from dos_jax import paths
 from dos_jax import slots as slots_lib
@@ -136,7 +137,8 @@ def offloaded(
       else:
         shardings_by_layout[layout] = (mesh, param_shardings)
     split = offload.target() is Platform.GPU
-    part = partition_lib.for_plan(offload.policy.plan(layout.spec()), split)
+    part = partition_lib.for_plan(offload.policy.plan(layout.spec()), split,
+                                  per_subgroup=offload.per_subgroup())
     placement = _placement(mesh, offload)
     size, state_dtype = layout.subgroup_size, jnp.dtype(layout.state_dtype)
 
@@ -158,10 +160,11 @@ def offloaded(
         lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params))
     slots = slots_lib.build(template, row_ndim=2)
 
-    def tier_state(leaves, tier: Tier, space):
-      """One tier's stacked arrays and the scalars, built in `space` from its pieces."""
-      runs = partition_lib.pieces(layout, part, tier)
-      num_rows = len(part.ids(tier))
+    def block_state(leaves, ids, space):
+      """One block's stacked arrays (subgroups `ids`) and the scalars, built in `space`
+      from its pieces."""
+      runs = partition_lib.pieces_of(layout, ids)
+      num_rows = len(ids)
       master = partition_lib.assemble(
           partition_lib.slice_pieces(leaves, runs), runs, num_rows, size, state_dtype)
       state = jax.tree.map(
@@ -178,19 +181,25 @@ def offloaded(
       # memory and packed there, so the device never holds 12 bytes per parameter, not
       # even during init.
       leaves = layout.treedef.flatten_up_to(params)
-      tiers, scalars = {}, None
+      tiers, scalars, host_leaves = {}, None, None
       for tier in TIERS:
         if not part.ids(tier):
-          tiers[tier] = empty_tier()
-        elif tier is Tier.RESIDENT:
-          tiers[tier], scalars = tier_state(leaves, tier, paths.DEVICE)
-        else:
-          # 0-d leaves would drop their memory space (JAX exempts scalars); packing
-          # ravels every leaf anyway.
-          host_leaves = paths.to_host([jnp.atleast_1d(x) for x in leaves])
-          fn = functools.partial(tier_state, tier=tier, space=paths.HOST)
-          fn = paths.host_region(fn) if split else fn
-          tiers[tier], scalars = fn(host_leaves)
+          tiers[tier] = () if part.per_subgroup else empty_tier()
+          continue
+        arrays = []
+        for ids in part.blocks(tier):
+          if tier is Tier.RESIDENT:
+            block, scalars = block_state(leaves, ids, paths.DEVICE)
+          else:
+            if host_leaves is None:
+              # 0-d leaves would drop their memory space (JAX exempts scalars); packing
+              # ravels every leaf anyway.
+              host_leaves = paths.to_host([jnp.atleast_1d(x) for x in leaves])
+            fn = functools.partial(block_state, ids=ids, space=paths.HOST)
+            fn = paths.host_region(fn) if split else fn
+            block, scalars = fn(host_leaves)
+          arrays.extend(block)
+        tiers[tier] = tuple(arrays)
       if mesh is not None:
         # Keeps the params an input of the jitted init even where no state value reads
         # them (fp32 params keep no master): that jit takes its devices from them.
@@ -204,7 +213,7 @@ def offloaded(
       if explicit is None:
         return build(params)
       rows = P(None, None, offload.data_axis) if offload.data_axis in explicit.shape else P()
-      specs = ({t: (rows,) * len(slots.groups) for t in TIERS},
+      specs = ({t: (rows,) * (len(slots.groups) * len(part.blocks(t))) for t in TIERS},
                (P(),) * sum(1 for g, _ in slots.places if g < 0))
       with jax.sharding.use_abstract_mesh(explicit):  # see update_fn
         return jax.sharding.auto_axes(build, out_sharding=specs)(params)
@@ -223,19 +232,22 @@ def offloaded(
     layout = state.layout
     if plan is None:
       plan = offload.policy.plan(layout.spec())
-    migrate_lib.check_plan(plan, state)
+    migration_lib.check_plan(plan, state)
     if params is None and layout.needs_master:
       raise ValueError(
           'dos_jax: params are required: updates are computed against the fp32 master.'
       )
     grad_leaves = validate_lib.leaves_like(updates, layout, 'updates')
     param_leaves = None if params is None else validate_lib.leaves_like(params, layout, 'params')
-    split = offload.target() is Platform.GPU
     mesh_info = shardings_by_layout.get(layout)
     placement = _placement(None if mesh_info is None else mesh_info[0], offload)
-    wanted = partition_lib.for_plan(plan, split)
-    if wanted != state.partition:
-      state = migrate_lib.migrate(state, wanted, split)
+    if migration_lib.partition_for(plan, state) != state.partition:
+      if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+        raise ValueError(
+            f'dos_jax: the state is laid out for another plan than this step\'s'
+            f' ({plan.describe()}); move its rows first, between steps:'
+            ' opt_state = dos_jax.migrate(opt_state, plan)')
+      state = migration_lib.migrate_state(state, plan)
     if grad_scale is not None:
       grad_scale = jnp.asarray(grad_scale, layout.state_dtype)
     explicit = meshes.explicit_mesh(grad_leaves + (param_leaves or []))
@@ -276,7 +288,7 @@ def offloaded(
         grad_scale=grad_scale)
     # The native host call in a host region has no sharding rule: the accelerator
     # program's sharded state stays on XLA's host loop.
-    native = fused_lib.usable(fused, base_step, state.host, grad_leaves) and not (
+    native = fused_lib.usable(fused, base_step, grad_leaves) and not (
         split and mesh_info is not None)
     if native and split:
       # On a GPU the host regions run in the CUDA plugin's own XLA: the native kernel
@@ -287,20 +299,19 @@ def offloaded(
         grad_leaves=grad_leaves, param_leaves=None if layout.needs_master else param_leaves,
         grad_dtype=grad_dtype, scalars=state.scalars,
         mesh=None if mesh_info is None else mesh_info[0])
-    new_tiers, outs = dict(state.tiers), {}
+    new_tiers, outs = dict(state.tiers), []
     for tier in TIERS:
       if not part.ids(tier):
         continue
-      step = dataclasses.replace(
-          base_step, decayed_rows=part.decayed_rows(tier, layout.decayed_rows))
       impl = offload.host_impl if tier is Tier.HOST else offload.device_impl
-      new_tiers[tier], outs[tier] = context.update_tier(
-          tier, step, state.tier(tier), native=native and impl is UpdateImpl.KERNEL)
+      new_tiers[tier], tier_outs = context.update_tier(
+          tier, base_step, state.tier(tier), native=native and impl is UpdateImpl.KERNEL)
+      outs.extend(tier_outs)
     # Computed once from the pre-step scalars, apart from both paths.
     scalars = tuple(jax.device_put(x, paths.DEVICE)
                     for x in paths.next_scalars(base_step, state.scalars))
     new_leaves = _updates_from_leaves(
-        partition_lib.leaves_from_rows(outs, layout, part), layout, param_leaves,
+        partition_lib.leaves_from_blocks(outs, layout), layout, param_leaves,
         validate_lib.update_dtypes(layout, grad_leaves))
     if mesh_info is not None:
       # Inside jit a device_put to the same memory kind is a no-op that sharding
@@ -331,9 +342,37 @@ class _StepContext:
   scalars: tuple[jax.Array, ...]
   mesh: Any  # the mesh the state is sharded over (ZeRO-1), or None
 
-  def update_tier(self, tier: Tier, step: paths.RowStep, arrays, native: bool):
-    """Updates one tier; returns (new arrays, out rows on the device)."""
-    runs = partition_lib.pieces(self.layout, self.part, tier)
+  def update_tier(self, tier: Tier, base_step: paths.RowStep, arrays, native: bool):
+    """Updates one tier, block by block; returns (its new arrays, `(out rows on the
+    device, their pieces)` per block).
+
+    Per-subgroup streamed blocks go in the plan's stream order, each one's state let
+    into the program only once the block `buffers` before it is back in host memory
+    (an optimization barrier), so that at most `buffers` are in flight, as the stacked
+    tier's loop unrolled `buffers` times allows.
+    """
+    blocks = self.part.blocks(tier)
+    given = partition_lib.blocks_of(arrays, len(blocks))
+    order = list(range(len(blocks)))
+    if tier is Tier.STREAMED and len(blocks) > 1:
+      first_row = {ids[0]: b for b, ids in enumerate(blocks)}
+      order = [first_row[g] for g in self.plan.device if g in first_row]
+    new, outs, done = [None] * len(blocks), [None] * len(blocks), []
+    for b in order:
+      ids, block = blocks[b], given[b]
+      if tier is Tier.STREAMED and len(done) >= self.plan.buffers:
+        block, _ = lax.optimization_barrier((block, new[done[-self.plan.buffers]]))
+      step = dataclasses.replace(
+          base_step, decayed_rows=sum(1 for g in ids if g < self.layout.decayed_rows))
+      new[b], out = self._update_block(tier, ids, step, block, native)
+      outs[b] = (out, partition_lib.pieces_of(self.layout, ids))
+      done.append(b)
+    return tuple(x for block in new for x in block), outs
+
+  def _update_block(self, tier: Tier, ids, step: paths.RowStep, arrays, native: bool):
+    """Updates one block (subgroups `ids` of `tier`); returns (new arrays, out rows on
+    the device)."""
+    runs = partition_lib.pieces_of(self.layout, ids)
     if tier is Tier.HOST:
       return self._host(step, arrays, runs, native)
     if not self.split and native:
@@ -348,10 +387,10 @@ class _StepContext:
     device_step = step
     if fused_lib.device_usable(self.fused, self.offload, step, arrays):
       device_step = fused_lib.device_step(self.fused, step, self.scalars)
-    ids = self.part.ids(tier)
     order = tuple(range(num_rows))
     if tier is Tier.STREAMED:
-      order = self.part.local(tier, [g for g in self.plan.device if g in set(ids)])
+      local = {g: i for i, g in enumerate(ids)}
+      order = tuple(local[g] for g in self.plan.device if g in local)
     out = jnp.zeros((num_rows, size), step.out_dtype)
     return paths.row_loop(order, device_step, stacked=arrays, scalars=self.scalars,
                           grads=grads, params=params, out=out, buffers=self.plan.buffers,

@@ -44,17 +44,20 @@ import dos_jax
 
 DEFAULT_POLICIES = 'AllHost,Stride(2),DeviceFraction(0.25),AllDevice'
 _POLICIES = {'allhost': dos_jax.AllHost, 'alldevice': dos_jax.AllDevice,
-             'stride': dos_jax.Stride, 'devicefraction': dos_jax.DeviceFraction}
+             'stride': dos_jax.Stride, 'devicefraction': dos_jax.DeviceFraction,
+             'resident': dos_jax.Resident, 'residentfraction': dos_jax.ResidentFraction}
 _DTYPES = {'float32': 'float32', 'fp32': 'float32', 'f32': 'float32',
            'bfloat16': 'bfloat16', 'bf16': 'bfloat16'}
 
 
 def parse_policy(spec: str) -> dos_jax.Policy:
-  """'AllHost', 'Stride(2)', 'DeviceFraction(0.5)' (any case) -> the policy value."""
+  """'AllHost', 'Stride(2)', 'DeviceFraction(0.5)', 'ResidentFraction(0.3)' (the rest
+  on the host), 'Resident(n)' (any case) -> the policy value."""
   match = re.fullmatch(r'\s*([A-Za-z]+)\s*(?:\(([^)]*)\))?\s*', spec)
   if not match or match.group(1).lower() not in _POLICIES:
     raise argparse.ArgumentTypeError(
-        f'unknown policy {spec!r}: one of AllHost, Stride(k), DeviceFraction(f), AllDevice')
+        f'unknown policy {spec!r}: one of AllHost, Stride(k), DeviceFraction(f),'
+        ' ResidentFraction(f), Resident(n), AllDevice')
   args = [float(a) if '.' in a else int(a)
           for a in (match.group(2) or '').split(',') if a.strip()]
   return _POLICIES[match.group(1).lower()](*args)
@@ -115,6 +118,8 @@ def main(argv=None) -> int:
   parser.add_argument('--impl', choices=[i.value for i in dos_jax.UpdateImpl], default='kernel')
   parser.add_argument('--platform', choices=['cpu', 'gpu'], default=None,
                       help="Offload(platform=...); default: the backend's own program")
+  parser.add_argument('--storage', choices=[s.value for s in dos_jax.Storage], default=None,
+                      help='Offload(storage=...); default: per subgroup for Auto, else stacked')
   parser.add_argument('--mesh', default=None,
                       help="DATAxTENSOR, e.g. 2x2: shard the state over a 'data' axis")
   parser.add_argument('--json', default=None, help='write the results here as JSON too')
@@ -186,7 +191,8 @@ def main(argv=None) -> int:
   for spec, policy in zip(specs, policies):
     offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policy,
                               device_impl=impl, host_impl=impl, mesh=mesh,
-                              platform=args.platform)
+                              platform=args.platform,
+                              storage=args.storage and dos_jax.Storage(args.storage))
     attempt(spec, lambda offload=offload: time_step(
         dos_jax.adamw(1e-3, offload=offload), params, grads, args.reps, warmup=args.warmup))
 

@@ -13,15 +13,18 @@
 #   5. update   bench_update.py per policy on 1B bf16 params vs jit(optax.adamw)
 #   6. overlap  a jax.profiler trace of one Stride(2) step (1B bf16) and how long host
 #               and device update work overlapped in it (trace_overlap.py)
+#   7. migrate  what a plan change costs, stacked vs per-subgroup storage: time, new
+#               buffers, host and device memory added (bench_migration.py, 1B bf16)
+#   8. storage  bench_update with per-subgroup storage (Stride(2), a resident mix)
 # Writes under $OUT (default experiments/gpu_check_out/, git-ignored): report.md (each
 # part's output and wall time, a summary table at the end), logs/, update.json,
-# pallas.json, trace/ and step.hlo.txt. Exits 1 if any part failed.
+# pallas.json, migration.json, storage.json, trace/ and step.hlo.txt. Exits 1 if any part failed.
 #
 #   bash experiments/gpu_check.sh            # the GPU machine
 #   bash experiments/gpu_check.sh --small    # smoke test on any machine, CPU included:
 #                                            # 1M params, Pallas in interpret mode (also
 #                                            # --dry-run, or DOS_JAX_GPU_CHECK_SMALL=1)
-# Environment: DOS_JAX_GPU_CHECK_BUDGET, seconds for all parts (default 450): a part's
+# Environment: DOS_JAX_GPU_CHECK_BUDGET, seconds for all parts (default 540): a part's
 # time limit is the smaller of its own cap and what is left, so a hang cannot eat the
 # device tool's 10 minutes; DOS_JAX_GPU_CHECK_REINSTALL=1 reinstalls even if dos_jax
 # already imports from this tree with its native kernel.
@@ -32,7 +35,7 @@ SMALL="${DOS_JAX_GPU_CHECK_SMALL:-0}"
 for arg in "$@"; do
   case "$arg" in
     --small|--dry-run) SMALL=1 ;;
-    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -43,17 +46,18 @@ OUT="$(cd "$OUT" && pwd)"
 REPORT="$OUT/report.md"
 export LOGS="$OUT/logs" REINSTALL="${DOS_JAX_GPU_CHECK_REINSTALL:-0}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-BUDGET="${DOS_JAX_GPU_CHECK_BUDGET:-450}"
+BUDGET="${DOS_JAX_GPU_CHECK_BUDGET:-540}"
 DEADLINE=$((SECONDS + BUDGET))
 
 if [ "$SMALL" = 1 ]; then
   PARAMS=1000000; SUBGROUP=250000
   PALLAS_ARGS=(--interpret --gpu-sizes 0.0625 --reps 3)
   UPDATE_ARGS=(--reps 2 --platform gpu); TRACE_ARGS=(--platform gpu)
+  MIGRATE_ARGS=(--platform gpu)
 else
   PARAMS=1000000000; SUBGROUP=100000000
   PALLAS_ARGS=(--gpu-sizes 16,256 --reps 20)
-  UPDATE_ARGS=(--reps 3); TRACE_ARGS=()
+  UPDATE_ARGS=(--reps 3); TRACE_ARGS=(); MIGRATE_ARGS=()
 fi
 
 # ----------------------------------------------------------------------------- parts
@@ -185,6 +189,13 @@ part update "5. bench_update per policy, bf16 params" 240 \
 part overlap "6. host/device overlap in a profiled Stride(2) step" 150 \
   python3 experiments/trace_overlap.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
   "${TRACE_ARGS[@]}" --out "$OUT"
+part migrate "7. plan change: stacked vs per-subgroup storage" 90 \
+  python3 experiments/bench_migration.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
+  --dtype bf16 "${MIGRATE_ARGS[@]}" --json "$OUT/migration.json"
+part storage "8. bench_update, per-subgroup storage" 120 \
+  python3 experiments/bench_update.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
+  --dtype bf16 --storage per_subgroup --policies 'Stride(2),ResidentFraction(0.3)' \
+  "${UPDATE_ARGS[@]}" --json "$OUT/storage.json"
 
 {
   echo; echo "## Summary"; echo

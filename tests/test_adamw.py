@@ -39,10 +39,11 @@ def decay_mask(params):
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 10, 50, 1e-3)
 
 
-def make_pair(policy, subgroup_size=23, impl=dos_jax.UpdateImpl.KERNEL, platform=None):
+def make_pair(policy, subgroup_size=23, impl=dos_jax.UpdateImpl.KERNEL, platform=None,
+              storage=None):
   kwargs = dict(learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask)
   offload = dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, device_impl=impl,
-                            host_impl=impl, platform=platform)
+                            host_impl=impl, platform=platform, storage=storage)
   return dos_jax.adamw(**kwargs, offload=offload), optax.adamw(**kwargs)
 
 
@@ -290,7 +291,8 @@ def test_inside_optax_chain_with_clipping():
 
 def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math():
   """The accelerator program stores each tier apart: a plan with another split moves
-  the rows (host <-> streamed <-> resident) inside the step, and the math is optax's."""
+  the rows (host <-> streamed <-> resident) between the steps (`dos_jax.migrate`), and
+  the math is optax's. A jitted step handed a state laid out for another plan says so."""
   seed = np.random.randint(1 << 30)
   ours, ref = make_pair(dos_jax.AllHost(), platform='gpu')
   params = ref_params = random_tree(seed)
@@ -305,9 +307,12 @@ def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math():
 
   step = jax.jit(step, static_argnames='plan')
   ref_step = jit_step(ref)
+  with pytest.raises(ValueError, match=r'dos_jax.migrate\(opt_state, plan\)'):
+    step(params, state, random_grads(params, 0, seed), plan=plans[0])
   for i in range(8):
     plan = plans[i % len(plans)]
     grads = random_grads(params, i, seed)
+    state = dos_jax.migrate(state, plan)
     params, state = step(params, state, grads, plan=plan)
     ref_params, ref_state = ref_step(ref_params, ref_state, grads)
     assert state.partition.streamed == tuple(sorted(plan.device))

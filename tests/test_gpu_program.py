@@ -24,10 +24,10 @@ from tests.test_adamw import random_tree
 POLICIES = [dos_jax.AllHost(), dos_jax.Stride(2), dos_jax.DeviceFraction(0.4)]
 
 
-def _update_graph(policy, dtype, impl=dos_jax.UpdateImpl.KERNEL) -> Graph:
+def _update_graph(policy, dtype, impl=dos_jax.UpdateImpl.KERNEL, storage=None) -> Graph:
   params = random_tree(0, dtype)
   offload = dos_jax.Offload(subgroup_size=23, policy=policy, platform='gpu',
-                            host_impl=impl, device_impl=impl)
+                            host_impl=impl, device_impl=impl, storage=storage)
   opt = dos_jax.adamw(1e-3, weight_decay=0.1, offload=offload)
   state = opt.init(params)
 

@@ -89,6 +89,9 @@ def test_migration_cost_counts_each_moved_row_once_on_its_link():
   assert m.bytes_host == ROW * sum(after[g] != 'r' for g in moved)
   assert m.bytes_d2h == 0 and m.seconds > 0
   assert costmodel.migration(p, SPEC, new, new).subgroups == 0
+  # Per-subgroup storage: a row that only changes path (host <-> streamed) stays put.
+  per = costmodel.migration(p, SPEC, old, new, per_subgroup=True)
+  assert per.bytes_host == 0 and per.bytes_h2d == m.bytes_h2d and per.subgroups == m.subgroups
 
 
 @pytest.mark.parametrize('name', [n for n in model_shapes.PRESETS if n != 'tiny'])

@@ -12,9 +12,15 @@ import dos_jax
 from tests.test_adamw import random_grads
 
 
+PER_SUBGROUP = dict(platform='gpu', storage=dos_jax.Storage.PER_SUBGROUP)
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 (virtual) devices')
-@pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
-def test_sharded_matches_unsharded(policy):
+@pytest.mark.parametrize('policy, extra', [
+    (dos_jax.AllHost(), {}), (dos_jax.Stride(2), {}),
+    # The accelerator program stored per subgroup, moved to AllHost after two steps.
+    (dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(2)), PER_SUBGROUP)], ids=repr)
+def test_sharded_matches_unsharded(policy, extra):
   seed = np.random.randint(1 << 30)
   rng = np.random.default_rng(seed)
   params = {'w1': jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
@@ -24,18 +30,22 @@ def test_sharded_matches_unsharded(policy):
   specs = {'w1': P(None, 'tensor'), 'w2': P('tensor', None), 'b': P('tensor')}
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   sharded = jax.device_put(params, shardings)
-  offload = dos_jax.Offload(subgroup_size=150, policy=policy)
+  offload = dos_jax.Offload(subgroup_size=150, policy=policy, **extra)
   opt = dos_jax.adamw(1e-2, offload=offload)
 
   def train(p):
     state = opt.init(p)
-    step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
-        *opt.update(g, s, p)))
+    plan = policy.plan(state.layout.spec())
+    step = jax.jit(lambda p, s, g, plan: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *opt.update(g, s, p, plan=plan)), static_argnames='plan')
     for i in range(5):
       g = random_grads(params, i, seed)
       if isinstance(jax.tree.leaves(p)[0].sharding, NamedSharding):
         g = jax.device_put(g, shardings)
-      p, state = step(p, state, g)
+      if i == 2 and extra:
+        plan = dos_jax.AllHost().plan(state.layout.spec())
+        state = dos_jax.migrate(state, plan)
+      p, state = step(p, state, g, plan=plan)
     return p, state
 
   ref, _ = train(params)
@@ -46,6 +56,7 @@ def test_sharded_matches_unsharded(policy):
   # ZeRO-1: the host state is split over the data axis, in pinned_host memory.
   leaves = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
   assert leaves
+  assert state.partition.per_subgroup == bool(extra)
   for leaf in leaves:
     if leaf.ndim == 3:
       assert leaf.sharding.memory_kind == 'pinned_host'
@@ -54,13 +65,16 @@ def test_sharded_matches_unsharded(policy):
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 (virtual) devices')
-def test_explicit_axes_mesh_is_accepted():
+@pytest.mark.parametrize('extra', [{}, PER_SUBGROUP], ids=['stacked', 'per-subgroup'])
+def test_explicit_axes_mesh_is_accepted(extra):
   """Explicit mesh axes (jax.make_mesh's default) shard the state like Auto ones; the
   steps' numbers are checked in tests/test_dropin.py."""
   mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Explicit,))
   params = {'w': jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('data', None)))}
-  state = dos_jax.adamw(1e-3, offload=dos_jax.Offload(policy=dos_jax.AllHost())).init(params)
+  offload = dos_jax.Offload(subgroup_size=16, policy=dos_jax.Stride(2), **extra)
+  state = dos_jax.adamw(1e-3, offload=offload).init(params)
+  assert state.partition.per_subgroup == bool(extra)
   rows = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
   assert rows and all(x.sharding.spec == P(None, None, 'data') for x in rows)
 

@@ -270,7 +270,10 @@ class Auto:
     if new != self.current:
       self._skip = self.warmup
       if self.current is not None:
-        self.last_migration = costmodel.migration(self.profile, self.spec, self.current, new)
+        # An Auto run's state is stored per subgroup unless the Offload says otherwise
+        # (`Offload.storage`): rows that only change path then move not at all.
+        self.last_migration = costmodel.migration(self.profile, self.spec, self.current, new,
+                                                  per_subgroup=True)
     self.current = new
     self._departures = []
     self._confirmed = False

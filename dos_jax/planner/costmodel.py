@@ -301,13 +301,16 @@ def _placement_of(plan: Plan) -> dict[int, str]:
   return out
 
 
-def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan) -> Migration:
+def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan, *,
+              per_subgroup: bool = False) -> Migration:
   """The one-off cost of moving the state's rows from `old`'s tiers to `new`'s.
 
   Rows that become resident cross H2D, rows that leave the resident tier cross D2H,
   and rows moving between the two host tiers are copied in host memory (read + write,
-  at the host AdamW's memory rate: 28 bytes per param it streams). The order within a
-  tier does not matter: only the tier of each subgroup does.
+  at the host AdamW's memory rate: 28 bytes per param it streams), except with
+  `per_subgroup` storage (`dos_jax.Storage`), where such a row keeps its buffer and
+  costs nothing. The order within a tier does not matter: only the tier of each
+  subgroup does.
   """
   before, after = _placement_of(old), _placement_of(new)
   sizes = subgroup_sizes(spec)
@@ -315,8 +318,8 @@ def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan
   moved = [g for g in after if before.get(g) != after[g]]
   h2d = float(sum(sb * sizes[g] for g in moved if after[g] == 'resident'))
   d2h = float(sum(sb * sizes[g] for g in moved if before[g] == 'resident'))
-  host = float(sum(sb * sizes[g] for g in moved
-                   if 'resident' not in (before[g], after[g])))
+  host = 0.0 if per_subgroup else float(sum(sb * sizes[g] for g in moved
+                                            if 'resident' not in (before[g], after[g])))
   if profile.device_is_host:
     seconds = (h2d + d2h + 2 * host) / (profile.device_memory_gbps * _GB)
   else:

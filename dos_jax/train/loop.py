@@ -258,13 +258,18 @@ def train(
             step_s=result.step_s, update_s=last_update_s, compiled=result.compiled,
         )
         finite = math.isfinite(loss) and math.isfinite(result.grad_norm)
-        if logged(step) or not finite:
+        moved = {'migrate_s': result.migrate_s} if result.migrate_s else {}
+        if moved:  # A plan change: rare, so always on record.
+          progress.message(f'step {step}: state moved to the new plan in'
+                           f' {result.migrate_s:.3f} s')
+        if logged(step) or not finite or moved:
           # grad_s and update_s are null on a fused step (no phases of its own).
           metrics.write({
               'step': step, 'loss': loss, 'grad_norm': result.grad_norm,
               'lr': float(schedule(step - 1)), 'tokens_per_s': tokens_per_step / result.step_s,
               'step_s': result.step_s, 'split': result.split, 'grad_s': result.grad_s,
               'update_s': result.update_s, 'time': time.time(), **placement_metrics,
+              **moved,
           })
         if not finite:  # The params now hold the bad update: never save them.
           bad = _NonFinite(step, f'loss {loss}, grad_norm {result.grad_norm}')

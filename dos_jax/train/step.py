@@ -160,8 +160,13 @@ def _update(tx: optax.GradientTransformation, params: Params, opt_state: OptStat
 
 
 def _pinned(param_shardings: Any, state_shardings: Any) -> tuple[Any, Any] | None:
+  """Output shardings: the inputs', except for a dos_jax state, which the transform
+  places itself (memory kinds included) and whose tiers change with the plan."""
   if param_shardings is None or state_shardings is None:
     return None
+  is_offloaded = lambda x: isinstance(x, dos_jax.OffloadedState)
+  state_shardings = jax.tree.map(lambda x: None if is_offloaded(x) else x, state_shardings,
+                                 is_leaf=is_offloaded)
   return param_shardings, state_shardings
 
 

@@ -40,6 +40,8 @@ class StepResult:
     update_s: wall time of the optimizer update, the phase dos_jax offloads (split
       steps only, else None: a fused step has no separate update phase).
     compiled: the step compiled a program (its times include compiling).
+    migrate_s: wall time of moving the state's rows to the step's plan before it
+      (`dos_jax.migrate`), 0 when the plan did not change; not part of `step_s`.
   """
 
   loss: float
@@ -48,6 +50,7 @@ class StepResult:
   grad_s: float | None = None
   update_s: float | None = None
   compiled: bool = False
+  migrate_s: float = 0.0
 
   @property
   def split(self) -> bool:
@@ -81,8 +84,17 @@ class Trainer:
     """One optimizer step on a host batch, blocking until it is done.
 
     Fused (default): one program, forward to applied update. `split`: the same math as
-    two programs, gradients then update, each timed on its own (see `step_lib`).
+    two programs, gradients then update, each timed on its own (see `step_lib`). A
+    `plan` that needs other tiers than the state has first moves its rows
+    (`dos_jax.migrate`, timed apart as `migrate_s`).
     """
+    migrate_s = 0.0
+    if plan is not None:
+      t0 = time.perf_counter()
+      moved = dos_jax.migrate(self.opt_state, plan)
+      if moved is not self.opt_state:
+        self.opt_state = jax.block_until_ready(moved)
+        migrate_s = time.perf_counter() - t0
     tokens = self.place_batch(tokens_BxLp1)
     programs = self._programs()
     t0 = time.perf_counter()
@@ -105,6 +117,7 @@ class Trainer:
     return StepResult(
         loss=float(stats['loss']), grad_norm=float(stats['grad_norm']), step_s=step_s,
         grad_s=grad_s, update_s=update_s, compiled=self._programs() != programs,
+        migrate_s=migrate_s,
     )
 
   def set_state(self, params: Any, opt_state: Any) -> None:

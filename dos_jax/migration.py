@@ -1,0 +1,206 @@
+"""Plan changes: checking a plan against a state, and moving rows between the tiers.
+
+A new plan (from `Auto`, or `plan=` naming another split) changes which tier each
+subgroup's row lives in. `dos_jax.migrate(opt_state, plan)` moves the rows, between
+steps: a step whose plan needs other tiers than its state has refuses to trace (a
+donated step would otherwise pair a host-memory input buffer with a device-memory output
+of the same shape, which the runtime rejects by aborting). What a move costs depends on
+the storage (`Storage`, `Partition.per_subgroup`):
+
+* Per subgroup: every row is its own buffer. A row whose memory stays the same (host
+  <-> streamed, both in pinned host memory) is handed to its new tier as it is, the
+  same array; a row that moves between host and device memory is copied once, to where
+  it goes. Nothing else is copied: the memory a plan change adds is the moved rows, and
+  their old buffers are freed with the old state.
+* Stacked: tiers whose subgroups stay put are handed over as they are; changed tiers
+  are rebuilt in one jitted program from runs of consecutive rows, each sliced where it
+  lives and copied straight into its new memory. An XLA array cannot grow or shrink in
+  place, so a changed tier's new array exists beside the old one until the old state is
+  dropped: the peak is the state plus the changed tiers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from dos_jax import partition as partition_lib
+from dos_jax import paths
+from dos_jax.partition import Tier
+from dos_jax.partition import TIERS
+from dos_jax.policies import Plan
+from dos_jax.state import OffloadedState
+
+
+def check_plan(plan: Plan, state: OffloadedState) -> None:
+  """Raises a one-line error when `plan` is not a `Plan` for this state's subgroups."""
+  if not isinstance(plan, Plan):
+    raise TypeError(f'dos_jax: plan must be a dos_jax.Plan, got {type(plan).__name__}')
+  if plan.num_subgroups != state.layout.num_subgroups:
+    raise ValueError(
+        f'dos_jax: the plan covers {plan.num_subgroups} subgroups but the state has'
+        f' {state.layout.num_subgroups}'
+    )
+
+
+def migrate(opt_state: Any, plan: Plan) -> Any:
+  """`opt_state` with every `OffloadedState` in it laid out for `plan`.
+
+  Call it between steps when the plan changes (the runner does, for `Auto`): the step
+  that then runs `update(..., plan=plan)` finds its tiers in place. When nothing moves,
+  `opt_state` itself is returned. See the module docstring for what is copied.
+  """
+  is_state = lambda x: isinstance(x, OffloadedState)
+  states, treedef = jax.tree.flatten(opt_state, is_leaf=is_state)
+  moved = [migrate_state(x, plan) if is_state(x) else x for x in states]
+  if all(a is b for a, b in zip(moved, states)):
+    return opt_state  # nothing to move: the same object, so callers can tell
+  return treedef.unflatten(moved)
+
+
+def partition_for(plan: Plan, state: OffloadedState) -> partition_lib.Partition:
+  """The partition `plan` runs on, in the program and storage of `state`."""
+  old = state.partition
+  return partition_lib.for_plan(plan, old.split, per_subgroup=old.per_subgroup)
+
+
+def migrate_state(state: OffloadedState, plan: Plan) -> OffloadedState:
+  """One state laid out for `plan` (see `migrate`); traced, the moves are part of the
+  program being traced."""
+  check_plan(plan, state)
+  wanted = partition_for(plan, state)
+  if wanted == state.partition:
+    return state
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+    return moved_in_trace(state, wanted)
+  if wanted.per_subgroup:
+    return _move_blocks(state, wanted, _put_concrete)
+  return _rebuild_concrete(state, wanted)
+
+
+def moved_in_trace(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
+  """`state` with its rows in the tiers of `wanted`, as ops of the program being traced
+  (see the module docstring)."""
+  if wanted.per_subgroup != state.partition.per_subgroup:
+    raise ValueError(
+        'dos_jax: a plan change keeps the storage of the state (stacked or per subgroup);'
+        f' the state is stored {_storage(state.partition)}, the plan asks for'
+        f' {_storage(wanted)}')
+  if wanted.per_subgroup:
+    return _move_blocks(state, wanted, _put_traced)
+  return _rebuild(state, wanted)
+
+
+def _put_traced(block, tier: Tier):
+  return paths.put(block, paths.DEVICE if tier is Tier.RESIDENT else paths.HOST)
+
+
+def _put_concrete(block, tier: Tier):
+  kind = 'device' if tier is Tier.RESIDENT else 'pinned_host'
+  return tuple(jax.device_put(x, x.sharding.with_memory_kind(kind)) for x in block)
+
+
+def _rebuild_concrete(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
+  """Stacked storage, between steps: the changed tiers rebuilt by one jitted program,
+  the others handed over as they are."""
+  old = state.partition
+  changed = tuple(t for t in TIERS if wanted.ids(t) != old.ids(t))
+  template = next(x.sharding for x in jax.tree.leaves(state.tiers) if x.ndim == 3)
+  shardings = tuple((t, tuple(template.with_memory_kind(
+      'device' if t is Tier.RESIDENT else 'pinned_host') for _ in state.tier(t)))
+                    for t in changed)
+  new = _rebuild_program(wanted, shardings)(state)
+  tiers = {t: new.get(t, state.tier(t)) for t in TIERS}
+  return OffloadedState(
+      host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
+      scalars=state.scalars, layout=state.layout, slots=state.slots, partition=wanted)
+
+
+@functools.lru_cache(maxsize=64)
+def _rebuild_program(wanted: partition_lib.Partition, shardings: tuple) -> Callable:
+  """The jitted rebuild of the changed tiers (named with their output shardings in
+  `shardings`): one program per plan change, compiled once."""
+  changed = tuple(t for t, _ in shardings)
+  return jax.jit(lambda s: {t: _rebuild(s, wanted).tier(t) for t in changed},
+                 out_shardings=dict(shardings))
+
+
+def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
+  """Stacked storage: the changed tiers rebuilt from runs of consecutive rows (host
+  tiers sliced inside host regions in the accelerator program). Device memory holds
+  moved rows only when they become resident."""
+  old = state.partition
+  region = paths.host_region if wanted.split else (lambda fn: fn)
+  tiers = dict(state.tiers)
+  for tier in TIERS:
+    ids = wanted.ids(tier)
+    if ids == old.ids(tier):
+      continue
+    dest = paths.DEVICE if tier is Tier.RESIDENT else paths.HOST
+    segments = segments_of(old, ids)
+    rebuilt = []
+    for j, same in enumerate(state.tier(tier)):
+      parts = []
+      for src, start, stop in segments:
+        x = state.tier(src)[j]
+        take = lambda y, a=start, b=stop: y[a:b]
+        part = take(x) if src is Tier.RESIDENT else region(take)(x)
+        parts.append(jax.device_put(part, dest))
+      if not parts:
+        rebuilt.append(same[:0] if tier is Tier.RESIDENT else region(lambda y: y[:0])(same))
+      elif len(parts) == 1:
+        rebuilt.append(parts[0])
+      elif tier is Tier.RESIDENT:
+        rebuilt.append(jnp.concatenate(parts))
+      else:
+        rebuilt.append(region(lambda *p: jnp.concatenate(p))(*parts))
+    tiers[tier] = tuple(rebuilt)
+  return OffloadedState(
+      host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
+      scalars=state.scalars, layout=state.layout, slots=state.slots, partition=wanted)
+
+
+def _storage(part: partition_lib.Partition) -> str:
+  return 'per subgroup' if part.per_subgroup else 'stacked'
+
+
+def _move_blocks(state: OffloadedState, wanted: partition_lib.Partition,
+                 put: Callable[[tuple, Tier], tuple]) -> OffloadedState:
+  """Per-subgroup storage: each row's block handed to its new tier, `put` into that
+  tier's memory only when its memory changes (see the module docstring)."""
+  old = state.partition
+  where: dict[int, tuple[Tier, tuple[jax.Array, ...]]] = {}
+  for tier in TIERS:
+    blocks = old.blocks(tier)
+    for ids, block in zip(blocks, partition_lib.blocks_of(state.tier(tier), len(blocks))):
+      where[ids[0]] = (tier, block)
+  tiers = {}
+  for tier in TIERS:
+    arrays = []
+    for (g,) in wanted.blocks(tier):
+      src, block = where[g]
+      if (src is Tier.RESIDENT) != (tier is Tier.RESIDENT):
+        block = put(block, tier)
+      arrays.extend(block)
+    tiers[tier] = tuple(arrays)
+  return OffloadedState(
+      host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
+      scalars=state.scalars, layout=state.layout, slots=state.slots, partition=wanted)
+
+
+def segments_of(old: partition_lib.Partition,
+                ids: tuple[int, ...]) -> list[tuple[Tier, int, int]]:
+  """`ids` (ascending subgroups of a new tier) as `(old tier, start row, stop row)` runs
+  of rows that are consecutive in one old tier."""
+  out: list[tuple[Tier, int, int]] = []
+  for g in ids:
+    src = old.tier_of(g)
+    row = old.local(src, [g])[0]
+    if out and out[-1][0] is src and out[-1][2] == row:
+      out[-1] = (src, out[-1][1], row + 1)
+    else:
+      out.append((src, row, row + 1))
+  return out
