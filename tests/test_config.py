@@ -9,6 +9,7 @@ import pytest
 
 import dos_jax
 from dos_jax.train import config
+from dos_jax.train import step as step_lib
 from dos_jax.train.configlib import ConfigError, from_dict, parse_override, to_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +63,7 @@ def _error(path, overrides=()):
         ('offload.policy=gpu', "offload.policy: expected one of 'all_host'"),
         ('offload.fraction=1.5', 'offload.fraction: expected a float in [0, 1], got 1.5'),
         ('offload.subgroup_size=0', 'offload.subgroup_size: expected a positive integer'),
+        ('offload.storage=rows', "offload.storage: expected one of 'stacked', 'per_subgroup'"),
         ('train.microbatches=4', 'train.microbatches: 4 needs mesh.pipeline > 1'),
         ('mesh.data=0', 'mesh.data: expected a positive integer or -1'),
         ('data.seq_len=4096', 'data.seq_len: 4096 exceeds model.max_seq_len (256)'),
@@ -129,6 +131,11 @@ def test_policy_names_parse_once_into_policy_values():
     )
     assert offload.placement == expected
   assert isinstance(from_dict(config.OffloadConfig, {'policy': 'auto'}).placement, dos_jax.Auto)
+  # The storage key reaches the Offload; unset, the library's default decides.
+  for storage in dos_jax.Storage:
+    offload = step_lib.make_offload(from_dict(config.OffloadConfig, {'storage': storage.value}))
+    assert offload.storage is storage
+  assert step_lib.make_offload(from_dict(config.OffloadConfig, {})).storage is None
 
 
 def test_configs_are_frozen():

@@ -84,6 +84,9 @@ class OffloadConfig:
     stride: k of the 'stride' policy.
     fraction: f of the 'device_fraction' policy.
     subgroup_size: elements per packed state subgroup; null takes dos_jax's default.
+    storage: 'stacked' or 'per_subgroup' (see dos_jax.Storage); null takes dos_jax's
+      default (per subgroup for 'auto', whose plan changes then move only the rows that
+      change memory; stacked otherwise).
     keep_freed_host_memory: keep freed host memory in the process for the next step's
       buffers instead of faulting in and zeroing fresh pages every step (glibc only;
       see dos_jax.host_memory).
@@ -94,6 +97,7 @@ class OffloadConfig:
   stride: int = field(2, check=POSITIVE)
   fraction: float = field(0.5, check=UNIT_INTERVAL)
   subgroup_size: int | None = field(None, check=POSITIVE)
+  storage: Literal['stacked', 'per_subgroup'] | None = None
   keep_freed_host_memory: bool = True
   placement: Policy = dataclasses.field(init=False, repr=False, compare=False)
 

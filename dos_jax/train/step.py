@@ -100,10 +100,10 @@ def make_optimizer(
 
 
 def make_offload(cfg: OffloadConfig) -> Any:
-  """The `dos_jax.Offload` value for the configured policy and subgroup size."""
-  if cfg.subgroup_size is None:
-    return dos_jax.Offload(policy=cfg.placement)
-  return dos_jax.Offload(subgroup_size=cfg.subgroup_size, policy=cfg.placement)
+  """The `dos_jax.Offload` value for the configured policy, subgroup size and storage."""
+  kwargs = {} if cfg.subgroup_size is None else {'subgroup_size': cfg.subgroup_size}
+  storage = None if cfg.storage is None else dos_jax.Storage(cfg.storage)
+  return dos_jax.Offload(policy=cfg.placement, storage=storage, **kwargs)
 
 
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:
