@@ -32,6 +32,7 @@ from dos_jax import paths
 from dos_jax.partition import Tier
 from dos_jax.partition import TIERS
 from dos_jax.policies import Plan
+from dos_jax import state as state_lib
 from dos_jax.state import OffloadedState
 
 
@@ -77,7 +78,7 @@ def migrate_state(state: OffloadedState, plan: Plan) -> OffloadedState:
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
     return moved_in_trace(state, wanted)
   if wanted.per_subgroup:
-    return _move_blocks(state, wanted, _put_concrete)
+    return _move_blocks(state, wanted)
   return _rebuild_concrete(state, wanted)
 
 
@@ -90,17 +91,8 @@ def moved_in_trace(state: OffloadedState, wanted: partition_lib.Partition) -> Of
         f' the state is stored {_storage(state.partition)}, the plan asks for'
         f' {_storage(wanted)}')
   if wanted.per_subgroup:
-    return _move_blocks(state, wanted, _put_traced)
+    return _move_blocks(state, wanted)
   return _rebuild(state, wanted)
-
-
-def _put_traced(block, tier: Tier):
-  return paths.put(block, paths.DEVICE if tier is Tier.RESIDENT else paths.HOST)
-
-
-def _put_concrete(block, tier: Tier):
-  kind = 'device' if tier is Tier.RESIDENT else 'pinned_host'
-  return tuple(jax.device_put(x, x.sharding.with_memory_kind(kind)) for x in block)
 
 
 def _rebuild_concrete(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
@@ -113,10 +105,7 @@ def _rebuild_concrete(state: OffloadedState, wanted: partition_lib.Partition) ->
       'device' if t is Tier.RESIDENT else 'pinned_host') for _ in state.tier(t)))
                     for t in changed)
   new = _rebuild_program(wanted, shardings)(state)
-  tiers = {t: new.get(t, state.tier(t)) for t in TIERS}
-  return OffloadedState(
-      host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
-      scalars=state.scalars, layout=state.layout, slots=state.slots, partition=wanted)
+  return state.with_tiers({t: new.get(t, state.tier(t)) for t in TIERS}, wanted)
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,37 +147,27 @@ def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> Offloade
       else:
         rebuilt.append(region(lambda *p: jnp.concatenate(p))(*parts))
     tiers[tier] = tuple(rebuilt)
-  return OffloadedState(
-      host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
-      scalars=state.scalars, layout=state.layout, slots=state.slots, partition=wanted)
+  return state.with_tiers(tiers, wanted)
 
 
 def _storage(part: partition_lib.Partition) -> str:
   return 'per subgroup' if part.per_subgroup else 'stacked'
 
 
-def _move_blocks(state: OffloadedState, wanted: partition_lib.Partition,
-                 put: Callable[[tuple, Tier], tuple]) -> OffloadedState:
-  """Per-subgroup storage: each row's block handed to its new tier, `put` into that
+def _move_blocks(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
+  """Per-subgroup storage: each row's block handed to its new tier, copied into that
   tier's memory only when its memory changes (see the module docstring)."""
-  old = state.partition
-  where: dict[int, tuple[Tier, tuple[jax.Array, ...]]] = {}
-  for tier in TIERS:
-    blocks = old.blocks(tier)
-    for ids, block in zip(blocks, partition_lib.blocks_of(state.tier(tier), len(blocks))):
-      where[ids[0]] = (tier, block)
+  old, rows = state.partition, state.by_subgroup()
   tiers = {}
   for tier in TIERS:
     arrays = []
     for (g,) in wanted.blocks(tier):
-      src, block = where[g]
-      if (src is Tier.RESIDENT) != (tier is Tier.RESIDENT):
-        block = put(block, tier)
+      block = rows[g]
+      if (old.tier_of(g) is Tier.RESIDENT) != (tier is Tier.RESIDENT):
+        block = tuple(state_lib.to_memory(x, tier) for x in block)
       arrays.extend(block)
     tiers[tier] = tuple(arrays)
-  return OffloadedState(
-      host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
-      scalars=state.scalars, layout=state.layout, slots=state.slots, partition=wanted)
+  return state.with_tiers(tiers, wanted)
 
 
 def segments_of(old: partition_lib.Partition,

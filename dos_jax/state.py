@@ -4,8 +4,8 @@ Inside, the per-element state is a few stacked `(R, K, S)` arrays per tier and t
 scalars a flat tuple (see `slots`). Tools that walk an optax state by name, such as
 `optax.tree_utils.tree_get(state, 'count')`, `tree_set`, orbax and
 `flax.serialization`, see the pytree instead: its children are the tiers' arrays (with
-per-subgroup storage, every subgroup's arrays in subgroup order) and the scalars, in dicts keyed by the names of their fields in the wrapped transforms'
-state (`{'0': {'count': ...}}` for AdamW). So `tree_get(state, 'count')` finds the step
+per-subgroup storage, every subgroup's arrays in subgroup order) and the scalars, in
+dicts keyed by the names of their fields in the wrapped transforms' state (`{'0': {'count': ...}}` for AdamW). So `tree_get(state, 'count')` finds the step
 count as it does in optax's state (and, as there, raises when a chain has two), and
 `tree_set(state, count=...)` sets it.
 """
@@ -75,10 +75,28 @@ class OffloadedState:
   def tiers(self) -> dict[Tier, tuple[jax.Array, ...]]:
     return {tier: self.tier(tier) for tier in TIERS}
 
+  def with_tiers(self, tiers: dict[Tier, tuple[jax.Array, ...]],
+                 partition: partition_lib.Partition) -> 'OffloadedState':
+    """This state with other tier arrays, laid out as `partition` says."""
+    return OffloadedState(
+        host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
+        scalars=self.scalars, layout=self.layout, slots=self.slots, partition=partition)
+
+  def by_subgroup(self) -> tuple[tuple[jax.Array, ...], ...]:
+    """Per-subgroup storage: each subgroup's arrays (one per dtype), in subgroup order."""
+    part = self.partition
+    rows: dict[int, tuple] = {}
+    for tier in TIERS:
+      blocks = part.blocks(tier)
+      for (g,), block in zip(blocks, partition_lib.blocks_of(self.tier(tier), len(blocks))):
+        rows[g] = block
+    return tuple(rows[g] for g in range(part.num_subgroups))
+
   def rows(self) -> tuple[jax.Array, ...]:
     """The whole per-element state, one `(G, K, S)` array per dtype in subgroup order.
     A copy in device memory: for inspection and checkpoints, not for the training step."""
-    moved = {t: tuple(_to_device_memory(x) for x in arrays) for t, arrays in self.tiers.items()}
+    moved = {t: tuple(to_memory(x, Tier.RESIDENT) for x in arrays)
+             for t, arrays in self.tiers.items()}
     return partition_lib.merge_tiers(moved, self.partition)
 
   def unstacked(self) -> tuple[jax.Array | None, Any]:
@@ -97,10 +115,13 @@ class OffloadedState:
     return self.unstacked()[0]
 
 
-def _to_device_memory(x: jax.Array) -> jax.Array:
+def to_memory(x: jax.Array, tier: Tier) -> jax.Array:
+  """`x` copied into the memory of `tier` (device for resident, else pinned host),
+  keeping its sharding: by memory space under a trace, by memory kind eagerly."""
+  resident = tier is Tier.RESIDENT
   if isinstance(x, jax.core.Tracer):
-    return jax.device_put(x, paths.DEVICE)
-  return jax.device_put(x, x.sharding.with_memory_kind('device'))
+    return jax.device_put(x, paths.DEVICE if resident else paths.HOST)
+  return jax.device_put(x, x.sharding.with_memory_kind('device' if resident else 'pinned_host'))
 
 
 def _key_name(key: Any) -> str:
@@ -166,20 +187,10 @@ def _children(state: OffloadedState) -> tuple:
   if not state.scalars and raw[3] is not None:
     view = raw[3]
   if part.per_subgroup:
-    return (_by_subgroup(state.tiers, part), view)
+    return (state.by_subgroup(), view)
   tiers = tuple(state.tier(t) if part.ids(t) else (() if r is None else r)
                 for t, r in zip(TIERS, raw))
   return tiers + (view,)
-
-
-def _by_subgroup(tiers: dict[Tier, tuple], part: partition_lib.Partition) -> tuple:
-  """Per-subgroup storage: each subgroup's arrays, in subgroup order."""
-  rows: dict[int, tuple] = {}
-  for tier in TIERS:
-    blocks = part.blocks(tier)
-    for (g,), block in zip(blocks, partition_lib.blocks_of(tiers[tier], len(blocks))):
-      rows[g] = block
-  return tuple(rows[g] for g in range(part.num_subgroups))
 
 
 def _child_names(part: partition_lib.Partition) -> tuple[str, ...]:

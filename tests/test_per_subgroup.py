@@ -84,8 +84,8 @@ def test_migration_is_exact_moves_only_the_rows_that_change_memory():
     wanted = dos_jax.partition.for_plan(plan, split=True, per_subgroup=True)
     old, state = state, dos_jax.migrate(state, plan)
     assert state.partition == wanted
-    before = _rows_by_subgroup(old)
-    for g, arrays in enumerate(_rows_by_subgroup(state)):
+    before = old.by_subgroup()
+    for g, arrays in enumerate(state.by_subgroup()):
       tier = wanted.tier_of(g)
       want = 'device' if tier is Tier.RESIDENT else 'pinned_host'
       assert all(x.sharding.memory_kind == want for x in arrays), (g, tier)
@@ -94,12 +94,6 @@ def test_migration_is_exact_moves_only_the_rows_that_change_memory():
       assert len(arrays) == groups
     for a, b in zip(state.rows(), rows):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def _rows_by_subgroup(state):
-  """Each subgroup's arrays, in subgroup order (the pytree's first child)."""
-  children, _ = jax.tree_util.tree_flatten(state, is_leaf=lambda x: x is not state)
-  return children[0]
 
 
 @pytest.mark.parametrize('storage', list(dos_jax.Storage), ids=lambda s: s.value)

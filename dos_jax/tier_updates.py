@@ -1,0 +1,161 @@
+"""How one step updates each tier of the state: the host tier in host memory (a host
+region, or the native kernel), the streamed tier through the device, the resident tier
+in place; block by block (see `partition`), with what every tier's update shares.
+
+`transform` builds one `StepContext` per traced step and asks it for each tier's new
+arrays and output rows; the paths themselves are in `paths` and `fused`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dos_jax import fused as fused_lib
+from dos_jax import layout as layout_lib
+from dos_jax import partition as partition_lib
+from dos_jax import paths
+from dos_jax.offload import Offload
+from dos_jax.partition import Tier
+from dos_jax.policies import Plan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepContext:
+  """What every tier's update in one step shares."""
+
+  layout: layout_lib.Layout
+  part: partition_lib.Partition
+  plan: Plan
+  offload: Offload
+  fused: fused_lib.FusedAdamW | None
+  split: bool
+  grad_leaves: list[Any]
+  param_leaves: list[Any] | None  # only for fp32 params (no master)
+  grad_dtype: Any
+  scalars: tuple[jax.Array, ...]
+  mesh: Any  # the mesh the state is sharded over (ZeRO-1), or None
+
+  def update_tier(self, tier: Tier, base_step: paths.RowStep, arrays, native: bool):
+    """Updates one tier, block by block; returns (its new arrays, `(out rows on the
+    device, their pieces)` per block).
+
+    Per-subgroup streamed blocks go in the plan's stream order, each one's state let
+    into the program only once the block `buffers` before it is back in host memory
+    (an optimization barrier), so that at most `buffers` are in flight, as the stacked
+    tier's loop unrolled `buffers` times allows.
+    """
+    blocks = self.part.blocks(tier)
+    given = partition_lib.blocks_of(arrays, len(blocks))
+    order = list(range(len(blocks)))
+    if tier is Tier.STREAMED and len(blocks) > 1:
+      first_row = {ids[0]: b for b, ids in enumerate(blocks)}
+      order = [first_row[g] for g in self.plan.device if g in first_row]
+    new, outs, done = [None] * len(blocks), [None] * len(blocks), []
+    for b in order:
+      ids, block = blocks[b], given[b]
+      if tier is Tier.STREAMED and len(done) >= self.plan.buffers:
+        block, _ = lax.optimization_barrier((block, new[done[-self.plan.buffers]]))
+      step = dataclasses.replace(
+          base_step, decayed_rows=sum(1 for g in ids if g < self.layout.decayed_rows))
+      runs = partition_lib.pieces_of(self.layout, ids)
+      new[b], out = self._update_block(tier, ids, runs, step, block, native)
+      outs[b] = (out, runs)
+      done.append(b)
+    return tuple(x for block in new for x in block), outs
+
+  def _update_block(self, tier: Tier, ids, runs, step: paths.RowStep, arrays,
+                    native: bool):
+    """Updates one block (subgroups `ids` of `tier`, whose pieces are `runs`); returns
+    (new arrays, out rows on the device)."""
+    if tier is Tier.HOST:
+      return self._host(step, arrays, runs, native)
+    if not self.split and native:
+      return self._one_memory_native(step, arrays, resident=True)
+    num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
+    grads = partition_lib.assemble(partition_lib.slice_pieces(self.grad_leaves, runs), runs,
+                                   num_rows, size, self.grad_dtype)
+    params = None
+    if self.param_leaves is not None:
+      params = partition_lib.assemble(partition_lib.slice_pieces(self.param_leaves, runs),
+                                      runs, num_rows, size, step.state_dtype)
+    device_step = step
+    if fused_lib.device_usable(self.fused, self.offload, step, arrays):
+      device_step = fused_lib.device_step(self.fused, step, self.scalars)
+    order = tuple(range(num_rows))
+    if tier is Tier.STREAMED:
+      local = {g: i for i, g in enumerate(ids)}
+      order = tuple(local[g] for g in self.plan.device if g in local)
+    out = jnp.zeros((num_rows, size), step.out_dtype)
+    return paths.row_loop(order, device_step, stacked=arrays, scalars=self.scalars,
+                          grads=grads, params=params, out=out, buffers=self.plan.buffers,
+                          stream=tier is Tier.STREAMED)
+
+  def _one_memory_native(self, step, arrays, resident: bool):
+    if self.mesh is not None:
+      num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
+      runs = partition_lib.pieces(self.layout, self.part, self.part.tier_of(0))
+      rows_sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
+
+      def packed(leaves, dtype):
+        rows = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs), runs,
+                                      num_rows, size, dtype)
+        return jax.lax.with_sharding_constraint(rows, rows_sharding)
+
+      params = None
+      if self.param_leaves is not None:
+        params = packed(self.param_leaves, step.state_dtype)
+      return fused_lib.sharded_update(
+          step, self.fused, stacked=arrays, scalars=self.scalars,
+          grads=packed(self.grad_leaves, self.grad_dtype), params=params, mesh=self.mesh,
+          data_axis=self.offload.data_axis, resident=resident,
+          num_threads=self.offload.host_threads)
+    leaves = fused_lib.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
+                              params=self.param_leaves)
+    return fused_lib.host_update(step, self.fused, stacked=arrays, scalars=self.scalars,
+                                 leaves=leaves, resident=resident,
+                                 num_threads=self.offload.host_threads)
+
+  def _host(self, step, arrays, runs, native: bool):
+    if not self.split and native:
+      return self._one_memory_native(step, arrays, resident=False)
+    if not self.split:
+      # One memory: the rows are packed where the gradients are and handed over whole.
+      num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
+      whole = (partition_lib.Piece(leaf=0, start=0, size=num_rows * size, offset=0),)
+
+      def packed(leaves, dtype):
+        rows = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs), runs,
+                                      num_rows, size, dtype)
+        return [paths.to_host(rows.reshape(-1))]
+
+      grad_pieces = packed(self.grad_leaves, self.grad_dtype)
+      param_pieces = None
+      if self.param_leaves is not None:
+        param_pieces = packed(self.param_leaves, step.state_dtype)
+      arrays, out_h = paths.host_region_update(
+          step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
+          param_pieces=param_pieces, runs=whole, grad_dtype=self.grad_dtype, region=False)
+      return arrays, jax.device_put(out_h, paths.DEVICE)
+    # Each piece of a host-bound gradient leaves the device on its own, as soon as the
+    # backward pass has produced its leaf: never after a concatenation of all gradients.
+    grad_pieces = paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs))
+    param_pieces = None
+    if self.param_leaves is not None:
+      param_pieces = paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs))
+    if native and self.split:
+      arrays, out_h = fused_lib.host_region_update(
+          step, self.fused, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
+          param_pieces=param_pieces, runs=runs, num_threads=self.offload.host_threads)
+    else:
+      arrays, out_h = paths.host_region_update(
+          step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
+          param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
+          region=self.split)
+    return paths.put(arrays, paths.HOST), jax.device_put(out_h, paths.DEVICE)
