@@ -277,11 +277,16 @@ class Graph:
     return tuple(spaces)
 
 
-def lower_for_gpu(fn: Callable[..., Any], *args, **jit_kwargs) -> Any:
+def lower_for_gpu(fn: Callable[..., Any], *args, target: Any = None, **jit_kwargs) -> Any:
   """`jax.jit(fn, **jit_kwargs)` traced on `args` and lowered for CUDA.
 
   Works on a machine without a GPU (Pallas Triton / Mosaic GPU kernels included),
-  which is the point: the GPU program's structure can be checked anywhere.
+  which is the point: the GPU program's structure can be checked anywhere. Where no
+  GPU is present the lowering runs with an abstract GPU device of `target` (a
+  `GpuTarget`, default the H100) in context, which jax >= 0.11 needs to lower Pallas
+  kernels for a GPU (see `gpu_target.lowering_device`).
   """
   import jax  # pylint: disable=import-outside-toplevel
-  return jax.jit(fn, **jit_kwargs).trace(*args).lower(lowering_platforms=('cuda',))
+  from dos_jax.dataflow import gpu_target  # pylint: disable=import-outside-toplevel
+  with gpu_target.lowering_device(target):
+    return jax.jit(fn, **jit_kwargs).trace(*args).lower(lowering_platforms=('cuda',))
