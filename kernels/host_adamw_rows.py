@@ -80,6 +80,24 @@ def host_kernel_in_gpu_programs() -> tuple[bool, str]:
   return ok, why
 
 
+@functools.cache
+def register_for_gpu_compile() -> tuple[bool, str]:
+  """Registers the handlers in the CUDA plugin for compiling GPU programs without a GPU
+  (`dos_jax.dataflow.compile_for_gpu`): `(True, '')` or `(False, why)`.
+
+  The plugin's PJRT API exists once its compile-only topology has been built, GPU or
+  not; a program traced after this call puts the native kernel in its host regions.
+  """
+  native, why = _load()
+  if native is None:
+    return False, why
+  api, why = _pjrt.plugin_c_api('cuda')
+  if api is None:
+    return False, why
+  why = _pjrt.register(native, _HANDLERS, 'cuda', api)
+  return not why, why
+
+
 def _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed) -> None:
   """Raises a one-line error naming the argument that breaks the contract."""
   if stacked.ndim != 3 or stacked.dtype != jnp.float32:

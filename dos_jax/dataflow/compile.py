@@ -1,0 +1,193 @@
+"""Compiling a program for a GPU on a machine without one (deviceless AOT).
+
+The CUDA PJRT plugin (`pip install "jax[cuda13]"`) builds a compile-only client from an
+XLA GPU target config (`GpuTarget`), no driver needed. `compile_for_gpu` lowers a
+function as the dataflow tests do (the arguments' real memory kinds, pinned-host state
+included, `lowering_platforms=('cuda',)`) and compiles that StableHLO with the plugin's
+XLA for the target. The result is the optimized, *scheduled* HLO a GPU would run: what
+overlaps, what is copied, what is in place (`schedule.Schedule`), and the program's
+memory (`compiled_memory_stats`).
+
+JAX's own AOT path on a topology's devices cannot be used for this: it drops memory
+kinds, so a pinned-host state cannot be expressed there. Hence the lower-then-compile
+route, which uses two of JAX's internals (`jax._src.compiler.get_compile_options`, the
+topology client's `compile`), guarded: where they are missing the error says so.
+
+The program's host regions are compiled by the plugin's own XLA, whose FFI registry is
+not jaxlib's: the native host AdamW is registered there first
+(`kernels.host_adamw_rows.register_for_gpu_compile`), or the program falls back to
+XLA's host loop, as it would on a GPU where the kernel cannot be registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Mapping
+
+from dos_jax.dataflow import gpu_target
+from dos_jax.dataflow.gpu_target import GpuTarget
+from dos_jax.dataflow.schedule import Schedule
+
+# The XLA options the runner compiles its GPU step with: XLA's latency-hiding scheduler
+# places each async copy and host call by a cost model, so gradient copies overlap the
+# backward pass and device update work runs while the host call computes. Without it
+# XLA's default schedule issues every copy-done right after its copy-start (nothing
+# overlaps; experiments/RESULTS.md). Library users pass the same to
+# `jax.jit(step).lower(...).compile(compiler_options=dos_jax.GPU_COMPILER_OPTIONS)`.
+GPU_COMPILER_OPTIONS: Mapping[str, Any] = {
+    'xla_gpu_enable_latency_hiding_scheduler': True,
+}
+
+
+class GpuCompilerUnavailable(RuntimeError):
+  """No CUDA PJRT plugin (or no compatible one) to compile GPU programs with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+  """Bytes of a compiled program (XLA's `CompiledMemoryStats`), device and host."""
+
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  host_argument_bytes: int
+  host_output_bytes: int
+  host_alias_bytes: int
+  host_temp_bytes: int
+
+  @classmethod
+  def from_xla(cls, stats: Any) -> 'MemoryStats':
+    get = lambda name: int(getattr(stats, name, 0) or 0)
+    return cls(
+        argument_bytes=get('argument_size_in_bytes'), output_bytes=get('output_size_in_bytes'),
+        alias_bytes=get('alias_size_in_bytes'), temp_bytes=get('temp_size_in_bytes'),
+        host_argument_bytes=get('host_argument_size_in_bytes'),
+        host_output_bytes=get('host_output_size_in_bytes'),
+        host_alias_bytes=get('host_alias_size_in_bytes'),
+        host_temp_bytes=get('host_temp_size_in_bytes'))
+
+  @property
+  def device_peak_bytes(self) -> int:
+    """Arguments, temporaries and the outputs that do not reuse an argument's buffer."""
+    return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledGpuProgram:
+  """A program compiled for a GPU target: its scheduled HLO, memory and compile time."""
+
+  target: GpuTarget
+  hlo_text: str
+  memory: MemoryStats
+  compile_s: float
+  compiler_options: Mapping[str, Any]
+  native_host_kernel: bool  # the native host AdamW was registered for host regions
+
+  @functools.cached_property
+  def schedule(self) -> Schedule:
+    return Schedule.from_text(self.hlo_text)
+
+
+def gpu_compiler_available() -> tuple[bool, str]:
+  """Whether GPU programs can be compiled here: `(True, '')` or `(False, why)`."""
+  try:
+    _topology(GpuTarget.H100_SXM)
+  except GpuCompilerUnavailable as e:
+    return False, str(e)
+  return True, ''
+
+
+def _cuda_plugin_present() -> bool:
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  if importlib.util.find_spec('jax_plugins') is None:
+    return False
+  return any(importlib.util.find_spec(f'jax_plugins.{name}') is not None
+             for name in ('xla_cuda13', 'xla_cuda12'))
+
+
+@functools.cache
+def _topology(target: GpuTarget) -> Any:
+  """The plugin's compile-only topology for `target` (one device)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if not _cuda_plugin_present():
+    raise GpuCompilerUnavailable(
+        f'no CUDA PJRT plugin installed (pip install "jax[cuda13]=={jax.__version__}")')
+  try:
+    from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+    return topologies.get_topology_desc(
+        topology_name=target.value, platform='cuda', topology='1x1x1',
+        target_config=target.config_text())
+  except Exception as e:  # pylint: disable=broad-except
+    raise GpuCompilerUnavailable(
+        f'the CUDA plugin could not build a {target.value} topology: '
+        f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}') from e
+
+
+def _compile_options(device: Any, options: Mapping[str, Any]) -> Any:
+  from jax._src import compiler  # pylint: disable=import-outside-toplevel
+  return compiler.get_compile_options(
+      num_replicas=1, num_partitions=1, device_assignment=[[device]],
+      env_options_overrides=dict(options))
+
+
+def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_TARGET,
+                    compiler_options: Mapping[str, Any] | None = None,
+                    native_host_kernel: bool = False) -> CompiledGpuProgram:
+  """Compiles a `jax.stages.Lowered` (lowered for 'cuda') for `target`.
+
+  Args:
+    lowered: e.g. `dataflow.lower_for_gpu(step, *args)`.
+    target: the GPU to compile for.
+    compiler_options: XLA options; default `GPU_COMPILER_OPTIONS`.
+    native_host_kernel: recorded in the result (whether the program was built with the
+      native host kernel registered in the plugin).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  target = GpuTarget.parse(target)
+  options = dict(GPU_COMPILER_OPTIONS if compiler_options is None else compiler_options)
+  device = _topology(target).devices[0]
+  module = lowered.compiler_ir('stablehlo')
+  try:
+    device_list = jax._src.lib.xla_client.DeviceList((device,))  # pylint: disable=protected-access
+  except AttributeError:
+    from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
+    device_list = _jax.DeviceList((device,))
+  start = time.perf_counter()
+  executable = device.client.compile(
+      module, executable_devices=device_list,
+      compile_options=_compile_options(device, options))
+  compile_s = time.perf_counter() - start
+  return CompiledGpuProgram(
+      target=target, hlo_text=executable.hlo_modules()[0].to_string(),
+      memory=MemoryStats.from_xla(executable.get_compiled_memory_stats()),
+      compile_s=compile_s, compiler_options=options,
+      native_host_kernel=native_host_kernel)
+
+
+def prepare(target: GpuTarget | str = gpu_target.DEFAULT_TARGET) -> bool:
+  """Sets up compiling for `target` before a program is traced: builds the plugin's
+  topology and registers the native host kernel there. Returns whether the kernel is
+  usable in the program's host regions (else they take XLA's host loop)."""
+  _topology(GpuTarget.parse(target))
+  from dos_jax.kernels import host_adamw_rows  # pylint: disable=import-outside-toplevel
+  return host_adamw_rows.register_for_gpu_compile()[0]
+
+
+def compile_for_gpu(fn: Callable[..., Any], *args,
+                    target: GpuTarget | str = gpu_target.DEFAULT_TARGET,
+                    compiler_options: Mapping[str, Any] | None = None,
+                    **jit_kwargs) -> CompiledGpuProgram:
+  """`jax.jit(fn, **jit_kwargs)` on `args`, compiled for a GPU target, with no GPU.
+
+  Build `fn`'s dos_jax transforms with `Offload(platform='gpu')` (the accelerator
+  program). Run with `JAX_PLATFORMS=cpu` where there is no GPU (else the plugin's
+  start-up looks for one). Raises `GpuCompilerUnavailable` where no CUDA plugin is
+  installed.
+  """
+  from dos_jax.dataflow.graph import lower_for_gpu  # pylint: disable=import-outside-toplevel
+  native = prepare(target)
+  lowered = lower_for_gpu(fn, *args, target=GpuTarget.parse(target), **jit_kwargs)
+  return compile_lowered(lowered, target, compiler_options, native_host_kernel=native)
