@@ -12,6 +12,7 @@ from dos_jax.planner.report import StepRecord as StepRecord
 from dos_jax.planner.report import explain as explain
 from dos_jax.alias import chain as chain
 from dos_jax.clipping import clip_by_global_norm as clip_by_global_norm
+from dos_jax.compiler_options import GPU_COMPILER_OPTIONS as GPU_COMPILER_OPTIONS
 from dos_jax.host_memory import keep_freed_host_memory as keep_freed_host_memory
 from dos_jax.layout import Layout as Layout
 from dos_jax.layout import spec_for as spec_for

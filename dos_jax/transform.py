@@ -293,11 +293,14 @@ def offloaded(
       # On a GPU the host regions run in the CUDA plugin's own XLA: the native kernel
       # must be registered there too, else (one warning) XLA's host loop runs instead.
       native = host_adamw_rows.host_kernel_in_gpu_programs()[0]
+    host_grad_pieces = {}
+    if split:
+      host_grad_pieces, grad_leaves = tier_updates.gate_device_update(layout, part, grad_leaves)
     context = tier_updates.StepContext(
         layout=layout, part=part, plan=plan, offload=offload, fused=fused, split=split,
         grad_leaves=grad_leaves, param_leaves=None if layout.needs_master else param_leaves,
         grad_dtype=grad_dtype, scalars=state.scalars,
-        mesh=None if mesh_info is None else mesh_info[0])
+        mesh=None if mesh_info is None else mesh_info[0], host_grad_pieces=host_grad_pieces)
     new_tiers, outs = dict(state.tiers), []
     for tier in TIERS:
       if not part.ids(tier):

@@ -26,19 +26,11 @@ import functools
 import time
 from typing import Any, Callable, Mapping
 
+from dos_jax.compiler_options import GPU_COMPILER_OPTIONS
 from dos_jax.dataflow import gpu_target
 from dos_jax.dataflow.gpu_target import GpuTarget
 from dos_jax.dataflow.schedule import Schedule
 
-# The XLA options the runner compiles its GPU step with: XLA's latency-hiding scheduler
-# places each async copy and host call by a cost model, so gradient copies overlap the
-# backward pass and device update work runs while the host call computes. Without it
-# XLA's default schedule issues every copy-done right after its copy-start (nothing
-# overlaps; experiments/RESULTS.md). Library users pass the same to
-# `jax.jit(step).lower(...).compile(compiler_options=dos_jax.GPU_COMPILER_OPTIONS)`.
-GPU_COMPILER_OPTIONS: Mapping[str, Any] = {
-    'xla_gpu_enable_latency_hiding_scheduler': True,
-}
 
 
 class GpuCompilerUnavailable(RuntimeError):

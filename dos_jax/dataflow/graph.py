@@ -277,8 +277,10 @@ class Graph:
     return tuple(spaces)
 
 
-def lower_for_gpu(fn: Callable[..., Any], *args, target: Any = None, **jit_kwargs) -> Any:
-  """`jax.jit(fn, **jit_kwargs)` traced on `args` and lowered for CUDA.
+def lower_for_gpu(fn: Callable[..., Any], *args, target: Any = None,
+                  kwargs: dict[str, Any] | None = None, **jit_kwargs) -> Any:
+  """`jax.jit(fn, **jit_kwargs)` traced on `args` (and keyword `kwargs`) and lowered
+  for CUDA; `fn` may already be jitted (then `jit_kwargs` must be empty).
 
   Works on a machine without a GPU (Pallas Triton / Mosaic GPU kernels included),
   which is the point: the GPU program's structure can be checked anywhere. Where no
@@ -288,5 +290,6 @@ def lower_for_gpu(fn: Callable[..., Any], *args, target: Any = None, **jit_kwarg
   """
   import jax  # pylint: disable=import-outside-toplevel
   from dos_jax.dataflow import gpu_target  # pylint: disable=import-outside-toplevel
+  jitted = fn if hasattr(fn, 'trace') and not jit_kwargs else jax.jit(fn, **jit_kwargs)
   with gpu_target.lowering_device(target):
-    return jax.jit(fn, **jit_kwargs).trace(*args).lower(lowering_platforms=('cuda',))
+    return jitted.trace(*args, **(kwargs or {})).lower(lowering_platforms=('cuda',))

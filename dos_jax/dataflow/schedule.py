@@ -44,10 +44,12 @@ class Copy:
   done: int
   gemms_between: int  # matrix multiplications issued between start and done
   compute_between: int  # device compute instructions issued between start and done
+  after_gemm: bool  # the copied value is computed from a matrix multiplication's result
 
   @property
   def overlaps_compute(self) -> bool:
-    return self.gemms_between > 0
+    """Device compute is issued while the copy is in flight."""
+    return self.compute_between > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +97,11 @@ class Schedule:
                gemms=sum(1 for k in kinds if k == 'gemm'))
 
   def gradient_copies(self, min_bytes: int = 64 * 1024) -> tuple[Copy, ...]:
-    """Device->host copies of at least `min_bytes` (weight gradients, not biases)."""
-    return tuple(c for c in self.copies if c.to_host and c.nbytes >= min_bytes)
+    """Device->host copies of at least `min_bytes` of values computed from a matrix
+    multiplication: weight gradients, not biases, and not parameters sent to the host
+    as they are (fp32 params have no master: the host update reads them)."""
+    return tuple(c for c in self.copies
+                 if c.to_host and c.after_gemm and c.nbytes >= min_bytes)
 
   def large_host_copies(self, min_bytes: int = 1 << 20) -> tuple[HostCopy, ...]:
     return tuple(c for c in self.host_copies if c.nbytes >= min_bytes)
@@ -113,6 +118,7 @@ class Schedule:
     return {
         'gradient_copies': len(grads),
         'gradient_copies_overlapping_compute': sum(c.overlaps_compute for c in grads),
+        'gradient_copies_overlapping_gemms': sum(c.gemms_between > 0 for c in grads),
         'gemms': self.gemms,
         'host_calls': len(self.host_calls),
         'device_update_inside_host_call': self.device_update_inside_host_call(),
@@ -185,8 +191,18 @@ def _done_of(instructions: Iterable[hlo.Instruction], start: hlo.Instruction,
   return None
 
 
+def _after_gemm(entry: hlo.Computation, kinds: list[str]) -> set[str]:
+  """Names of the entry's instructions computed (transitively) from a gemm's result."""
+  found = set()
+  for instruction in entry.instructions:  # schedule order: operands come first
+    if kinds[instruction.position] == 'gemm' or any(o in found for o in instruction.operands):
+      found.add(instruction.name)
+  return found
+
+
 def _copies(entry: hlo.Computation, kinds: list[str]) -> list[Copy]:
   by_name, found = entry.by_name(), []
+  after_gemm = _after_gemm(entry, kinds)
   for start in entry.instructions:
     if start.opcode != 'copy-start':
       continue
@@ -200,7 +216,8 @@ def _copies(entry: hlo.Computation, kinds: list[str]) -> list[Copy]:
         name=start.name, nbytes=done.arrays[0].nbytes, to_host=to_host,
         start=start.position, done=done.position,
         gemms_between=sum(1 for k in between if k == 'gemm'),
-        compute_between=sum(1 for k in between if k != 'free')))
+        compute_between=sum(1 for k in between if k != 'free'),
+        after_gemm=start.name in after_gemm))
   return found
 
 

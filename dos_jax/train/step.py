@@ -38,7 +38,7 @@ program and one update program, plus one gradient program for the run.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -76,10 +76,12 @@ def make_optimizer(
     offload: OffloadConfig | None,
     total_steps: int,
     mask: Callable[[Params], Any] | None = None,
+    platform: Any = None,
 ) -> optax.GradientTransformation:
   """AdamW from the config: dos_jax's offloaded one, or plain `optax.adamw` when
   `offload` is None (the reference the tests and the benchmark compare against).
-  `mask` (default `decay_mask`) says which leaves get weight decay.
+  `mask` (default `decay_mask`) says which leaves get weight decay. `platform` (a
+  `dos_jax.Platform`, default the backend's) picks the program dos_jax builds.
 
   Clipping is not part of the optimizer: the step computes the global norm once (it is
   also reported) and hands the clip factor to the dos_jax update as `grad_scale` (see
@@ -96,14 +98,15 @@ def make_optimizer(
   )
   if offload is None:
     return optax.adamw(**kwargs)
-  return dos_jax.adamw(**kwargs, offload=make_offload(offload))
+  return dos_jax.adamw(**kwargs, offload=make_offload(offload, platform))
 
 
-def make_offload(cfg: OffloadConfig) -> Any:
-  """The `dos_jax.Offload` value for the configured policy, subgroup size and storage."""
+def make_offload(cfg: OffloadConfig, platform: Any = None) -> Any:
+  """The `dos_jax.Offload` value for the configured policy, subgroup size and storage;
+  `platform` as in `make_optimizer`."""
   kwargs = {} if cfg.subgroup_size is None else {'subgroup_size': cfg.subgroup_size}
   storage = None if cfg.storage is None else dos_jax.Storage(cfg.storage)
-  return dos_jax.Offload(policy=cfg.placement, storage=storage, **kwargs)
+  return dos_jax.Offload(policy=cfg.placement, storage=storage, platform=platform, **kwargs)
 
 
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:
@@ -178,6 +181,7 @@ def make_train_step(
     clip_norm: float | None,
     param_shardings: Any = None,
     state_shardings: Any = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[..., tuple[Params, OptState, Stats]]:
   """The one-program step: jitted `(params, opt_state, tokens_BxLp1, plan=None) ->
   (params, opt_state, {'loss', 'grad_norm', ...})`.
@@ -187,6 +191,7 @@ def make_train_step(
   compilation per plan. Output shardings are pinned to the inputs' (memory kinds
   included), so step t's outputs are valid inputs of step t+1 without a recompile.
   The clip factor goes to a dos_jax `tx` as `grad_scale` (module docstring).
+  `compiler_options` are XLA's (`compiler_options_for` gives the runner's).
   """
   scale_in_update = scales_in_update(tx)
 
@@ -202,6 +207,7 @@ def make_train_step(
       static_argnames=('plan',),
       donate_argnums=(0, 1),
       out_shardings=None if pinned is None else (*pinned, None),
+      compiler_options=None if compiler_options is None else dict(compiler_options),
   )
 
   @functools.wraps(train_step)
@@ -244,6 +250,7 @@ def make_update_step(
     *,
     param_shardings: Any = None,
     state_shardings: Any = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[..., tuple[Params, OptState]]:
   """The second program of the split step: jitted `(params, opt_state, grads,
   grad_scale=None, plan=None) -> (params, opt_state)`, donating params and optimizer
@@ -259,6 +266,7 @@ def make_update_step(
       static_argnames=('plan',),
       donate_argnums=(0, 1),
       out_shardings=_pinned(param_shardings, state_shardings),
+      compiler_options=None if compiler_options is None else dict(compiler_options),
   )
 
   @functools.wraps(update_step)
@@ -267,6 +275,14 @@ def make_update_step(
 
   call.jitted = jitted  # For compile-count checks (`call.jitted._cache_size()`).
   return call
+
+
+def compiler_options_for(platform: str) -> Mapping[str, Any] | None:
+  """XLA options the runner compiles its steps with on `platform` (a JAX platform name):
+  on a GPU `dos_jax.GPU_COMPILER_OPTIONS` (the latency-hiding scheduler, which overlaps
+  gradient copies with the backward pass and the device update with the host call;
+  experiments/RESULTS.md shows the schedule with and without), else none."""
+  return dos_jax.GPU_COMPILER_OPTIONS if platform in ('gpu', 'cuda', 'rocm') else None
 
 
 def make_eval_step(apply: Callable, loss_fn: Callable) -> Callable[[Params, jax.Array], jax.Array]:

@@ -236,6 +236,7 @@ def build(
     tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps)
   opt_state = tx.init(params)
   state_shardings = step_lib.state_shardings(opt_state, mesh)
+  compiler_options = step_lib.compiler_options_for(mesh.devices.flat[0].platform)
   # Commit every leaf (init may leave scalars uncommitted): the update's outputs are
   # committed, and a committed/uncommitted mismatch would recompile at step 2.
   opt_state = jax.device_put(opt_state, state_shardings)
@@ -253,13 +254,15 @@ def build(
       train_step=step_lib.make_train_step(
           apply, model_lib.loss_fn, tx, clip_norm=cfg.optim.clip_norm,
           param_shardings=param_shardings, state_shardings=state_shardings,
+          compiler_options=compiler_options,
       ),
       grad_step=step_lib.make_grad_step(
           apply, model_lib.loss_fn, clip_norm=cfg.optim.clip_norm,
           scale_in_update=step_lib.scales_in_update(tx), grad_shardings=param_shardings,
       ),
       update_step=step_lib.make_update_step(
-          tx, param_shardings=param_shardings, state_shardings=state_shardings
+          tx, param_shardings=param_shardings, state_shardings=state_shardings,
+          compiler_options=compiler_options,
       ),
       eval_step=step_lib.make_eval_step(apply, model_lib.loss_fn),
   )
