@@ -1,0 +1,121 @@
+"""The GPU program as XLA compiles it for an H100: the schedule a GPU will run.
+
+Compiled with the CUDA plugin's compile-only client, no GPU needed
+(`dos_jax.dataflow.compile_for_gpu`); skipped where the plugin is not installed (CI runs
+these in its Python 3.12 stage with `jax[cuda13]==0.11.2`, the GPU machines' version).
+The lowered-program tests (test_gpu_program.py) prove what XLA *may* overlap; these
+prove what the compiled schedule *does*:
+
+* weight-gradient copies to host memory run while backward compute is issued (all but
+  at most one: the last gradient the backward pass makes has nothing left to overlap);
+* the device update (streamed or resident tiers) is issued between the host call's
+  start and done, for every plan with device subgroups;
+* with XLA's default options neither holds, which is why the runner compiles with
+  `dos_jax.GPU_COMPILER_OPTIONS`.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dos_jax
+from dos_jax import dataflow
+from dos_jax.train import config as config_lib
+from dos_jax.train import gpu_program
+
+pytestmark = pytest.mark.compiled_gpu
+
+_AVAILABLE, _WHY = dataflow.gpu_compiler_available()
+if not _AVAILABLE:
+  pytest.skip(f'no GPU compiler here: {_WHY}', allow_module_level=True)
+if jax.default_backend() != 'cpu':  # a GPU machine compiles for its own GPU elsewhere
+  pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu', allow_module_level=True)
+
+DEVICE_PLANS = ('stride', 'device_fraction')
+
+
+def _runner_step(policy: str, dtype: str, options=None, clip: bool = True):
+  cfg = config_lib.load(None, [
+      f'offload.policy={policy}', f'model.param_dtype={dtype}',
+      'offload.subgroup_size=65536', f'optim.clip_norm={1.0 if clip else "null"}'])
+  return gpu_program.compile_step(cfg, 'h100_sxm', compiler_options=options)
+
+
+@pytest.mark.parametrize('target', list(dataflow.GpuTarget), ids=lambda t: t.value)
+def test_target_configs_build_a_topology(target):
+  program = dataflow.compile_for_gpu(lambda x: jnp.tanh(x @ x), jnp.ones((128, 128)),
+                                     target=target)
+  assert program.schedule.gemms == 1
+  assert program.target is target
+
+
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float32'])
+@pytest.mark.parametrize('policy', ['all_host', *DEVICE_PLANS])
+def test_runner_step_overlaps_copies_and_updates(policy, dtype):
+  program = _runner_step(policy, dtype)
+  schedule = program.schedule
+  assert program.native_host_kernel, 'the native kernel is registered for host regions'
+  copies = schedule.gradient_copies()
+  assert copies, 'host-bound weight gradients leave the device'
+  late = [c.name for c in copies if not c.overlaps_compute]
+  assert len(late) <= 1, f'{len(late)} of {len(copies)} gradient copies overlap nothing: {late}'
+  assert len(schedule.host_calls) == 1
+  if policy in DEVICE_PLANS:
+    assert schedule.device_update_inside_host_call(), schedule.host_calls
+
+
+def test_default_options_overlap_nothing():
+  """The reason for GPU_COMPILER_OPTIONS: XLA's default schedule (same program)."""
+  schedule = _runner_step('stride', 'bfloat16', options={}).schedule
+  copies = schedule.gradient_copies()
+  assert copies and not any(c.overlaps_compute for c in copies)
+  assert not schedule.device_update_inside_host_call()
+
+
+def _mlp(num_layers: int, width: int, dtype):
+  rng = np.random.default_rng(0)
+  return {f'layer{i}': {'w': jnp.asarray(rng.standard_normal((width, width)) / np.sqrt(width),
+                                         dtype),
+                        'b': jnp.zeros((width,), dtype)} for i in range(num_layers)}
+
+
+def _loss(params, x):
+  h = x
+  for i in range(len(params)):
+    h = jnp.tanh(h @ params[f'layer{i}']['w'] + params[f'layer{i}']['b'])
+  return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def test_library_step_overlaps_every_weight_gradient_but_the_last():
+  """An L-layer bf16 MLP, one subgroup per layer, AllHost with clipping, jitted by the
+  user with dos_jax.GPU_COMPILER_OPTIONS: at least L-1 of the L weight-gradient copies
+  have a backward gemm issued while they are in flight."""
+  num_layers, width = 6, 512
+  params = _mlp(num_layers, width, jnp.bfloat16)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((64, width)), jnp.bfloat16)
+  offload = dos_jax.Offload(subgroup_size=width * width + width, policy=dos_jax.AllHost(),
+                            platform='gpu')
+  opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(1e-3, offload=offload))
+  dataflow.compile.prepare()
+  state = opt.init(params)
+
+  def step(p, s, x):
+    loss, g = jax.value_and_grad(_loss)(p, x)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  schedule = dataflow.compile_for_gpu(step, params, state, x, donate_argnums=(0, 1)).schedule
+  weights = [c for c in schedule.gradient_copies() if c.nbytes == width * width * 2]
+  assert len(weights) == num_layers, [c.nbytes for c in schedule.gradient_copies()]
+  assert sum(c.gemms_between > 0 for c in weights) >= num_layers - 1
+
+
+def test_the_runner_compiles_gpu_steps_with_the_scheduler_options():
+  from dos_jax.train import step as step_lib
+  assert step_lib.compiler_options_for('gpu') == dos_jax.GPU_COMPILER_OPTIONS
+  assert step_lib.compiler_options_for('cpu') is None
+  assert os.environ.get('JAX_PLATFORMS', 'cpu').startswith('cpu')
