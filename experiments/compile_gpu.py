@@ -20,6 +20,11 @@ version) and the project installed; runs on CPU (it sets JAX_PLATFORMS=cpu).
   python experiments/compile_gpu.py --target h100_sxm --policy stride --json out.json
   python experiments/compile_gpu.py --target h200 --policy device_fraction --dtype float32
   python experiments/compile_gpu.py --program update --policy stride --default-schedule
+
+On a machine with a GPU, `--run N` instead compiles the runner's step for that GPU through
+JAX (with the options the runner uses there), reports the same schedule facts from the
+program the GPU runs, and times N steps on random tokens (median step time, tokens/s).
+On a CPU it runs the accelerator program on the CPU backend (a smoke test).
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import os
 import sys
 import time
 
-os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # XLA's stack-frame warnings
 
 POLICIES = ('all_host', 'stride', 'device_fraction', 'all_device', 'auto')
@@ -57,6 +61,8 @@ def _parse(argv):
                       help="XLA's default options instead of dos_jax.GPU_COMPILER_OPTIONS")
   parser.add_argument('--json', default=None, help='write the report here')
   parser.add_argument('--hlo', default=None, help='write the scheduled HLO here')
+  parser.add_argument('--run', type=int, default=0, metavar='N',
+                      help="compile for this machine's backend and time N steps")
   return parser.parse_args(argv)
 
 
@@ -100,8 +106,51 @@ def _update_program(cfg, target, options):
   return dataflow.compile_lowered(lowered, target, options, native_host_kernel=native)
 
 
+def _run_here(args, cfg) -> dict:
+  """The runner's step compiled by JAX for this machine's backend, its schedule facts
+  (GPU only) and the median time of `args.run` steps on random tokens."""
+  import jax
+  import numpy as np
+  from dos_jax.dataflow.schedule import Schedule
+  from dos_jax.train import gpu_program
+  from dos_jax.train import step as step_lib
+  backend = jax.default_backend()
+  options = None if args.default_schedule else step_lib.compiler_options_for(backend)
+  program = gpu_program.build_step(cfg, compiler_options=options)
+  rng = np.random.default_rng(0)
+  vocab = cfg.model.shape().vocab_size
+
+  def tokens():
+    return jax.numpy.asarray(rng.integers(0, vocab, program.tokens.shape), jax.numpy.int32)
+
+  start = time.perf_counter()
+  compiled = program.step.lower(program.params, program.opt_state, tokens(),
+                                plan=None).compile()
+  compile_s = time.perf_counter() - start
+  facts = {}
+  if backend == 'gpu':
+    facts = Schedule.from_text(compiled.as_text()).summary()
+    facts.pop('device_work_inside_host_call', None)
+  params, opt_state, times = program.params, program.opt_state, []
+  for i in range(args.run + 1):
+    batch = tokens()
+    t0 = time.perf_counter()
+    params, opt_state, stats = compiled(params, opt_state, batch)
+    jax.block_until_ready((params, opt_state, stats))
+    if i:  # the first step warms up
+      times.append(time.perf_counter() - t0)
+  step_s = float(np.median(times))
+  batch_tokens = cfg.data.batch_size * cfg.data.seq_len
+  return {'backend': backend, 'device': jax.devices()[0].device_kind,
+          'compile_s': round(compile_s, 3), 'steps': args.run,
+          'median_step_s': round(step_s, 6), 'tokens_per_s': round(batch_tokens / step_s, 1),
+          'loss': float(stats['loss']), **facts}
+
+
 def main(argv=None) -> int:
   args = _parse(argv)
+  if not args.run:
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # compile-only: no GPU is looked for
   import jax
   from dos_jax import dataflow
   from dos_jax.train import gpu_program
@@ -110,6 +159,24 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f'compile_gpu: error: {e}', file=sys.stderr)
     return 2
+  if args.run:
+    if args.run < 1:
+      print('compile_gpu: error: --run needs a positive number of steps', file=sys.stderr)
+      return 2
+    report = {'policy': args.policy, 'dtype': args.dtype, 'jax': jax.__version__,
+              **_run_here(args, _config(args))}
+    if args.json:
+      with open(args.json, 'w', encoding='utf-8') as f:
+        json.dump(report, f, indent=1)
+    print(f'SUMMARY {args.policy} {args.dtype} step on {report["device"]} '
+          f'({report["backend"]}): median {report["median_step_s"] * 1e3:.2f} ms over '
+          f'{args.run} steps, {report["tokens_per_s"]:.0f} tokens/s, compiled in '
+          f'{report["compile_s"]:.1f} s'
+          + (f'; gradient copies overlapping compute '
+             f'{report["gradient_copies_overlapping_compute"]}/{report["gradient_copies"]},'
+             f' device update inside host call {report["device_update_inside_host_call"]}'
+             if 'gradient_copies' in report else ''))
+    return 0
   available, why = dataflow.gpu_compiler_available()
   if not available:
     print(f'compile_gpu: error: {why}', file=sys.stderr)
@@ -141,7 +208,7 @@ def main(argv=None) -> int:
       f.write(program.hlo_text)
   mib = lambda b: f'{b / 2**20:.1f} MiB'
   m = program.memory
-  print(f'{args.program} {args.policy} {args.dtype} on {target.value} '
+  print(f'SUMMARY {args.program} {args.policy} {args.dtype} on {target.value} '
         f'(jax {jax.__version__}, {"default" if args.default_schedule else "dos_jax"} '
         f'schedule): compiled in {program.compile_s:.1f} s')
   print(f'  gradient copies overlapping compute: '

@@ -7,15 +7,20 @@
 #               a dos_jax/kernels link); versions; whether the native kernel loads
 #   2. pjrt     tests/test_pjrt_register.py: the native kernel inside a GPU host region
 #               (on a GPU its three host-region cases must pass, not skip)
-#   3. gpu      the rest of `pytest -m gpu`
-#   4. pallas   Pallas AdamW bandwidth vs device copies of its bytes, and vs
+#   3. compiled the compile checks CI runs: the step compiled for an H100/H200 target
+#               with no GPU (JAX_PLATFORMS=cpu pytest -m compiled_gpu)
+#   4. step     the runner's step compiled by JAX for this GPU: the same schedule facts
+#               read off the program the GPU runs, then 20 steps timed per policy
+#               (experiments/compile_gpu.py --run; step_*.json)
+#   5. gpu      the rest of `pytest -m gpu`
+#   6. pallas   Pallas AdamW bandwidth vs device copies of its bytes, and vs
 #               jit(optax.adamw), at 16M and 256M (bench_kernels.py --gpu-only)
-#   5. update   bench_update.py per policy on 1B bf16 params vs jit(optax.adamw)
-#   6. overlap  a jax.profiler trace of one Stride(2) step (1B bf16) and how long host
+#   7. update   bench_update.py per policy on 1B bf16 params vs jit(optax.adamw)
+#   8. overlap  a jax.profiler trace of one Stride(2) step (1B bf16) and how long host
 #               and device update work overlapped in it (trace_overlap.py)
-#   7. migrate  what a plan change costs, stacked vs per-subgroup storage: time, new
+#   9. migrate  what a plan change costs, stacked vs per-subgroup storage: time, new
 #               buffers, host and device memory added (bench_migration.py, 1B bf16)
-#   8. storage  bench_update with per-subgroup storage (Stride(2), a resident mix)
+#  10. storage  bench_update with per-subgroup storage (Stride(2), a resident mix)
 # Writes under $OUT (default experiments/gpu_check_out/, git-ignored): report.md (each
 # part's output and wall time, a summary table at the end), logs/, update.json,
 # pallas.json, migration.json, storage.json, trace/ and step.hlo.txt. Exits 1 if any part failed.
@@ -53,12 +58,16 @@ if [ "$SMALL" = 1 ]; then
   PARAMS=1000000; SUBGROUP=250000
   PALLAS_ARGS=(--interpret --gpu-sizes 0.0625 --reps 3)
   UPDATE_ARGS=(--reps 2 --platform gpu); TRACE_ARGS=(--platform gpu)
-  MIGRATE_ARGS=(--platform gpu)
+  MIGRATE_ARGS=(--platform gpu); STEP_RUNS=2
 else
   PARAMS=1000000000; SUBGROUP=100000000
   PALLAS_ARGS=(--gpu-sizes 16,256 --reps 20)
-  UPDATE_ARGS=(--reps 3); TRACE_ARGS=(); MIGRATE_ARGS=()
+  UPDATE_ARGS=(--reps 3); TRACE_ARGS=(); MIGRATE_ARGS=(); STEP_RUNS=20
 fi
+# The runner's step at a size that fills a GPU's gemms: the 125m preset, 8 layers.
+STEP_ARGS=(--set model.preset=125m --set model.n_layers=8 --set data.seq_len=512
+           --set data.batch_size=8 --subgroup-size 4194304)
+[ "$SMALL" = 1 ] && STEP_ARGS=()
 
 # ----------------------------------------------------------------------------- parts
 
@@ -178,21 +187,42 @@ part() {  # part KEY TITLE CAP_SECONDS COMMAND...: run, log, time, add to the re
 part install "1. install, versions, native kernel" 150 bash -c install_step
 part pjrt "2. native kernel in a GPU host region (tests/test_pjrt_register.py)" 90 \
   bash -c pjrt_step
-part gpu "3. pytest -m gpu (the rest)" 150 \
+compiled_step() {  # pytest's exit 5 (all skipped: no CUDA plugin, e.g. --small on a CPU) is no failure
+  JAX_PLATFORMS=cpu python3 -m pytest -q -p no:cacheprovider -rfEs -m compiled_gpu tests
+  local rc=$?
+  [ "$rc" = 5 ] && return 0
+  return $rc
+}
+export -f compiled_step
+part compiled "3. the step compiled for H100/H200 without a GPU (pytest -m compiled_gpu)" 150 \
+  bash -c compiled_step
+step_runs() {  # the runner's step on this machine's backend, per policy
+  local rc=0 policy
+  for policy in all_host stride device_fraction; do
+    python3 experiments/compile_gpu.py --run "$STEP_RUNS" --policy "$policy" \
+      $STEP_ARGS_STR --json "$OUT/step_$policy.json" || rc=1
+  done
+  return $rc
+}
+export -f step_runs
+export STEP_RUNS STEP_ARGS_STR="${STEP_ARGS[*]}"
+part step "4. the runner's step compiled for this GPU, schedule and time" 150 \
+  bash -c 'step_runs'
+part gpu "5. pytest -m gpu (the rest)" 150 \
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu --ignore=tests/test_pjrt_register.py tests
-part pallas "4. Pallas AdamW vs device copy and jit(optax.adamw)" 90 \
+part pallas "6. Pallas AdamW vs device copy and jit(optax.adamw)" 90 \
   python3 experiments/bench_kernels.py --gpu-only "${PALLAS_ARGS[@]}" --json "$OUT/pallas.json"
-part update "5. bench_update per policy, bf16 params" 240 \
+part update "7. bench_update per policy, bf16 params" 240 \
   python3 experiments/bench_update.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
   --dtype bf16 --policies 'AllHost,Stride(2),DeviceFraction(0.5),AllDevice' \
   "${UPDATE_ARGS[@]}" --json "$OUT/update.json"
-part overlap "6. host/device overlap in a profiled Stride(2) step" 150 \
+part overlap "8. host/device overlap in a profiled Stride(2) step" 150 \
   python3 experiments/trace_overlap.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
   "${TRACE_ARGS[@]}" --out "$OUT"
-part migrate "7. plan change: stacked vs per-subgroup storage" 90 \
+part migrate "9. plan change: stacked vs per-subgroup storage" 90 \
   python3 experiments/bench_migration.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
   --dtype bf16 "${MIGRATE_ARGS[@]}" --json "$OUT/migration.json"
-part storage "8. bench_update, per-subgroup storage" 120 \
+part storage "10. bench_update, per-subgroup storage" 120 \
   python3 experiments/bench_update.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
   --dtype bf16 --storage per_subgroup --policies 'Stride(2),ResidentFraction(0.3)' \
   "${UPDATE_ARGS[@]}" --json "$OUT/storage.json"
