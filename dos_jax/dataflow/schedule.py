@@ -146,8 +146,11 @@ def _kind(module: hlo.Module, instruction: hlo.Instruction) -> str:
       return 'gemm'
     return 'compute'
   if op == 'fusion':
-    if 'gemm' in (instruction.attribute('calls') or '') or '__triton_gemm' in \
-        instruction.attributes or '"kind":"__triton_gemm"' in instruction.attributes:
+    # A gemm fusion: XLA:GPU's custom fusion kind with a gemm computation (Triton gemm
+    # or cuBLAS), never a loop or input fusion.
+    custom = (instruction.attribute('kind') or '') == 'kCustom'
+    if custom and ('gemm' in (instruction.attribute('calls') or '')
+                   or '__triton_gemm' in instruction.attributes):
       return 'gemm'
     return 'compute'
   if op == 'while':

@@ -1,0 +1,117 @@
+"""Reading scheduled HLO (dos_jax.dataflow.hlo / schedule) on small modules with known answers.
+
+The modules are written the way XLA:GPU prints a compiled program (async copies to memory
+space 5, a host call as `custom-call-start`/`-done` on the "host" execution thread); the
+answers are counted by hand. Runs everywhere: no plugin, no compile.
+"""
+
+import pytest
+
+from dos_jax.dataflow import hlo
+from dos_jax.dataflow.schedule import Schedule
+
+_MODULE = '''HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[64,64]{1,0})->f32[64,64]{1,0}}
+
+%gemm_fusion_dot.1_computation (p0: f32[64,64], p1: f32[64,64]) -> f32[64,64] {
+  %p0 = f32[64,64]{1,0} parameter(0)
+  %p1 = f32[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = f32[64,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_loop (q0: f32[64,64]) -> f32[64,64] {
+  %q0 = f32[64,64]{1,0} parameter(0)
+  ROOT %neg = f32[64,64]{1,0} negate(%q0)
+}
+
+%host_computation (state: f32[4,3,1024], g: f32[64,64]) -> f32[4,3,1024] {
+  %state = f32[4,3,1024]{2,1,0} parameter(0)
+  %g = f32[64,64]{1,0} parameter(1)
+  ROOT %ffi = f32[4,3,1024]{2,1,0} custom-call(%state, %g), custom_call_target="dos_jax_adamw_host_leaves"
+}, execution_thread="host"
+
+%body (arg: (s32[], f32[2,3,1024])) -> (s32[], f32[2,3,1024]) {
+  %arg = (s32[], f32[2,3,1024]{2,1,0:S(5)}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %rows = f32[2,3,1024]{2,1,0:S(5)} get-tuple-element(%arg), index=1
+  %row = f32[1,3,1024]{2,1,0} dynamic-slice(%rows, %i, %i, %i), dynamic_slice_sizes={1,3,1024}
+  %k = f32[1,3,1024]{2,1,0} custom-call(%row), custom_call_target="__gpu$xla.gpu.triton"
+  %new = f32[2,3,1024]{2,1,0:S(5)} dynamic-update-slice(%rows, %k, %i, %i, %i)
+  ROOT %t = (s32[], f32[2,3,1024]{2,1,0:S(5)}) tuple(%i, %new)
+}
+
+ENTRY %main (x: f32[64,64], w: f32[64,64], state: f32[4,3,1024], streamed: f32[2,3,1024]) -> f32[64,64] {
+  %x = f32[64,64]{1,0} parameter(0)
+  %w = f32[64,64]{1,0} parameter(1)
+  %state = f32[4,3,1024]{2,1,0:S(5)} parameter(2)
+  %streamed = f32[2,3,1024]{2,1,0:S(5)} parameter(3)
+  %raw = f32[64,64]{1,0} fusion(%w), kind=kLoop, calls=%fused_loop
+  %copy-start.0 = (f32[64,64]{1,0:S(5)}, f32[64,64]{1,0}, u32[]) copy-start(%w)
+  %gemm_fusion_dot.1 = f32[64,64]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot.1_computation
+  %copy-start.1 = (f32[64,64]{1,0:S(5)}, f32[64,64]{1,0}, u32[]) copy-start(%gemm_fusion_dot.1)
+  %gemm_fusion_dot.2 = f32[64,64]{1,0} fusion(%gemm_fusion_dot.1, %w), kind=kCustom, calls=%gemm_fusion_dot.1_computation
+  %copy-done.0 = f32[64,64]{1,0:S(5)} copy-done(%copy-start.0)
+  %copy-done.1 = f32[64,64]{1,0:S(5)} copy-done(%copy-start.1)
+  %copy-start.2 = (f32[64,64]{1,0:S(5)}, f32[64,64]{1,0}, u32[]) copy-start(%gemm_fusion_dot.2)
+  %copy-done.2 = f32[64,64]{1,0:S(5)} copy-done(%copy-start.2)
+  %call-start = ((f32[4,3,1024]{2,1,0:S(5)}, f32[64,64]{1,0:S(5)}), f32[4,3,1024]{2,1,0:S(5)}, u32[]) custom-call-start(%state, %copy-done.1), async_execution_thread="host", custom_call_target="HostExecute", called_computations={%host_computation}
+  %tuple.0 = (s32[], f32[2,3,1024]{2,1,0:S(5)}) tuple(%x, %streamed)
+  %while.0 = (s32[], f32[2,3,1024]{2,1,0:S(5)}) while(%tuple.0), condition=%body, body=%body
+  %call-done = f32[4,3,1024]{2,1,0:S(5)} custom-call-done(%call-start)
+  %copy.5 = f32[4,3,1024]{2,1,0:S(5)} copy(%call-done)
+  ROOT %out = f32[64,64]{1,0} fusion(%gemm_fusion_dot.2), kind=kLoop, calls=%fused_loop
+}
+'''
+
+
+def test_module_parses_computations_shapes_and_memory_spaces():
+  module = hlo.Module.parse(_MODULE)
+  assert module.is_scheduled and module.entry == 'main'
+  assert module.computations['host_computation'].execution_thread == 'host'
+  entry = module.entry_computation.by_name()
+  start = entry['call-start']
+  assert start.opcode == 'custom-call-start'
+  assert start.operands == ('state', 'copy-done.1')
+  assert start.called == ('host_computation',)
+  arrays = start.arrays
+  assert [a.dims for a in arrays] == [(4, 3, 1024), (64, 64), (4, 3, 1024), ()]
+  assert [a.on_host for a in arrays] == [True, True, True, False]
+  assert entry['copy.5'].arrays[0].nbytes == 4 * 3 * 1024 * 4
+  assert [c.name for c in module.reachable('main')][:1] == ['main']
+
+
+def test_schedule_facts():
+  schedule = Schedule.from_text(_MODULE)
+  assert schedule.gemms == 2
+  copies = {c.name: c for c in schedule.copies}
+  assert set(copies) == {'copy-start.0', 'copy-start.1', 'copy-start.2'}
+  # copy 0 sends a parameter as it is: not a gradient; copy 2 has nothing in flight.
+  assert not copies['copy-start.0'].after_gemm
+  assert copies['copy-start.1'].gemms_between == 1 and copies['copy-start.1'].overlaps_compute
+  assert not copies['copy-start.2'].overlaps_compute
+  grads = schedule.gradient_copies(min_bytes=1)
+  assert [c.name for c in grads] == ['copy-start.1', 'copy-start.2']
+  [call] = schedule.host_calls
+  assert call.device_between == ('while.0',)
+  assert call.device_update_between == ('while.0',)  # its body runs a Pallas kernel
+  assert schedule.device_update_inside_host_call()
+  [copy] = schedule.large_host_copies(min_bytes=1)
+  assert (copy.name, copy.nbytes) == ('copy.5', 4 * 3 * 1024 * 4)
+  summary = schedule.summary(min_copy_bytes=1, min_host_copy_bytes=1)
+  assert summary['gradient_copies'] == 2
+  assert summary['gradient_copies_overlapping_compute'] == 1
+  assert summary['large_host_to_host_copies'] == 1
+
+
+def test_device_work_after_the_host_call_is_not_inside_it():
+  text = _MODULE.replace(
+      '  %while.0 = (s32[], f32[2,3,1024]{2,1,0:S(5)}) while(%tuple.0), condition=%body, body=%body\n'
+      '  %call-done = f32[4,3,1024]{2,1,0:S(5)} custom-call-done(%call-start)\n',
+      '  %call-done = f32[4,3,1024]{2,1,0:S(5)} custom-call-done(%call-start)\n'
+      '  %while.0 = (s32[], f32[2,3,1024]{2,1,0:S(5)}) while(%tuple.0), condition=%body, body=%body\n')
+  assert text != _MODULE
+  assert not Schedule.from_text(text).device_update_inside_host_call()
+
+
+def test_an_unscheduled_module_is_refused():
+  with pytest.raises(ValueError, match='not a scheduled HLO module'):
+    Schedule.from_text(_MODULE.replace('is_scheduled=true', 'is_scheduled=false'))
