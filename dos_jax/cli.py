@@ -21,8 +21,17 @@ def build_parser() -> argparse.ArgumentParser:
   from dos_jax.planner import plan_cli  # pylint: disable=import-outside-toplevel
 
   train_cli.register(subparsers)
-  plan_cli.register(subparsers)
+  plan_cli.register(subparsers, config_shape=_config_shape)
   return parser
+
+
+def _config_shape(path: str):
+  """A run config's model shape, for `dos-jax plan --config` (ValueError: one line)."""
+  from dos_jax.train import config as train_config  # pylint: disable=import-outside-toplevel
+  try:
+    return train_config.load(path).model.shape()
+  except train_config.ConfigError as e:
+    raise ValueError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

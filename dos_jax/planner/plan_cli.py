@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+from typing import Callable
 
 from dos_jax.planner import auto
 from dos_jax.planner import costmodel
@@ -73,7 +74,11 @@ def _positive_float(text: str) -> float:
   return value
 
 
-def register(subparsers) -> None:
+def register(subparsers,
+             config_shape: Callable[[str], model_shapes.ModelShape] | None = None) -> None:
+  """Adds `plan` to `subparsers`. `config_shape(path)` reads a run config's model shape
+  for `--config` (the runner's loader, handed down by `dos_jax.cli` so that the planner
+  never imports the runner); without it `--config` is refused."""
   p = subparsers.add_parser(
       'plan',
       help='memory per tier, the chosen placement and predicted update times',
@@ -104,7 +109,7 @@ def register(subparsers) -> None:
                  help='pipeline stages: report the GPipe bubble and each stage\'s memory')
   p.add_argument('--microbatches', type=_positive_int, default=1, metavar='M',
                  help='microbatches per step of a pipelined run (default: 1)')
-  p.set_defaults(handler=handler)
+  p.set_defaults(handler=handler, config_shape=config_shape)
 
 
 def _error(message: str) -> int:
@@ -115,15 +120,10 @@ def _error(message: str) -> int:
 def _load_shape(args) -> model_shapes.ModelShape:
   if args.model:
     return model_shapes.preset(args.model)
-  try:
-    from dos_jax.train import config as train_config  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise ValueError('--config needs the runner (dos_jax.train.config), which is not available') from None
-  try:
-    cfg = train_config.load(args.config)
-  except train_config.ConfigError as e:
-    raise ValueError(str(e)) from None
-  shape = cfg.model.shape()
+  config_shape = getattr(args, 'config_shape', None)
+  if config_shape is None:
+    raise ValueError('--config needs the runner\'s config loader; use --model')
+  shape = config_shape(args.config)
   if not isinstance(shape, model_shapes.ModelShape):
     raise ValueError(f'{args.config}: model.shape() did not return a ModelShape')
   return shape

@@ -33,6 +33,7 @@ from dos_jax.train import pipeline as pipe
 from dos_jax.train import step as step_lib
 from dos_jax.train.config import RunConfig
 from dos_jax.train.configlib import ConfigError
+from dos_jax.train.results import StepResult
 
 
 def _is_subtree(treedef):
@@ -131,7 +132,6 @@ class PipelineTrainer:
   def step(self, tokens_BxLp1: np.ndarray, plan: Any = None, *, split: bool = False):
     """One optimizer step: the pipelined gradient program, then every stage's update.
     With `split`, the two phases are timed apart (the update phase spans all stages)."""
-    from dos_jax.train.trainer import StepResult  # pylint: disable=import-outside-toplevel
     del plan  # Each stage applies its own policy's plan (adaptive ones are refused).
     tokens = self.place_batch(tokens_BxLp1)
     programs = sum(self.compile_counts().values())
