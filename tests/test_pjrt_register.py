@@ -238,7 +238,8 @@ def _no_probe(*args, **kwargs):
   raise AssertionError('no probe expected')
 
 
-def test_no_cuda_devices_reports_false(fresh, monkeypatch, caplog):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures('fresh')
+def test_no_cuda_devices_reports_false(monkeypatch, caplog):
   """No CUDA backend and no compile-only registration: nothing is registered or probed,
   the kernel is not usable in GPU programs, and nothing is warned; accelerator programs
   then run on the CPU backend, whose host regions have the kernel."""
@@ -253,15 +254,16 @@ def test_no_cuda_devices_reports_false(fresh, monkeypatch, caplog):  # pylint: d
   assert not _warnings(caplog)
 
 
-def test_no_cuda_devices_on_this_machine_reports_false(fresh):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures('fresh')
+def test_no_cuda_devices_on_this_machine_reports_false():
   if _pjrt.gpu_platforms():
     pytest.skip('this machine has a GPU backend')
-  if host_adamw_rows._state.compile_only is None:  # pylint: disable=protected-access
-    assert host_adamw_rows.host_kernel_in_gpu_programs() == (
-        False, host_adamw_rows.NO_CUDA_BACKEND)
+  assert host_adamw_rows.host_kernel_in_gpu_programs() == (
+      False, host_adamw_rows.NO_CUDA_BACKEND)
 
 
-def test_found_plugin_gets_the_handlers_and_the_probe_decides(fresh, monkeypatch):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures('fresh')
+def test_found_plugin_gets_the_handlers_and_the_probe_decides(monkeypatch):
   plugin = FakePlugin()
   probed = []
   monkeypatch.setattr(_pjrt, 'gpu_platforms', lambda: ['cuda'])
@@ -275,7 +277,8 @@ def test_found_plugin_gets_the_handlers_and_the_probe_decides(fresh, monkeypatch
   assert probed == [_handlers()]  # after registering, once
 
 
-def test_registered_but_not_taken_falls_back_once(fresh, monkeypatch, caplog):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures('fresh')
+def test_registered_but_not_taken_falls_back_once(monkeypatch, caplog):
   """The plugin reports success, the probe shows it dropped the handlers."""
   plugin = FakePlugin()
   monkeypatch.setattr(_pjrt, 'gpu_platforms', lambda: ['cuda'])
@@ -293,7 +296,8 @@ def test_registered_but_not_taken_falls_back_once(fresh, monkeypatch, caplog):  
   assert 'XLA FFI API %d.%d' % _native().ffi_api_version() in lines[0]
 
 
-def test_failure_is_reported_once(fresh, monkeypatch, caplog):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures('fresh')
+def test_failure_is_reported_once(monkeypatch, caplog):
   monkeypatch.setattr(_pjrt, 'gpu_platforms', lambda: ['cuda'])
   monkeypatch.setattr(_pjrt, 'plugin_c_api', lambda p: (None, 'no PJRT_Api for cuda'))
   with caplog.at_level(logging.WARNING):
@@ -304,7 +308,8 @@ def test_failure_is_reported_once(fresh, monkeypatch, caplog):  # pylint: disabl
   assert len(lines) == 1 and "XLA's host loop" in lines[0] and why in lines[0]
 
 
-def test_compile_only_registration_is_what_gpu_programs_get(fresh, monkeypatch):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures('fresh')
+def test_compile_only_registration_is_what_gpu_programs_get(monkeypatch):
   plugin = FakePlugin()
   verdicts = iter([(True, '')])
   monkeypatch.setattr(_pjrt, 'gpu_platforms', lambda: [])
@@ -317,7 +322,8 @@ def test_compile_only_registration_is_what_gpu_programs_get(fresh, monkeypatch):
   assert host_adamw_rows.host_kernel_in_accelerator_programs() == (True, '')
 
 
-def test_rocm_registration_cannot_be_proven(fresh, monkeypatch, caplog):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures('fresh')
+def test_rocm_registration_cannot_be_proven(monkeypatch, caplog):
   plugin = FakePlugin()
   monkeypatch.setattr(_pjrt, 'gpu_platforms', lambda: ['rocm'])
   monkeypatch.setattr(_pjrt, 'plugin_c_api', lambda p: (plugin.address, ''))
@@ -397,7 +403,8 @@ def test_undecided_probe_is_not_cached(stand_in, monkeypatch):  # pylint: disabl
   assert _probe() == (True, '') and stand_in.runs == 2
 
 
-def test_probe_without_a_plugin_library(fresh, monkeypatch):  # pylint: disable=redefined-outer-name,unused-argument
+@pytest.mark.usefixtures('fresh')
+def test_probe_without_a_plugin_library(monkeypatch):
   monkeypatch.setattr(_pjrt, 'plugin_library', lambda platform='cuda': None)
   monkeypatch.setattr(_pjrt, '_probe_command', _no_probe)
   ok, why = _probe()
@@ -449,7 +456,7 @@ def _needs_gpu_compiler():
 
 
 @pytest.mark.compiled_gpu
-def test_plugin_probe_passes_for_the_real_handlers(fresh, caplog):  # pylint: disable=redefined-outer-name,unused-argument
+def test_plugin_probe_passes_for_the_real_handlers(fresh, caplog):  # pylint: disable=redefined-outer-name
   _needs_gpu_compiler()
   with caplog.at_level(logging.WARNING):
     assert host_adamw_rows.register_for_gpu_compile() == (True, '')
