@@ -4,12 +4,30 @@ Everything else about the package lives in pyproject.toml. The XLA FFI headers c
 the jaxlib installed in the build environment (a build requirement), located without
 importing it. The extension is optional: where it cannot be compiled the package still
 installs and `dos_jax.kernels.host_kernel_available()` says why it is missing.
+
+Which headers, and why. A handler reports the XLA FFI API version of the headers it was
+compiled with, and an XLA runtime accepts only versions it knows: jaxlib 0.10.2 accepts
+0.1-0.3, jaxlib 0.11.2 and its CUDA plugin 0.1-0.4, the 0.12 headers are 0.5. Built
+against newer headers than the runtime's, the kernels are refused: by jaxlib's CPU
+registry (an error), and silently by a CUDA plugin (its PJRT FFI extension ignores the
+registry's answer). So an isolated build (`pip install .`, `pip install -e .`) uses the
+headers of the OLDEST supported jaxlib, pinned in pyproject's build requirements
+(`jaxlib==0.10.2`, FFI API 0.3), whose handlers every supported jaxlib and plugin
+accepts; not the newest (what an unpinned requirement gets), nor the installed jaxlib
+(a build against it would have to be redone whenever jaxlib changes, and a GPU machine's
+plugin may be older than the jaxlib beside it). `python setup.py build_ext --inplace`
+uses the environment's jaxlib instead. Either way the version is recorded: in the
+library (`ffi_api_version()`), in the build stamp (kernels/<lib>.so.sha256) and in the
+build's output; and at run time, before the kernel is used inside GPU programs, a
+probe compile proves the plugin took it (kernels/_pjrt.py).
 """
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 
 from setuptools import Extension, setup
@@ -21,6 +39,26 @@ def _ffi_include_dir() -> str:
   if spec is None or not spec.submodule_search_locations:
     raise RuntimeError('building dos_jax needs jaxlib for the XLA FFI headers')
   return os.path.join(list(spec.submodule_search_locations)[0], 'include')
+
+
+def _ffi_api_version() -> str:
+  """'major.minor' of the XLA FFI headers compiled against (their c_api.h), or '?'."""
+  path = os.path.join(_ffi_include_dir(), 'xla', 'ffi', 'api', 'c_api.h')
+  try:
+    with open(path, encoding='utf-8') as f:
+      text = f.read()
+  except OSError:
+    return '?'
+  found = [re.search(rf'#define XLA_FFI_API_{part}\s+(\d+)', text) for part in ('MAJOR', 'MINOR')]
+  return '.'.join(m.group(1) for m in found) if all(found) else '?'
+
+
+def _build_jaxlib() -> str:
+  """Version of the jaxlib whose headers the build uses."""
+  try:
+    return importlib.metadata.version('jaxlib')
+  except importlib.metadata.PackageNotFoundError:
+    return '?'
 
 
 def _compile_args() -> list[str]:
@@ -90,6 +128,7 @@ class CachedBuildExt(build_ext):
     cached = os.path.join(package_dir, os.path.basename(target))
     stamp = cached + '.sha256'
     inputs = _input_digest(ext)
+    headers = {'ffi_api': _ffi_api_version(), 'jaxlib': _build_jaxlib()}
     try:
       with open(stamp, encoding='utf-8') as f:
         recorded = json.load(f)
@@ -101,8 +140,11 @@ class CachedBuildExt(build_ext):
       if os.path.abspath(cached) != os.path.abspath(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copy2(cached, target)
-      print(f'{ext.name}: inputs unchanged, reusing {cached}')
+      print(f'{ext.name}: inputs unchanged, reusing {cached} (XLA FFI API '
+            f'{recorded.get("ffi_api", "?")}, jaxlib {recorded.get("jaxlib", "?")} headers)')
       return
+    print(f'{ext.name}: compiling against XLA FFI API {headers["ffi_api"]} '
+          f'(jaxlib {headers["jaxlib"]} headers)')
     super().build_extension(ext)
     if os.path.exists(target) and os.path.isdir(package_dir):
       # Put the new library where the stamp points now, rather than leaving it to
@@ -110,7 +152,7 @@ class CachedBuildExt(build_ext):
       if os.path.abspath(cached) != os.path.abspath(target):
         shutil.copy2(target, cached)
       with open(stamp, 'w', encoding='utf-8') as f:
-        json.dump({'inputs': inputs, 'library': _digest([cached], names=False)}, f)
+        json.dump({'inputs': inputs, 'library': _digest([cached], names=False), **headers}, f)
 
 
 setup(

@@ -290,9 +290,10 @@ def offloaded(
     native = fused_lib.usable(fused, base_step, grad_leaves) and not (
         split and mesh_info is not None)
     if native and split:
-      # On a GPU the host regions run in the CUDA plugin's own XLA: the native kernel
-      # must be registered there too, else (one warning) XLA's host loop runs instead.
-      native = host_adamw_rows.host_kernel_in_gpu_programs()[0]
+      # For a GPU the host regions run in the CUDA plugin's own XLA: the native kernel
+      # must be registered and proven there too, else (one warning) XLA's host loop
+      # runs instead. On the CPU backend they run in jaxlib's XLA, which has it.
+      native = host_adamw_rows.host_kernel_in_accelerator_programs()[0]
     host_grad_pieces = {}
     if split:
       host_grad_pieces, grad_leaves = tier_updates.gate_device_update(layout, part, grad_leaves)

@@ -12,16 +12,40 @@ to that extension and registers our handlers there for "Host".
 Finding the plugin's `PJRT_Api*` needs what JAX keeps private, so every route is
 guarded and a failure is a reason to report, never an exception: the caller falls back
 to XLA's host loop.
+
+A registration that "succeeds" proves nothing: the plugin's `PJRT_FFI_Register_Handler`
+ignores its registry's answer, so a handler of an FFI API version the plugin does not
+accept (a library built against newer headers) or a second handler under a taken name
+is dropped while the call reports success; and a host region calling a handler the
+plugin lacks is not a Python error but an abort inside its compiler. `probe_in_plugin`
+therefore compiles, in a child process, a tiny GPU program whose host region calls every
+target, with the plugin's compile-only client (no GPU needed, as `dos_jax.dataflow.
+compile` does); the child registers the same handlers of the same library in the same
+plugin library first, so its verdict is this process's. The verdict is cached on disk
+(`dos_jax.cache.cache_dir('kernel_probe')`), keyed by the plugin library (path, size,
+mtime), the native library's sha256, the targets and the jax / jaxlib versions: a few
+seconds once per installation, a file read afterwards.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 from typing import Any, Mapping
 
 import jax
+
+from dos_jax import cache
 
 # Platforms served by a GPU PJRT plugin whose host regions run on the host.
 GPU_PLATFORMS = ('cuda', 'rocm')
@@ -127,19 +151,239 @@ def register(native: Any, targets: Mapping[str, str], platform: str,
   return f'{platform} plugin: {why}' if why else ''
 
 
-def register_in_gpu_plugins(native: Any, targets: Mapping[str, str]) -> tuple[bool, str]:
-  """Registers the handlers in every GPU plugin of the process, for "Host".
+# --- proving the registration: a probe compile in a child process ----------------------
 
-  Returns:
-    `(True, '')` when done or when there is no GPU backend (nothing to do: host
-    regions then run in jaxlib's XLA, where `_native.load` registered them), else
-    `(False, why)`.
+# Seconds a probe compile may take (about 2-5 s on the 2-core CI machine; the first run
+# of a process reads the 400 MB plugin library from disk).
+PROBE_TIMEOUT_S = 300
+# Bump when what the probe checks changes: older cached verdicts are then ignored.
+_PROBE_VERSION = 1
+# The child's verdict, one line on stdout after this marker.
+_VERDICT_MARKER = 'dos_jax probe verdict: '
+# The plugin packages, newest first (`jax[cuda13]`, `jax[cuda12]`).
+_CUDA_PLUGIN_MODULES = ('jax_plugins.xla_cuda13', 'jax_plugins.xla_cuda12')
+
+
+def plugin_library(platform: str = 'cuda') -> str | None:
+  """Path of the PJRT plugin library serving `platform`, or None if none is installed.
+
+  Asks the plugin package (`_get_library_path`), already imported by JAX's plugin
+  discovery or imported here (a small Python module: the library is not loaded).
   """
-  for platform in gpu_platforms():
-    api, why = plugin_c_api(platform)
-    if api is None:
-      return False, why
-    why = register(native, targets, platform, api)
-    if why:
-      return False, why
-  return True, ''
+  if platform != 'cuda':
+    return None
+  names = [n for n in sorted(sys.modules) if n.startswith('jax_plugins.xla_cuda')]
+  names += [n for n in _CUDA_PLUGIN_MODULES if n not in names]
+  for name in names:
+    module = sys.modules.get(name)
+    if module is None:
+      try:
+        if importlib.util.find_spec(name) is None:
+          continue
+        module = importlib.import_module(name)
+      except Exception:  # pylint: disable=broad-except  # no such plugin, or a broken one
+        continue
+    get_path = getattr(module, '_get_library_path', None)
+    try:
+      path = get_path() if callable(get_path) else None
+    except Exception:  # pylint: disable=broad-except
+      path = None
+    if path and os.path.isfile(path):
+      return os.fspath(path)
+  return None
+
+
+def _sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _jaxlib_version() -> str:
+  try:
+    from jax._src.lib import version_str  # pylint: disable=g-import-not-at-top
+    return str(version_str)
+  except Exception:  # pylint: disable=broad-except
+    return '?'
+
+
+def probe_key(native: Any, targets: Mapping[str, str], plugin_path: str) -> dict[str, Any]:
+  """What a probe's verdict depends on: the plugin library and the native library."""
+  stat = os.stat(plugin_path)
+  return {'probe': _PROBE_VERSION, 'plugin': [os.path.realpath(plugin_path), stat.st_size,
+                                              stat.st_mtime_ns],
+          'native': _sha256(native.__file__), 'targets': sorted(targets.items()),
+          'jax': jax.__version__, 'jaxlib': _jaxlib_version()}
+
+
+def probe_cache_path(key: Mapping[str, Any]) -> str:
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+  return os.fspath(cache.cache_dir('kernel_probe', f'{digest}.json'))
+
+
+def _read_verdict(path: str, key: Mapping[str, Any]) -> tuple[bool, str] | None:
+  try:
+    with open(path, encoding='utf-8') as f:
+      record = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(record, dict) or record.get('key') != json.loads(json.dumps(key)):
+    return None
+  return bool(record.get('ok')), str(record.get('why', ''))
+
+
+def _write_verdict(path: str, key: Mapping[str, Any], ok: bool, why: str,
+                   seconds: float) -> None:
+  """Atomically (a concurrent probe writes the same verdict); failures are ignored."""
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix='.tmp')
+    with os.fdopen(fd, 'w', encoding='utf-8') as f:
+      json.dump({'key': key, 'ok': ok, 'why': why, 'probe_s': round(seconds, 2),
+                 'when': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, f, indent=1)
+    os.chmod(tmp, cache.umask_mode())
+    os.replace(tmp, path)
+  except OSError:
+    pass
+
+
+def _probe_command(spec: Mapping[str, Any]) -> list[str]:
+  """The child's command line (tests replace it)."""
+  return [sys.executable, '-c',
+          'import sys; from dos_jax.kernels import _pjrt; _pjrt._probe_main(sys.argv[1])',
+          json.dumps(spec)]
+
+
+def _probe_env() -> dict[str, str]:
+  """The child's environment: the plugin's compile-only client (JAX_PLATFORMS=cpu, which
+  works with or without a GPU) and this process's dos_jax first on the path."""
+  env = dict(os.environ)
+  env['JAX_PLATFORMS'] = 'cpu'
+  package_root = os.path.dirname(os.path.dirname(os.path.abspath(cache.__file__)))
+  env['PYTHONPATH'] = os.pathsep.join(
+      [package_root] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+  return env
+
+
+def _death_reason(returncode: int, stderr: str) -> str:
+  """Why the child died, from its exit status and the most telling line it wrote."""
+  if returncode < 0:
+    try:
+      status = f'killed by {signal.Signals(-returncode).name}'
+    except ValueError:
+      status = f'killed by signal {-returncode}'
+  else:
+    status = f'exit status {returncode}'
+  lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+  telling = [line for line in lines if 'Check failed' in line or 'NOT_FOUND' in line]
+  detail = (telling or lines or ['(no output)'])[-1]
+  what = 'died' if returncode else 'gave no verdict'
+  return f'the probe compile {what} ({status}): {detail[:400]}'
+
+
+def run_probe(native: Any, targets: Mapping[str, str],
+              timeout_s: float | None = None) -> tuple[bool, str, bool]:
+  """Compiles a host region calling every target in a child process.
+
+  Returns `(ok, why, definitive)`: `definitive` is False when the child could not say
+  (it timed out or could not start), which is not worth caching.
+  """
+  timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+  spec = {'module': native.__name__, 'targets': dict(targets)}
+  try:
+    done = subprocess.run(_probe_command(spec), env=_probe_env(), capture_output=True,
+                          text=True, timeout=timeout_s, check=False)
+  except subprocess.TimeoutExpired:
+    return False, f'the probe compile did not finish within {timeout_s:.0f} s', False
+  except OSError as e:
+    return False, f'the probe compile could not start: {e}', False
+  for line in reversed(done.stdout.splitlines()):
+    if line.startswith(_VERDICT_MARKER):
+      try:
+        verdict = json.loads(line[len(_VERDICT_MARKER):])
+        return bool(verdict['ok']), str(verdict.get('why', '')), True
+      except (ValueError, KeyError, TypeError):
+        break
+  return False, _death_reason(done.returncode, done.stderr), True
+
+
+def probe_in_plugin(native: Any, targets: Mapping[str, str],
+                    platform: str = 'cuda') -> tuple[bool, str]:
+  """Whether the CUDA plugin really compiles host regions calling `targets`.
+
+  The verdict is cached (see the module docstring); a probe that could not decide
+  (timeout) is not. Returns `(True, '')` or `(False, why)`; never raises, never aborts.
+  """
+  path = plugin_library(platform)
+  if path is None:
+    return False, f'no {platform} PJRT plugin library found to probe the registration with'
+  try:
+    key = probe_key(native, targets, path)
+  except OSError as e:
+    return False, f'cannot identify the libraries to probe: {e}'
+  cached = probe_cache_path(key)
+  verdict = _read_verdict(cached, key)
+  if verdict is not None:
+    return verdict
+  start = time.perf_counter()
+  ok, why, definitive = run_probe(native, targets)
+  if definitive:
+    _write_verdict(cached, key, ok, why, time.perf_counter() - start)
+  return ok, why
+
+
+def _compute_on_function() -> Any:
+  """jax >= 0.11's `compute_on(f, *, compute_type, out_memory_spaces)`, or 0.10's
+  `compute_on2` (same signature; 0.10's `compute_on` is a context manager)."""
+  from jax.experimental import compute_on as module  # pylint: disable=g-import-not-at-top
+  for name in ('compute_on', 'compute_on2'):
+    fn = getattr(module, name, None)
+    if fn is not None and 'out_memory_spaces' in inspect.signature(fn).parameters:
+      return fn
+  raise RuntimeError('no function form of compute_on in this jax')
+
+
+def _probe_program(targets: Mapping[str, str]) -> Any:
+  """A program lowered for CUDA whose host region calls every target once (the
+  operands need not fit the handlers: the program is compiled, never run)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def body(x):
+    outs = [jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+            for name in targets]
+    return sum(outs[1:], outs[0])
+
+  region = _compute_on_function()(body, compute_type='device_host',
+                                  out_memory_spaces=jax.memory.Space.Host)
+  pinned = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0], memory_kind='pinned_host')
+  x = jax.device_put(jnp.ones((8,), jnp.float32), pinned)
+  return jax.jit(region).trace(x).lower(lowering_platforms=('cuda',))
+
+
+def _probe_main(spec_json: str) -> None:
+  """The child (run by `run_probe`): register, then compile; print the verdict.
+
+  A handler missing from the plugin aborts this process inside the plugin's compiler,
+  which the parent reads from the exit status and stderr.
+  """
+  ok, why = False, ''
+  try:
+    spec = json.loads(spec_json)
+    targets = dict(spec['targets'])
+    # Imported here: the child needs the compile-only client, the library does not.
+    from dos_jax.dataflow import compile as compile_lib  # pylint: disable=g-import-not-at-top
+    compile_lib._topology(compile_lib.gpu_target.DEFAULT_TARGET)  # pylint: disable=protected-access
+    api, why = plugin_c_api('cuda')
+    if api is not None:
+      native = importlib.import_module(spec['module'])
+      why = register(native, targets, 'cuda', api)
+      if not why:
+        compile_lib.compile_lowered(_probe_program(targets), compiler_options={})
+        ok = True
+  except Exception as e:  # pylint: disable=broad-except
+    ok, why = False, f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+  print(_VERDICT_MARKER + json.dumps({'ok': ok, 'why': why}), flush=True)
+  sys.stdout.flush()
+  os._exit(0 if ok else 1)  # pylint: disable=protected-access  # skip JAX's teardown

@@ -500,6 +500,8 @@ DOS_HANDLER_CAPSULE(HandlerLeavesInPlace, DosJaxAdamWHostLeavesInPlace)
 
 // pjrt_register.cc: registers handlers inside a PJRT plugin (GPU programs' host regions).
 PyObject* DosJaxRegisterWithPjrt(PyObject* self, PyObject* args);
+PyObject* DosJaxFfiApiVersion(PyObject* self, PyObject* args);
+PyObject* DosJaxTestHandlerApi099(PyObject* self, PyObject* args);
 
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The XLA FFI handler of the row-wise host AdamW."},
@@ -512,6 +514,12 @@ static PyMethodDef kMethods[] = {
     {"register_with_pjrt", DosJaxRegisterWithPjrt, METH_VARARGS,
      "register_with_pjrt(api, platform, targets) -> '' or why not: registers the "
      "(name, handler) targets in the FFI registry of the PJRT plugin `api` for `platform`."},
+    {"ffi_api_version", DosJaxFfiApiVersion, METH_NOARGS,
+     "ffi_api_version() -> (major, minor): the XLA FFI API version of the headers this "
+     "library was built with (what its handlers report to XLA)."},
+    {"_test_handler_api_0_99", DosJaxTestHandlerApi099, METH_NOARGS,
+     "For tests: the row-wise handler, reporting XLA FFI API version 0.99 (too new for "
+     "any runtime) when XLA asks for its metadata."},
     {nullptr, nullptr, 0, nullptr},
 };
 

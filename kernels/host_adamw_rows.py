@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from typing import Any
 
 import jax
@@ -54,48 +55,131 @@ def rows_kernel_unavailable_reason() -> str:
   return _load()[1]
 
 
-@functools.cache
+# The targets registered in GPU plugins and probed there (tests put others here).
+_PLUGIN_TARGETS = _HANDLERS
+
+NO_CUDA_BACKEND = ('no CUDA backend in this process and no compile-only registration '
+                   '(dos_jax.dataflow.compile.prepare): no GPU program is built here')
+
+
+class _PluginState:
+  """What this process knows about the kernel inside GPU plugins (one per process)."""
+
+  def __init__(self):
+    self.lock = threading.RLock()
+    # Live GPU backends: None until looked at, () when there are none (JAX's backends
+    # are fixed once started), else the verdict.
+    self.live: tuple[bool, str] | tuple[()] | None = None
+    # `register_for_gpu_compile`'s verdict, once called.
+    self.compile_only: tuple[bool, str] | None = None
+    self.warned = False
+
+
+_state = _PluginState()
+
+
+def _warn_once(why: str) -> None:
+  """The one warning of a process whose GPU programs lose the native kernel."""
+  if _state.warned:
+    return
+  _state.warned = True
+  native = _load()[0]
+  version = getattr(native, 'ffi_api_version', lambda: ('?', '?'))()
+  logging.getLogger(__name__).warning(
+      "dos_jax: the native host AdamW cannot be used inside GPU programs (%s); host "
+      "subgroups use XLA's host loop instead, several times slower (4-7x in "
+      "experiments/results_kernels2.md). The library was built against XLA FFI API %s.%s.",
+      why, *version)
+
+
+def _register_and_probe(native: Any, platform: str, api: Any) -> tuple[bool, str]:
+  """Registers the targets in the plugin `api`, then proves that it took them."""
+  why = _pjrt.register(native, _PLUGIN_TARGETS, platform, api)
+  if why:
+    return False, why
+  if platform != 'cuda':
+    return False, (f'{platform} plugin: registered, but only a CUDA plugin can be probed, '
+                   'and an unproven registration may abort the compile')
+  ok, why = _pjrt.probe_in_plugin(native, _PLUGIN_TARGETS, platform)
+  return (True, '') if ok else (False, f'{platform} plugin did not take the handlers: {why}')
+
+
 def host_kernel_in_gpu_programs() -> tuple[bool, str]:
   """Whether host regions of GPU programs may call the native kernel: `(ok, why not)`.
 
-  A GPU program's host regions run in the GPU PJRT plugin's own XLA, whose FFI registry
-  `jax.ffi.register_ffi_target` does not reach, so the handlers are registered there
-  too (for XLA platform "Host", see `_pjrt`), once per process. Without a GPU backend
-  there is nothing to register and the answer is yes whenever the kernel is available.
+  A GPU program's host regions are compiled and run by the GPU PJRT plugin's own XLA,
+  whose FFI registry `jax.ffi.register_ffi_target` does not reach, so the handlers are
+  registered there for XLA platform "Host" (`_pjrt`), and a probe compile proves the
+  plugin took them (`_pjrt.probe_in_plugin`; the plugin's registration reports success
+  even when it drops a handler, and a missing handler aborts its compiler).
 
-  Returns:
-    `(True, '')`, or `(False, why)`: the kernel is missing, or it could not be
-    registered in the plugin; the caller must then give host subgroups XLA's host loop.
-    A failed registration is also logged once, as a warning.
+  True only when both held, for the process's live CUDA backend (done here, once) or,
+  with no GPU, for compiling GPU programs without one (`register_for_gpu_compile`).
+  Returns `(False, NO_CUDA_BACKEND)` when neither exists (nothing is warned: no GPU
+  program is built; see `host_kernel_in_accelerator_programs`), `(False, why)` when the
+  kernel is missing or the plugin cannot be shown to have it: the caller gives host
+  subgroups XLA's host loop, and the process logs one warning.
   """
   native, why = _load()
   if native is None:
     return False, why
-  ok, why = _pjrt.register_in_gpu_plugins(native, _HANDLERS)
-  if not ok:
-    logging.getLogger(__name__).warning(
-        "dos_jax: native host AdamW not registered in the GPU plugin (%s); host subgroups "
-        "use XLA's host loop instead, several times slower (4-7x in "
-        "experiments/results_kernels2.md)", why)
-  return ok, why
+  with _state.lock:
+    if _state.live is None:
+      _state.live = ()
+      platforms = _pjrt.gpu_platforms()
+      if platforms:
+        verdict = True, ''
+        for platform in platforms:
+          api, why = _pjrt.plugin_c_api(platform)
+          verdict = _register_and_probe(native, platform, api) if api is not None else (
+              False, why)
+          if not verdict[0]:
+            break
+        _state.live = verdict
+        if not verdict[0]:
+          _warn_once(verdict[1])
+    if _state.live:
+      return _state.live
+    if _state.compile_only is not None:
+      return _state.compile_only
+  return False, NO_CUDA_BACKEND
 
 
-@functools.cache
+def host_kernel_in_accelerator_programs() -> tuple[bool, str]:
+  """Whether an accelerator program (`Offload(platform='gpu')`) traced now may call the
+  native kernel in its host regions: `(ok, why not)`.
+
+  For a CUDA plugin (a live CUDA backend, or compiling without a GPU after
+  `register_for_gpu_compile`) that is `host_kernel_in_gpu_programs()`. Otherwise the
+  program can only run on the CPU backend, whose host regions run in jaxlib's XLA,
+  where `_native.load` registered the handlers: yes whenever the kernel is available.
+  """
+  ok, why = host_kernel_in_gpu_programs()
+  if ok or why != NO_CUDA_BACKEND:
+    return ok, why
+  return True, ''
+
+
 def register_for_gpu_compile() -> tuple[bool, str]:
   """Registers the handlers in the CUDA plugin for compiling GPU programs without a GPU
-  (`dos_jax.dataflow.compile_for_gpu`): `(True, '')` or `(False, why)`.
+  (`dos_jax.dataflow.compile_for_gpu`) and proves it took them: `(True, '')` or
+  `(False, why)` (then one warning, and host regions take XLA's host loop).
 
   The plugin's PJRT API exists once its compile-only topology has been built, GPU or
   not; a program traced after this call puts the native kernel in its host regions.
+  The verdict is the process's (done once).
   """
   native, why = _load()
   if native is None:
     return False, why
-  api, why = _pjrt.plugin_c_api('cuda')
-  if api is None:
-    return False, why
-  why = _pjrt.register(native, _HANDLERS, 'cuda', api)
-  return not why, why
+  with _state.lock:
+    if _state.compile_only is None:
+      api, why = _pjrt.plugin_c_api('cuda')
+      verdict = _register_and_probe(native, 'cuda', api) if api is not None else (False, why)
+      _state.compile_only = verdict
+      if not verdict[0]:
+        _warn_once(verdict[1])
+    return _state.compile_only
 
 
 def _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed) -> None:
