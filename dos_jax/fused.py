@@ -202,14 +202,37 @@ def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, 
   return (jax.device_put(new_state, space),), out
 
 
+# Platforms whose accelerator program returns the host tier's state from the host region
+# (a copy per step) instead of updating it in its buffer: a CPU backend, where the
+# accelerator program runs only as a test of its numbers. Its compiler drops the
+# optimization barrier before scheduling, so without donation the copy of the state into
+# the program's output could run before the host call writes it; XLA:GPU drops the
+# barrier only after scheduling, so the order holds there donated or not.
+STATE_RESULT_PLATFORMS = ('cpu',)
+
+
 def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars,
                        grad_pieces, param_pieces, runs, num_threads: int | None = None):
   """The host tier in one native call inside a host region (the accelerator program);
-  returns (stacked, out rows in host memory).
+  returns (stacked, out rows in device memory).
 
   `grad_pieces` (and `param_pieces` for fp32 params) are the tier's `partition.Piece`
   runs, already in host memory: the kernel reads them at their offsets in the tier's
   rows, so the rows are never assembled. `step.decayed_rows` is the tier's own.
+
+  The state is updated in place, in the buffer it arrives in (the donated state), and
+  is not a result of the region. XLA makes a host region an asynchronous host call whose
+  results get buffers of their own: its arguments stay live until the call is done, and
+  the call carries no input/output aliasing (XLA's host-call wrapper creates it without
+  any, and nothing in StableHLO sets it), so a state result cannot share the donated
+  state's buffer and copy insertion copies it back, host to host, on every step (the
+  whole tier). Instead the kernel writes the state in its argument (`state_in_arg`),
+  the region returns only the out rows, and the state leaves through an optimization
+  barrier with them: whatever reads the new state runs after the host call is done.
+  Nothing else in the step reads the old host state. Donate the state (every training
+  step does): without donation XLA copies it into the output after the call, as it
+  must, and the caller's state array is overwritten as well. On the platforms in
+  `STATE_RESULT_PLATFORMS` the region returns the state as before.
   """
   adam_scalars, _ = _step_scalars(fused, step, scalars)
   num_rows = stacked[0].shape[0]
@@ -225,15 +248,29 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scala
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
 
-  def run(state, grad_pieces, param_pieces, rows_h, arrays_h):
+  def run(state, grad_pieces, param_pieces, rows_h, arrays_h, state_in_arg=False):
     it = iter(arrays_h)
     scalars_h = scalar_tree.unflatten(
         [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
     return host_adamw_rows.adamw_host_leaves(
-        state, grad_pieces, param_pieces, rows_h, scalars_h, **kernel_args)
+        state, grad_pieces, param_pieces, rows_h, scalars_h, state_in_arg=state_in_arg,
+        **kernel_args)
 
-  new_state, out_h = paths.host_region(run)(stacked[0], grad_pieces, param_pieces, rows_h,
-                                           arrays_h)
+  args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h)
+
+  def run_in_arg(*args):
+    return run(*args, state_in_arg=True)
+
+  def in_place(*args):
+    out_h = paths.put(paths.host_region(run_in_arg)(*args), paths.DEVICE)
+    return jax.lax.optimization_barrier((args[0], out_h))
+
+  def with_result(*args):
+    new_state, out_h = paths.host_region(run)(*args)
+    return new_state, paths.put(out_h, paths.DEVICE)
+
+  branches = {platform: with_result for platform in STATE_RESULT_PLATFORMS}
+  new_state, out_h = jax.lax.platform_dependent(*args, **branches, default=in_place)
   return (new_state,), out_h
 
 

@@ -145,11 +145,11 @@ struct Setup {
 };
 
 // Checks the state, slots, rows and dtypes, picks the loop, and makes the state output
-// hold the input state (a copy when XLA did not alias them).
+// `state_out` hold the input state (a copy when XLA did not alias them; nothing when
+// it is the input's own buffer).
 ffi::Error Prepare(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& rows,
                    ffi::Buffer<ffi::F32>& coeffs, ffi::DataType grad_type,
-                   ffi::ResultBuffer<ffi::F32>& stacked_out,
-                   ffi::DataType out_type, int64_t master_k, int64_t mu_k,
+                   float* state_out, ffi::DataType out_type, int64_t master_k, int64_t mu_k,
                    int64_t nu_k, int64_t decayed_rows, int64_t num_threads,
                    bool nesterov, int64_t isa, Setup& su) {
   const auto dims = stacked.dimensions();
@@ -180,7 +180,7 @@ ffi::Error Prepare(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& rows,
   su.threads = num_threads;
   su.out = nullptr;  // the caller's
   su.out_bytes = ffi::ByteWidth(out_type);
-  su.state = stacked_out->typed_data();
+  su.state = state_out;
   const float* state_in = stacked.typed_data();
   const int64_t state_size = su.G * su.K * su.S;
   if (su.state != state_in) {  // XLA did not alias the state (not donated): copy it first
@@ -238,9 +238,9 @@ ffi::Error RowsBody(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
       return Invalid("params rows are needed without a master slot");
     }
   }
-  if (ffi::Error e = Prepare(stacked, rows, coeffs, grads.element_type(), stacked_out,
-                             out->element_type(), master_k, mu_k, nu_k, decayed_rows,
-                             num_threads, nesterov, isa, su);
+  if (ffi::Error e = Prepare(stacked, rows, coeffs, grads.element_type(),
+                             stacked_out->typed_data(), out->element_type(), master_k,
+                             mu_k, nu_k, decayed_rows, num_threads, nesterov, isa, su);
       e.failure()) {
     return e;
   }
@@ -296,8 +296,7 @@ ffi::Error RowsOutInImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
 // loop's restrict-qualified pointers never alias.
 ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& rows,
                         ffi::Buffer<ffi::F32>& coeffs, ffi::RemainingArgs& leaves,
-                        ffi::ResultBuffer<ffi::F32>& stacked_out, ffi::DataType out_type,
-                        char* out_rows, const std::vector<char*>& out_leaves,
+                        float* state_out, ffi::DataType out_type, char* out_rows, const std::vector<char*>& out_leaves,
                         ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> sizes,
                         size_t extra_args, int64_t master_k, int64_t mu_k, int64_t nu_k,
                         int64_t decayed_rows, int64_t num_threads, bool nesterov,
@@ -336,7 +335,7 @@ ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& r
     return Invalid("leaves beyond the state");
   }
   Setup su;
-  if (ffi::Error e = Prepare(stacked, rows, coeffs, grad_type, stacked_out, out_type,
+  if (ffi::Error e = Prepare(stacked, rows, coeffs, grad_type, state_out, out_type,
                              master_k, mu_k, nu_k, decayed_rows, num_threads, nesterov,
                              isa, su);
       e.failure()) {
@@ -392,7 +391,8 @@ ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
     return Invalid("out is not (G, S)");
   }
   if (!out_in) AdviseHugePages(out->untyped_data(), out->size_bytes());
-  return LeavesCommon(stacked, rows, coeffs, leaves, stacked_out, out->element_type(),
+  return LeavesCommon(stacked, rows, coeffs, leaves, stacked_out->typed_data(),
+                      out->element_type(),
                       static_cast<char*>(out->untyped_data()), {}, offsets, sizes,
                       out_in ? 1 : 0, master_k, mu_k, nu_k, decayed_rows, num_threads,
                       nesterov, isa);
@@ -421,9 +421,36 @@ ffi::Error LeavesInPlaceImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32
     }
     out_leaves[i] = static_cast<char*>((*o)->untyped_data());
   }
-  return LeavesCommon(stacked, rows, coeffs, leaves, stacked_out, out_type, nullptr,
+  return LeavesCommon(stacked, rows, coeffs, leaves, stacked_out->typed_data(), out_type,
+                      nullptr,
                       out_leaves, offsets, sizes, 0, master_k, mu_k, nu_k, decayed_rows,
                       num_threads, nesterov, isa);
+}
+
+// Out as (G, S) rows, the state updated in its argument's own buffer: no state result.
+// For the accelerator program's host region. XLA gives an asynchronous host call's
+// results buffers of their own, separate from its arguments' (it cannot alias them), so
+// a state result there costs a host->host copy of the state into the donated buffer on
+// every step; written in the argument, the state needs no result. The caller must hand
+// over a buffer it may overwrite (the donated state) and read the new state only after
+// this call (dos_jax.fused.host_region_update passes the state through an optimization
+// barrier with `out`).
+ffi::Error LeavesStateArgImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
+                              ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Span<const int64_t> offsets,
+                              ffi::Span<const int64_t> sizes, int64_t master_k,
+                              int64_t mu_k, int64_t nu_k, int64_t decayed_rows,
+                              int64_t num_threads, bool nesterov, int64_t isa) {
+  const auto dims = stacked.dimensions();
+  if (dims.size() == 3 && static_cast<int64_t>(out->element_count()) != dims[0] * dims[2]) {
+    return Invalid("out is not (G, S)");
+  }
+  AdviseHugePages(out->untyped_data(), out->size_bytes());
+  return LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
+                      out->element_type(), static_cast<char*>(out->untyped_data()), {},
+                      offsets, sizes, 0, master_k, mu_k, nu_k, decayed_rows, num_threads,
+                      nesterov, isa);
 }
 
 }  // namespace
@@ -493,10 +520,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesInPlace, LeavesInPlaceImpl,
                                   .Attr<bool>("nesterov")
                                   .Attr<int64_t>("isa"));
 
+// Leaves form updating the state in its argument (no state result, see LeavesStateArgImpl).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesStateArg, LeavesStateArgImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
+                                  .Attr<int64_t>("master_k")
+                                  .Attr<int64_t>("mu_k")
+                                  .Attr<int64_t>("nu_k")
+                                  .Attr<int64_t>("decayed_rows")
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<int64_t>("isa"));
+
 DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWHostRows)
 DOS_HANDLER_CAPSULE(HandlerOutIn, DosJaxAdamWHostRowsOutIn)
 DOS_HANDLER_CAPSULE(HandlerLeaves, DosJaxAdamWHostLeaves)
 DOS_HANDLER_CAPSULE(HandlerLeavesInPlace, DosJaxAdamWHostLeavesInPlace)
+DOS_HANDLER_CAPSULE(HandlerLeavesStateArg, DosJaxAdamWHostLeavesStateArg)
 
 // pjrt_register.cc: registers handlers inside a PJRT plugin (GPU programs' host regions).
 PyObject* DosJaxRegisterWithPjrt(PyObject* self, PyObject* args);
@@ -511,6 +557,8 @@ static PyMethodDef kMethods[] = {
      "The same, reading gradients and params from the parameter tree's leaves."},
     {"handler_leaves_in_place", HandlerLeavesInPlace, METH_NOARGS,
      "The leaves form, writing each out leaf over its gradient leaf."},
+    {"handler_leaves_state_arg", HandlerLeavesStateArg, METH_NOARGS,
+     "The leaves form, updating the state in its argument's buffer (no state result)."},
     {"register_with_pjrt", DosJaxRegisterWithPjrt, METH_VARARGS,
      "register_with_pjrt(api, platform, targets) -> '' or why not: registers the "
      "(name, handler) targets in the FFI registry of the PJRT plugin `api` for `platform`."},

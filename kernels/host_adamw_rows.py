@@ -31,9 +31,11 @@ _TARGET = 'dos_jax_adamw_host_rows'
 _TARGET_OUT_IN = 'dos_jax_adamw_host_rows_out_in'  # also takes a buffer to alias to out
 _TARGET_LEAVES = 'dos_jax_adamw_host_leaves'  # gradients read from the tree's leaves
 _TARGET_IN_PLACE = 'dos_jax_adamw_host_leaves_in_place'  # out leaves over the gradients
+_TARGET_STATE_ARG = 'dos_jax_adamw_host_leaves_state_arg'  # state updated in its argument
 # FFI target -> the native module's function returning its handler.
 _HANDLERS = {_TARGET: 'handler', _TARGET_OUT_IN: 'handler_out_in',
-             _TARGET_LEAVES: 'handler_leaves', _TARGET_IN_PLACE: 'handler_leaves_in_place'}
+             _TARGET_LEAVES: 'handler_leaves', _TARGET_IN_PLACE: 'handler_leaves_in_place',
+             _TARGET_STATE_ARG: 'handler_leaves_state_arg'}
 
 _GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -280,7 +282,7 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
                       offsets, slots: tuple[int, int, int], decayed_rows: int,
                       lowp_dtype: Any, out=None, nesterov: bool = False,
                       num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO,
-                      into_grads: bool = False):
+                      into_grads: bool = False, state_in_arg: bool = False):
   """`adamw_host_rows` reading gradients (and params) from the parameter tree's leaves.
 
   The packed `(G, S)` gradient (and param) rows are never built: leaf i supplies the
@@ -301,11 +303,18 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
     param_leaves: None with a master slot; else the f32 param leaves, same shapes.
     offsets: static ints, the flat offset of each leaf; leaves must not overlap.
     into_grads: return out leaves written over the gradient leaves (see above).
+    state_in_arg: update the state in the buffer of the `stacked` argument and return
+      only the out rows: the call has no state result, so XLA sees `stacked` unchanged.
+      For a host region of the accelerator program only, where XLA gives the region's
+      results buffers of their own and would copy a state result back into the donated
+      state on every step (see `dos_jax.fused.host_region_update`). The caller owns the
+      ordering: `stacked` must be a buffer it may overwrite (the donated state), read
+      only after the call. Not with `into_grads` or `out`.
     Others as `adamw_host_rows`.
 
   Returns:
     `(new_stacked, new_out)`: new_out is `(G, S)`, or with `into_grads` a list of out
-    leaves in the order of `grad_leaves`.
+    leaves in the order of `grad_leaves`; with `state_in_arg` only new_out.
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())
@@ -347,6 +356,8 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
     sources += [param_leaves[i] for i in order]
   _, mu_k, nu_k = (int(s) for s in slots)
   if into_grads:
+    if state_in_arg:
+      raise ValueError('into_grads and state_in_arg do not combine')
     if out is not None or jnp.dtype(lowp_dtype) != grad_leaves[0].dtype:
       raise ValueError(f'into_grads needs lowp_dtype == the gradients\' dtype '
                        f'({grad_leaves[0].dtype}) and no out, got {jnp.dtype(lowp_dtype)}')
@@ -369,6 +380,18 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
     for j, i in enumerate(order):
       leaves[i] = outs[j].reshape(shapes[i])
     return new_stacked, leaves
+  common = dict(
+      offsets=np.asarray([offsets[i] for i in order], np.int64),
+      sizes=np.asarray([sizes[i] for i in order], np.int64), master_k=np.int64(master_k),
+      mu_k=np.int64(mu_k), nu_k=np.int64(nu_k), decayed_rows=np.int64(decayed_rows),
+      num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa)))
+  if state_in_arg:
+    if out is not None:
+      raise ValueError('state_in_arg takes no out buffer')
+    call = jax.ffi.ffi_call(
+        _TARGET_STATE_ARG, jax.ShapeDtypeStruct((num_groups, size), jnp.dtype(lowp_dtype)),
+        has_side_effect=True)
+    return call(stacked, rows.astype(jnp.int32), packed, *sources, **common)
   reuse = out is not None
   call = jax.ffi.ffi_call(
       _TARGET_LEAVES,
@@ -377,9 +400,4 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
       input_output_aliases={0: 0, **({3 + len(sources): 1} if reuse else {})},
   )
   args = (stacked, rows.astype(jnp.int32), packed, *sources) + ((out,) if reuse else ())
-  return tuple(call(
-      *args, offsets=np.asarray([offsets[i] for i in order], np.int64),
-      sizes=np.asarray([sizes[i] for i in order], np.int64), out_in=reuse,
-      master_k=np.int64(master_k), mu_k=np.int64(mu_k), nu_k=np.int64(nu_k),
-      decayed_rows=np.int64(decayed_rows), num_threads=np.int64(threads),
-      nesterov=bool(nesterov), isa=np.int64(int(isa))))
+  return tuple(call(*args, out_in=reuse, **common))

@@ -174,6 +174,43 @@ def test_accelerator_form_on_cpu(policy, dtype):
                     (results[1][0], results[1][1].rows()))
 
 
+@pytest.mark.parametrize('storage', [dos_jax.Storage.STACKED, dos_jax.Storage.PER_SUBGROUP],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
+def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, storage,
+                                                              monkeypatch):
+  """The GPU program's form of the host update (the kernel writes the state in its
+  argument's buffer, the region returns only the out rows), run on the CPU backend with
+  the state donated, as a train step does: bit for bit the results of the same program
+  returning the state from the region (what a CPU backend runs, see
+  `fused.STATE_RESULT_PLATFORMS`), which `test_accelerator_form_on_cpu` compares with
+  the XLA host path."""
+  params = random_tree(9, dtype)
+  offload = dataclasses.replace(_offload(policy, KERNEL), device_impl=XLA, storage=storage,
+                                platform='gpu')
+  opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
+
+  def run(opt):
+    def step(p, s, g):
+      u, s = opt.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    step = jax.jit(step, donate_argnums=(1,))
+    p, state = params, opt.init(params)
+    text = step.lower(p, state, p).as_text()
+    for i in range(4):
+      p, state = step(p, state, random_grads(params, i, 9))
+    return (p, state.rows()), text
+
+  with_result, text = run(opt)
+  assert 'dos_jax_adamw_host_leaves_state_arg' not in text
+  monkeypatch.setattr(fused, 'STATE_RESULT_PLATFORMS', ())
+  in_place, text = run(opt)
+  assert 'dos_jax_adamw_host_leaves_state_arg' in text
+  _assert_bit_equal(in_place, with_result)
+
+
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.Stride(1), dos_jax.Stride(2)], ids=repr)
 def test_pallas_device_path_matches_xla(policy, dtype):
