@@ -274,6 +274,61 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scala
   return (new_state,), out_h
 
 
+def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars,
+                               grad_rows, param_rows, mesh, data_axis: str,
+                               num_threads: int | None = None):
+  """The host tier of a state sharded over `data_axis` (ZeRO-1) in the accelerator
+  program: on every device, one native call on its shard inside a host region (under
+  `shard_map`); returns (stacked, out rows in host memory).
+
+  `grad_rows` (and `param_rows` for fp32 params) hold one `(1, S)` row per subgroup of
+  the tier, in host memory, sharded like the state (`P(None, data)`): a shard's `(1,
+  S / n)` pieces are read in place as the kernel's leaves at offsets `r * S / n` of
+  its `(R, K, S / n)` state, so nothing is concatenated on the host. Row padding is
+  zero in the gradients and in the state, so the kernel leaves it zero.
+  `step.decayed_rows` is the tier's own.
+  """
+  adam_scalars, _ = _step_scalars(fused, step, scalars)
+  num_rows, _, size = stacked[0].shape
+  local_size = size // mesh.shape[data_axis]
+  # Array scalars (schedule value, bias corrections, clip factor) cross whole to every
+  # shard; Python floats stay closed over (see `host_region_update`).
+  scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
+  is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
+  arrays_h = [paths.to_host(x) for x, a in zip(scalar_leaves, is_array) if a]
+  if num_threads is None:
+    # Every device of the process runs its shard's host call at once: share the cores.
+    num_threads = max(1, (os.cpu_count() or 1) // max(1, min(mesh.size,
+                                                             jax.local_device_count())))
+  kernel_args = dict(
+      offsets=tuple(r * local_size for r in range(num_rows)),
+      slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
+
+  def run(state, grad_rows, param_rows, rows_h, arrays_h):
+    it = iter(arrays_h)
+    scalars_h = scalar_tree.unflatten(
+        [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
+    return host_adamw_rows.adamw_host_leaves(
+        state, grad_rows, param_rows, rows_h, scalars_h, **kernel_args)
+
+  def per_shard(state, grad_rows, arrays_h, *param_rows):
+    rows_h = paths.to_host(jnp.arange(num_rows, dtype=jnp.int32))
+    return paths.host_region(run)(state, grad_rows, param_rows[0] if param_rows else None,
+                                  rows_h, arrays_h)
+
+  rows_spec, state_spec = P(None, data_axis), P(None, None, data_axis)
+  extra = () if param_rows is None else (list(param_rows),)
+  # The native call has no replication rule for the checker; every output is sharded.
+  new_state, out_h = jax.shard_map(
+      per_shard, mesh=mesh,
+      in_specs=(state_spec, [rows_spec] * num_rows, [P()] * len(arrays_h))
+      + ([rows_spec] * num_rows,) * len(extra),
+      out_specs=(state_spec, rows_spec), check_vma=False,
+  )(stacked[0], list(grad_rows), arrays_h, *extra)
+  return (new_state,), out_h
+
+
 def device_usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep,
                   stacked) -> bool:
   """Whether the device path can run the Pallas AdamW: in the accelerator program (in

@@ -146,6 +146,8 @@ class StepContext:
           step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
           param_pieces=param_pieces, runs=whole, grad_dtype=self.grad_dtype, region=False)
       return arrays, jax.device_put(out_h, paths.DEVICE)
+    if native and self.mesh is not None:
+      return self._sharded_host_native(step, arrays, ids)
     # Each piece of a host-bound gradient leaves the device on its own, as soon as the
     # backward pass has produced its leaf: never after a concatenation of all gradients.
     grad_pieces = self.host_grad_pieces.get(tuple(ids))
@@ -165,10 +167,46 @@ class StepContext:
           region=self.split)
     return paths.put(arrays, paths.HOST), jax.device_put(out_h, paths.DEVICE)
 
+  def _sharded_host_native(self, step, arrays, ids):
+    """The accelerator program's host block on a mesh: the native kernel per data
+    shard (`fused.sharded_host_region_update`), on gradient rows sent to host memory
+    one subgroup at a time (see `host_rows`)."""
+    sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
+    grad_rows = self.host_grad_pieces.get(tuple(ids))
+    if grad_rows is None:
+      grad_rows = host_rows(self.layout, ids, self.grad_leaves, self.grad_dtype, sharding)
+    param_rows = None
+    if self.param_leaves is not None:
+      param_rows = host_rows(self.layout, ids, self.param_leaves, step.state_dtype, sharding)
+    arrays, out_h = fused_lib.sharded_host_region_update(
+        step, self.fused, stacked=arrays, scalars=self.scalars, grad_rows=grad_rows,
+        param_rows=param_rows, mesh=self.mesh, data_axis=self.offload.data_axis,
+        num_threads=self.offload.host_threads)
+    return paths.put(arrays, paths.HOST), jax.device_put(out_h, paths.DEVICE)
+
+
+def host_rows(layout: layout_lib.Layout, ids, leaves: list[Any], dtype,
+              sharding: NamedSharding) -> list[jax.Array]:
+  """One `(1, S)` row per subgroup of `ids`, assembled on the device from its pieces,
+  split over the data axis (`sharding`) and sent to host memory.
+
+  The packed rows of a sharded state cross the leaves' own (tensor) shardings, so
+  they are assembled on the device, where XLA can move the pieces between devices.
+  Each row leaves the device as soon as the backward pass has made its leaves: the
+  early transfer keeps subgroup granularity, never waiting for all gradients.
+  """
+  size, out = layout.subgroup_size, []
+  for g in ids:
+    runs = partition_lib.pieces_of(layout, (g,))
+    row = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs), runs, 1, size,
+                                 dtype)
+    out.append(paths.to_host(jax.lax.with_sharding_constraint(row, sharding)))
+  return out
+
 
 def gate_device_update(layout: layout_lib.Layout, part: partition_lib.Partition,
-                       grad_leaves: list[Any]) -> tuple[dict[tuple[int, ...], list[Any]],
-                                                        list[Any]]:
+                       grad_leaves: list[Any], rows: tuple[Any, NamedSharding] | None = None
+                       ) -> tuple[dict[tuple[int, ...], list[Any]], list[Any]]:
   """Host blocks' gradient pieces sent to host memory, and the gradient leaves for the
   device tiers, through one optimization barrier: `(pieces by block, device leaves)`.
 
@@ -182,10 +220,16 @@ def gate_device_update(layout: layout_lib.Layout, part: partition_lib.Partition,
   tests/test_compiled_gpu.py). Each piece still leaves the device as soon as the
   backward pass has made it, and the two paths stay independent (no value of one flows
   to the other).
+
+  With `rows` (`(dtype, sharding)`: a sharded state's native host path) each block's
+  gradients are sent as its subgroups' rows instead (see `host_rows`).
   """
   blocks = part.blocks(Tier.HOST)
-  pieces = {tuple(ids): paths.to_host(partition_lib.slice_pieces(
-      grad_leaves, partition_lib.pieces_of(layout, ids))) for ids in blocks if ids}
+  if rows is None:
+    pieces = {tuple(ids): paths.to_host(partition_lib.slice_pieces(
+        grad_leaves, partition_lib.pieces_of(layout, ids))) for ids in blocks if ids}
+  else:
+    pieces = {tuple(ids): host_rows(layout, ids, grad_leaves, *rows) for ids in blocks if ids}
   if not pieces or not (part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)):
     return pieces, grad_leaves
   pieces, grad_leaves = lax.optimization_barrier((pieces, list(grad_leaves)))

@@ -285,10 +285,7 @@ def offloaded(
         row_update=row_update, slots=state.slots, has_master=layout.needs_master,
         decayed_rows=layout.decayed_rows, state_dtype=state_dtype, out_dtype=out_dtype,
         grad_scale=grad_scale)
-    # The native host call in a host region has no sharding rule: the accelerator
-    # program's sharded state stays on XLA's host loop.
-    native = fused_lib.usable(fused, base_step, grad_leaves) and not (
-        split and mesh_info is not None)
+    native = fused_lib.usable(fused, base_step, grad_leaves)
     if native and split:
       # For a GPU the host regions run in the CUDA plugin's own XLA: the native kernel
       # must be registered and proven there too, else (one warning) XLA's host loop
@@ -296,7 +293,13 @@ def offloaded(
       native = host_adamw_rows.host_kernel_in_accelerator_programs()[0]
     host_grad_pieces = {}
     if split:
-      host_grad_pieces, grad_leaves = tier_updates.gate_device_update(layout, part, grad_leaves)
+      # A sharded state's native host path takes its gradients as rows split over the
+      # data axis (see `tier_updates.host_rows`).
+      rows = None
+      if native and offload.host_impl is UpdateImpl.KERNEL and mesh_info is not None:
+        rows = (grad_dtype, NamedSharding(mesh_info[0], P(None, offload.data_axis)))
+      host_grad_pieces, grad_leaves = tier_updates.gate_device_update(
+          layout, part, grad_leaves, rows=rows)
     context = tier_updates.StepContext(
         layout=layout, part=part, plan=plan, offload=offload, fused=fused, split=split,
         grad_leaves=grad_leaves, param_leaves=None if layout.needs_master else param_leaves,

@@ -101,8 +101,8 @@ def _cuda_plugin_present() -> bool:
 
 
 @functools.cache
-def _topology(target: GpuTarget) -> Any:
-  """The plugin's compile-only topology for `target` (one device)."""
+def _topology(target: GpuTarget, num_devices: int = 1) -> Any:
+  """The plugin's compile-only topology for `target`: `num_devices` GPUs on one host."""
   import jax  # pylint: disable=import-outside-toplevel
   if not _cuda_plugin_present():
     raise GpuCompilerUnavailable(
@@ -110,7 +110,7 @@ def _topology(target: GpuTarget) -> Any:
   try:
     from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
     return topologies.get_topology_desc(
-        topology_name=target.value, platform='cuda', topology='1x1x1',
+        topology_name=target.value, platform='cuda', topology=f'1x1x{num_devices}',
         target_config=target.config_text())
   except Exception as e:  # pylint: disable=broad-except
     raise GpuCompilerUnavailable(
@@ -118,17 +118,31 @@ def _topology(target: GpuTarget) -> Any:
         f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}') from e
 
 
-def _compile_options(device: Any, options: Mapping[str, Any]) -> Any:
+def _compile_options(devices: tuple[Any, ...], options: Mapping[str, Any]) -> Any:
   from jax._src import compiler  # pylint: disable=import-outside-toplevel
+  # One SPMD partition per device (JAX's default partitioner for a sharded program).
   return compiler.get_compile_options(
-      num_replicas=1, num_partitions=1, device_assignment=[[device]],
+      num_replicas=1, num_partitions=len(devices), device_assignment=[list(devices)],
       env_options_overrides=dict(options))
+
+
+def _num_partitions(module: Any) -> int:
+  """The SPMD partitions a lowered module was made for (`mhlo.num_partitions`; 1 for
+  a program on one device)."""
+  attributes = module.operation.attributes
+  if 'mhlo.num_partitions' not in attributes:
+    return 1
+  return int(str(attributes['mhlo.num_partitions']).split(':')[0])
 
 
 def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_TARGET,
                     compiler_options: Mapping[str, Any] | None = None,
                     native_host_kernel: bool = False) -> CompiledGpuProgram:
   """Compiles a `jax.stages.Lowered` (lowered for 'cuda') for `target`.
+
+  A program lowered for several devices (a mesh) is compiled for as many GPUs of
+  `target` on one host, one SPMD partition each; `hlo_text` and `memory` are then one
+  partition's.
 
   Args:
     lowered: e.g. `dataflow.lower_for_gpu(step, *args)`.
@@ -140,17 +154,17 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
   import jax  # pylint: disable=import-outside-toplevel
   target = GpuTarget.parse(target)
   options = dict(GPU_COMPILER_OPTIONS if compiler_options is None else compiler_options)
-  device = _topology(target).devices[0]
   module = lowered.compiler_ir('stablehlo')
+  devices = tuple(_topology(target, _num_partitions(module)).devices)
   try:
-    device_list = jax._src.lib.xla_client.DeviceList((device,))  # pylint: disable=protected-access
+    device_list = jax._src.lib.xla_client.DeviceList(devices)  # pylint: disable=protected-access
   except AttributeError:
     from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
-    device_list = _jax.DeviceList((device,))
+    device_list = _jax.DeviceList(devices)
   start = time.perf_counter()
-  executable = device.client.compile(
+  executable = devices[0].client.compile(
       module, executable_devices=device_list,
-      compile_options=_compile_options(device, options))
+      compile_options=_compile_options(devices, options))
   compile_s = time.perf_counter() - start
   return CompiledGpuProgram(
       target=target, hlo_text=executable.hlo_modules()[0].to_string(),
