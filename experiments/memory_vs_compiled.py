@@ -35,6 +35,9 @@ CONFIGS = (
     ('tiny L4 s64 b32', 'tiny', ('model.n_layers=4', 'data.seq_len=64', 'data.batch_size=32')),
     ('tiny L4 s128 b8', 'tiny', ('model.n_layers=4', 'data.seq_len=128', 'data.batch_size=8')),
     ('125m L2 s256 b2', '125m', ('model.n_layers=2', 'data.seq_len=256', 'data.batch_size=2')),
+    ('tiny L4 s128 b32 remat', 'tiny', ('model.n_layers=4', 'data.seq_len=128',
+                                        'data.batch_size=32', 'model.remat=true')),
+    ('125m L4 s256 b4', '125m', ('model.n_layers=4', 'data.seq_len=256', 'data.batch_size=4')),
 )
 POLICIES = ('all_host', 'stride', 'device_fraction')
 DTYPES = ('bfloat16', 'float32')

@@ -11,7 +11,8 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
   (H2D), the fused AdamW, state out (D2H). Each subgroup holds a buffer from the start
   of its H2D to the end of its D2H, so the steady-state period per subgroup is
   `max(h, c, d, (h + c + d) / buffers)`, plus one full latency `h + c + d` to fill and
-  drain the pipeline;
+  drain the pipeline. (The loop compiled for an H100 does not prefetch yet: row i+1's
+  state waits for row i's write-back, i.e. `buffers=1`; RESULTS.md, 2026-11-24.);
 * host subgroups need their gradients D2H, the host AdamW, and their new low-precision
   params H2D. The gradients leave the device piece by piece as the backward pass makes
   them (per leaf, never after a concatenation of all gradients, and never behind the
@@ -24,8 +25,10 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
 * the two paths run concurrently: the host tier and the streamed tier are separate
   arrays, and no value flows from the host region to the device stream or back within
   a step, so XLA runs the host region's asynchronous start/done pair alongside the
-  device loop. The host AdamW runs `host_copy_slowdown` times slower while the device
-  stream's copies run (they share host memory bandwidth);
+  device loop (in the compiled schedule: in 11 of 13 programs checked, RESULTS.md,
+  2026-11-24; the others run the two in turn). The host AdamW runs
+  `host_copy_slowdown` times slower while the device stream's copies run (they share
+  host memory bandwidth);
 * assembling the device subgroups' gradient rows before the stream, and unpacking the
   new rows into the params after, cost device-memory traffic (`layout_bytes`) outside
   both paths; the host subgroups' rows are assembled in host memory;
