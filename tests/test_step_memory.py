@@ -120,4 +120,6 @@ def test_prediction_within_10_percent_of_the_compiled_h100_step(policy, dtype):
   compiled = gpu_program.compile_step(cfg, 'h100_sxm').memory
   predicted = step_memory.predict_step(cfg)
   assert predicted.device_bytes == pytest.approx(compiled.device_peak_bytes, rel=0.10)
-  assert predicted.host_temp_bytes == pytest.approx(compiled.host_temp_bytes, rel=0.10)
+  # Host temp is exact today; it counts the host tier's new state, which the in-place
+  # host update (issue 19, item 4) removes, so it is held as an upper bound here.
+  assert compiled.host_temp_bytes <= predicted.host_temp_bytes * 1.10
