@@ -156,16 +156,15 @@ def test_bubble_fraction_and_stage_sizes():
     assert stages_lib.bubble_fraction(s, m) == pytest.approx((s - 1) / (m + s - 1))
   shape = model.ModelConfig(preset='tiny').shape()
   sizes = stages_lib.stage_sizes(
-      shape, stages=2, microbatches=4, devices=4, param_bytes=4, state_bytes=8, seq_len=16,
-      micro_batch=1, act_bytes_per_layer_token_dim=34)
+      shape, stages=2, microbatches=4, devices=4, param_bytes=4, state_bytes=8,
+      layer_activation_bytes=1000.0)
   # Every parameter is on exactly one stage; the stage halves split the layers.
   assert sum(z.num_params for z in sizes) == shape.num_params()
   assert [(z.first_layer, z.last_layer) for z in sizes] == [(0, 1), (2, 3)]
   assert sizes[0].params == pytest.approx(sizes[0].num_params / 2 * 4, abs=4)
   with pytest.raises(ValueError, match='3 stages do not split 4 layers'):
     stages_lib.stage_sizes(shape, stages=3, microbatches=1, devices=3, param_bytes=4,
-                           state_bytes=8, seq_len=16, micro_batch=1,
-                           act_bytes_per_layer_token_dim=34)
+                           state_bytes=8, layer_activation_bytes=1000.0)
 
 
 def test_plan_reports_the_bubble_and_each_stage(capsys):

@@ -106,15 +106,17 @@ def test_plan_cli_13b_auto_at_or_below_every_listed_plan(capsys):
   assert cli.main(['plan', '--model', '13b', '--profile', 'h100-pcie5']) == 0
   out = capsys.readouterr().out
   rows = dict(re.findall(r'^  (\S.*?)\s{2,}([\d,.]+) ms', out, re.M))
-  assert {'AllHost', 'Stride(2)', 'AllDevice'} <= set(rows)
+  assert {'AllHost', 'Stride(2)', 'AllDevice (no fit)'} <= set(rows)
   assert any(k.endswith('(best resident-only)') for k in rows)
-  ms = {k: float(v.replace(',', '')) for k, v in rows.items()}
+  # Among the plans that fit: AllDevice does not beside the activations of the
+  # runner's unfused attention (the float32 scores of 40 heads at 2048 tokens).
+  ms = {k: float(v.replace(',', '')) for k, v in rows.items() if not k.endswith('(no fit)')}
   assert all(ms['Auto (chosen)'] <= v for v in ms.values()), ms
 
 
 def test_plan_cli_says_why_when_auto_is_slower(capsys):
   from dos_jax import cli  # pylint: disable=import-outside-toplevel
-  assert cli.main(['plan', '--model', '13b', '--device-memory', '40GB']) == 0
+  assert cli.main(['plan', '--model', '13b', '--device-memory', '40GB', '--seq-len', '1024']) == 0
   out = capsys.readouterr().out
   assert re.search(r'chosen plan: \d+/33 subgroups resident on device, \d+ subgroups streamed', out)
   assert 'AllDevice (no fit)' in out

@@ -11,7 +11,8 @@ One path through it, in order:
                 into a `Prediction` of the update phase, and `costmodel.migration` the
                 one-off cost of a change of plan; `memory` sizes each tier, and
                 `memory.check_run` checks a run against the memory this machine has
-                before anything is allocated.
+                before anything is allocated; `step_memory.predict_step` predicts
+                what XLA's memory analysis of the compiled step reports.
 * choice     -- `auto.Auto` predicts a bounded candidate set and keeps the fastest plan
                 that fits, then re-plans when measurements depart from the prediction
                 (`fitting` corrects the profile from them).

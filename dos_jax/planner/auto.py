@@ -140,19 +140,22 @@ def rank(
     plans: list[Plan] | None = None,
     activation_bytes: float = 0.0,
     resident: bool = True,
+    last_grad_bytes: float = 0.0,
 ) -> list[Choice]:
   """Every candidate with its prediction, the fitting ones first, fastest first.
 
   A plan fits when its resident state plus the larger of `activation_bytes` and its
   streamed buffers stays within `budget_bytes` (device memory beyond params and grads).
-  `resident` adds plans that keep subgroups resident (see `resident_counts`)."""
+  `resident` adds plans that keep subgroups resident (see `resident_counts`).
+  `last_grad_bytes`: the gradient made last, never hidden (`costmodel.predict`)."""
   if plans is None:
     counts = resident_counts(spec, budget_bytes, activation_bytes) if resident else (0,)
     plans = candidates(spec, resident=counts)
   choices = [
       Choice(p, pred, pred.device_bytes_beside(activation_bytes) <= budget_bytes)
       for p in plans
-      for pred in [costmodel.predict(profile, spec, p, backward_seconds=backward_seconds)]
+      for pred in [costmodel.predict(profile, spec, p, backward_seconds=backward_seconds,
+                                     last_grad_bytes=last_grad_bytes)]
   ]
   order = {id(c): i for i, c in enumerate(choices)}
   return sorted(

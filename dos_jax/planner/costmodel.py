@@ -11,18 +11,24 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
   (H2D), the fused AdamW, state out (D2H). Each subgroup holds a buffer from the start
   of its H2D to the end of its D2H, so the steady-state period per subgroup is
   `max(h, c, d, (h + c + d) / buffers)`, plus one full latency `h + c + d` to fill and
-  drain the pipeline;
+  drain the pipeline. (The loop compiled for an H100 does not prefetch yet: row i+1's
+  state waits for row i's write-back, i.e. `buffers=1`; RESULTS.md, 2026-11-24.);
 * host subgroups need their gradients D2H, the host AdamW, and their new low-precision
   params H2D. The gradients leave the device piece by piece as the backward pass makes
   them (per leaf, never after a concatenation of all gradients, and never behind the
   global-norm clip, whose factor is applied on the host), so their copies hide behind
-  the backward pass as far as it lasts; fp32 params, which are their own master, go
-  along (they exist before the backward pass);
+  the backward pass as far as it lasts, except the gradient the backward pass makes
+  last (`last_grad_bytes`: the runner's model makes its input embedding's gradient
+  after its last matmul), which has no compute left to hide behind: so the program
+  compiled for an H100 schedules it (RESULTS.md, 2026-11-24); fp32 params, which are
+  their own master, go along (they exist before the backward pass);
 * the two paths run concurrently: the host tier and the streamed tier are separate
   arrays, and no value flows from the host region to the device stream or back within
   a step, so XLA runs the host region's asynchronous start/done pair alongside the
-  device loop. The host AdamW runs `host_copy_slowdown` times slower while the device
-  stream's copies run (they share host memory bandwidth);
+  device loop (in the compiled schedule: in 11 of 13 programs checked, RESULTS.md,
+  2026-11-24; the others run the two in turn). The host AdamW runs
+  `host_copy_slowdown` times slower while the device stream's copies run (they share
+  host memory bandwidth);
 * assembling the device subgroups' gradient rows before the stream, and unpacking the
   new rows into the params after, cost device-memory traffic (`layout_bytes`) outside
   both paths; the host subgroups' rows are assembled in host memory;
@@ -163,6 +169,7 @@ def predict(
     plan: Plan,
     *,
     backward_seconds: float = 0.0,
+    last_grad_bytes: float = 0.0,
 ) -> Prediction:
   """Predicts the update phase of `plan` on `profile` (see the module docstring).
 
@@ -172,6 +179,10 @@ def predict(
     plan: which subgroups go where.
     backward_seconds: length of the backward pass, during which the host subgroups'
       gradient copies can already run (0: nothing hides).
+    last_grad_bytes: bytes of the gradient the backward pass makes after its last
+      matmul (the runner's model: the input embedding's); its host-bound share (the
+      host subgroups' share of the elements) leaves the device with nothing to hide
+      behind.
   """
   if plan.num_subgroups != spec.num_subgroups:
     raise ValueError(
@@ -237,7 +248,8 @@ def predict(
   stream += resident_seconds
 
   grad_seconds = gb * host_elements / d2h_bw
-  hidden = min(grad_seconds, max(backward_seconds, 0.0))
+  last_seconds = max(last_grad_bytes, 0.0) * host_elements / sum(sizes) / d2h_bw
+  hidden = max(min(grad_seconds - last_seconds, backward_seconds), 0.0)
   exposed = grad_seconds - hidden
   param_seconds = pb * host_elements / h2d_bw
   host = 0.0
@@ -337,8 +349,11 @@ def predict_iteration(
     *,
     forward_seconds: float = 0.0,
     backward_seconds: float = 0.0,
+    last_grad_bytes: float = 0.0,
 ) -> IterationPrediction:
   """A whole iteration: the given forward and backward times plus the update phase,
-  with the host subgroups' gradient copies hidden behind the backward pass."""
-  update = predict(profile, spec, plan, backward_seconds=backward_seconds)
+  with the host subgroups' gradient copies hidden behind the backward pass (all but
+  `last_grad_bytes`, see `predict`)."""
+  update = predict(profile, spec, plan, backward_seconds=backward_seconds,
+                   last_grad_bytes=last_grad_bytes)
   return IterationPrediction(forward_seconds, backward_seconds, update)

@@ -5,6 +5,9 @@
 params, grads and activations per device, the optimizer state in host memory.
 `device_budget` is the device memory left for the optimizer's resident tier and
 streamed buffers once params, grads and a safety margin are counted; `Auto` fills it.
+`activation_bytes` is the one activation formula (this runner's model, checked on the
+step compiled for an H100); `step_memory.predict_step` builds the whole compiled step's
+memory on it.
 """
 
 from __future__ import annotations
@@ -16,13 +19,21 @@ import os
 # Fraction of device (and host) memory kept free: allocator fragmentation, XLA's
 # workspace and temporaries the model does not count.
 MARGIN = 0.05
-# Activation bytes per layer and token for 16-bit training without recomputation,
-# with a fused (flash) attention that stores no s x s scores: Korthikanti et al. 2022,
-# "Reducing Activation Recomputation in Large Transformer Models", 34 s b h.
-ACT_BYTES_PER_LAYER_TOKEN_DIM = 34
-# With every block recomputed, only each block's 16-bit input stays (2 s b h per
-# layer), plus one block's full activations during its recomputation.
-REMAT_BYTES_PER_LAYER_TOKEN_DIM = 2
+# What the backward pass keeps of one block of the runner's model
+# (`dos_jax.train.model`: pre-norm, rotary, XLA's unfused causal attention with float32
+# scores, SwiGLU), in elements of s (sequence) x b (micro-batch) x h (width), s b f (MLP
+# hidden width) and a s^2 b (heads x scores), read off the buffers live at the peak of
+# the step compiled for an H100 (experiments/memory_vs_compiled.py, RESULTS.md):
+# - the stream: the block's input, its norm, q, k, v, the attention output, the stream
+#   after attention and its norm, and a head-major copy of k: 9 in the compute dtype;
+# - the MLP: gate, up and silu(gate) * up: 3 in the compute dtype;
+# - attention: the softmax probabilities in float32 and their compute-dtype copy that
+#   the probabilities-times-v matmul reads.
+# Korthikanti et al. 2022's 34 s b h assumes a fused (flash) attention that stores no
+# scores and a GELU MLP of width 4h; this model stores a s^2 b scores per layer, which
+# dominate at short widths.
+STREAM_TENSORS_PER_LAYER = 9
+MLP_TENSORS_PER_LAYER = 3
 
 _GIB = 2**30
 
@@ -46,19 +57,48 @@ class Sizing:
   num_elements: int
 
 
+def layer_activation_bytes(shape, *, seq_len: int, micro_batch: int,
+                           compute_bytes: int = 2) -> float:
+  """Bytes one block of the runner's model keeps for its backward pass, for one
+  micro-batch: 9 c s b h + 3 c s b f + (4 + c) a s^2 b, with c = `compute_bytes` (see
+  the constants above; the scores are float32 whatever the compute dtype, and with
+  float32 compute their copy is the same buffer)."""
+  s, b, c = seq_len, micro_batch, compute_bytes
+  return float(STREAM_TENSORS_PER_LAYER * c * s * b * shape.dim
+               + MLP_TENSORS_PER_LAYER * c * s * b * shape.ffn_dim
+               + _score_bytes(shape, s, b, c))
+
+
+def _score_bytes(shape, seq_len: int, micro_batch: int, compute_bytes: int) -> float:
+  c = compute_bytes
+  return float(shape.n_heads * seq_len * seq_len * micro_batch * (4 + (c if c < 4 else 0)))
+
+
+def activation_bytes(shape, *, seq_len: int, micro_batch: int, compute_bytes: int = 2,
+                     remat: bool = False) -> float:
+  """Device bytes the forward and backward passes of one micro-batch hold at their peak
+  (the start of the backward pass), for the runner's model: every layer's
+  `layer_activation_bytes`, the float32 logits and their gradient (2 x 4 s b V), and the
+  last layer's score gradient being made ((4 + c) a s^2 b). With `remat`, each block
+  keeps only its input (c s b h) and one block's activations are rebuilt at a time."""
+  s, b, c = seq_len, micro_batch, compute_bytes
+  per_layer = layer_activation_bytes(shape, seq_len=s, micro_batch=b, compute_bytes=c)
+  if remat:
+    layers = shape.n_layers * c * s * b * shape.dim + per_layer
+  else:
+    layers = shape.n_layers * per_layer
+  return float(layers + _score_bytes(shape, s, b, c) + 2 * 4 * s * b * shape.vocab_size)
+
+
 def sizing(shape, *, param_bytes: int, state_bytes: int, devices: int, seq_len: int,
-           micro_batch: int, remat: bool = False) -> Sizing:
+           micro_batch: int, remat: bool = False, compute_bytes: int = 2) -> Sizing:
   """Per-device sizes with params, grads and state sharded over `devices` (as ZeRO-3 /
-  FSDP or a tensor split would) and one micro-batch of activations per device."""
+  FSDP or a tensor split would) and one micro-batch of activations per device
+  (`activation_bytes`, in the compute dtype whatever the params' dtype)."""
   n = shape.num_params()
   per_device = math.ceil(n / devices)
-  tokens_dim = seq_len * micro_batch * shape.dim
-  if remat:
-    acts = (shape.n_layers * REMAT_BYTES_PER_LAYER_TOKEN_DIM
-            + ACT_BYTES_PER_LAYER_TOKEN_DIM) * tokens_dim
-  else:
-    acts = shape.n_layers * ACT_BYTES_PER_LAYER_TOKEN_DIM * tokens_dim
-  acts *= param_bytes / 2  # the estimate is for 16-bit activations
+  acts = activation_bytes(shape, seq_len=seq_len, micro_batch=micro_batch,
+                          compute_bytes=compute_bytes, remat=remat)
   return Sizing(
       params=per_device * param_bytes, grads=per_device * param_bytes, activations=acts,
       state_per_device=per_device * state_bytes, num_elements=per_device,
@@ -156,7 +196,8 @@ def _run_sizing(cfg, count: int) -> Sizing:
   micro_batch = max(cfg.data.batch_size // data, 1)
   return sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=count,
                 seq_len=cfg.data.seq_len, micro_batch=micro_batch,
-                remat=bool(cfg.model.remat))
+                remat=bool(cfg.model.remat),
+                compute_bytes=_DTYPE_BYTES.get(str(cfg.model.compute_dtype), 2))
 
 
 def check_run(cfg) -> str | None:

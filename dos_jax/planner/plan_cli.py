@@ -174,12 +174,12 @@ class _Row:
   fits: bool
 
 
-def _best_resident_only(profile, spec, budget, acts, bwd) -> Plan:
+def _best_resident_only(profile, spec, budget, acts, bwd, last) -> Plan:
   """The fastest `Resident(r)` (the rest on the host, nothing streamed) that fits."""
   best = None
   for r in range(spec.num_subgroups + 1):
     plan = Resident(r).plan(spec)
-    pred = costmodel.predict(profile, spec, plan, backward_seconds=bwd)
+    pred = costmodel.predict(profile, spec, plan, backward_seconds=bwd, last_grad_bytes=last)
     if pred.device_bytes_beside(acts) > budget:
       break
     if best is None or pred.update_seconds < best[1]:
@@ -206,9 +206,9 @@ def handler(args) -> int:
     try:
       per_stage = stages.stage_sizes(
           shape, stages=args.pipeline, microbatches=args.microbatches, devices=devices,
-          param_bytes=param_bytes, state_bytes=state_bytes, seq_len=args.seq_len,
-          micro_batch=args.micro_batch,
-          act_bytes_per_layer_token_dim=memory.ACT_BYTES_PER_LAYER_TOKEN_DIM)
+          param_bytes=param_bytes, state_bytes=state_bytes,
+          layer_activation_bytes=memory.layer_activation_bytes(
+              shape, seq_len=args.seq_len, micro_batch=args.micro_batch))
     except ValueError as e:
       return _error(f'--pipeline: {e}')
   subgroup = args.subgroup_size or (
@@ -249,7 +249,10 @@ def handler(args) -> int:
 
   budget = memory.device_budget(device_mem, size)
   acts = size.activations
-  ranking = auto.rank(profile, spec, budget, backward_seconds=bwd, activation_bytes=acts)
+  # The backward pass makes the input embedding's gradient last: no compute hides its copy.
+  last = shape.vocab_size * shape.dim * param_bytes / devices
+  ranking = auto.rank(profile, spec, budget, backward_seconds=bwd, activation_bytes=acts,
+                      last_grad_bytes=last)
   chosen = ranking[0]
   pred = chosen.prediction
   sb = state_bytes
@@ -274,12 +277,13 @@ def handler(args) -> int:
         f' resident, {len(plan.device) / spec.num_subgroups:.0%} streamed), order: {_order(plan)}')
   statics = [('AllHost', AllHost().plan(spec)), ('Stride(2)', Stride(2).plan(spec)),
              ('DeviceFraction(0.5)', DeviceFraction(0.5).plan(spec))]
-  best_resident = _best_resident_only(profile, spec, budget, acts, bwd)
+  best_resident = _best_resident_only(profile, spec, budget, acts, bwd, last)
   statics.append((f'Resident({len(best_resident.resident)}) (best resident-only)', best_resident))
   statics.append(('AllDevice', AllDevice().plan(spec)))
   rows = []
   for name, p in [('Auto (chosen)', plan)] + statics:
-    it = costmodel.predict_iteration(profile, spec, p, forward_seconds=fwd, backward_seconds=bwd)
+    it = costmodel.predict_iteration(profile, spec, p, forward_seconds=fwd, backward_seconds=bwd,
+                                     last_grad_bytes=last)
     rows.append(_Row(name, p, it, it.update.device_bytes_beside(acts) <= budget))
   print(f'\n  {"plan":40} {"update":>9} {"iteration":>10}  {"resident":>9} {"buffers":>9}'
         f' {"host/node":>10}  bound')

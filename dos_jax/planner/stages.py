@@ -33,17 +33,15 @@ class StageSize:
 
 
 def stage_sizes(shape, *, stages: int, microbatches: int, devices: int, param_bytes: int,
-                state_bytes: int, seq_len: int, micro_batch: int,
-                act_bytes_per_layer_token_dim: float) -> list[StageSize]:
+                state_bytes: int, layer_activation_bytes: float) -> list[StageSize]:
   """Per-stage sizes of `shape` (a `ModelShape`) on `devices` devices in all.
 
   Args:
     stages: S; must divide `shape.n_layers` and `devices`.
     microbatches: M, microbatches per step.
     devices: devices in all; each stage gets devices / S of them, sharing its state.
-    micro_batch: sequences per microbatch per device.
-    act_bytes_per_layer_token_dim: activation bytes stored per layer, token and model
-      dimension at 16 bits (scaled by param_bytes / 2 as the single-stage estimate is).
+    layer_activation_bytes: bytes one layer keeps for its backward pass, for one
+      microbatch on one device (`memory.layer_activation_bytes`).
 
   Raises:
     ValueError: the stages do not divide the layers or the devices.
@@ -61,8 +59,7 @@ def stage_sizes(shape, *, stages: int, microbatches: int, devices: int, param_by
     n = layers * per_block + (embed if s == 0 else 0)
     n += (embed + shape.dim) if s == stages - 1 else 0
     local = math.ceil(n / per_stage_devices)
-    acts = layers * seq_len * micro_batch * microbatches * shape.dim
-    acts *= act_bytes_per_layer_token_dim * param_bytes / 2
+    acts = layers * microbatches * layer_activation_bytes
     out.append(StageSize(
         stage=s, first_layer=s * layers, last_layer=(s + 1) * layers - 1, num_params=n,
         params=local * param_bytes, grads=local * param_bytes, activations=acts,

@@ -1,0 +1,137 @@
+"""The memory of one compiled training step, predicted from a run config and a plan.
+
+`predict_step` says what XLA's memory analysis of the runner's one-program step
+(`compiled.memory_analysis()`, `dos_jax.dataflow.MemoryStats`) will report, before
+anything is traced: the device's peak (arguments + temporaries + outputs that do not
+reuse a donated argument) and the host temporaries. It uses `memory.activation_bytes`,
+the formula `dos-jax plan` and `dos-jax train`'s check use, and adds what only the
+compiled program holds: the token batch, the resident tier, the update phase's buffers,
+and on the host the gradient pieces and the host tier's new state.
+
+The device peak is the larger of two moments, which never overlap in the compiled
+schedule (the update's device work waits for the clip factor, i.e. for every gradient):
+
+* the start of the backward pass: every layer's activations, the logits and their
+  gradient (`memory.activation_bytes`);
+* the update phase: the gradients (the host-bound ones are copied out as they are made,
+  but the device buffers of the last layers are still live), the device-bound
+  gradients packed into rows, `buffers` streamed rows of state, and the new parameter
+  rows of every subgroup before they are unpacked into the params.
+
+Checked against the program compiled for an H100 (experiments/memory_vs_compiled.py,
+RESULTS.md 2026-11-24): within 10% for the tiny and 125m presets at small scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from dos_jax.planner import memory
+from dos_jax.policies import Plan
+from dos_jax.policies import SubgroupSpec
+
+_BYTES = {'float32': 4, 'bfloat16': 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+  """Predicted bytes of one compiled step on one device.
+
+  Attributes:
+    arguments: device arguments: params, the token batch, the resident tier's state.
+    backward_temp: temporaries at the start of the backward pass (activations).
+    update_temp: temporaries during the update phase (gradients, packed rows,
+      streamed buffers, new parameter rows).
+    host_temp_bytes: host temporaries: the host-bound gradient pieces (and fp32
+      params, which are their own master) and the host tier's new state.
+  """
+
+  arguments: float
+  backward_temp: float
+  update_temp: float
+  host_temp_bytes: float
+
+  @property
+  def device_bytes(self) -> float:
+    """The device peak: arguments plus the larger temporary; the outputs (new params and
+    state) reuse the donated arguments' buffers. Compare with
+    `MemoryStats.device_peak_bytes`."""
+    return self.arguments + max(self.backward_temp, self.update_temp)
+
+
+def packed_rows(shape, subgroup_size: int, shard_multiple: int = 1) -> tuple[int, list[int]]:
+  """`(S, elements per row)` of the runner's model packed as `layout.make_layout` packs
+  it with the runner's decay mask: the weight-decayed matrices in rows of their own,
+  then the norm scales; S capped at the larger block and rounded to `shard_multiple`."""
+  decayed = shape.num_params() - (2 * shape.n_layers + 1) * shape.dim
+  plain = (2 * shape.n_layers + 1) * shape.dim
+  size = min(subgroup_size, max(decayed, plain))
+  size = -(-size // shard_multiple) * shard_multiple
+  rows = []
+  for block in (decayed, plain):
+    full, rest = divmod(block, size)
+    rows += [size] * full + ([rest] if rest else [])
+  return size, rows
+
+
+def run_spec(cfg, devices: int = 1) -> SubgroupSpec:
+  """The `SubgroupSpec` the runner's optimizer builds for `cfg` (one data shard)."""
+  shape = cfg.model.shape()
+  param_bytes = _BYTES[str(cfg.model.param_dtype)]
+  mu_bytes = _BYTES.get(str(cfg.optim.mu_dtype), 4) if cfg.optim.mu_dtype else 4
+  size, rows = packed_rows(shape, _subgroup_size(cfg), devices)
+  master = 4 if param_bytes < 4 else 0
+  return SubgroupSpec(num_subgroups=len(rows), subgroup_size=size,
+                      num_elements=sum(rows), state_bytes_per_element=master + mu_bytes + 4,
+                      param_bytes_per_element=param_bytes, grad_bytes_per_element=param_bytes)
+
+
+def _subgroup_size(cfg) -> int:
+  if cfg.offload.subgroup_size is not None:
+    return cfg.offload.subgroup_size
+  import dos_jax  # pylint: disable=import-outside-toplevel
+  return dos_jax.Offload().subgroup_size
+
+
+def predict_step(cfg, plan: Plan | None = None) -> StepMemory:
+  """Predicted memory of the runner's compiled step for `cfg` on one device.
+
+  Args:
+    cfg: a `dos_jax.train.config.RunConfig` (one device: no data or tensor split).
+    plan: the placement; default the configured policy's plan for the packed state
+      (give it for `Auto`, whose plan needs a hardware profile).
+  """
+  shape = cfg.model.shape()
+  spec = run_spec(cfg)
+  if plan is None:
+    plan = cfg.offload.placement.plan(spec)
+  _, rows = packed_rows(shape, spec.subgroup_size)
+  s, b = cfg.data.seq_len, cfg.data.batch_size
+  pb = gb = spec.param_bytes_per_element
+  sb, size, n = spec.state_bytes_per_element, spec.subgroup_size, spec.num_elements
+  tokens = 4 * b * (s + 1)
+  resident = sb * size * len(plan.resident)
+  arguments = n * pb + tokens + resident
+
+  compute_bytes = _BYTES[str(cfg.model.compute_dtype)]
+  acts = memory.activation_bytes(shape, seq_len=s, micro_batch=b,
+                                 compute_bytes=compute_bytes, remat=bool(cfg.model.remat))
+  if pb != compute_bytes:  # the matrices cast to the compute dtype, kept for the backward
+    acts += (n - shape.vocab_size * shape.dim) * compute_bytes
+  dev_rows = (len(plan.device) + len(plan.resident)) * size
+  own_master = 0 if pb < 4 else pb  # fp32 params are packed with their gradients
+  # Packing the device-bound gradients: the leaves, the flat concatenation and its rows
+  # (with no device subgroup nothing is packed, and each leaf dies once copied out).
+  packing = (n * gb + 2 * dev_rows * gb) if dev_rows else 0
+  packing += dev_rows * own_master + len(plan.host) * size * pb
+  # The device loop: its rows, `buffers` rows of state, every subgroup's new params.
+  streamed = min(plan.buffers, len(plan.device)) * sb * size
+  loop = dev_rows * (gb + own_master) + streamed + spec.num_subgroups * size * pb
+  update = max(packing, loop)
+
+  host_elements = sum(rows[i] for i in plan.host)
+  pulled = gb + (0 if pb < 4 else pb)  # fp32 params are their own master: pulled too
+  host_temp = host_elements * pulled + len(plan.host) * size * sb
+  return StepMemory(arguments=float(arguments), backward_temp=acts,
+                    update_temp=float(update), host_temp_bytes=float(host_temp))

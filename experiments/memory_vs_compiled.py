@@ -1,0 +1,137 @@
+"""The planner's per-step memory and overlap assumptions against the compiled H100 program.
+
+For each small config of the runner's presets, compiles the runner's real one-program
+step for an H100 with no GPU (`dos_jax.train.gpu_program.compile_step`), and compares:
+
+* device bytes: `dos_jax.planner.step_memory.predict_step` against the compiled program's
+  `MemoryStats.device_peak_bytes` (arguments + temp + outputs - aliased outputs);
+* host temp: the prediction against `host_temp_bytes`;
+* overlap: the cost model's assumptions (gradient copies hide behind the backward pass,
+  all but the last piece; the device update runs while the host call runs) against the
+  compiled schedule's facts.
+
+Compiled figures are cached in `--cache` (JSON, one entry per config), so the comparison
+can be redone without compiling again.
+
+  JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --cache /tmp/mem.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+# (name, overrides): the runner's presets at small scale.
+CONFIGS = (
+    ('tiny L4 s128 b32', 'tiny', ('model.n_layers=4', 'data.seq_len=128', 'data.batch_size=32')),
+    ('125m L2 s128 b4', '125m', ('model.n_layers=2', 'data.seq_len=128', 'data.batch_size=4')),
+    ('tiny L2 s128 b32', 'tiny', ('model.n_layers=2', 'data.seq_len=128', 'data.batch_size=32')),
+    ('tiny L4 s64 b32', 'tiny', ('model.n_layers=4', 'data.seq_len=64', 'data.batch_size=32')),
+    ('tiny L4 s128 b8', 'tiny', ('model.n_layers=4', 'data.seq_len=128', 'data.batch_size=8')),
+    ('125m L2 s256 b2', '125m', ('model.n_layers=2', 'data.seq_len=256', 'data.batch_size=2')),
+    ('tiny L4 s128 b32 remat', 'tiny', ('model.n_layers=4', 'data.seq_len=128',
+                                        'data.batch_size=32', 'model.remat=true')),
+    ('125m L4 s256 b4', '125m', ('model.n_layers=4', 'data.seq_len=256', 'data.batch_size=4')),
+)
+POLICIES = ('all_host', 'stride', 'device_fraction')
+DTYPES = ('bfloat16', 'float32')
+SUBGROUP = {'tiny': 65536, '125m': 4 * 2**20}
+
+
+def overrides(preset: str, extra, policy: str, dtype: str) -> list[str]:
+  return [f'model.preset={preset}', f'offload.policy={policy}',
+          f'model.param_dtype={dtype}', f'offload.subgroup_size={SUBGROUP[preset]}',
+          'optim.clip_norm=1.0', *extra]
+
+
+def runs(full: bool):
+  """(name, preset, extra, policy, dtype) of each comparison: every policy and dtype on
+  the first config of each preset, stride bf16 on the others (all with `full`)."""
+  for name, preset, extra in CONFIGS:
+    first = name in ('tiny L4 s128 b32', '125m L2 s128 b4')
+    for policy in POLICIES:
+      for dtype in DTYPES:
+        if full or (first and (dtype == 'bfloat16' or policy != 'device_fraction')) or (
+            policy == 'stride' and dtype == 'bfloat16'):
+          yield name, preset, extra, policy, dtype
+
+
+def compile_one(preset, extra, policy, dtype) -> dict:
+  from dos_jax.train import config as config_lib
+  from dos_jax.train import gpu_program
+  cfg = config_lib.load(None, overrides(preset, extra, policy, dtype))
+  start = time.perf_counter()
+  program = gpu_program.compile_step(cfg, 'h100_sxm')
+  schedule = program.schedule
+  grads = schedule.gradient_copies()
+  return {
+      'memory': dataclasses.asdict(program.memory),
+      'device_peak_bytes': program.memory.device_peak_bytes,
+      'compile_s': round(time.perf_counter() - start, 1),
+      'gradient_copies': len(grads),
+      'overlapping': sum(c.overlaps_compute for c in grads),
+      'overlapping_gemms': sum(c.gemms_between > 0 for c in grads),
+      'not_overlapping_bytes': [c.nbytes for c in grads if not c.overlaps_compute],
+      'gradient_copy_bytes': sum(c.nbytes for c in grads),
+      'device_update_inside_host_call': schedule.device_update_inside_host_call(),
+      'host_calls': len(schedule.host_calls),
+      'large_host_copies': len(schedule.large_host_copies()),
+  }
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
+  parser.add_argument('--cache', default='/tmp/memory_vs_compiled.json')
+  parser.add_argument('--full', action='store_true', help='every policy x dtype per config')
+  parser.add_argument('--no-compile', action='store_true', help='use only cached figures')
+  args = parser.parse_args(argv)
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  cache = {}
+  if os.path.exists(args.cache):
+    with open(args.cache, encoding='utf-8') as f:
+      cache = json.load(f)
+  if not args.no_compile:
+    for name, preset, extra, policy, dtype in runs(args.full):
+      key = f'{name} {policy} {dtype}'
+      if key not in cache:
+        cache[key] = compile_one(preset, extra, policy, dtype)
+        print(f'compiled {key}: {cache[key]["device_peak_bytes"] / 2**20:.1f} MiB',
+              file=sys.stderr, flush=True)
+        with open(args.cache, 'w', encoding='utf-8') as f:
+          json.dump(cache, f, indent=1)
+  from dos_jax.planner import step_memory
+  from dos_jax.train import config as config_lib
+  mib = lambda b: b / 2**20
+  print('| config | policy | params | predicted device MiB | compiled device MiB | ratio |'
+        ' predicted host temp MiB | compiled host temp MiB | grad copies hidden |'
+        ' device update in host call |')
+  print('|---|---|---|---|---|---|---|---|---|---|')
+  worst = 0.0
+  for name, preset, extra, policy, dtype in runs(args.full):
+    key = f'{name} {policy} {dtype}'
+    if key not in cache:
+      continue
+    got = cache[key]
+    cfg = config_lib.load(None, overrides(preset, extra, policy, dtype))
+    pred = step_memory.predict_step(cfg)
+    ratio = pred.device_bytes / got['device_peak_bytes']
+    worst = max(worst, abs(ratio - 1))
+    short = 'bf16' if dtype == 'bfloat16' else 'fp32'
+    print(f'| {name} | {policy} | {short} | {mib(pred.device_bytes):.1f} |'
+          f' {mib(got["device_peak_bytes"]):.1f} | {ratio:.3f} |'
+          f' {mib(pred.host_temp_bytes):.1f} | {mib(got["memory"]["host_temp_bytes"]):.1f} |'
+          f' {got["overlapping"]} of {got["gradient_copies"]} |'
+          f' {got["device_update_inside_host_call"] if policy != "all_host" else "-"} |',
+          flush=True)
+  print(f'\nworst device-bytes error: {worst:.1%}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
