@@ -212,7 +212,8 @@ STATE_RESULT_PLATFORMS = ('cpu',)
 
 
 def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars,
-                       grad_pieces, param_pieces, runs, num_threads: int | None = None):
+                       grad_pieces, param_pieces, runs, num_threads: int | None = None,
+                       inputs_sink: list | None = None):
   """The host tier in one native call inside a host region (the accelerator program);
   returns (stacked, out rows in device memory).
 
@@ -257,6 +258,8 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scala
         **kernel_args)
 
   args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h)
+  if inputs_sink is not None:
+    inputs_sink.extend(jax.tree.leaves(args[1:]))
 
   def run_in_arg(*args):
     return run(*args, state_in_arg=True)
@@ -276,7 +279,8 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scala
 
 def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars,
                                grad_rows, param_rows, mesh, data_axis: str,
-                               num_threads: int | None = None):
+                               num_threads: int | None = None,
+                               inputs_sink: list | None = None):
   """The host tier of a state sharded over `data_axis` (ZeRO-1) in the accelerator
   program: on every device, one native call on its shard inside a host region (under
   `shard_map`); returns (stacked, out rows in host memory).
@@ -311,6 +315,9 @@ def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacke
         [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
     return host_adamw_rows.adamw_host_leaves(
         state, grad_rows, param_rows, rows_h, scalars_h, **kernel_args)
+
+  if inputs_sink is not None:
+    inputs_sink.extend(jax.tree.leaves((list(grad_rows), arrays_h, param_rows)))
 
   def per_shard(state, grad_rows, arrays_h, *param_rows):
     rows_h = paths.to_host(jnp.arange(num_rows, dtype=jnp.int32))

@@ -195,7 +195,7 @@ def row_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grads, pa
 
 
 def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pieces, runs,
-                       grad_dtype, region: bool = True):
+                       grad_dtype, region: bool = True, inputs_sink: list | None = None):
   """Updates every row of the host tier in host memory; returns (stacked, out rows in
   host memory).
 
@@ -209,6 +209,7 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
     grad_dtype: dtype the gradient rows are assembled in.
     region: run as a `compute_on('device_host')` region (the accelerator program); a
       CPU program runs the same ops in place.
+    inputs_sink: where to append the region's inputs other than the state.
   """
   # Deferred import: `partition` depends on `layout`, which the paths need not.
   from dos_jax import partition as partition_lib  # pylint: disable=import-outside-toplevel
@@ -232,5 +233,8 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
     return row_loop(tuple(range(num_rows)), dataclasses.replace(step, grad_scale=scale),
                     stacked=stacked, scalars=scalars, grads=grads, params=params, out=out)
 
+  if inputs_sink is not None:
+    # Everything the region reads but the state (see `tier_updates.StepContext.gate`).
+    inputs_sink.extend(jax.tree.leaves((scalars, grad_pieces, param_pieces, scale)))
   fn = host_region(update) if region else update
   return fn(stacked, scalars, grad_pieces, param_pieces, scale)

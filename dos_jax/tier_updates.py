@@ -44,6 +44,24 @@ class StepContext:
   # Accelerator program: each host block's gradient pieces, already sent to host memory
   # (see `gate_device_update`), by the block's subgroups.
   host_grad_pieces: dict[tuple[int, ...], list[Any]] = dataclasses.field(default_factory=dict)
+  # Accelerator program: the host regions' inputs other than the state, appended as the
+  # host tier is built (see `gate`).
+  host_inputs: list[Any] = dataclasses.field(default_factory=list)
+
+  def gate(self) -> 'StepContext':
+    """This context with the device tiers' gradients let through an optimization barrier
+    together with every input of the host regions built so far (gradient pieces,
+    scalars, row indices, all in host memory).
+
+    Then no device update can be issued before the host call's last input is ready, the
+    moment the host call can start: the scheduler's use of the host call's latency is
+    the device update (see `gate_device_update`, which gates on the gradient pieces
+    alone and let small scalar copies slip behind the device loop in some programs).
+    """
+    if not self.split or not self.host_inputs:
+      return self
+    _, leaves = lax.optimization_barrier((self.host_inputs, list(self.grad_leaves)))
+    return dataclasses.replace(self, grad_leaves=list(leaves), host_inputs=[])
 
   def update_tier(self, tier: Tier, base_step: paths.RowStep, arrays, native: bool):
     """Updates one tier, block by block; returns (its new arrays, `(out rows on the
@@ -159,12 +177,13 @@ class StepContext:
     if native and self.split:
       arrays, out_h = fused_lib.host_region_update(
           step, self.fused, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
-          param_pieces=param_pieces, runs=runs, num_threads=self.offload.host_threads)
+          param_pieces=param_pieces, runs=runs, num_threads=self.offload.host_threads,
+          inputs_sink=self.host_inputs)
     else:
       arrays, out_h = paths.host_region_update(
           step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
           param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
-          region=self.split)
+          region=self.split, inputs_sink=self.host_inputs if self.split else None)
     return paths.put(arrays, paths.HOST), jax.device_put(out_h, paths.DEVICE)
 
   def _sharded_host_native(self, step, arrays, ids):
@@ -181,7 +200,7 @@ class StepContext:
     arrays, out_h = fused_lib.sharded_host_region_update(
         step, self.fused, stacked=arrays, scalars=self.scalars, grad_rows=grad_rows,
         param_rows=param_rows, mesh=self.mesh, data_axis=self.offload.data_axis,
-        num_threads=self.offload.host_threads)
+        num_threads=self.offload.host_threads, inputs_sink=self.host_inputs)
     return paths.put(arrays, paths.HOST), jax.device_put(out_h, paths.DEVICE)
 
 

@@ -310,6 +310,8 @@ def offloaded(
       if not part.ids(tier):
         continue
       impl = offload.host_impl if tier is Tier.HOST else offload.device_impl
+      if tier is not Tier.HOST:
+        context = context.gate()  # the device update waits for the host call's inputs
       new_tiers[tier], tier_outs = context.update_tier(
           tier, base_step, state.tier(tier), native=native and impl is UpdateImpl.KERNEL)
       outs.extend(tier_outs)
