@@ -141,9 +141,75 @@ def _view_structure(slots: slots_lib.Slots) -> tuple[tuple[int, ...], tuple[tupl
           tuple(tuple(_key_name(key) for key in path) for path, _ in with_paths))
 
 
-def scalar_view(scalars: tuple, slots: slots_lib.Slots) -> Any:
+@functools.lru_cache(maxsize=256)
+def _moment_structure(slots: slots_lib.Slots) -> tuple[tuple[tuple[str, ...], int, int], ...]:
+  """(key names of its path, group, k) per per-element leaf of the wrapped transforms'
+  state (`mu`, `nu`, ...), the fp32 master excluded."""
+  marks = [None if group < 0 else (group, k) for group, k in slots.places]
+  template = slots.treedef.unflatten(marks)[1]
+  with_paths = jax.tree_util.tree_flatten_with_path(
+      template, is_leaf=lambda x: isinstance(x, tuple) and not hasattr(x, '_fields')
+      and len(x) == 2 and all(isinstance(i, int) for i in x))[0]
+  return tuple((tuple(_key_name(key) for key in path), place[0], place[1])
+               for path, place in with_paths if place is not None)
+
+
+def moment_rows(state: 'OffloadedState', group: int, k: int) -> jax.Array:
+  """One per-element leaf of the wrapped transforms' state (row `k` of stacked array
+  `group`) as a `(G, S)` array in subgroup order, in its own dtype: a copy in device
+  memory of that leaf only."""
+  width = len(state.slots.groups)
+  moved = {t: tuple(to_memory(x[:, k:k + 1] if j % width == group else x[:, :0], Tier.RESIDENT)
+                    for j, x in enumerate(arrays))
+           for t, arrays in state.tiers.items()}
+  return partition_lib.merge_tiers(moved, state.partition)[group][:, 0]
+
+
+class FieldView(dict):
+  """A node of `scalar_view`: the scalar fields of one wrapped transform's state (as a
+  dict, e.g. `{'count': c}`), which also answers for that state's per-element fields.
+
+  `view['mu']` and `'mu' in view` see AdamW's first moment as `moment_rows` gives it
+  (a `(G, S)` copy in device memory, made when asked), so that
+  `optax.tree.get(state, 'mu')` finds it. Those fields are no children: the pytree's
+  leaves, `items()` and `optax.tree.set` see only the scalars.
+  """
+
+  def __init__(self, scalars: dict[str, Any], moments: dict[str, Any]):
+    super().__init__(scalars)
+    self._moments = moments  # name -> zero-argument function making the view
+
+  def __contains__(self, key: object) -> bool:
+    return dict.__contains__(self, key) or key in self._moments
+
+  def __getitem__(self, key: str) -> Any:
+    if dict.__contains__(self, key):
+      return dict.__getitem__(self, key)
+    return self._moments[key]()
+
+
+def _field_view_flatten_with_keys(view: FieldView):
+  keys = sorted(dict.keys(view))
+  return (tuple((jax.tree_util.DictKey(k), dict.__getitem__(view, k)) for k in keys),
+          tuple(keys))
+
+
+def _field_view_flatten(view: FieldView):
+  keys = sorted(dict.keys(view))
+  return tuple(dict.__getitem__(view, k) for k in keys), tuple(keys)
+
+
+jax.tree_util.register_pytree_with_keys(
+    FieldView, _field_view_flatten_with_keys, lambda keys, children: dict(zip(keys, children)),
+    _field_view_flatten)
+
+
+def scalar_view(scalars: tuple, slots: slots_lib.Slots,
+                state: 'OffloadedState | None' = None) -> Any:
   """The scalars in nested dicts keyed by their path in the wrapped transforms' state,
-  e.g. `{'0': {'count': c}}` for AdamW's chain; `()` when there are none.
+  e.g. `{'0': {'count': c}}` for AdamW's chain; `()` when there are none. Given the
+  `state`, the dicts that hold a transform's scalars are `FieldView`s, which also
+  answer for that transform's per-element fields (`mu`, `nu`).
 
   Only scalars, no None and no empty node: tools that treat those as leaves (orbax)
   then see only leaves that survive a round trip through the state.
@@ -157,7 +223,25 @@ def scalar_view(scalars: tuple, slots: slots_lib.Slots) -> Any:
     for name in path[:-1]:
       node = node.setdefault(name, {})
     node[path[-1]] = scalars[k]
+  if state is not None:
+    view = _with_moments(view, state)
   return view
+
+
+def _with_moments(view: dict[str, Any], state: 'OffloadedState') -> dict[str, Any]:
+  """`view` with each dict that holds a transform's scalars made a `FieldView` that
+  also answers for that transform's per-element fields."""
+  moments: dict[tuple[str, ...], dict[str, Any]] = {}
+  for path, group, k in _moment_structure(state.slots):
+    moments.setdefault(path[:-1], {})[path[-1]] = functools.partial(moment_rows, state, group, k)
+
+  def rebuild(node, path):
+    if not isinstance(node, dict):
+      return node
+    children = {name: rebuild(child, path + (name,)) for name, child in node.items()}
+    return FieldView(children, moments[path]) if path in moments else children
+
+  return rebuild(view, ())
 
 
 def scalars_from_view(view: Any, slots: slots_lib.Slots) -> tuple:
@@ -172,7 +256,7 @@ def scalars_from_view(view: Any, slots: slots_lib.Slots) -> tuple:
   return tuple(out)
 
 
-def _children(state: OffloadedState) -> tuple:
+def _children(state: OffloadedState, moments: bool = True) -> tuple:
   """Stacked storage: the three tiers and the scalars. A tier without subgroups is
   `()`: its `(0, K, S)` arrays are no leaves (orbax refuses to save zero-size arrays)
   and are made again, from the static metadata, by `_unflatten`.
@@ -183,7 +267,7 @@ def _children(state: OffloadedState) -> tuple:
   buffer back, also in a step whose plan moves rows between tiers."""
   part = state.partition
   raw = state.empty_children or (None,) * 4
-  view = scalar_view(state.scalars, state.slots)
+  view = scalar_view(state.scalars, state.slots, state if moments else None)
   if not state.scalars and raw[3] is not None:
     view = raw[3]
   if part.per_subgroup:
@@ -252,7 +336,8 @@ def _register_flax_serialization() -> None:
     return
   def to_state_dict(state: OffloadedState) -> dict[str, Any]:
     names = _child_names(state.partition)
-    return {n: serialization.to_state_dict(c) for n, c in zip(names, _children(state))}
+    children = _children(state, moments=False)
+    return {n: serialization.to_state_dict(c) for n, c in zip(names, children)}
 
   def from_state_dict(target: OffloadedState, state_dict: dict[str, Any]) -> OffloadedState:
     names = _child_names(target.partition)
@@ -260,7 +345,7 @@ def _register_flax_serialization() -> None:
     if missing:
       raise ValueError(f'dos_jax: serialized OffloadedState lacks {missing}')
     children = []
-    for name, child in zip(names, _children(target)):
+    for name, child in zip(names, _children(target, moments=False)):
       restored = serialization.from_state_dict(child, state_dict[name], name=name)
       restored = jax.tree.unflatten(jax.tree.structure(child), jax.tree.leaves(restored))
       children.append(jax.tree.map(_placed_like, child, restored))

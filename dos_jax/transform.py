@@ -118,6 +118,7 @@ def offloaded(
       # optax.tree_utils.tree_map_params: the packed state holds no params-shaped tree.
       return validate_lib.NOT_PARAMS_SHAPED
     validate_lib.check_params(params)
+    validate_lib.warn_if_uncommitted(params)
     if validate is not None:
       validate(params)
     mesh = meshes.find_mesh(params, offload)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import functools
 import math
 from typing import Any
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dos_jax import layout as layout_lib
 from dos_jax.offload import Offload
@@ -51,6 +53,38 @@ def check_params(params: Any) -> None:
       raise TypeError(
           f'dos_jax: parameter {where} is a {type(leaf).__name__}, not an array;'
           ' init(params) needs a pytree of arrays (or jax.ShapeDtypeStruct).')
+
+
+# The one line that makes a jitted step compile once (see `warn_if_uncommitted`).
+COMMIT_PARAMS = 'params = jax.device_put(params, jax.devices()[0])'
+_uncommitted_warned = False
+
+
+def warn_if_uncommitted(params: Any) -> None:
+  """Warns once per process when `init` gets uncommitted params.
+
+  A jitted step whose program moves data between memory kinds returns committed arrays
+  (jax commits every output then: `pxla`'s `transfer_mem_kind_in_jaxpr`), and the
+  offloaded step always does. So the params coming out of the first step are
+  committed while the user's params going in were not, and jit compiles the step a
+  second time for them. Committing the params once, before the loop, avoids it; the
+  state needs nothing (it is committed at `init`).
+  """
+  global _uncommitted_warned
+  if _uncommitted_warned:
+    return
+  leaves = jax.tree.leaves(params)
+  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return
+  if not any(isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not x.committed)
+             for x in leaves):
+    return
+  _uncommitted_warned = True
+  warnings.warn(
+      'dos_jax: init got uncommitted params. A jitted step that returns them will see'
+      ' committed params from its second call on (JAX commits the outputs of programs'
+      ' that move data between host and device memory) and compile once more. Commit'
+      f' them once before the loop: {COMMIT_PARAMS}', stacklevel=3)
 
 
 def check_offload(offload: Any, where: str) -> None:

@@ -2,6 +2,7 @@
 
     python experiments/plot.py                       # runs/*/metrics.jsonl -> experiments/plots/
     python experiments/plot.py --runs 'runs/*' --bench update.json train.json --out plots/
+    python experiments/plot.py --runs runs/tiny-none runs/tiny-all_device   # overlay two runs
 
 Writes, for what it finds:
   loss.png          training loss (and evaluation loss, dots) against step, one colour per run;
@@ -57,10 +58,13 @@ def run_series(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, float
   return {key: sorted(values.items()) for key, values in series.items()}
 
 
-def load_runs(pattern: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
-  """{run name: series} for every `<run>/metrics.jsonl` the glob `pattern` matches."""
+def load_runs(patterns: str | list[str]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+  """{run name: series} for every `<run>/metrics.jsonl` the globs `patterns` match, in
+  the order given (sorted within one glob); each run once."""
+  patterns = [patterns] if isinstance(patterns, str) else patterns
+  directories = [d for pattern in patterns for d in sorted(glob.glob(pattern))]
   runs = {}
-  for directory in sorted(glob.glob(pattern)):
+  for directory in dict.fromkeys(directories):
     path = os.path.join(directory, 'metrics.jsonl')
     if os.path.isfile(path):
       runs[os.path.basename(os.path.normpath(directory))] = run_series(read_jsonl(path))
@@ -147,7 +151,9 @@ def _save(fig, out: str, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--runs', default='runs/*', help="glob of run directories (default 'runs/*')")
+  parser.add_argument('--runs', nargs='+', default=['runs/*'], metavar='GLOB',
+                      help="run directories or globs of them, overlaid in one plot per"
+                           " metric (default 'runs/*')")
   parser.add_argument('--bench', nargs='*', default=[], metavar='JSON',
                       help='bench_update.py / bench_train.py --json outputs')
   parser.add_argument('--out', default=os.path.join('experiments', 'plots'),
@@ -165,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f'plot.py: error: {err}', file=sys.stderr)
     return 2
   if not runs and not bars:
-    print(f'plot.py: error: no {args.runs}/metrics.jsonl and no --bench file to plot',
+    print(f'plot.py: error: no {" ".join(args.runs)}/metrics.jsonl and no --bench file'
+          ' to plot',
           file=sys.stderr)
     return 2
   written = []

@@ -1,10 +1,14 @@
 """optax's own adamw tests (optax/_src/alias_test.py from the installed wheel), with
-`optax.adamw` swapped for `dos_jax.adamw`.
+`optax.adamw` swapped for `dos_jax.adamw`, for the AllHost and Stride(2) policies.
 
 The test file is read from the installed optax, its optimizer list narrowed to adamw,
 and its `_get_opt` pointed at dos_jax. Deliberate differences, each skipped with its
 reason: complex parameters are refused; with 16-bit parameters dos_jax keeps an fp32
 master and its first moment defaults to fp32, where optax keeps it in the params' dtype.
+One source edit: the params are committed before the loop, the README's one line (JAX
+commits the outputs of a program that moves memory kinds, so uncommitted params make
+the step compile twice; see `dos_jax.validate.warn_if_uncommitted`). Any other failure
+fails the test.
 Updates have optax's dtype (16-bit for 16-bit params and gradients), and
 `optax.tree.map_params` runs on the offloaded state (it holds no params-shaped tree).
 """
@@ -26,12 +30,8 @@ SOURCE = pathlib.Path(optax.__file__).parent / '_src' / 'alias_test.py'
 EDITS = (
     # Only adamw is under test.
     (None, "_OPTIMIZERS_UNDER_TEST = ({'opt_name': 'adamw', 'opt_kwargs': {'learning_rate': 1e-1}},)\n"),
-    # The state is stacked per dtype (dos_jax/slots.py); the transforms' own state,
-    # with its named fields, is `state.inner`.
-    ('      attribute = optax.tree.get(state, attribute_name)',
-     "      attribute = optax.tree.get(getattr(state, 'inner', state), attribute_name)"),
-    # The host state is committed to pinned_host at init; params must be committed
-    # too, or the step compiles once more when they become committed after step 1.
+    # JAX commits the outputs of a program that moves memory kinds: params must be
+    # committed too (README's one line), or the step compiles once more for them.
     ('    params = initial_params\n', '    params = jax.device_put(initial_params, jax.devices()[0])\n'),
 )
 GUARDED = ('test_optimization', 'test_explicit_dtype', 'test_preserve_dtype',
@@ -80,7 +80,8 @@ def _load_suite() -> types.ModuleType:
 
   def get_opt(self, opt_name):
     if opt_name == 'adamw':
-      return functools.partial(dos_jax.adamw, offload=dos_jax.Offload(subgroup_size=2))
+      offload = dos_jax.Offload(subgroup_size=2, policy=self.POLICY)
+      return functools.partial(dos_jax.adamw, offload=offload)
     return original(self, opt_name)
 
   module._get_opt = get_opt  # pylint: disable=protected-access
@@ -90,5 +91,13 @@ def _load_suite() -> types.ModuleType:
 _suite = _load_suite()
 
 
-class OptaxAdamWSuite(_suite.AliasTest):
+class OptaxAdamWSuiteAllHost(_suite.AliasTest):
   """Every AliasTest case for adamw, minus the documented deliberate differences."""
+
+  POLICY = dos_jax.AllHost()
+
+
+class OptaxAdamWSuiteStride2(_suite.AliasTest):
+  """The same with every other subgroup streamed to the device."""
+
+  POLICY = dos_jax.Stride(2)

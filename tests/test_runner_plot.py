@@ -56,6 +56,18 @@ def test_series_and_bars_are_read_from_the_files(tmp_path):
     plot.load_update_times([str(tmp_path / 'x.json')])
 
 
+def test_two_runs_named_apart_are_overlaid_in_the_order_given(tmp_path):
+  plot = _module()
+  rng = np.random.default_rng()
+  b = _write_run(tmp_path / 'x', 'tiny-none', rng)
+  a = _write_run(tmp_path / 'y', 'tiny-all_device', rng)
+  runs = plot.load_runs([str(tmp_path / 'x' / 'tiny-none'), str(tmp_path / 'y' / 'tiny-*'),
+                         str(tmp_path / 'x' / '*')])
+  assert list(runs) == ['tiny-none', 'tiny-all_device']
+  assert runs['tiny-none']['loss'] == sorted(b.items())
+  assert runs['tiny-all_device']['loss'] == sorted(a.items())
+
+
 def test_pngs_are_written(tmp_path):
   pytest.importorskip('matplotlib')
   rng = np.random.default_rng()

@@ -82,9 +82,10 @@ def test_four_devices_match_one(dataset):
 
 
 def test_dos_jax_matches_optax_adamw_and_the_loss_falls(dataset):
-  """The runner with dos_jax's offloaded AdamW (AllHost, Stride(2)) against the same
-  runner with `optax.adamw`: same seed and batches, losses to 1e-5 relative over 20 steps,
-  the loss falls from ln(256) by more than 1.5, and the one-program step never recompiles.
+  """The runner with dos_jax's AdamW (AllHost, Stride(2), AllDevice) against the same
+  runner with `offload.policy=none` (plain `optax.adamw` after the step's clip, state on
+  the device): same seed and batches, losses to 1e-5 relative over 20 steps, the loss
+  falls from ln(256) by more than 1.5, and the one-program step never recompiles.
 
   fp32 compute: with bf16 activations a 1-ulp difference in an fp32 update (XLA fuses
   the two optimizers' element-wise ops differently) can flip a bf16 rounding, and over
@@ -97,26 +98,49 @@ def test_dos_jax_matches_optax_adamw_and_the_loss_falls(dataset):
   runs = {
       policy: trainer.build(_cfg(dataset, *common, f'offload.policy={policy}'),
                             devices=jax.devices()[:1])
-      for policy in ('all_host', 'stride')
+      for policy in ('all_host', 'stride', 'all_device', 'none')
   }
-  cfg = runs['all_host'].cfg
-  reference = trainer.build(
-      cfg, devices=jax.devices()[:1], tx=step.make_optimizer(cfg.optim, None, cfg.train.steps)
-  )
+  reference = runs.pop('none')
+  assert not any(isinstance(x, dos_jax.OffloadedState) for x in jax.tree.leaves(
+      reference.opt_state, is_leaf=lambda x: isinstance(x, dos_jax.OffloadedState)))
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(reference.opt_state)} == {'device'}
   assert runs['stride'].opt_state.layout.num_subgroups >= 4  # Stride(2) really splits.
   sampler = reference.train_sampler()
-  losses = {name: [] for name in (*runs, 'optax')}
+  losses = {name: [] for name in (*runs, 'none')}
   for _ in range(20):
     batch = next(sampler)
-    losses['optax'].append(reference.step(batch).loss)
+    losses['none'].append(reference.step(batch).loss)
     for name, run in runs.items():
       losses[name].append(run.step(batch).loss)
   for name, run in runs.items():
-    np.testing.assert_allclose(losses[name], losses['optax'], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(losses[name], losses['none'], rtol=1e-5, err_msg=name)
     assert run.compile_counts() == {'fused': 1, 'grad': 0, 'update': 0}
-  assert abs(losses['optax'][0] - np.log(256)) < 0.3  # A fresh model is near uniform.
+  assert reference.compile_counts() == {'fused': 1, 'grad': 0, 'update': 0}
+  assert abs(losses['none'][0] - np.log(256)) < 0.3  # A fresh model is near uniform.
   assert np.mean(losses['stride'][-5:]) < losses['stride'][0] - 1.5, losses['stride']
   assert np.isfinite(runs['stride'].evaluate(2))
+
+
+def test_policy_none_is_plain_optax_adamw_with_the_same_hyperparameters():
+  cfg = config.load(None, ['offload.policy=none', 'optim.mu_dtype=bfloat16'])
+  assert cfg.offload.placement is None
+  tx = step.make_optimizer(cfg.optim, cfg.offload, 100)
+  assert not step.scales_in_update(tx)  # the step clips the gradients first
+  params = {'w': jnp.ones((3, 4)), 'scale': jnp.ones((4,))}
+  state = tx.init(params)
+  mu = optax.tree.get(state, 'mu')
+  assert mu['w'].dtype == jnp.bfloat16
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+  ref = optax.adamw(step.make_schedule(cfg.optim, 100), b1=cfg.optim.b1, b2=cfg.optim.b2,
+                    eps=cfg.optim.eps, mu_dtype=jnp.bfloat16,
+                    weight_decay=cfg.optim.weight_decay, mask=step.decay_mask)
+  ref_state = ref.init(params)
+  for _ in range(12):  # past the warmup, so lr and decay are nonzero
+    got, state = tx.update(grads, state, params)
+    want, ref_state = ref.update(grads, ref_state, params)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.allclose(got['w'], got['scale'][None, :])  # decay on matrices only
 
 
 @pytest.mark.parametrize('policy', ['all_host', 'stride'])

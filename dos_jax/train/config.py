@@ -68,7 +68,7 @@ class OptimConfig:
   mu_dtype: Literal['float32', 'bfloat16'] | None = None
 
 
-PolicyName = Literal['all_host', 'all_device', 'stride', 'device_fraction', 'auto']
+PolicyName = Literal['all_host', 'all_device', 'stride', 'device_fraction', 'auto', 'none']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +79,10 @@ class OffloadConfig:
     policy: 'all_host' (every subgroup updated on the host: ZeRO-Offload),
       'all_device' (state resident in device memory: no offload), 'stride' (every
       `stride`-th subgroup streamed to the device: the paper's method),
-      'device_fraction' (a `fraction` of the subgroups on the device) or 'auto'
-      (the cost model chooses).
+      'device_fraction' (a `fraction` of the subgroups on the device), 'auto'
+      (the cost model chooses) or 'none' (plain `optax.adamw` after the step's
+      global-norm clip, i.e. `optax.chain(clip_by_global_norm, adamw)`, with the same
+      schedule, mask and dtypes and its state in device memory: the baseline).
     stride: k of the 'stride' policy.
     fraction: f of the 'device_fraction' policy.
     subgroup_size: elements per packed state subgroup; null takes dos_jax's default.
@@ -90,7 +92,8 @@ class OffloadConfig:
     keep_freed_host_memory: keep freed host memory in the process for the next step's
       buffers instead of faulting in and zeroing fresh pages every step (glibc only;
       see dos_jax.host_memory).
-    placement: the policy value `policy` names (derived, not read from YAML).
+    placement: the policy value `policy` names, None for 'none' (derived, not read
+      from YAML).
   """
 
   policy: PolicyName = 'all_host'
@@ -99,13 +102,15 @@ class OffloadConfig:
   subgroup_size: int | None = field(None, check=POSITIVE)
   storage: Literal['stacked', 'per_subgroup'] | None = None
   keep_freed_host_memory: bool = True
-  placement: Policy = dataclasses.field(init=False, repr=False, compare=False)
+  placement: Policy | None = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     object.__setattr__(self, 'placement', _placement(self))
 
 
-def _placement(cfg: OffloadConfig) -> Policy:
+def _placement(cfg: OffloadConfig) -> Policy | None:
+  if cfg.policy == 'none':
+    return None
   if cfg.policy == 'all_host':
     return dos_jax.AllHost()
   if cfg.policy == 'all_device':
