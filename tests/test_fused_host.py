@@ -52,6 +52,32 @@ def _trajectory(opt, params, steps: int, seed: int):
   return params, state, text, sizes
 
 
+# The kernel reproduces the FMA contractions XLA 0.10's CPU compiler makes for the AdamW
+# moments (host_adamw_rows.cc). Newer XLA contracts some of them otherwise when the
+# gradients arrive as bf16, so there the XLA host path is the kernel's equal within the
+# tolerances optax is held to (the kernel's own references, optax and numpy, are in
+# test_kernels_host*.py and test_adamw.py).
+_XLA_ROUNDS_AS_THE_KERNEL = tuple(int(v) for v in jax.__version__.split('.')[:2]) < (0, 11)
+
+
+def _assert_matches_xla_path(a, b):
+  """Bit for bit on jax 0.10; within optax's test tolerances on newer jax."""
+  if _XLA_ROUNDS_AS_THE_KERNEL:
+    _assert_bit_equal(a, b)
+    return
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      np.testing.assert_array_equal(x, y)
+      continue
+    # One ulp of the dtype relative (bf16 params), fp32 rounding carried over a few
+    # steps otherwise: the tolerances test_adamw.py holds optax to.
+    rtol = max(1e-5, 2.0 ** -jnp.finfo(x.dtype).nmant)
+    np.testing.assert_allclose(np.atleast_1d(x).astype(np.float32),
+                               np.atleast_1d(y).astype(np.float32), rtol=rtol, atol=1e-6)
+
+
 def _assert_bit_equal(a, b):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     x, y = np.asarray(x), np.asarray(y)
@@ -74,7 +100,7 @@ def test_kernel_path_is_bit_identical_to_xla_host_path(policy, dtype):
                         offload=_offload(p, impl))
     results[impl] = _trajectory(opt, params, steps=6, seed=seed)
   (p_k, s_k, text_k, sizes_k), (p_x, s_x, text_x, _) = results[KERNEL], results[XLA]
-  _assert_bit_equal((p_k, s_k.rows(), s_k.scalars), (p_x, s_x.rows(), s_x.scalars))
+  _assert_matches_xla_path((p_k, s_k.rows(), s_k.scalars), (p_x, s_x.rows(), s_x.scalars))
   resident = isinstance(policy, dos_jax.AllDevice)
   # On a CPU backend the device rows take the native call too (device memory is host
   # memory); with host_impl=XLA nothing does.
@@ -117,9 +143,12 @@ def test_under_clipping_and_inject_hyperparams():
   # Params bit for bit. The fp32 state within one ulp: with array-valued hyperparameters
   # XLA contracts one product of the moment update into an FMA by how the rest of the
   # program is fused, which the kernel cannot follow in every program.
-  _assert_bit_equal(results[0][0], results[1][0])
-  np.testing.assert_array_max_ulp(np.asarray(kernel_state.rows()[0]),
-                                  np.asarray(xla_state.rows()[0]), maxulp=1)
+  _assert_matches_xla_path(results[0][0], results[1][0])
+  if _XLA_ROUNDS_AS_THE_KERNEL:
+    np.testing.assert_array_max_ulp(np.asarray(kernel_state.rows()[0]),
+                                    np.asarray(xla_state.rows()[0]), maxulp=1)
+  else:
+    _assert_matches_xla_path(kernel_state.rows()[0], xla_state.rows()[0])
 
 
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
@@ -170,8 +199,8 @@ def test_accelerator_form_on_cpu(policy, dtype):
     opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
     results.append(_trajectory(opt, params, steps=4, seed=9))
   assert 'dos_jax_adamw_host_leaves' in results[0][2]
-  _assert_bit_equal((results[0][0], results[0][1].rows()),
-                    (results[1][0], results[1][1].rows()))
+  _assert_matches_xla_path((results[0][0], results[0][1].rows()),
+                           (results[1][0], results[1][1].rows()))
 
 
 @pytest.mark.parametrize('storage', [dos_jax.Storage.STACKED, dos_jax.Storage.PER_SUBGROUP],
