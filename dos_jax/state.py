@@ -7,7 +7,10 @@ scalars a flat tuple (see `slots`). Tools that walk an optax state by name, such
 per-subgroup storage, every subgroup's arrays in subgroup order) and the scalars, in
 dicts keyed by the names of their fields in the wrapped transforms' state (`{'0': {'count': ...}}` for AdamW). So `tree_get(state, 'count')` finds the step
 count as it does in optax's state (and, as there, raises when a chain has two), and
-`tree_set(state, count=...)` sets it.
+`tree_set(state, count=...)` sets it. The dicts that hold a transform's scalars also
+answer for its per-element fields (`FieldView`): `tree_get(state, 'mu')` returns the
+first moment as a packed `(G, S)` copy in device memory, in its own dtype; those
+fields are no pytree children, so `tree_set` cannot change them.
 """
 
 from __future__ import annotations
@@ -145,13 +148,19 @@ def _view_structure(slots: slots_lib.Slots) -> tuple[tuple[int, ...], tuple[tupl
 def _moment_structure(slots: slots_lib.Slots) -> tuple[tuple[tuple[str, ...], int, int], ...]:
   """(key names of its path, group, k) per per-element leaf of the wrapped transforms'
   state (`mu`, `nu`, ...), the fp32 master excluded."""
-  marks = [None if group < 0 else (group, k) for group, k in slots.places]
+  marks = [None if group < 0 else _Place(group, k) for group, k in slots.places]
   template = slots.treedef.unflatten(marks)[1]
-  with_paths = jax.tree_util.tree_flatten_with_path(
-      template, is_leaf=lambda x: isinstance(x, tuple) and not hasattr(x, '_fields')
-      and len(x) == 2 and all(isinstance(i, int) for i in x))[0]
-  return tuple((tuple(_key_name(key) for key in path), place[0], place[1])
-               for path, place in with_paths if place is not None)
+  with_paths = jax.tree_util.tree_leaves_with_path(template)
+  return tuple((tuple(_key_name(key) for key in path), place.group, place.k)
+               for path, place in with_paths)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+  """A per-element leaf's slot, as a pytree leaf (a plain tuple would be a node)."""
+
+  group: int
+  k: int
 
 
 def moment_rows(state: 'OffloadedState', group: int, k: int) -> jax.Array:
