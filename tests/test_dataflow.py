@@ -354,7 +354,15 @@ def test_mosaic_gpu_kernel_is_a_pallas_kernel():
     return pl.pallas_call(_double_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           compiler_params=mosaic_gpu.CompilerParams())(x)
 
-  graph = Graph.from_lowered(dataflow.lower_for_gpu(step, on_device((128, WIDTH))))
+  try:
+    lowered = dataflow.lower_for_gpu(step, on_device((128, WIDTH)))
+  except AssertionError:
+    # jax >= 0.11 registers Pallas' Mosaic GPU lowering only where its GPU compiler is
+    # installed; without it the lowering finds no rule (an assertion inside Pallas).
+    if jax.__version_info__ < (0, 11):
+      raise
+    pytest.skip(f'no Mosaic GPU lowering rule in this jax {jax.__version__}')
+  graph = Graph.from_lowered(lowered)
   kernel = _one(graph.kernel_calls())
   assert kernel.own_kinds == {OpKind.PALLAS} and kernel.kernel_names == ('',)
 

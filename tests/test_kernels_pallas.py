@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dos_jax import kernels
+from dos_jax.dataflow import lower_for_gpu
 from tests.test_kernels_scalars import assert_close_to_optax
 from tests.test_kernels_scalars import check_across_decay_boundary
 from tests.test_kernels_scalars import Hyper
@@ -173,7 +174,7 @@ def test_lowers_to_triton_for_a_gpu_from_any_machine(size, grad_dtype, mu_dtype,
                                 lowp_dtype=lowp_dtype, nesterov=nesterov, lowp_out=lowp)
   args = [jax.ShapeDtypeStruct((size,), d)
           for d in (jnp.float32, mu_dtype, jnp.float32, grad_dtype, lowp_dtype)]
-  text = jax.jit(step).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
+  text = lower_for_gpu(step, *args).as_text()  # an abstract GPU device where jax needs one
   assert '__gpu$xla.gpu.triton' in text
   grid = -(-size // kernels.DEFAULT_CONFIG.block_size)
   assert f'grid_x = {grid}' in text
