@@ -90,10 +90,14 @@ def test_tree_get_reads_the_moments_as_optax_computes_them(policy, mu_dtype):
                      offload=dos_jax.Offload(subgroup_size=29, policy=POLICIES[policy]))
   ref = optax.adamw(LR, mu_dtype=mu_dtype)
   state, ref_state = tx.init(params), ref.init(params)
-  for i in range(3):
+  steps, seen = 3, {'mu': 0.0, 'nu': 0.0}  # the largest |moment| over the steps
+  for i in range(steps):
     grads = random_grads(params, i, seed)
     _, state = tx.update(grads, state, params)
     _, ref_state = ref.update(grads, ref_state, params)
+    for name in seen:
+      seen[name] = max([seen[name]] + [float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+                                       for x in jax.tree.leaves(optax.tree.get(ref_state, name))])
   for name, dtype in (('mu', mu_dtype or jnp.float32), ('nu', jnp.float32)):
     view = optax.tree.get(state, name)
     assert view.dtype == dtype
@@ -101,8 +105,12 @@ def test_tree_get_reads_the_moments_as_optax_computes_them(policy, mu_dtype):
     got = dos_jax.layout.unpack(view, state.layout)
     want = optax.tree.get(ref_state, name)
     low = jnp.dtype(dtype).itemsize == 2
-    largest = max(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in jax.tree.leaves(want))
-    rtol, atol = (2.0 ** -7, 2.0 ** -8 * largest) if low else (1e-5, 1e-7)
+    largest = seen[name]
+    # A 16-bit moment is rounded once per step, and XLA may contract its fp32 update
+    # differently in the two programs, so each step may land one ulp (<= 2**-7 of the
+    # magnitude) on the other side; an earlier difference is carried on, scaled by
+    # b1 < 1. After `steps` steps: at most `steps` ulps of the largest moment seen.
+    rtol, atol = (0.0, steps * 2.0 ** -7 * largest) if low else (1e-5, 1e-7)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       assert a.dtype == b.dtype
       np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
