@@ -102,42 +102,107 @@ struct Pointers {
   void* lowp;
 };
 
-// The step direction from the new moments m and v of an element p with gradient g:
-// bias-corrected (Nesterov: also with the next step's correction), preconditioned,
-// plus weight decay when kDecay. Shared by both host kernels' loops.
-template <bool kNesterov, bool kDecay>
-DOS_INLINE float Direction(const Coeffs& c, float g, float p, float m, float v) {
-  float m_hat;
+// The bias-corrected first moment of an element with gradient g and new moment m
+// (Nesterov: also with the next step's correction).
+template <bool kNesterov>
+DOS_INLINE float MHat(const Coeffs& c, float g, float m) {
   if constexpr (kNesterov) {
-    m_hat = __builtin_fmaf(c.b1, m * c.inv_bc1_next, c.omb1 * (g * c.inv_bc1));
+    return __builtin_fmaf(c.b1, m * c.inv_bc1_next, c.omb1 * (g * c.inv_bc1));
   } else {
-    m_hat = m * c.inv_bc1;
+    return m * c.inv_bc1;
   }
+}
+
+// The step direction from m_hat and the new second moment v of an element p:
+// preconditioned, plus weight decay when kDecay.
+template <bool kDecay>
+DOS_INLINE float Direction(const Coeffs& c, float m_hat, float v, float p) {
   const float v_hat = __builtin_fmaf(v, c.inv_bc2, c.eps_root);
   float u = m_hat / (__builtin_sqrtf(v_hat) + c.eps);
   if constexpr (kDecay) u = __builtin_fmaf(c.wd, p, u);
   return u;
 }
 
+// Both loops run in blocks of kBlock elements, each block in passes: the moments, then
+// the direction and the new params, then the 16-bit cast. The same operations on every
+// element as one fused loop (so the same bits), in less time: on cores whose divider
+// is slow (AMD Zen 1: 256-bit vsqrtps and vdivps split in two, one divider per core)
+// the fused loop's sqrt -> div chain holds the out-of-order window, with the moments'
+// and the cast's work queued behind it (a third of the profile's samples sat on those
+// two instructions); in a short loop of its own, one vector's chain overlaps the next.
+// Standalone copy of the bf16 row loop on a Zen 1 EPYC, one thread, CPU time: 2.64 ->
+// 2.23 ns per element over 64M elements, 2.50 -> 1.98 in L1. 256 elements: 1 KB per
+// f32 array, so the later passes read from L1 what the earlier ones wrote (512 and
+// 2048 were slower over 64M). An approximate square root and reciprocal (vrsqrtps,
+// vrcpps, Newton steps) in place of vsqrtps and vdivps was slower still on that core:
+// its FMA pipes are the other bound (experiments/RESULTS.md, 2026-11-24).
+constexpr int64_t kBlock = 256;
+
+// Second pass over one block, with a master: the new master p + (-lr) * u from m_hat
+// (kScaleMu: m_hat = m_hat_or_m * inv_bc1, the f32 first moment read back) and v.
+// Restrict-qualified parameters: GCC vectorizes only then.
+template <bool kDecay, bool kScaleMu>
+DOS_INLINE void ApplyPass(const Coeffs& c, const float* __restrict m_hat_or_m,
+                          const float* __restrict nu, float* __restrict master, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float m_hat = kScaleMu ? m_hat_or_m[i] * c.inv_bc1 : m_hat_or_m[i];
+    const float p = master[i];
+    master[i] = __builtin_fmaf(c.neg_lr, Direction<kDecay>(c, m_hat, nu[i], p), p);
+  }
+}
+
+// The same without a master (f32 params): the update -lr * u of params `param`.
+template <bool kDecay, bool kScaleMu>
+DOS_INLINE void UpdatePass(const Coeffs& c, const float* __restrict m_hat_or_m,
+                           const float* __restrict nu, const float* __restrict param,
+                           float* __restrict update, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float m_hat = kScaleMu ? m_hat_or_m[i] * c.inv_bc1 : m_hat_or_m[i];
+    update[i] = c.neg_lr * Direction<kDecay>(c, m_hat, nu[i], param[i]);
+  }
+}
+
+// Third pass: the cast of the new params to L.
+template <class L>
+DOS_INLINE void CastPass(const float* __restrict p, typename L::Storage* __restrict out,
+                         int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = L::Store(p[i]);
+}
+
+// First pass of the flat loop over one block: the new moments, stored, and m_hat
+// (unless the second pass can scale the f32 moment it reads back).
+template <class G, class M, bool kNesterov, bool kKeepMHat>
+DOS_INLINE void MomentsPass(const Coeffs& c, typename M::Storage* __restrict mu,
+                            float* __restrict nu, const typename G::Storage* __restrict grad,
+                            float* __restrict m_hat, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = G::Load(grad[i]) * c.gscale;
+    const float m = __builtin_fmaf(c.omb1, g, c.b1 * M::Load(mu[i]));
+    nu[i] = __builtin_fmaf(c.omb2, g * g, c.b2 * nu[i]);
+    mu[i] = M::Store(m);
+    if constexpr (kKeepMHat) m_hat[i] = MHat<kNesterov>(c, g, m);
+  }
+}
+
 // The update of elements [begin, end) of one subgroup whose decay ends at `decay_end`.
 // All pointers are distinct arrays; reads and writes of one array hit the same index.
 template <class G, class M, class L, bool kNesterov, bool kDecay>
-DOS_INLINE void UpdateRange(const Coeffs& c, float* __restrict master,
-                            typename M::Storage* __restrict mu, float* __restrict nu,
-                            const typename G::Storage* __restrict grad,
-                            typename L::Storage* __restrict lowp, int64_t begin,
-                            int64_t end) {
-  for (int64_t i = begin; i < end; ++i) {
-    const float g = G::Load(grad[i]) * c.gscale;
-    const float p = master[i];
-    const float m = __builtin_fmaf(c.omb1, g, c.b1 * M::Load(mu[i]));
-    const float v = __builtin_fmaf(c.omb2, g * g, c.b2 * nu[i]);
-    const float u = Direction<kNesterov, kDecay>(c, g, p, m, v);
-    const float p_new = __builtin_fmaf(c.neg_lr, u, p);
-    master[i] = p_new;
-    mu[i] = M::Store(m);
-    nu[i] = v;
-    if constexpr (!std::is_same_v<L, NoLowp>) lowp[i] = L::Store(p_new);
+DOS_INLINE void UpdateRange(const Coeffs& c, float* master, typename M::Storage* mu,
+                            float* nu, const typename G::Storage* grad,
+                            typename L::Storage* lowp, int64_t begin, int64_t end) {
+  // m_hat is the stored f32 moment times 1 / bc1 except with a bf16 moment (rounded
+  // when stored) or Nesterov (which also needs g): then the first pass keeps it.
+  constexpr bool kKeepMHat = kNesterov || !std::is_same_v<M, F32>;
+  alignas(64) float m_hat[kKeepMHat ? kBlock : 1];
+  for (int64_t at = begin; at < end; at += kBlock) {
+    const int64_t n = std::min(kBlock, end - at);
+    MomentsPass<G, M, kNesterov, kKeepMHat>(c, mu + at, nu + at, grad + at, m_hat, n);
+    if constexpr (kKeepMHat) {
+      ApplyPass<kDecay, false>(c, m_hat, nu + at, master + at, n);
+    } else {
+      ApplyPass<kDecay, true>(c, mu + at, nu + at, master + at, n);
+    }
+    if constexpr (!std::is_same_v<L, NoLowp>) CastPass<L>(master + at, lowp + at, n);
   }
 }
 

@@ -42,41 +42,48 @@ struct RowPointers {
   void* out;
 };
 
-// Elements [begin, end) of one subgroup row. With a master, the param is the master
-// and the new master (and its cast to L) is written; without one (fp32 params) the
-// param comes from the param rows and the update -lr * u is the output.
-//
-// The moments contract a different product into the FMA for 16-bit gradients: when
-// the gradient is converted from bf16 inside the program, XLA:CPU fuses b1 * mu (not
-// (1 - b1) * g) into the FMA, so jit(optax.adamw) on bf16 gradients, and the XLA row
-// loop of dos_jax, round that way. With f32 gradients this is host_adamw.cc's order.
-//
-// The pointers are restrict-qualified parameters (not locals): GCC vectorizes only
-// then, when all of them are float.
-template <class G, class L, bool kMaster, bool kNesterov, bool kDecay>
-DOS_INLINE void RowRangeFixed(const Coeffs& c, float* __restrict master,
-                              float* __restrict mu, float* __restrict nu,
-                              const typename G::Storage* __restrict grad,
-                              const float* __restrict param,
-                              typename L::Storage* __restrict out, int64_t begin,
-                              int64_t end) {
+// First pass over a block of a row: the new moments, stored in place, and (Nesterov)
+// m_hat. The moments contract a different product into the FMA for 16-bit gradients:
+// when the gradient is converted from bf16 inside the program, XLA:CPU fuses b1 * mu
+// (not (1 - b1) * g) into the FMA, so jit(optax.adamw) on bf16 gradients, and the XLA
+// row loop of dos_jax, round that way. With f32 gradients this is host_adamw.cc's order.
+template <class G, bool kNesterov>
+DOS_INLINE void RowMomentsPass(const Coeffs& c, float* __restrict mu, float* __restrict nu,
+                               const typename G::Storage* __restrict grad,
+                               float* __restrict m_hat, int64_t n) {
   constexpr bool kWideGrad = std::is_same_v<G, F32>;
-  for (int64_t i = begin; i < end; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const float g = G::Load(grad[i]) * c.gscale;
-    const float p = kMaster ? master[i] : param[i];
     const float m = kWideGrad ? __builtin_fmaf(c.omb1, g, c.b1 * mu[i])
                               : __builtin_fmaf(c.b1, mu[i], c.omb1 * g);
-    const float v = kWideGrad ? __builtin_fmaf(c.omb2, g * g, c.b2 * nu[i])
-                              : __builtin_fmaf(c.b2, nu[i], c.omb2 * (g * g));
-    const float u = Direction<kNesterov, kDecay>(c, g, p, m, v);
+    nu[i] = kWideGrad ? __builtin_fmaf(c.omb2, g * g, c.b2 * nu[i])
+                      : __builtin_fmaf(c.b2, nu[i], c.omb2 * (g * g));
     mu[i] = m;
-    nu[i] = v;
+    if constexpr (kNesterov) m_hat[i] = MHat<kNesterov>(c, g, m);
+  }
+}
+
+// Elements [begin, end) of one subgroup row, in blocks of passes (adamw_loop.h's
+// kBlock: the same operations as one fused loop, faster where the divider is slow).
+// With a master, the param is the master and the new master (and its cast to L) is
+// written; without one (fp32 params) the param comes from the param rows and the
+// update -lr * u is the output. The m_hat of the second pass is the f32 moment read
+// back times 1 / bc1, except under Nesterov (which also needs g).
+template <class G, class L, bool kMaster, bool kNesterov, bool kDecay>
+DOS_INLINE void RowRangeFixed(const Coeffs& c, float* master, float* mu, float* nu,
+                              const typename G::Storage* grad, const float* param,
+                              typename L::Storage* out, int64_t begin, int64_t end) {
+  alignas(64) float m_hat[kNesterov ? kBlock : 1];
+  for (int64_t at = begin; at < end; at += kBlock) {
+    const int64_t n = std::min(kBlock, end - at);
+    RowMomentsPass<G, kNesterov>(c, mu + at, nu + at, grad + at, m_hat, n);
+    const float* m_src = kNesterov ? m_hat : mu + at;
     if constexpr (kMaster) {
-      const float p_new = __builtin_fmaf(c.neg_lr, u, p);
-      master[i] = p_new;
-      out[i] = L::Store(p_new);
+      ApplyPass<kDecay, !kNesterov>(c, m_src, nu + at, master + at, n);
+      CastPass<L>(master + at, out + at, n);
     } else {
-      out[i] = L::Store(c.neg_lr * u);
+      static_assert(std::is_same_v<L, F32>, "without a master the output is the f32 update");
+      UpdatePass<kDecay, !kNesterov>(c, m_src, nu + at, param + at, out + at, n);
     }
   }
 }
