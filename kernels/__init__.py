@@ -19,6 +19,7 @@ from dos_jax.kernels.host_adamw_rows import adamw_host_rows
 from dos_jax.kernels.host_adamw_rows import host_kernel_in_gpu_programs
 from dos_jax.kernels.host_adamw_rows import rows_kernel_available
 from dos_jax.kernels.pallas_adamw import adamw_pallas
+from dos_jax.kernels.pallas_adamw import adamw_pallas_rows
 from dos_jax.kernels.pallas_adamw import adamw_reference
 from dos_jax.kernels.pallas_adamw import BlockConfig
 from dos_jax.kernels.pallas_adamw import DEFAULT_CONFIG

@@ -9,6 +9,8 @@ programs and a ragged last block.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,6 +144,55 @@ class PallasAdamWTests:
       for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
 
+  @pytest.mark.parametrize('slots', [(0, 1, 2), (2, 0, 1), (-1, 0, 1)],
+                           ids=['master_mu_nu', 'mu_nu_master', 'no_master'])
+  def test_rows_form_equals_the_flat_kernel_in_place(self, slots):
+    """`adamw_pallas_rows` on a (K, S) block gives the flat kernel's values (within the
+    ulp two programs of the same math may differ by), in the block's own buffer
+    (aliased), for any slot order and without a master row."""
+    size, hyper = self.SIZES[2], Hyper(eps_root=1e-10)
+    rng = np.random.default_rng(17)
+    master, mu, nu = random_state(rng, size)
+    param = master if slots[0] < 0 else None
+    rows = {slots[1]: mu, slots[2]: nu, **({} if param is not None else {slots[0]: master})}
+    block = jnp.stack([rows[k] for k in range(len(rows))])
+    grad, scalars = random_grad(rng, size, jnp.bfloat16), step_scalars(hyper, 3, 0.5)
+    lowp_dtype = None if param is not None else jnp.bfloat16
+    want = kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=size // 3,
+                                lowp_dtype=lowp_dtype, config=self.CONFIG,
+                                interpret=self.INTERPRET)
+
+    def rows_step(block, grad, param):
+      return kernels.adamw_pallas_rows(block, grad, scalars, slots=slots,
+                                       decay_limit=size // 3, lowp_dtype=lowp_dtype,
+                                       param=param, config=self.CONFIG,
+                                       interpret=self.INTERPRET)
+    jaxpr = str(jax.make_jaxpr(rows_step)(block, grad, param))
+    assert 'input_output_aliases=((2, 0),)' in jaxpr
+    new_block, new_master, lowp = jax.jit(rows_step)(block, grad, param)
+    got_master = new_master if param is not None else new_block[slots[0]]
+    # Two programs of the same math: an ulp apart where XLA contracts differently.
+    assert_close_to_optax((got_master, new_block[slots[1]], new_block[slots[2]]), want[:3],
+                          hyper.lr)
+    if lowp_dtype is not None:
+      np.testing.assert_array_equal(np.asarray(lowp), np.asarray(got_master.astype(lowp_dtype)))
+    else:
+      assert lowp is None
+
+  def test_rows_form_refuses_a_block_that_breaks_its_contract(self):
+    size, hyper = 64, Hyper()
+    rng = np.random.default_rng(18)
+    block = jnp.stack(random_state(rng, size))
+    call = functools.partial(kernels.adamw_pallas_rows, grad=random_grad(rng, size),
+                             scalars=step_scalars(hyper, 1), decay_limit=size,
+                             lowp_dtype=jnp.bfloat16, interpret=True)
+    with pytest.raises(ValueError, match='param must be given exactly'):
+      call(block, slots=(-1, 0, 1))
+    with pytest.raises(ValueError, match='not distinct rows'):
+      call(block, slots=(0, 1, 1))
+    with pytest.raises(ValueError, match=r'float32 \(K, S\) block'):
+      call(block.astype(jnp.bfloat16), slots=(0, 1, 2))
+
   def test_bad_block_config_is_a_clear_error(self):
     with pytest.raises(ValueError, match='block_size'):
       kernels.BlockConfig(block_size=1000)
@@ -180,3 +231,24 @@ def test_lowers_to_triton_for_a_gpu_from_any_machine(size, grad_dtype, mu_dtype,
   assert f'grid_x = {grid}' in text
   for output, operand in ((0, 2), (1, 3), (2, 4), (3, 6)):
     assert (f'output_tuple_indices = [{output}], operand_index = {operand},') in text
+
+
+@pytest.mark.parametrize('rows, slots, grad_dtype', [
+    (3, (0, 1, 2), jnp.bfloat16),
+    (2, (-1, 0, 1), jnp.float32),
+])
+def test_rows_form_lowers_to_one_in_place_triton_call(rows, slots, grad_dtype):
+  """The block form lowers to Triton with its (K, S) block aliased, K not a power of
+  two included (only the loaded rows must be)."""
+  size = 1_000_003
+  scalars = step_scalars(Hyper(), 3)
+
+  def step(block, grad, param):
+    return kernels.adamw_pallas_rows(block, grad, scalars, slots=slots, decay_limit=size // 2,
+                                     lowp_dtype=None if slots[0] < 0 else jnp.bfloat16,
+                                     param=param)
+  param = jax.ShapeDtypeStruct((size,), jnp.float32) if slots[0] < 0 else None
+  text = lower_for_gpu(step, jax.ShapeDtypeStruct((rows, size), jnp.float32),
+                       jax.ShapeDtypeStruct((size,), grad_dtype), param).as_text()
+  assert text.count('__gpu$xla.gpu.triton') == 1
+  assert 'output_tuple_indices = [0], operand_index = 2,' in text
