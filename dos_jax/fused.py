@@ -9,9 +9,9 @@ updates every host row with one call of the native kernel
 (`kernels.host_adamw_rows`), in place, multi-threaded over all host elements.
 
 The step's scalars come from the wrapped transforms themselves: their update is run on
-zero-length rows, so the step counts advance exactly as on the XLA path, and the
-bias corrections and learning rate are computed from the same counts with optax's
-expressions. Results are bit-identical to the XLA path.
+zero-length rows once per step (`paths.scalar_update`, read by `step_scalars`), so the
+step counts advance exactly as on the XLA path, and the bias corrections and learning
+rate are computed from the same counts with optax's expressions. Results are bit-identical to the XLA path.
 """
 
 from __future__ import annotations
@@ -105,20 +105,17 @@ def usable(fused: FusedAdamW | None, step: paths.RowStep, grad_leaves) -> bool:
   )
 
 
-def _step_scalars(fused: FusedAdamW, step: paths.RowStep, scalars):
-  """(AdamWScalars, new scalar state): the wrapped update run on zero-length rows (as
-  `paths.next_scalars`), read as AdamW's step count and schedule value."""
-  empty = tuple(jnp.zeros((n, 0), dtype) for n, dtype in
-                zip(step.slots.group_sizes, step.slots.groups))
-  master, inner_state = slots_lib.join(empty, scalars, step.slots, axis=0)
-  zero = jnp.zeros((0,), step.state_dtype)
-  _, new_inner = step.row_update(zero, inner_state, zero, True)
-  _, new_scalars = slots_lib.split((master, new_inner), step.slots, axis=0)
-  new_scalars = tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
+def step_scalars(fused: FusedAdamW, step: paths.RowStep,
+                 scalar_update: tuple[Any, Any, tuple]) -> AdamWScalars:
+  """The step's `AdamWScalars`, read from the wrapped transforms' scalar update
+  (`paths.scalar_update`) as AdamW's step count and schedule value, with the step's
+  gradient scale (the clip factor) folded in. Computed once per step; every kernel
+  call of the step takes it."""
+  inner_state, new_inner, _ = scalar_update
   adam_scalars = fused.scalars(inner_state, new_inner)
   if step.grad_scale is not None:
     adam_scalars = dataclasses.replace(adam_scalars, grad_scale=step.grad_scale)
-  return adam_scalars, new_scalars
+  return adam_scalars
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -136,8 +133,9 @@ class Leaves:
         jnp.dtype(p.dtype) == jnp.float32 for p in self.params))
 
 
-def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, leaves: Leaves,
-                resident: bool, num_threads: int | None = None):
+def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+                adam_scalars: AdamWScalars, leaves: Leaves, resident: bool,
+                num_threads: int | None = None):
   """Every row of a one-memory (CPU program) state in one native call; returns
   (stacked, out rows).
 
@@ -147,7 +145,6 @@ def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, lea
   gradients instead (`into_grads`) saves that buffer's memory but was not faster: XLA
   copies gradients that are arguments of the step first (experiments/RESULTS.md).
   """
-  adam_scalars, _ = _step_scalars(fused, step, scalars)
   num_rows = stacked[0].shape[0]
   new_state, out = host_adamw_rows.adamw_host_leaves(
       stacked[0], leaves.grads, None if step.has_master else leaves.params,
@@ -160,8 +157,9 @@ def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, lea
   return (jax.device_put(new_state, space),), out
 
 
-def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, grads, params,
-                   mesh, data_axis: str, resident: bool, num_threads: int | None = None):
+def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+                   adam_scalars: AdamWScalars, grads, params, mesh, data_axis: str,
+                   resident: bool, num_threads: int | None = None):
   """One-memory (CPU program) state sharded over `data_axis` (ZeRO-1): the native call
   runs on every device's shard under `shard_map`; returns (stacked, out rows).
 
@@ -169,7 +167,6 @@ def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, 
   the state and needs the matching `(G, S / n)` columns of the packed gradient (and
   param) rows, given here sharded like the state.
   """
-  adam_scalars, _ = _step_scalars(fused, step, scalars)
   scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
   is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
   arrays = [x for x, a in zip(scalar_leaves, is_array) if a]
@@ -211,9 +208,9 @@ def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars, 
 STATE_RESULT_PLATFORMS = ('cpu',)
 
 
-def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars,
-                       grad_pieces, param_pieces, runs, num_threads: int | None = None,
-                       inputs_sink: list | None = None):
+def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+                       adam_scalars: AdamWScalars, grad_pieces, param_pieces, runs,
+                       num_threads: int | None = None, inputs_sink: list | None = None):
   """The host tier in one native call inside a host region (the accelerator program);
   returns (stacked, out rows in device memory).
 
@@ -235,7 +232,6 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scala
   must, and the caller's state array is overwritten as well. On the platforms in
   `STATE_RESULT_PLATFORMS` the region returns the state as before.
   """
-  adam_scalars, _ = _step_scalars(fused, step, scalars)
   num_rows = stacked[0].shape[0]
   rows_h = paths.to_host(jnp.arange(num_rows, dtype=jnp.int32))
   # Array scalars (schedule value, bias corrections, clip factor) cross too; Python
@@ -277,9 +273,9 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scala
   return (new_state,), out_h
 
 
-def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars,
-                               grad_rows, param_rows, mesh, data_axis: str,
-                               num_threads: int | None = None,
+def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+                               adam_scalars: AdamWScalars, grad_rows, param_rows, mesh,
+                               data_axis: str, num_threads: int | None = None,
                                inputs_sink: list | None = None):
   """The host tier of a state sharded over `data_axis` (ZeRO-1) in the accelerator
   program: on every device, one native call on its shard inside a host region (under
@@ -292,7 +288,6 @@ def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacke
   zero in the gradients and in the state, so the kernel leaves it zero.
   `step.decayed_rows` is the tier's own.
   """
-  adam_scalars, _ = _step_scalars(fused, step, scalars)
   num_rows, _, size = stacked[0].shape
   local_size = size // mesh.shape[data_axis]
   # Array scalars (schedule value, bias corrections, clip factor) cross whole to every
@@ -336,15 +331,15 @@ def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacke
   return (new_state,), out_h
 
 
-def device_usable(fused: FusedAdamW | None, offload: Offload, step: paths.RowStep,
-                  stacked) -> bool:
+def device_usable(fused: FusedAdamW | None, offload: Offload, program: Platform,
+                  step: paths.RowStep, stacked) -> bool:
   """Whether the device path can run the Pallas AdamW: in the accelerator program (in
   the CPU program every row takes the native host call instead), with AdamW's state
   laid out as one f32 group."""
   return (
       fused is not None
       and offload.device_impl == UpdateImpl.KERNEL
-      and offload.target() is Platform.GPU
+      and program is Platform.GPU
       and slot_rows(step.slots, step.has_master) is not None
       and jnp.dtype(stacked[0].dtype) == jnp.float32
   )
@@ -369,33 +364,33 @@ class DeviceKernelStep:
   def __call__(self, blocks, scalars, grad, param, index):
     del scalars  # every row reads the pre-step scalars, folded into `adam_scalars`
     from dos_jax.kernels import pallas_adamw  # pylint: disable=import-outside-toplevel
-    master_k, mu_k, nu_k = slot_rows(self.step.slots, self.step.has_master)
-    block = blocks[0]
-    master = block[master_k] if self.step.has_master else param
-    size = block.shape[-1]
+    slots = slot_rows(self.step.slots, self.step.has_master)
+    size = blocks[0].shape[-1]
     decay_limit = jnp.where(index < self.step.decayed_rows, size, 0).astype(jnp.int32)
+    lowp_dtype = self.step.out_dtype if self.step.has_master else None
+
     def kernel(interpret):
       # The scalars are closed over: Python floats among them must stay Python floats.
-      return lambda master, mu, nu, grad: pallas_adamw.adamw_pallas(
-          master, mu, nu, grad, self.adam_scalars, decay_limit=decay_limit,
-          lowp_dtype=self.step.out_dtype if self.step.has_master else None,
-          nesterov=self.fused.nesterov, interpret=interpret)
+      return lambda block, grad, param: pallas_adamw.adamw_pallas_rows(
+          block, grad, self.adam_scalars, slots=slots, decay_limit=decay_limit,
+          lowp_dtype=lowp_dtype, param=param, nesterov=self.fused.nesterov,
+          interpret=interpret)
 
     # Triton where the program is lowered for a GPU, the Pallas interpreter where it
-    # runs on a CPU backend: each platform lowers only its own branch.
-    new_master, new_mu, new_nu, lowp = jax.lax.platform_dependent(
-        master, block[mu_k], block[nu_k], grad, cpu=kernel(True), default=kernel(False))
-    rows = [None] * block.shape[0]
-    rows[mu_k], rows[nu_k] = new_mu, new_nu
+    # runs on a CPU backend: each platform lowers only its own branch. The block is
+    # updated where it is, in one buffer (no row slices, no stacking).
+    new_block, new_master, lowp = jax.lax.platform_dependent(
+        blocks[0], grad, None if self.step.has_master else param,
+        cpu=kernel(True), default=kernel(False))
     if self.step.has_master:
-      rows[master_k], out_row = new_master, lowp
+      out_row = lowp
     else:
       # fp32 params are their own master: the out row is the update.
       out_row = (new_master - param).astype(self.step.out_dtype)
-    return (jnp.stack(rows),), self.new_scalars, out_row
+    return (new_block,), self.new_scalars, out_row
 
 
-def device_step(fused: FusedAdamW, step: paths.RowStep, scalars) -> DeviceKernelStep:
-  adam_scalars, new_scalars = _step_scalars(fused, step, scalars)
+def device_step(fused: FusedAdamW, step: paths.RowStep, adam_scalars: AdamWScalars,
+                new_scalars: tuple) -> DeviceKernelStep:
   return DeviceKernelStep(step=step, fused=fused, adam_scalars=adam_scalars,
                           new_scalars=new_scalars)

@@ -1,7 +1,7 @@
 """The update paths of one optimizer step: streamed through the device, on the host,
 or resident in device memory.
 
-Every path runs the same loop over the rows of one tier's state (see `partition`). One
+Every path runs a loop over the rows of one tier's state (see `partition`). One
 iteration reads the row's block of each stacked state array (see `slots`), applies the
 wrapped optax transforms' *row update*
 
@@ -9,16 +9,15 @@ wrapped optax transforms' *row update*
 
 and writes the new block back in place. The paths differ in where that happens:
 
-* `row_loop(stream=True)`: the streamed tier's rows are copied host -> device, updated,
-  and copied back; the new low-precision parameter rows stay on the device. The loop's
-  `unroll` (the plan's `buffers`) lets XLA overlap one row's copies with another row's
-  update.
+* `streamed_loop`: the streamed tier's rows are copied host -> device, updated, and
+  copied back; the new low-precision parameter rows stay on the device. The loop is
+  software-pipelined: the next `buffers - 1` rows are fetched while a row is updated.
 * `host_region_update`: the host tier's gradients arrive in host memory piece by piece
   (each piece leaves the device as soon as the backward pass has made it), the rows are
   assembled there and the loop runs in a `compute_on('device_host')` region; only the
   new low-precision parameter rows go back to the device.
-* `row_loop(stream=False)`: the state is where it is updated (resident in device
-  memory, or any tier on a CPU backend).
+* `resident_loop`: the state is where it is updated (resident in device memory, or any
+  tier on a CPU backend).
 
 A `fori_loop` keeps compile time independent of the number of subgroups. The
 `optimization_barrier` on each iteration's new block makes every read of the old row
@@ -150,11 +149,13 @@ class RowStep:
     return new_blocks, new_scalars, first[-1].astype(self.out_dtype)
 
 
-def next_scalars(step: RowStep, scalars: tuple) -> tuple:
-  """The scalar state after the step: the wrapped update run on zero-length rows.
+def scalar_update(step: RowStep, scalars: tuple) -> tuple[Any, Any, tuple]:
+  """The wrapped transforms' scalar state before and after the step, and the new
+  scalar leaves: `(inner state, new inner state, new scalars)`.
 
   Every row's update computes the same new scalars from the same pre-step values, so
-  they are computed once, outside the paths, and no path hands them to another.
+  they are computed once per step, outside the paths, by running the wrapped update on
+  zero-length rows; no path hands them to another.
   """
   empty = tuple(jnp.zeros((n, 0), dtype) for n, dtype in
                 zip(step.slots.group_sizes, step.slots.groups))
@@ -162,36 +163,97 @@ def next_scalars(step: RowStep, scalars: tuple) -> tuple:
   zero = jnp.zeros((0,), step.state_dtype)
   _, new_inner = step.row_update(zero, inner_state, zero, True)
   _, new_scalars = slots_lib.split((master, new_inner), step.slots, axis=0)
-  return tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
+  new_scalars = tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
+  return inner_state, new_inner, new_scalars
 
 
-def row_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grads, params, out,
-             buffers: int = 1, stream: bool = False):
-  """Updates the rows `order` of one tier; returns (stacked, out).
+def _row_index(order: tuple[int, ...], j):
+  """The row updated at loop position `j` (a Python int or a traced one)."""
+  if isinstance(j, int):
+    return order[j]
+  if order == tuple(range(len(order))):
+    return j
+  return jnp.asarray(order, jnp.int32)[j]
 
-  `grads`, `params` and `out` are the tier's `(R, S)` rows. With `stream` the state is
-  in host memory and each row is copied to the device and back around its update;
-  without it the state is updated where it is.
+
+def _update_row(step: RowStep, i, blocks, *, stacked, scalars, grads, params, out,
+                to_space=None):
+  """Row `i`'s update from its state `blocks`, written into `stacked` and `out`
+  (through `to_space` first, when the row came from another memory)."""
+  param = None if params is None else _row(params, i)
+  new_blocks, _, out_row = step(blocks, scalars, _row(grads, i), param, i)
+  if to_space is not None:
+    new_blocks = put(new_blocks, to_space)
+  stacked = tuple(_set_row(x, b, i) for x, b in zip(stacked, new_blocks))
+  return stacked, _set_row(out, out_row, i)
+
+
+def resident_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grads, params,
+                  out):
+  """Updates the rows `order` of a tier where its state is (resident in device memory,
+  or any tier of a CPU program); returns (stacked, out).
+
+  `grads`, `params` and `out` are the tier's `(R, S)` rows.
   """
   order = tuple(order)
-  everything = order == tuple(range(stacked[0].shape[0]))
 
   def body(j, carry):
-    stacked, out = carry
-    i = j if everything else jnp.asarray(order, jnp.int32)[j]
-    blocks = tuple(_row(x, i) for x in stacked)
-    if stream:
-      blocks = put(blocks, DEVICE)
-    param = None if params is None else _row(params, i)
-    new_blocks, _, out_row = step(blocks, scalars, _row(grads, i), param, i)
-    if stream:
-      new_blocks = put(new_blocks, HOST)
-    stacked = tuple(_set_row(x, b, i) for x, b in zip(stacked, new_blocks))
-    return stacked, _set_row(out, out_row, i)
+    i = _row_index(order, j)
+    blocks = tuple(_row(x, i) for x in carry[0])
+    return _update_row(step, i, blocks, stacked=carry[0], scalars=scalars, grads=grads,
+                       params=params, out=carry[1])
 
-  carry = (stacked, out)
-  unroll = max(1, min(buffers, len(order)))
-  return lax.fori_loop(0, len(order), body, carry, unroll=unroll)
+  return lax.fori_loop(0, len(order), body, (stacked, out))
+
+
+def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grads, params,
+                  out, buffers: int = 2):
+  """Updates the rows `order` of the streamed tier, whose state stays in host memory:
+  each row is copied host -> device, updated, and copied back; returns (stacked, out).
+
+  Software-pipelined `buffers` deep (the paper's double buffering at 2): the loop
+  carries the next `buffers - 1` rows already on the device, and each iteration issues
+  the fetch of the row `buffers - 1` ahead *before* it writes its own row back. Row
+  `j + 1`'s host -> device copy reads the tier as it was before row `j`'s write-back,
+  so it runs while row `j` is updated; it waits only for the write-back of row
+  `j + 1 - buffers`. A barrier makes row `j`'s write-back wait for that fetch instead:
+  XLA would otherwise keep the two accesses to the tier's buffer apart by copying the
+  whole tier. So on the link the fetches and write-backs alternate, and each row's
+  update overlaps them. At most `buffers` rows' state blocks are on the device.
+
+  The last `buffers - 1` iterations fetch the last row again (the fetch index is
+  clamped) and drop it: one loop with no peeled epilogue, which XLA's latency-hiding
+  scheduler keeps inside the host call's window as one piece (a peeled epilogue was
+  scheduled before the host call in the runner's step compiled for an H100), at the
+  price of `buffers - 1` extra row fetches per step. The loop is unrolled `buffers`
+  times so that the rows in flight take turns in `buffers` device buffers; otherwise
+  each fetch lands in the loop carry's buffer while the row it replaces is still being
+  updated there, and XLA copies the block.
+  """
+  order = tuple(order)
+  count = len(order)
+  ahead = max(0, min(buffers, count) - 1)
+
+  def fetch(stacked, j):
+    i = _row_index(order, j)
+    return put(tuple(_row(x, i) for x in stacked), DEVICE)
+
+  def body(j, carry):
+    stacked, out, fetched = carry
+    if ahead:
+      following = fetch(stacked, jnp.minimum(j + ahead, count - 1))
+      stacked, following = lax.optimization_barrier((stacked, following))
+      blocks, following = fetched[0], (following,)
+    else:
+      blocks, following = fetch(stacked, j), ()
+    stacked, out = _update_row(step, _row_index(order, j), blocks, stacked=stacked,
+                               scalars=scalars, grads=grads, params=params, out=out,
+                               to_space=HOST)
+    return stacked, out, fetched[1:] + following
+
+  fetched = tuple(fetch(stacked, j) for j in range(ahead))
+  stacked, out, _ = lax.fori_loop(0, count, body, (stacked, out, fetched), unroll=ahead + 1)
+  return stacked, out
 
 
 def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pieces, runs,
@@ -230,8 +292,9 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
     # The out buffer is made from a host array (a zeros constant would be device
     # memory); every row of it is overwritten.
     out = grads.astype(out_dtype) if out0 is None else out0
-    return row_loop(tuple(range(num_rows)), dataclasses.replace(step, grad_scale=scale),
-                    stacked=stacked, scalars=scalars, grads=grads, params=params, out=out)
+    return resident_loop(tuple(range(num_rows)), dataclasses.replace(step, grad_scale=scale),
+                         stacked=stacked, scalars=scalars, grads=grads, params=params,
+                         out=out)
 
   if inputs_sink is not None:
     # Everything the region reads but the state (see `tier_updates.StepContext.gate`).

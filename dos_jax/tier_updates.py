@@ -1,14 +1,19 @@
-"""How one step updates each tier of the state: the host tier in host memory (a host
-region, or the native kernel), the streamed tier through the device, the resident tier
-in place; block by block (see `partition`), with what every tier's update shares.
+"""How one step updates each tier of the state, block by block (see `partition`): the
+one place that chooses the path a tier takes, and the small function of each path.
 
-`transform` builds one `StepContext` per traced step and asks it for each tier's new
-arrays and output rows; the paths themselves are in `paths` and `fused`.
+`transform.step_body` builds one `StepContext` per traced step and asks it for each
+tier's new arrays and output rows (`update_tier`). The path of a tier is chosen once,
+by `choose_path`, from the program (`Platform`: one memory, or the accelerator program
+with its host and device memories), the tier and the implementation asked for; each
+`Path` has one method here, which calls the loops of `paths` or the kernels of `fused`.
+The step's AdamW scalars are computed once (`StepContext.adam_scalars`) and handed to
+every kernel call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax
@@ -21,9 +26,44 @@ from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
 from dos_jax import partition as partition_lib
 from dos_jax import paths
+from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.offload import Offload
+from dos_jax.offload import Platform
 from dos_jax.partition import Tier
 from dos_jax.policies import Plan
+
+
+class Path(enum.Enum):
+  """How one tier's blocks are updated in one step."""
+
+  # One-memory (CPU) program: one native call over the block's rows, reading the
+  # gradient leaves in place (sharded: per data shard under shard_map).
+  ONE_MEMORY_NATIVE = 'one_memory_native'
+  # One-memory program, XLA: the rows packed and updated where they are.
+  ONE_MEMORY_XLA = 'one_memory_xla'
+  # Accelerator program, host tier: the native kernel in a host region, on gradient
+  # pieces sent to host memory as the backward pass makes them.
+  HOST_NATIVE = 'host_native'
+  # ... the same per data shard (a state sharded over the data axis).
+  HOST_NATIVE_SHARDED = 'host_native_sharded'
+  # ... XLA's row loop in a host region.
+  HOST_XLA = 'host_xla'
+  # Accelerator program, streamed tier: rows through the device, prefetched.
+  STREAMED = 'streamed'
+  # Accelerator program, resident tier: rows updated in device memory.
+  RESIDENT = 'resident'
+
+
+def choose_path(program: Platform, tier: Tier, native: bool, sharded: bool) -> Path:
+  """The path of `tier` in `program`; `native`: the fused kernel is asked for and usable
+  for this tier; `sharded`: the state is sharded over a mesh."""
+  if program is Platform.CPU:
+    return Path.ONE_MEMORY_NATIVE if native else Path.ONE_MEMORY_XLA
+  if tier is Tier.HOST:
+    if not native:
+      return Path.HOST_XLA
+    return Path.HOST_NATIVE_SHARDED if sharded else Path.HOST_NATIVE
+  return Path.STREAMED if tier is Tier.STREAMED else Path.RESIDENT
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,12 +74,14 @@ class StepContext:
   part: partition_lib.Partition
   plan: Plan
   offload: Offload
+  program: Platform
   fused: fused_lib.FusedAdamW | None
-  split: bool
   grad_leaves: list[Any]
   param_leaves: list[Any] | None  # only for fp32 params (no master)
   grad_dtype: Any
-  scalars: tuple[jax.Array, ...]
+  scalars: tuple[jax.Array, ...]  # the pre-step scalar state
+  new_scalars: tuple[jax.Array, ...]  # after the step (`paths.scalar_update`)
+  adam_scalars: AdamWScalars | None  # the fused kernels' scalars, once per step
   mesh: Any  # the mesh the state is sharded over (ZeRO-1), or None
   # Accelerator program: each host block's gradient pieces, already sent to host memory
   # (see `gate_device_update`), by the block's subgroups.
@@ -47,6 +89,11 @@ class StepContext:
   # Accelerator program: the host regions' inputs other than the state, appended as the
   # host tier is built (see `gate`).
   host_inputs: list[Any] = dataclasses.field(default_factory=list)
+
+  @property
+  def split(self) -> bool:
+    """The accelerator program: host and device memories apart."""
+    return self.program is Platform.GPU
 
   def gate(self) -> 'StepContext':
     """This context with the device tiers' gradients let through an optimization barrier
@@ -64,14 +111,16 @@ class StepContext:
     return dataclasses.replace(self, grad_leaves=list(leaves), host_inputs=[])
 
   def update_tier(self, tier: Tier, base_step: paths.RowStep, arrays, native: bool):
-    """Updates one tier, block by block; returns (its new arrays, `(out rows on the
-    device, their pieces)` per block).
+    """Updates one tier, block by block, on its path (`choose_path`); returns (its new
+    arrays, `(out rows on the device, their pieces)` per block).
 
     Per-subgroup streamed blocks go in the plan's stream order, each one's state let
     into the program only once the block `buffers` before it is back in host memory
     (an optimization barrier), so that at most `buffers` are in flight, as the stacked
-    tier's loop unrolled `buffers` times allows.
+    tier's loop (`paths.streamed_loop`) does.
     """
+    path = choose_path(self.program, tier, native, self.mesh is not None)
+    update = getattr(self, f'_{path.value}')
     blocks = self.part.blocks(tier)
     given = partition_lib.blocks_of(arrays, len(blocks))
     order = list(range(len(blocks)))
@@ -86,42 +135,19 @@ class StepContext:
       step = dataclasses.replace(
           base_step, decayed_rows=sum(1 for g in ids if g < self.layout.decayed_rows))
       runs = partition_lib.pieces_of(self.layout, ids)
-      new[b], out = self._update_block(tier, ids, runs, step, block, native)
+      new[b], out = update(step, block, ids, runs)
       outs[b] = (out, runs)
       done.append(b)
     return tuple(x for block in new for x in block), outs
 
-  def _update_block(self, tier: Tier, ids, runs, step: paths.RowStep, arrays,
-                    native: bool):
-    """Updates one block (subgroups `ids` of `tier`, whose pieces are `runs`); returns
-    (new arrays, out rows on the device)."""
-    if tier is Tier.HOST:
-      return self._host(step, arrays, runs, native, ids)
-    if not self.split and native:
-      return self._one_memory_native(step, arrays, resident=True)
-    num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
-    grads = partition_lib.assemble(partition_lib.slice_pieces(self.grad_leaves, runs), runs,
-                                   num_rows, size, self.grad_dtype)
-    params = None
-    if self.param_leaves is not None:
-      params = partition_lib.assemble(partition_lib.slice_pieces(self.param_leaves, runs),
-                                      runs, num_rows, size, step.state_dtype)
-    device_step = step
-    if fused_lib.device_usable(self.fused, self.offload, step, arrays):
-      device_step = fused_lib.device_step(self.fused, step, self.scalars)
-    order = tuple(range(num_rows))
-    if tier is Tier.STREAMED:
-      local = {g: i for i, g in enumerate(ids)}
-      order = tuple(local[g] for g in self.plan.device if g in local)
-    out = jnp.zeros((num_rows, size), step.out_dtype)
-    return paths.row_loop(order, device_step, stacked=arrays, scalars=self.scalars,
-                          grads=grads, params=params, out=out, buffers=self.plan.buffers,
-                          stream=tier is Tier.STREAMED)
+  # The paths, one method each: (step, the block's arrays, its subgroups, their pieces)
+  # -> (new arrays, out rows on the device).
 
-  def _one_memory_native(self, step, arrays, resident: bool):
+  def _one_memory_native(self, step, arrays, ids, runs):
+    # A one-memory state is one block: the resident tier (device memory) or the host tier.
+    resident = self.part.tier_of(ids[0]) is Tier.RESIDENT
     if self.mesh is not None:
       num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
-      runs = partition_lib.pieces(self.layout, self.part, self.part.tier_of(0))
       rows_sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
 
       def packed(leaves, dtype):
@@ -133,63 +159,42 @@ class StepContext:
       if self.param_leaves is not None:
         params = packed(self.param_leaves, step.state_dtype)
       return fused_lib.sharded_update(
-          step, self.fused, stacked=arrays, scalars=self.scalars,
+          step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
           grads=packed(self.grad_leaves, self.grad_dtype), params=params, mesh=self.mesh,
           data_axis=self.offload.data_axis, resident=resident,
           num_threads=self.offload.host_threads)
     leaves = fused_lib.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
                               params=self.param_leaves)
-    return fused_lib.host_update(step, self.fused, stacked=arrays, scalars=self.scalars,
-                                 leaves=leaves, resident=resident,
-                                 num_threads=self.offload.host_threads)
+    return fused_lib.host_update(step, self.fused, stacked=arrays,
+                                 adam_scalars=self.adam_scalars, leaves=leaves,
+                                 resident=resident, num_threads=self.offload.host_threads)
 
-  def _host(self, step, arrays, runs, native: bool, ids=()):
-    if not self.split and native:
-      return self._one_memory_native(step, arrays, resident=False)
-    if not self.split:
-      # One memory: the rows are packed where the gradients are and handed over whole.
-      num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
-      whole = (partition_lib.Piece(leaf=0, start=0, size=num_rows * size, offset=0),)
+  def _one_memory_xla(self, step, arrays, ids, runs):
+    # The rows are packed where the gradients are and updated where the state is; no
+    # op may mix memories, so for a host-memory state the rows go there first.
+    grads, params = self._rows(step, arrays, runs)
+    out = jnp.zeros(grads.shape, step.out_dtype)
+    rows = range(arrays[0].shape[0])
+    if self.part.tier_of(ids[0]) is Tier.RESIDENT:
+      return paths.resident_loop(rows, step, stacked=arrays, scalars=self.scalars,
+                                 grads=grads, params=params, out=out)
+    grads, params, out = paths.to_host((grads, params, out))
+    arrays, out = paths.resident_loop(rows, step, stacked=arrays, scalars=self.scalars,
+                                      grads=grads, params=params, out=out)
+    return arrays, jax.device_put(out, paths.DEVICE)
 
-      def packed(leaves, dtype):
-        rows = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs), runs,
-                                      num_rows, size, dtype)
-        return [paths.to_host(rows.reshape(-1))]
+  def _host_native(self, step, arrays, ids, runs):
+    grad_pieces, param_pieces = self._host_pieces(ids, runs)
+    arrays, out = fused_lib.host_region_update(
+        step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
+        grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs,
+        num_threads=self.offload.host_threads, inputs_sink=self.host_inputs)
+    return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
 
-      grad_pieces = packed(self.grad_leaves, self.grad_dtype)
-      param_pieces = None
-      if self.param_leaves is not None:
-        param_pieces = packed(self.param_leaves, step.state_dtype)
-      arrays, out_h = paths.host_region_update(
-          step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
-          param_pieces=param_pieces, runs=whole, grad_dtype=self.grad_dtype, region=False)
-      return arrays, jax.device_put(out_h, paths.DEVICE)
-    if native and self.mesh is not None:
-      return self._sharded_host_native(step, arrays, ids)
-    # Each piece of a host-bound gradient leaves the device on its own, as soon as the
-    # backward pass has produced its leaf: never after a concatenation of all gradients.
-    grad_pieces = self.host_grad_pieces.get(tuple(ids))
-    if grad_pieces is None:
-      grad_pieces = paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs))
-    param_pieces = None
-    if self.param_leaves is not None:
-      param_pieces = paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs))
-    if native and self.split:
-      arrays, out_h = fused_lib.host_region_update(
-          step, self.fused, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
-          param_pieces=param_pieces, runs=runs, num_threads=self.offload.host_threads,
-          inputs_sink=self.host_inputs)
-    else:
-      arrays, out_h = paths.host_region_update(
-          step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
-          param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
-          region=self.split, inputs_sink=self.host_inputs if self.split else None)
-    return paths.put(arrays, paths.HOST), jax.device_put(out_h, paths.DEVICE)
-
-  def _sharded_host_native(self, step, arrays, ids):
-    """The accelerator program's host block on a mesh: the native kernel per data
-    shard (`fused.sharded_host_region_update`), on gradient rows sent to host memory
-    one subgroup at a time (see `host_rows`)."""
+  def _host_native_sharded(self, step, arrays, ids, runs):
+    """The native kernel per data shard (`fused.sharded_host_region_update`), on
+    gradient rows sent to host memory one subgroup at a time (see `host_rows`)."""
+    del runs
     sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
     grad_rows = self.host_grad_pieces.get(tuple(ids))
     if grad_rows is None:
@@ -197,11 +202,70 @@ class StepContext:
     param_rows = None
     if self.param_leaves is not None:
       param_rows = host_rows(self.layout, ids, self.param_leaves, step.state_dtype, sharding)
-    arrays, out_h = fused_lib.sharded_host_region_update(
-        step, self.fused, stacked=arrays, scalars=self.scalars, grad_rows=grad_rows,
-        param_rows=param_rows, mesh=self.mesh, data_axis=self.offload.data_axis,
-        num_threads=self.offload.host_threads, inputs_sink=self.host_inputs)
-    return paths.put(arrays, paths.HOST), jax.device_put(out_h, paths.DEVICE)
+    arrays, out = fused_lib.sharded_host_region_update(
+        step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
+        grad_rows=grad_rows, param_rows=param_rows, mesh=self.mesh,
+        data_axis=self.offload.data_axis, num_threads=self.offload.host_threads,
+        inputs_sink=self.host_inputs)
+    return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
+
+  def _host_xla(self, step, arrays, ids, runs):
+    grad_pieces, param_pieces = self._host_pieces(ids, runs)
+    arrays, out = paths.host_region_update(
+        step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
+        param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
+        inputs_sink=self.host_inputs)
+    return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
+
+  def _streamed(self, step, arrays, ids, runs):
+    grads, params = self._rows(step, arrays, runs)
+    local = {g: i for i, g in enumerate(ids)}
+    order = tuple(local[g] for g in self.plan.device if g in local)
+    out = jnp.zeros(grads.shape, step.out_dtype)
+    return paths.streamed_loop(order, self._device_step(step, arrays), stacked=arrays,
+                               scalars=self.scalars, grads=grads, params=params, out=out,
+                               buffers=self.plan.buffers)
+
+  def _resident(self, step, arrays, ids, runs):
+    del ids
+    grads, params = self._rows(step, arrays, runs)
+    out = jnp.zeros(grads.shape, step.out_dtype)
+    return paths.resident_loop(range(arrays[0].shape[0]), self._device_step(step, arrays),
+                               stacked=arrays, scalars=self.scalars, grads=grads,
+                               params=params, out=out)
+
+  # What the paths share.
+
+  def _rows(self, step, arrays, runs):
+    """The block's packed `(R, S)` gradient rows (and fp32 param rows, or None), where
+    the gradients are."""
+    num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
+    grads = partition_lib.assemble(partition_lib.slice_pieces(self.grad_leaves, runs), runs,
+                                   num_rows, size, self.grad_dtype)
+    params = None
+    if self.param_leaves is not None:
+      params = partition_lib.assemble(partition_lib.slice_pieces(self.param_leaves, runs),
+                                      runs, num_rows, size, step.state_dtype)
+    return grads, params
+
+  def _host_pieces(self, ids, runs):
+    """The host block's gradient (and fp32 param) pieces in host memory. Each piece of a
+    host-bound gradient leaves the device on its own, as soon as the backward pass has
+    produced its leaf: never after a concatenation of all gradients."""
+    grad_pieces = self.host_grad_pieces.get(tuple(ids))
+    if grad_pieces is None:
+      grad_pieces = paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs))
+    param_pieces = None
+    if self.param_leaves is not None:
+      param_pieces = paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs))
+    return grad_pieces, param_pieces
+
+  def _device_step(self, step, arrays):
+    """The row update of a device tier: the Pallas AdamW where it applies, else XLA's."""
+    if self.adam_scalars is not None and fused_lib.device_usable(
+        self.fused, self.offload, self.program, step, arrays):
+      return fused_lib.device_step(self.fused, step, self.adam_scalars, self.new_scalars)
+    return step
 
 
 def host_rows(layout: layout_lib.Layout, ids, leaves: list[Any], dtype,

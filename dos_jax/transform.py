@@ -278,7 +278,8 @@ def offloaded(
       mesh_info = (jax.sharding.get_abstract_mesh(), (None,) * len(mesh_info[1]))
       placement = _placement(mesh_info[0], offload)
     layout, part = state.layout, state.partition
-    split = offload.target() is Platform.GPU
+    program = offload.target()  # the one place a step asks which program it builds
+    split = program is Platform.GPU
     grad_dtype = _common_dtype(grad_leaves, layout.state_dtype)
     state_dtype = jnp.dtype(layout.state_dtype)
     out_dtype = layout.lowp_dtype if layout.needs_master else state_dtype
@@ -301,10 +302,15 @@ def offloaded(
         rows = (grad_dtype, NamedSharding(mesh_info[0], P(None, offload.data_axis)))
       host_grad_pieces, grad_leaves = tier_updates.gate_device_update(
           layout, part, grad_leaves, rows=rows)
+    # The scalar state's update (step counts) and the kernels' AdamW scalars: once per
+    # step, apart from both paths.
+    scalar_update = paths.scalar_update(base_step, state.scalars)
     context = tier_updates.StepContext(
-        layout=layout, part=part, plan=plan, offload=offload, fused=fused, split=split,
+        layout=layout, part=part, plan=plan, offload=offload, program=program, fused=fused,
         grad_leaves=grad_leaves, param_leaves=None if layout.needs_master else param_leaves,
-        grad_dtype=grad_dtype, scalars=state.scalars,
+        grad_dtype=grad_dtype, scalars=state.scalars, new_scalars=scalar_update[2],
+        adam_scalars=None if fused is None else fused_lib.step_scalars(
+            fused, base_step, scalar_update),
         mesh=None if mesh_info is None else mesh_info[0], host_grad_pieces=host_grad_pieces)
     new_tiers, outs = dict(state.tiers), []
     for tier in TIERS:
@@ -316,9 +322,7 @@ def offloaded(
       new_tiers[tier], tier_outs = context.update_tier(
           tier, base_step, state.tier(tier), native=native and impl is UpdateImpl.KERNEL)
       outs.extend(tier_outs)
-    # Computed once from the pre-step scalars, apart from both paths.
-    scalars = tuple(jax.device_put(x, paths.DEVICE)
-                    for x in paths.next_scalars(base_step, state.scalars))
+    scalars = tuple(jax.device_put(x, paths.DEVICE) for x in scalar_update[2])
     new_leaves = _updates_from_leaves(
         partition_lib.leaves_from_blocks(outs, layout), layout, param_leaves,
         validate_lib.update_dtypes(layout, grad_leaves))

@@ -15,6 +15,7 @@ prove what the compiled schedule *does*:
 """
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,29 @@ def test_runner_step_overlaps_copies_and_updates(policy, dtype):
   assert len(schedule.host_calls) == 1
   if policy in DEVICE_PLANS:
     assert schedule.device_update_inside_host_call(), schedule.host_calls
+    assert schedule.streamed_rows and schedule.stream_prefetched(), schedule.streamed_rows
+  assert not schedule.large_host_copies()
+
+
+@pytest.mark.parametrize('storage', ['stacked', 'per_subgroup'])
+def test_streamed_rows_are_prefetched_with_one_block_each(storage):
+  """The runner's Stride(2) step (bf16): every streamed row's host->device fetch is
+  independent of the previous row's write-back (double buffering), for both storages;
+  no device copy of a state block is made (the Pallas kernel updates the fetched (3, S)
+  block where it lands), and no host->host copy either."""
+  cfg = config_lib.load(None, [
+      'offload.policy=stride', 'model.param_dtype=bfloat16', 'offload.subgroup_size=65536',
+      f'offload.storage={storage}'])
+  program = gpu_program.compile_step(cfg, 'h100_sxm')
+  schedule = program.schedule
+  assert len(schedule.streamed_rows) >= 2, schedule.streamed_rows
+  assert schedule.stream_prefetched(), schedule.streamed_rows
+  block = 3 * 65536 * 4
+  device_copy = re.compile(r'= f32\[(1,)?3,65536\]\{[0-9,]*\} copy\(')
+  device_copies = [line for line in program.hlo_text.splitlines() if device_copy.search(line)]
+  assert not device_copies, device_copies
+  assert all(r.nbytes == block for r in schedule.streamed_rows)
+  assert not schedule.large_host_copies(min_bytes=block)
 
 
 def test_default_options_overlap_nothing():

@@ -117,6 +117,28 @@ def test_more_buffers_pipeline_the_copies():
   np.testing.assert_allclose(three.device_stream_seconds, 20 * 12e6 / 15e9, rtol=0.1)
 
 
+def test_a_stacked_stream_alternates_directions_on_the_link():
+  """Stacked storage (`paths.streamed_loop`): each row's write-back waits for the next
+  row's fetch, the fetch after it for the write-back, so the link carries one
+  direction at a time (lone-direction rates, period h + d per row when the device is
+  faster), plus `buffers - 1` extra fetches of the last row; stored per subgroup the
+  two directions run at once."""
+  p = synthetic()
+  n, size = 20, 10**6
+  spec = spec_of(n * size, size)
+  h, d, c = 12e6 / 20e9, 12e6 / 18e9, size / 50e9
+  for buffers in (2, 3):
+    plan = Stride(1, buffers=buffers).plan(spec)
+    stacked = costmodel.predict(p, spec, plan, stacked=True)
+    per_subgroup = costmodel.predict(p, spec, plan)
+    want = n * (h + d) + c + (buffers - 1) * h  # fill: h + c + d less one period
+    np.testing.assert_allclose(stacked.device_stream_seconds, want, rtol=1e-12)
+    assert per_subgroup.device_stream_seconds < stacked.device_stream_seconds
+  one = Stride(1, buffers=1).plan(spec)
+  assert (costmodel.predict(p, spec, one, stacked=True).device_stream_seconds
+          == costmodel.predict(p, spec, one).device_stream_seconds)
+
+
 def test_cpu_backend_costs_every_plan_the_one_host_call():
   """The CPU program updates every subgroup with one host call whatever the plan."""
   p = synthetic(device_is_host=True)

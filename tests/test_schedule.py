@@ -115,3 +115,63 @@ def test_device_work_after_the_host_call_is_not_inside_it():
 def test_an_unscheduled_module_is_refused():
   with pytest.raises(ValueError, match='not a scheduled HLO module'):
     Schedule.from_text(_MODULE.replace('is_scheduled=true', 'is_scheduled=false'))
+
+
+def _stream_module(second_fetch_reads: str) -> str:
+  """A loop body streaming two rows of a stacked host tier, written as XLA:GPU prints
+  the compiled stream: async dynamic-slice fetches into device memory and async
+  dynamic-update-slice write-backs, as `fusion-start`/`-done` pairs. (Rows of 96 KiB:
+  the reader ignores moves under 64 KiB, which are no state blocks.)"""
+  return f'''HloModule jit_stream, is_scheduled=true
+
+%ds (a: f32[4,3,8192], i: s32[]) -> f32[1,3,8192] {{
+  %a = f32[4,3,8192]{{2,1,0:S(5)}} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %s = f32[1,3,8192]{{2,1,0}} dynamic-slice(%a, %i, %i, %i), dynamic_slice_sizes={{1,3,8192}}
+}}
+
+%dus (a: f32[4,3,8192], u: f32[1,3,8192], i: s32[]) -> f32[4,3,8192] {{
+  %a = f32[4,3,8192]{{2,1,0:S(5)}} parameter(0)
+  %u = f32[1,3,8192]{{2,1,0}} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %w = f32[4,3,8192]{{2,1,0:S(5)}} dynamic-update-slice(%a, %u, %i, %i, %i)
+}}
+
+%body (arg: (s32[], f32[4,3,8192])) -> (s32[], f32[4,3,8192]) {{
+  %arg = (s32[], f32[4,3,8192]{{2,1,0:S(5)}}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %tier = f32[4,3,8192]{{2,1,0:S(5)}} get-tuple-element(%arg), index=1
+  %fetch-start.0 = ((f32[4,3,8192]{{2,1,0:S(5)}}, s32[]), f32[1,3,8192]{{2,1,0}}, u32[]) fusion-start(%tier, %i), kind=kLoop, calls=%wrapped_dynamic-slice_computation
+  %fetch-done.0 = f32[1,3,8192]{{2,1,0}} fusion-done(%fetch-start.0)
+  %k.0 = f32[1,3,8192]{{2,1,0}} custom-call(%fetch-done.0), custom_call_target="__gpu$xla.gpu.triton"
+  %wb-start.0 = ((f32[4,3,8192]{{2,1,0:S(5)}}, f32[1,3,8192]{{2,1,0}}, s32[]), f32[4,3,8192]{{2,1,0:S(5)}}, u32[]) fusion-start(%tier, %k.0, %i), kind=kLoop, calls=%wrapped_dynamic-update-slice_computation
+  %wb-done.0 = f32[4,3,8192]{{2,1,0:S(5)}} fusion-done(%wb-start.0)
+  %fetch-start.1 = ((f32[4,3,8192]{{2,1,0:S(5)}}, s32[]), f32[1,3,8192]{{2,1,0}}, u32[]) fusion-start(%{second_fetch_reads}, %i), kind=kLoop, calls=%wrapped_dynamic-slice_computation
+  %fetch-done.1 = f32[1,3,8192]{{2,1,0}} fusion-done(%fetch-start.1)
+  %k.1 = f32[1,3,8192]{{2,1,0}} custom-call(%fetch-done.1), custom_call_target="__gpu$xla.gpu.triton"
+  %wb-start.1 = ((f32[4,3,8192]{{2,1,0:S(5)}}, f32[1,3,8192]{{2,1,0}}, s32[]), f32[4,3,8192]{{2,1,0:S(5)}}, u32[]) fusion-start(%wb-done.0, %k.1, %i), kind=kLoop, calls=%wrapped_dynamic-update-slice_computation
+  %wb-done.1 = f32[4,3,8192]{{2,1,0:S(5)}} fusion-done(%wb-start.1)
+  ROOT %t = (s32[], f32[4,3,8192]{{2,1,0:S(5)}}) tuple(%i, %wb-done.1)
+}}
+
+ENTRY %main (tier: f32[4,3,8192]) -> (s32[], f32[4,3,8192]) {{
+  %tier = f32[4,3,8192]{{2,1,0:S(5)}} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,3,8192]{{2,1,0:S(5)}}) tuple(%zero, %tier)
+  ROOT %while.0 = (s32[], f32[4,3,8192]{{2,1,0:S(5)}}) while(%init), condition=%body, body=%body
+}}
+'''
+
+
+@pytest.mark.parametrize('reads, prefetched', [('wb-done.0', False), ('tier', True)],
+                         ids=['after_write_back', 'before_write_back'])
+def test_a_fetch_after_the_previous_write_back_is_not_prefetched(reads, prefetched):
+  """Row 2's fetch reading the tier as row 1 wrote it back is the serial stream
+  (fetch, update, write back, next fetch); reading it as it was before is the prefetch."""
+  schedule = Schedule.from_text(_stream_module(reads))
+  rows = schedule.streamed_rows
+  assert [(r.fetch, r.write_back) for r in rows] == [
+      ('fetch-start.0', 'wb-start.0'), ('fetch-start.1', 'wb-start.1')]
+  assert [r.after_previous_write_back for r in rows] == [False, not prefetched]
+  assert schedule.stream_prefetched() is prefetched
+  assert schedule.summary()['streamed_fetches_after_previous_write_back'] == (not prefetched)

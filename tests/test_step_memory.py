@@ -69,8 +69,8 @@ def test_host_temp_and_update_phase_by_hand():
   cfg = _cfg('offload.policy=stride', 'model.param_dtype=bfloat16')
   got = step_memory.predict_step(cfg)
   s = 65536
-  # The host rows' gradient pieces (bf16) and the host tier's new state (12 B/element).
-  assert got.host_temp_bytes == 7 * s * 2 + 7 * s * 12
+  # The host rows' gradient pieces (bf16); the state is updated in its own buffer.
+  assert got.host_temp_bytes == 7 * s * 2
   # Packing: every gradient leaf, the flat device-bound gradients and their rows, and
   # the host rows' new params; the device loop holds less.
   n = 918656
@@ -80,7 +80,7 @@ def test_host_temp_and_update_phase_by_hand():
   # AllHost in fp32: the host pulls gradients and params, and nothing is packed.
   cfg = _cfg('offload.policy=all_host', 'model.param_dtype=float32')
   got = step_memory.predict_step(cfg)
-  assert got.host_temp_bytes == n * 8 + 15 * s * 8
+  assert got.host_temp_bytes == n * 8
   assert got.update_temp == 15 * s * 4
 
 
@@ -120,6 +120,6 @@ def test_prediction_within_10_percent_of_the_compiled_h100_step(policy, dtype):
   compiled = gpu_program.compile_step(cfg, 'h100_sxm').memory
   predicted = step_memory.predict_step(cfg)
   assert predicted.device_bytes == pytest.approx(compiled.device_peak_bytes, rel=0.10)
-  # Host temp is exact today; it counts the host tier's new state, which the in-place
-  # host update (issue 19, item 4) removes, so it is held as an upper bound here.
-  assert compiled.host_temp_bytes <= predicted.host_temp_bytes * 1.10
+  # The host update is in place: host temp is what it reads (gradient pieces, fp32
+  # params).
+  assert predicted.host_temp_bytes == pytest.approx(compiled.host_temp_bytes, rel=0.10)

@@ -14,6 +14,13 @@ Read off the scheduled HLO (`hlo.Module`) of a step compiled for a GPU target:
 * **host->host copies**: `copy` instructions from host memory to host memory, in the
   entry computation or any computation it calls. A donated state updated in place has
   none; each one is a pass over host memory every step.
+* **streamed rows**: each asynchronous host->device fetch of a state block (a
+  `dynamic-slice` of a stacked tier or a `copy` of a per-subgroup row) and the
+  device->host write-back computed from it. The stream is *prefetched* when no row's
+  fetch depends on the write-back of the row updated just before it, in the same
+  computation (a loop body, whose first row may have been fetched by the iteration
+  before, or the entry where the loop is unrolled): row i+1's copy to the device then
+  runs while row i is updated.
 """
 
 from __future__ import annotations
@@ -73,6 +80,17 @@ class HostCopy:
 
 
 @dataclasses.dataclass(frozen=True)
+class StreamedRow:
+  """One state block fetched host->device, and its write-back, in one computation."""
+
+  computation: str
+  fetch: str  # the fetch's start
+  nbytes: int
+  write_back: str | None  # the first device->host write computed from the fetched block
+  after_previous_write_back: bool  # the fetch depends on the previous row's write-back
+
+
+@dataclasses.dataclass(frozen=True)
 class Schedule:
   """The schedule facts of one compiled program (see the module docstring)."""
 
@@ -80,6 +98,7 @@ class Schedule:
   host_calls: tuple[HostCall, ...]
   host_copies: tuple[HostCopy, ...]
   gemms: int  # matrix multiplications in the entry computation
+  streamed_rows: tuple[StreamedRow, ...] = ()
 
   @classmethod
   def from_text(cls, text: str) -> 'Schedule':
@@ -94,7 +113,8 @@ class Schedule:
     return cls(copies=tuple(_copies(entry, kinds)),
                host_calls=tuple(_host_calls(module, entry, kinds)),
                host_copies=tuple(_host_copies(module)),
-               gemms=sum(1 for k in kinds if k == 'gemm'))
+               gemms=sum(1 for k in kinds if k == 'gemm'),
+               streamed_rows=tuple(_streamed_rows(module)))
 
   def gradient_copies(self, min_bytes: int = 64 * 1024) -> tuple[Copy, ...]:
     """Device->host copies of at least `min_bytes` of values computed from a matrix
@@ -109,6 +129,11 @@ class Schedule:
   def device_update_inside_host_call(self) -> bool:
     """Whether device update work is issued while some host call runs."""
     return any(call.device_update_between for call in self.host_calls)
+
+  def stream_prefetched(self) -> bool:
+    """Whether every streamed row's fetch is independent of the previous row's
+    write-back (vacuously true without streamed rows)."""
+    return not any(r.after_previous_write_back for r in self.streamed_rows)
 
   def summary(self, min_copy_bytes: int = 64 * 1024,
               min_host_copy_bytes: int = 1 << 20) -> dict:
@@ -125,6 +150,9 @@ class Schedule:
         'device_work_inside_host_call': [list(c.device_between) for c in self.host_calls],
         'large_host_to_host_copies': len(large),
         'large_host_to_host_copy_bytes': sum(c.nbytes for c in large),
+        'streamed_row_fetches': len(self.streamed_rows),
+        'streamed_fetches_after_previous_write_back': sum(
+            r.after_previous_write_back for r in self.streamed_rows),
         'host_to_host_copies': [dataclasses.asdict(c) for c in self.host_copies],
     }
 
@@ -269,4 +297,102 @@ def _host_copies(module: hlo.Module) -> list[HostCopy]:
                             and all(a.on_host for a in source)):
         found.append(HostCopy(name=instruction.name, computation=computation.name,
                               nbytes=sum(a.nbytes for a in result)))
+  return found
+
+
+def _async_move(computation: hlo.Computation, start: hlo.Instruction) -> tuple[str, int] | None:
+  """('fetch' | 'write_back', bytes) for an asynchronous copy or slice between host and
+  device memory (`copy-start`, or a `fusion-start` of a dynamic (update-)slice), else
+  None. A fetch reads host memory into device memory; a write-back writes device data
+  into host memory."""
+  if start.opcode not in ('copy-start', 'fusion-start'):
+    return None
+  operands = _operand_arrays(computation, start)
+  if not operands or not start.arrays:
+    return None
+  if start.opcode == 'fusion-start':
+    calls = start.attribute('calls') or ''
+    if 'dynamic_update_slice' in calls or 'dynamic-update-slice' in calls:
+      # (into, update, indices...): a device update written into a host array.
+      if len(operands) > 1 and operands[0].on_host and not operands[1].on_host:
+        return 'write_back', operands[1].nbytes
+      return None
+    if 'dynamic_slice' not in calls and 'dynamic-slice' not in calls:
+      return None
+  source = operands[0]
+  # A copy-start's shape is (result, operand, context); a fusion-start's is
+  # ((operands...), result, context).
+  index = 0 if start.opcode == 'copy-start' else len(operands)
+  if len(start.arrays) <= index:
+    return None
+  result = start.arrays[index]
+  if source.on_host and not result.on_host:
+    return 'fetch', result.nbytes
+  if not source.on_host and result.on_host and start.opcode == 'copy-start':
+    return 'write_back', result.nbytes
+  return None
+
+
+def _data_operand(start: hlo.Instruction) -> str | None:
+  """The operand a write-back moves: a copy's only one, a dynamic-update-slice's update."""
+  index = 0 if start.opcode == 'copy-start' else 1
+  return start.operands[index] if len(start.operands) > index else None
+
+
+def _streamed_rows(module: hlo.Module, min_bytes: int = 64 * 1024) -> list[StreamedRow]:
+  """The streamed rows of every main-thread computation (see the module docstring)."""
+  found = []
+  for computation in module.reachable(module.entry):
+    if computation.execution_thread == 'host':
+      continue
+    moves = {}
+    for instruction in computation.instructions:
+      move = _async_move(computation, instruction)
+      if move is not None:
+        moves[instruction.name] = move
+    fetches = [n for n, (kind, size) in moves.items() if kind == 'fetch' and size >= min_bytes]
+    if not fetches:
+      continue
+    users: dict[str, list[str]] = {}
+    for instruction in computation.instructions:
+      for operand in instruction.operands:
+        users.setdefault(operand, []).append(instruction.name)
+
+    def descendants(name: str) -> set[str]:
+      seen, stack = set(), [name]
+      while stack:
+        for user in users.get(stack.pop(), ()):
+          if user not in seen:
+            seen.add(user)
+            stack.append(user)
+      return seen
+
+    position = {i.name: i.position for i in computation.instructions}
+    by_name = computation.by_name()
+    rows, own = [], set()
+    for fetch in fetches:
+      downstream = descendants(fetch)
+      # The row's own write-back carries data computed from the fetched block: its
+      # update operand (a copy's only operand) descends from the fetch. (The tier it
+      # is written into may descend from later fetches: they read it first.)
+      write_backs = sorted((n for n in downstream if moves.get(n, ('',))[0] == 'write_back'
+                            and _data_operand(by_name[n]) in downstream), key=position.get)
+      rows.append((fetch, write_backs[0] if write_backs else None))
+      own.update(write_backs[:1])
+    # The rows in the order they are updated: first those fetched before this
+    # computation (a loop body's carried blocks: a write-back from no fetch here), then
+    # the fetched ones by write-back (a fetch may be issued before the fetch of the row
+    # updated before it), then those written back after it (carried out of a loop body).
+    carried = [(None, n) for n, (kind, size) in moves.items()
+               if kind == 'write_back' and size >= min_bytes and n not in own]
+    rows.sort(key=lambda row: (row[1] is None, position.get(row[1] or row[0])))
+    rows = sorted(carried, key=lambda row: position[row[1]]) + rows
+    previous_write_back = None
+    for fetch, write_back in rows:
+      if fetch is not None:
+        after = previous_write_back is not None and fetch in descendants(previous_write_back)
+        found.append(StreamedRow(computation=computation.name, fetch=fetch,
+                                 nbytes=moves[fetch][1], write_back=write_back,
+                                 after_previous_write_back=after))
+      previous_write_back = write_back
   return found

@@ -8,11 +8,16 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
 (`transform`, `paths`, `partition`):
 
 * device subgroups go through a pipeline of `plan.buffers` device buffers: state in
-  (H2D), the fused AdamW, state out (D2H). Each subgroup holds a buffer from the start
-  of its H2D to the end of its D2H, so the steady-state period per subgroup is
-  `max(h, c, d, (h + c + d) / buffers)`, plus one full latency `h + c + d` to fill and
-  drain the pipeline. (The loop compiled for an H100 does not prefetch yet: row i+1's
-  state waits for row i's write-back, i.e. `buffers=1`; RESULTS.md, 2026-11-24.);
+  (H2D), the fused AdamW, state out (D2H); row i+1's fetch never waits for row i's
+  write-back (`paths.streamed_loop`; checked on the program compiled for an H100).
+  Stored per subgroup, each subgroup holds a buffer from the start of its H2D to the
+  end of its D2H and the two directions run at once, so the steady-state period per
+  subgroup is `max(h, c, d, (h + c + d) / buffers)`. Stacked (`stacked=True`), each
+  write-back waits for the next row's fetch and the fetch after it for the write-back
+  (two accesses to one host array, which XLA would otherwise keep apart by copying it):
+  the link carries one direction at a time and the period is `max(h + d, c)`, plus the
+  `buffers - 1` extra fetches of the last row the loop makes. Either way, one first
+  subgroup's latency fills the pipeline;
 * host subgroups need their gradients D2H, the host AdamW, and their new low-precision
   params H2D. The gradients leave the device piece by piece as the backward pass makes
   them (per leaf, never after a concatenation of all gradients, and never behind the
@@ -170,6 +175,7 @@ def predict(
     *,
     backward_seconds: float = 0.0,
     last_grad_bytes: float = 0.0,
+    stacked: bool = False,
 ) -> Prediction:
   """Predicts the update phase of `plan` on `profile` (see the module docstring).
 
@@ -183,6 +189,9 @@ def predict(
       matmul (the runner's model: the input embedding's); its host-bound share (the
       host subgroups' share of the elements) leaves the device with nothing to hide
       behind.
+    stacked: the streamed tier is one stacked array (`Storage.STACKED`, the default of
+      fixed policies) rather than an array per subgroup: its fetches and write-backs
+      alternate on the link (see the module docstring).
   """
   if plan.num_subgroups != spec.num_subgroups:
     raise ValueError(
@@ -234,16 +243,24 @@ def predict(
     # A single buffer cannot overlap its own copies: those run at the lone-direction rate.
     in_bw = h2d_bw if plan.buffers >= 2 else profile.h2d_gbps * _GB
     out_bw = d2h_bw if plan.buffers >= 2 else profile.d2h_gbps * _GB
+    alternating = stacked and plan.buffers >= 2
+    if alternating:
+      # One direction at a time: the lone-direction rates.
+      in_bw, out_bw = profile.h2d_gbps * _GB, profile.d2h_gbps * _GB
     latencies = []
     for s in dev_sizes:
       h, c, d = sb * s / in_bw, s / u_dev, sb * s / out_bw
       if serial:
         stream += h + c + d
-      else:
-        stream += max(h, c, d, (h + c + d) / plan.buffers)
-        latencies.append((h + c + d) - max(h, c, d, (h + c + d) / plan.buffers))
+        continue
+      period = max(h + d, c) if alternating else max(h, c, d, (h + c + d) / plan.buffers)
+      stream += period
+      latencies.append((h + c + d) - period)
     if latencies:
-      stream += latencies[0]  # filling the pipeline: the first subgroup's whole latency
+      stream += max(latencies[0], 0.0)  # filling the pipeline: the first subgroup's latency
+    if alternating:
+      # The loop fetches the last row again `buffers - 1` times (clamped index).
+      stream += (min(plan.buffers, len(dev_sizes)) - 1) * sb * dev_sizes[-1] / in_bw
   stream_alone = stream
   stream += resident_seconds
 

@@ -44,7 +44,7 @@ class StepMemory:
     update_temp: temporaries during the update phase (gradients, packed rows,
       streamed buffers, new parameter rows).
     host_temp_bytes: host temporaries: the host-bound gradient pieces (and fp32
-      params, which are their own master) and the host tier's new state.
+      params, which are their own master); the state is updated in its own buffer.
   """
 
   arguments: float
@@ -132,6 +132,8 @@ def predict_step(cfg, plan: Plan | None = None) -> StepMemory:
 
   host_elements = sum(rows[i] for i in plan.host)
   pulled = gb + (0 if pb < 4 else pb)  # fp32 params are their own master: pulled too
-  host_temp = host_elements * pulled + len(plan.host) * size * sb
+  # The host update writes the state in its argument's buffer (`fused.host_region_update`):
+  # the host temporaries are what it reads, the gradient pieces (and fp32 params).
+  host_temp = host_elements * pulled
   return StepMemory(arguments=float(arguments), backward_temp=acts,
                     update_temp=float(update), host_temp_bytes=float(host_temp))
