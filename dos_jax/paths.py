@@ -257,9 +257,9 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
 
 
 def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pieces, runs,
-                       grad_dtype, region: bool = True, inputs_sink: list | None = None):
-  """Updates every row of the host tier in host memory; returns (stacked, out rows in
-  host memory).
+                       grad_dtype, inputs_sink: list | None = None):
+  """Updates every row of the host tier in a `compute_on('device_host')` region (the
+  accelerator program's XLA host path); returns (stacked, out rows in host memory).
 
   Args:
     step: the row update, with the tier's own `decayed_rows`.
@@ -269,8 +269,6 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
     param_pieces: likewise for fp32 params (no master), or None.
     runs: the `partition.Piece`s the arrays belong to.
     grad_dtype: dtype the gradient rows are assembled in.
-    region: run as a `compute_on('device_host')` region (the accelerator program); a
-      CPU program runs the same ops in place.
     inputs_sink: where to append the region's inputs other than the state.
   """
   # Deferred import: `partition` depends on `layout`, which the paths need not.
@@ -279,10 +277,7 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
   out_dtype = step.out_dtype
   # Every input of a host region must already be in host memory.
   scale = step.grad_scale
-  if region:
-    scalars, scale = to_host(scalars), None if scale is None else to_host(scale)
-
-  out0 = None if region else to_host(jnp.zeros((num_rows, size), out_dtype))
+  scalars, scale = to_host(scalars), None if scale is None else to_host(scale)
 
   def update(stacked, scalars, grad_pieces, param_pieces, scale):
     grads = partition_lib.assemble(grad_pieces, runs, num_rows, size, grad_dtype)
@@ -291,7 +286,7 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
       params = partition_lib.assemble(param_pieces, runs, num_rows, size, step.state_dtype)
     # The out buffer is made from a host array (a zeros constant would be device
     # memory); every row of it is overwritten.
-    out = grads.astype(out_dtype) if out0 is None else out0
+    out = grads.astype(out_dtype)
     return resident_loop(tuple(range(num_rows)), dataclasses.replace(step, grad_scale=scale),
                          stacked=stacked, scalars=scalars, grads=grads, params=params,
                          out=out)
@@ -299,5 +294,4 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
   if inputs_sink is not None:
     # Everything the region reads but the state (see `tier_updates.StepContext.gate`).
     inputs_sink.extend(jax.tree.leaves((scalars, grad_pieces, param_pieces, scale)))
-  fn = host_region(update) if region else update
-  return fn(stacked, scalars, grad_pieces, param_pieces, scale)
+  return host_region(update)(stacked, scalars, grad_pieces, param_pieces, scale)

@@ -174,14 +174,13 @@ class StepContext:
     # op may mix memories, so for a host-memory state the rows go there first.
     grads, params = self._rows(step, arrays, runs)
     out = jnp.zeros(grads.shape, step.out_dtype)
-    rows = range(arrays[0].shape[0])
-    if self.part.tier_of(ids[0]) is Tier.RESIDENT:
-      return paths.resident_loop(rows, step, stacked=arrays, scalars=self.scalars,
-                                 grads=grads, params=params, out=out)
-    grads, params, out = paths.to_host((grads, params, out))
-    arrays, out = paths.resident_loop(rows, step, stacked=arrays, scalars=self.scalars,
-                                      grads=grads, params=params, out=out)
-    return arrays, jax.device_put(out, paths.DEVICE)
+    on_host = self.part.tier_of(ids[0]) is Tier.HOST
+    if on_host:
+      grads, params, out = paths.to_host((grads, params, out))
+    arrays, out = paths.resident_loop(range(arrays[0].shape[0]), step, stacked=arrays,
+                                      scalars=self.scalars, grads=grads, params=params,
+                                      out=out)
+    return arrays, jax.device_put(out, paths.DEVICE) if on_host else out
 
   def _host_native(self, step, arrays, ids, runs):
     grad_pieces, param_pieces = self._host_pieces(ids, runs)
