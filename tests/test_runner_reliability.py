@@ -13,7 +13,6 @@ import sys
 import time
 
 import jax
-from jax._src import compilation_cache  # reset_cache: no public equivalent
 import numpy as np
 import pytest
 
@@ -25,21 +24,6 @@ from dos_jax.train.progress import read_metrics
 SMALL = ['model.n_layers=2', 'data.seq_len=32', 'data.batch_size=8', 'optim.warmup_steps=0',
          'optim.schedule=constant', 'train.eval_every=0', 'train.eval_batches=1',
          'train.log_every=1', 'offload.subgroup_size=100000', 'train.split_every=0']
-
-
-@pytest.fixture(scope='module', autouse=True)
-def compile_cache(tmp_path_factory):
-  """Every run here compiles the same programs: later runs load them from disk."""
-  names = ('jax_compilation_cache_dir', 'jax_persistent_cache_min_compile_time_secs',
-           'jax_persistent_cache_min_entry_size_bytes')
-  saved = {name: getattr(jax.config, name) for name in names}
-  for name, value in zip(names, (str(tmp_path_factory.mktemp('jax_cache')), 0, 0)):
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
-  yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope='module')
