@@ -1,8 +1,8 @@
 """Test set-up: 8 virtual CPU devices for the sharding tests, the `gpu` marker, one
 pytest-xdist worker per core, and one compilation cache for the whole run.
 
-Most of the suite's time is XLA compiling (on the 2-core CPU machine, three quarters
-of a typical test), and many tests compile the same program from fresh closures. A
+Most of the suite's time is XLA compiling (on the 2-core CPU machine, about two
+thirds of a typical test file), and many tests compile the same program from fresh closures. A
 persistent compilation cache in a temporary folder, shared by the workers of one run
 and removed after it, compiles each such program once. It changes nothing a test
 checks: a jitted function's own cache (`_cache_size()`, optax's `log_compilations`)
