@@ -2,13 +2,14 @@
 pytest-xdist worker per core, and one compilation cache for the whole run.
 
 Most of the suite's time is XLA compiling (on the 2-core CPU machine, about two
-thirds of a typical test file), and many tests compile the same program from fresh closures. A
-persistent compilation cache in a temporary folder, shared by the workers of one run
-and removed after it, compiles each such program once. It changes nothing a test
-checks: a jitted function's own cache (`_cache_size()`, optax's `log_compilations`)
-still sees every trace, and the executables are XLA's own, stored and loaded. Only
-this process's JAX uses it: the runs that tests start as subprocesses (some of them
-killed mid-step) never write to it.
+thirds of a typical test file), and many tests compile the same program from fresh
+closures. A persistent compilation cache in a temporary folder, shared by the
+workers of one run and removed after it, compiles each such program once. It
+changes nothing a test checks: a jitted function's own cache (`_cache_size()`,
+optax's `log_compilations`) still sees every trace, and the executables are XLA's
+own, stored and loaded. Only this process's JAX uses it: the runs that tests start
+as subprocesses (some of them killed mid-step, while JAX writes an entry in place)
+never write to it.
 """
 
 import atexit

@@ -39,10 +39,11 @@ if jax.default_backend() != 'cpu':  # a GPU machine compiles for its own GPU els
 DEVICE_PLANS = ('stride', 'device_fraction')
 
 
-def _runner_step(policy: str, dtype: str, options=None, clip: bool = True):
+def _runner_step(policy: str, dtype: str, options=None, clip: bool = True, overrides=()):
   cfg = config_lib.load(None, [
       f'offload.policy={policy}', f'model.param_dtype={dtype}',
-      'offload.subgroup_size=65536', f'optim.clip_norm={1.0 if clip else "null"}'])
+      'offload.subgroup_size=65536', f'optim.clip_norm={1.0 if clip else "null"}',
+      *overrides])
   return gpu_program.compile_step(cfg, 'h100_sxm', compiler_options=options)
 
 
@@ -107,10 +108,7 @@ def test_device_update_inside_the_host_call_is_not_yet_guaranteed(overrides):
   """The programs whose device update is not yet issued inside the host call. Strict:
   a jax whose scheduler puts it there fails here, and the README's guarantee and this
   marker are then updated."""
-  cfg = config_lib.load(None, [
-      'offload.policy=stride', 'model.param_dtype=bfloat16', 'offload.subgroup_size=65536',
-      *overrides])
-  schedule = gpu_program.compile_step(cfg, 'h100_sxm').schedule
+  schedule = _runner_step('stride', 'bfloat16', overrides=overrides).schedule
   assert len(schedule.host_calls) == 1
   assert schedule.device_update_inside_host_call(), schedule.host_calls
 
