@@ -228,7 +228,13 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
   price of `buffers - 1` extra row fetches per step. The loop is unrolled `buffers`
   times so that the rows in flight take turns in `buffers` device buffers; otherwise
   each fetch lands in the loop carry's buffer while the row it replaces is still being
-  updated there, and XLA copies the block.
+  updated there, and XLA copies the block. Where `buffers` does not divide the row
+  count, `fori_loop` would peel the last rows after the unrolled loop, and a peeled
+  row's write-back to host memory, which the scheduler issues as early as it can, pulls
+  the device update before the host call (the 2-layer runner step compiled for an
+  H100). Such a loop is not unrolled: each iteration then copies its block on the device
+  (device-memory traffic, small beside the row's two link transfers) and the loop stays
+  one piece.
   """
   order = tuple(order)
   count = len(order)
@@ -252,7 +258,8 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
     return stacked, out, fetched[1:] + following
 
   fetched = tuple(fetch(stacked, j) for j in range(ahead))
-  stacked, out, _ = lax.fori_loop(0, count, body, (stacked, out, fetched), unroll=ahead + 1)
+  unroll = ahead + 1 if count % (ahead + 1) == 0 else 1  # never a peeled row
+  stacked, out, _ = lax.fori_loop(0, count, body, (stacked, out, fetched), unroll=unroll)
   return stacked, out
 
 
