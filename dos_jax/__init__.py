@@ -22,6 +22,7 @@ from dos_jax.offload import Platform as Platform
 from dos_jax.offload import Storage as Storage
 from dos_jax.offload import UpdateImpl as UpdateImpl
 from dos_jax.partition import Partition as Partition
+from dos_jax.pinned_pool import PinnedPoolError as PinnedPoolError
 from dos_jax.partition import Tier as Tier
 from dos_jax.portable import state_from_pytrees as state_from_pytrees
 from dos_jax.portable import state_to_pytrees as state_to_pytrees

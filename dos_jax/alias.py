@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from dos_jax import clipping
+from dos_jax import pinned_pool
 from dos_jax import validate as validate_lib
 from dos_jax.fused import FusedAdamW
 from dos_jax.offload import Offload
@@ -158,6 +159,11 @@ def adamw(
 
   Returns:
     A `GradientTransformationExtraArgs`; its update accepts `plan=` for one step.
+
+  Raises:
+    dos_jax.PinnedPoolError: at `init` on a GPU backend, when the state's host tiers do
+      not fit XLA's pinned-host pool (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, default 64 GiB,
+      read when JAX starts its GPU client); the message names the value to set.
   """
   validate_lib.check_offload(offload, 'dos_jax.adamw')
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
@@ -171,4 +177,11 @@ def adamw(
   )
   fused = FusedAdamW(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                      weight_decay=weight_decay, nesterov=nesterov, mu_dtype=mu_dtype)
-  return offloaded(inner, offload, mask=mask, fused=fused)
+  checked = Offload() if offload is None else offload
+  mu_bytes = 4 if mu_dtype is None else mu_dtype.itemsize
+
+  def validate(params):
+    # On a GPU, before any state exists: XLA's pinned-host pool must hold the host tiers.
+    pinned_pool.check_init(params, checked, mask, mu_bytes)
+
+  return offloaded(inner, offload, mask=mask, validate=validate, fused=fused)

@@ -200,6 +200,28 @@ def _run_sizing(cfg, count: int) -> Sizing:
                 compute_bytes=_DTYPE_BYTES.get(str(cfg.model.compute_dtype), 2))
 
 
+def run_pinned_bytes(cfg, processes: int = 1) -> float:
+  """Pinned host bytes per process of a run config, as `dos-jax train` sizes XLA's
+  pinned-host pool before any backend starts (so without counting devices): the host
+  tiers of the whole state (every subgroup on the host: the most any plan pins), plus
+  the step's host-bound gradients and the host update's new parameters.
+
+  The state is split over the data axes (`data` x `fsdp`) and whole on every `tensor`
+  (and `pipeline`) device of a process, so a process holds `tensor x pipeline / processes`
+  times the model's state whatever the device count (for pipelined runs an upper bound:
+  each stage holds only its layers). 0 when nothing is offloaded ('none', 'all_device').
+  """
+  if cfg.offload.policy in ('none', 'all_device'):
+    return 0.0
+  param_bytes = _DTYPE_BYTES.get(str(cfg.model.param_dtype), 4)
+  state_bytes = 12 if param_bytes < 4 else 8
+  if cfg.optim.mu_dtype == 'bfloat16':
+    state_bytes -= 2
+  per_element = state_bytes + 2 * param_bytes  # + gradient in, new parameter out
+  replicas = cfg.mesh.tensor * cfg.mesh.pipeline
+  return float(cfg.model.shape().num_params() * per_element * replicas / max(processes, 1))
+
+
 def check_run(cfg) -> str | None:
   """Checks a run config (`dos_jax.train.config.RunConfig`) against this machine's
   memory before anything is allocated; returns one line naming the shortfall, or None.

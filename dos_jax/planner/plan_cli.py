@@ -21,6 +21,7 @@ from dos_jax.planner import auto
 from dos_jax.planner import costmodel
 from dos_jax.planner import memory
 from dos_jax import model_shapes
+from dos_jax import pinned_pool
 from dos_jax.planner.costmodel import HardwareProfile
 from dos_jax.policies import AllDevice
 from dos_jax.policies import AllHost
@@ -264,6 +265,11 @@ def handler(args) -> int:
   on_host = sb * subgroup * (len(chosen.plan.device) + len(chosen.plan.host)) * devices
   print(f'  pinned host (node): optimizer state {_gib(on_host)} of {_gib(host_state)}'
         f' ({state_bytes} B/param) in {_gib(host_mem) if host_mem else "unknown"}')
+  # Every subgroup on the host pins the most: the state, gradients in, new params out.
+  pool = size.num_elements * devices * (state_bytes + 2 * param_bytes)
+  print(f'  pinned host pool: {pinned_pool.ENV_VAR}={pinned_pool.required_gib(pool)} per'
+        f' process, one process per node ({_gib(pool)} for any plan, + margin; XLA\'s'
+        f' default is {pinned_pool.DEFAULT_GIB}; dos-jax train sets it)')
   if per_stage:
     print()
     print('\n'.join(stages.report(per_stage, microbatches=args.microbatches, gib=_gib)))

@@ -43,7 +43,8 @@ def train_handler(args: argparse.Namespace) -> int:
   """Loads the config, trains; returns 0 when done, 1 when a step was not finite or the
   machine ran out of memory, 128 + the signal number when stopped by SIGINT (130) or
   SIGTERM (143) after saving a checkpoint."""
-  from dos_jax import host_memory  # pylint: disable=import-outside-toplevel
+  from dos_jax import host_memory, pinned_pool  # pylint: disable=import-outside-toplevel
+  from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
   from dos_jax.train import config, distributed, loop  # pylint: disable=import-outside-toplevel
 
   overrides = args.set or ()
@@ -58,13 +59,18 @@ def train_handler(args: argparse.Namespace) -> int:
       # Before JAX starts its worker threads, which would otherwise get arenas of
       # their own (see dos_jax.host_memory).
       host_memory.keep_freed_host_memory()
+    # XLA's GPU client reads its pinned-host cap once, when it starts: set it first.
+    found = distributed.settings()
+    pinned = memory.run_pinned_bytes(cfg, processes=found[1] if found else 1)
+    pinned_pool.set_default(pinned)
     # A multi-process run joins its peers before any JAX backend starts.
     distributed.initialize_from_env()
-  except ConfigError as err:
+  except (ConfigError, pinned_pool.PinnedPoolError) as err:
     return _fail(str(err))
-  from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
   # Before any array or run folder exists: a run that cannot fit stops here.
   shortfall = memory.check_run(cfg)
+  if shortfall is None:
+    shortfall = _pinned_shortfall(pinned)
   if shortfall is not None:
     return _fail(shortfall)
   try:
@@ -85,6 +91,22 @@ def train_handler(args: argparse.Namespace) -> int:
     return FAILED
   return 128 + summary.signal if summary.interrupted and summary.signal else (
       INTERRUPTED if summary.interrupted else 0)
+
+
+def _pinned_shortfall(pinned_bytes: float) -> str | None:
+  """On a GPU backend (now started), a pinned-host cap the user set below the plan's
+  need, as one line; None elsewhere (on CPU the variable means nothing)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from dos_jax import pinned_pool  # pylint: disable=import-outside-toplevel
+
+  if jax.default_backend() != 'gpu':
+    return None
+  try:
+    limit, _ = pinned_pool.limit_in_force()
+    pinned_pool.check_limit(pinned_bytes, limit, what='the planned optimizer state')
+  except pinned_pool.PinnedPoolError as err:
+    return str(err)
+  return None
 
 
 def prepare_handler(args: argparse.Namespace) -> int:
