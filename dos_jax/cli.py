@@ -21,17 +21,32 @@ def build_parser() -> argparse.ArgumentParser:
   from dos_jax.planner import plan_cli  # pylint: disable=import-outside-toplevel
 
   train_cli.register(subparsers)
-  plan_cli.register(subparsers, config_shape=_config_shape)
+  plan_cli.register(subparsers, config_settings=_config_settings)
   return parser
 
 
-def _config_shape(path: str):
-  """A run config's model shape, for `dos-jax plan --config` (ValueError: one line)."""
+def _config_settings(path: str):
+  """A run config's `plan_cli.RunSettings`, for `dos-jax plan --config` (ValueError:
+  one line)."""
+  from dos_jax.planner import plan_cli  # pylint: disable=import-outside-toplevel
   from dos_jax.train import config as train_config  # pylint: disable=import-outside-toplevel
   try:
-    return train_config.load(path).model.shape()
+    cfg = train_config.load(path)
   except train_config.ConfigError as e:
     raise ValueError(str(e)) from None
+  mesh = cfg.mesh
+  others = mesh.tensor * mesh.pipeline * getattr(mesh, 'fsdp', 1)
+  devices = mesh.data * others if mesh.data > 0 else None
+  data_shards = (mesh.data if mesh.data > 0 else 1) * getattr(mesh, 'fsdp', 1)
+  return plan_cli.RunSettings(
+      shape=cfg.model.shape(),
+      param_dtype='bf16' if cfg.model.param_dtype == 'bfloat16' else 'fp32',
+      seq_len=cfg.data.seq_len,
+      micro_batch=max(cfg.data.batch_size // data_shards, 1),
+      remat=cfg.model.remat,
+      attention=cfg.model.attention,
+      devices=devices,
+  )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,8 +32,14 @@ MARGIN = 0.05
 # Korthikanti et al. 2022's 34 s b h assumes a fused (flash) attention that stores no
 # scores and a GELU MLP of width 4h; this model stores a s^2 b scores per layer, which
 # dominate at short widths.
+# With `model.attention` 'cudnn' (cuDNN's fused flash attention) no scores are stored:
+# the kernel keeps its output (counted in the stream) and the softmax statistics, one
+# float32 per head and position (4 a s b), and recomputes the scores in its backward
+# pass, block by block, in on-chip memory.
 STREAM_TENSORS_PER_LAYER = 9
 MLP_TENSORS_PER_LAYER = 3
+# `model.attention` values, resolved ('auto' is the runner's choice per backend).
+ATTENTION_KINDS = ('xla', 'cudnn')
 
 _GIB = 2**30
 
@@ -57,48 +63,72 @@ class Sizing:
   num_elements: int
 
 
+def _check_attention(attention: str) -> None:
+  if attention not in ATTENTION_KINDS:
+    raise ValueError(f'attention: expected one of {", ".join(ATTENTION_KINDS)}, got'
+                     f' {attention!r}')
+
+
 def layer_activation_bytes(shape, *, seq_len: int, micro_batch: int,
-                           compute_bytes: int = 2) -> float:
+                           compute_bytes: int = 2, attention: str = 'xla') -> float:
   """Bytes one block of the runner's model keeps for its backward pass, for one
-  micro-batch: 9 c s b h + 3 c s b f + (4 + c) a s^2 b, with c = `compute_bytes` (see
-  the constants above; the scores are float32 whatever the compute dtype, and with
-  float32 compute their copy is the same buffer)."""
+  micro-batch: 9 c s b h + 3 c s b f + the attention's own, with c = `compute_bytes`
+  (see the constants above): for 'xla' the scores, (4 + c) a s^2 b (float32 whatever
+  the compute dtype; with float32 compute their copy is the same buffer); for 'cudnn'
+  the softmax statistics, 4 a s b."""
   s, b, c = seq_len, micro_batch, compute_bytes
   return float(STREAM_TENSORS_PER_LAYER * c * s * b * shape.dim
                + MLP_TENSORS_PER_LAYER * c * s * b * shape.ffn_dim
-               + _score_bytes(shape, s, b, c))
+               + _attention_bytes(shape, s, b, c, attention))
 
 
-def _score_bytes(shape, seq_len: int, micro_batch: int, compute_bytes: int) -> float:
+def _attention_bytes(shape, seq_len: int, micro_batch: int, compute_bytes: int,
+                     attention: str) -> float:
+  _check_attention(attention)
+  if attention == 'cudnn':
+    return float(4 * shape.n_heads * seq_len * micro_batch)
   c = compute_bytes
   return float(shape.n_heads * seq_len * seq_len * micro_batch * (4 + (c if c < 4 else 0)))
 
 
+def _score_gradient_bytes(shape, seq_len: int, micro_batch: int, compute_bytes: int,
+                          attention: str) -> float:
+  """The last layer's score gradient being made at the start of the backward pass:
+  (4 + c) a s^2 b for 'xla'; none for 'cudnn', whose backward works in blocks."""
+  if attention == 'cudnn':
+    return 0.0
+  return _attention_bytes(shape, seq_len, micro_batch, compute_bytes, attention)
+
+
 def activation_bytes(shape, *, seq_len: int, micro_batch: int, compute_bytes: int = 2,
-                     remat: bool = False) -> float:
+                     remat: bool = False, attention: str = 'xla') -> float:
   """Device bytes the forward and backward passes of one micro-batch hold at their peak
   (the start of the backward pass), for the runner's model: every layer's
-  `layer_activation_bytes`, the float32 logits and their gradient (2 x 4 s b V), and the
-  last layer's score gradient being made ((4 + c) a s^2 b). With `remat`, each block
-  keeps only its input (c s b h) and one block's activations are rebuilt at a time."""
+  `layer_activation_bytes`, the float32 logits and their gradient (2 x 4 s b V), and
+  (XLA's attention) the last layer's score gradient being made ((4 + c) a s^2 b). With
+  `remat`, each block keeps only its input (c s b h) and one block's activations are
+  rebuilt at a time. `attention` is the resolved kind, 'xla' or 'cudnn'."""
   s, b, c = seq_len, micro_batch, compute_bytes
-  per_layer = layer_activation_bytes(shape, seq_len=s, micro_batch=b, compute_bytes=c)
+  per_layer = layer_activation_bytes(shape, seq_len=s, micro_batch=b, compute_bytes=c,
+                                     attention=attention)
   if remat:
     layers = shape.n_layers * c * s * b * shape.dim + per_layer
   else:
     layers = shape.n_layers * per_layer
-  return float(layers + _score_bytes(shape, s, b, c) + 2 * 4 * s * b * shape.vocab_size)
+  return float(layers + _score_gradient_bytes(shape, s, b, c, attention)
+               + 2 * 4 * s * b * shape.vocab_size)
 
 
 def sizing(shape, *, param_bytes: int, state_bytes: int, devices: int, seq_len: int,
-           micro_batch: int, remat: bool = False, compute_bytes: int = 2) -> Sizing:
+           micro_batch: int, remat: bool = False, compute_bytes: int = 2,
+           attention: str = 'xla') -> Sizing:
   """Per-device sizes with params, grads and state sharded over `devices` (as ZeRO-3 /
   FSDP or a tensor split would) and one micro-batch of activations per device
   (`activation_bytes`, in the compute dtype whatever the params' dtype)."""
   n = shape.num_params()
   per_device = math.ceil(n / devices)
   acts = activation_bytes(shape, seq_len=seq_len, micro_batch=micro_batch,
-                          compute_bytes=compute_bytes, remat=remat)
+                          compute_bytes=compute_bytes, remat=remat, attention=attention)
   return Sizing(
       params=per_device * param_bytes, grads=per_device * param_bytes, activations=acts,
       state_per_device=per_device * state_bytes, num_elements=per_device,
@@ -197,7 +227,8 @@ def _run_sizing(cfg, count: int) -> Sizing:
   return sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=count,
                 seq_len=cfg.data.seq_len, micro_batch=micro_batch,
                 remat=bool(cfg.model.remat),
-                compute_bytes=_DTYPE_BYTES.get(str(cfg.model.compute_dtype), 2))
+                compute_bytes=_DTYPE_BYTES.get(str(cfg.model.compute_dtype), 2),
+                attention=cfg.model.attention_impl())  # the backend has started
 
 
 def run_pinned_bytes(cfg, processes: int = 1) -> float:

@@ -5,6 +5,11 @@ this machine by calibration, or a JSON file), and prints the device and pinned-h
 memory the run needs, the plan `Auto` would choose and its predicted update and
 iteration times next to the fixed baselines. Exit status: 0 when the model fits,
 1 when it does not (with the missing amount), 2 for bad arguments.
+
+With a preset and no other flags it assumes the paper's runs: bf16, 2048-token
+sequences, micro-batch 1, cuDNN's flash attention on GPU profiles, no activation
+checkpointing, params, grads and state sharded over the node's devices (ZeRO-3). With
+`--config` those come from the run config; a flag given overrides either.
 """
 
 from __future__ import annotations
@@ -75,11 +80,34 @@ def _positive_float(text: str) -> float:
   return value
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+  """What `--config` takes from a run config (read by the runner's loader, handed down
+  by `dos_jax.cli` so that the planner never imports the runner).
+
+  Attributes:
+    shape: the model's sizes.
+    param_dtype: 'bf16' or 'fp32'.
+    seq_len: tokens per sequence.
+    micro_batch: sequences per device per step (the batch over the data axes).
+    remat: activation checkpointing per block.
+    attention: 'auto', 'xla' or 'cudnn' (`model.attention`).
+    devices: the mesh's device count when every axis is given, else None.
+  """
+
+  shape: model_shapes.ModelShape
+  param_dtype: str
+  seq_len: int
+  micro_batch: int
+  remat: bool
+  attention: str
+  devices: int | None
+
+
 def register(subparsers,
-             config_shape: Callable[[str], model_shapes.ModelShape] | None = None) -> None:
-  """Adds `plan` to `subparsers`. `config_shape(path)` reads a run config's model shape
-  for `--config` (the runner's loader, handed down by `dos_jax.cli` so that the planner
-  never imports the runner); without it `--config` is refused."""
+             config_settings: Callable[[str], RunSettings] | None = None) -> None:
+  """Adds `plan` to `subparsers`. `config_settings(path)` reads a run config's
+  `RunSettings` for `--config`; without it `--config` is refused."""
   p = subparsers.add_parser(
       'plan',
       help='memory per tier, the chosen placement and predicted update times',
@@ -95,14 +123,22 @@ def register(subparsers,
   )
   p.add_argument('--subgroup-size', type=_positive_int, help='elements per subgroup (default: 1e8'
                  ' for models of 1B+ params, smaller below)')
-  p.add_argument('--param-dtype', choices=('bf16', 'fp32'), default='bf16')
+  p.add_argument('--param-dtype', choices=('bf16', 'fp32'),
+                 help='parameter dtype (default: bf16, or the config\'s)')
   p.add_argument('--device-memory', type=parse_bytes, help='memory per device (e.g. 80GB)')
   p.add_argument('--host-memory', type=parse_bytes, help='pinned host memory per node (e.g. 1TiB)')
   p.add_argument('--gpus-per-node', type=_positive_int, help='devices sharing a node and its'
                  ' host memory; params, grads and state are sharded over them (default: 4 for'
                  ' the node presets, else 1)')
-  p.add_argument('--seq-len', type=_positive_int, default=2048)
-  p.add_argument('--micro-batch', type=_positive_int, default=1)
+  p.add_argument('--seq-len', type=_positive_int, help='tokens per sequence (default: 2048,'
+                 ' or the config\'s)')
+  p.add_argument('--micro-batch', type=_positive_int, help='sequences per device (default: 1,'
+                 ' or the config\'s batch over its data axes)')
+  p.add_argument('--attention', choices=memory.ATTENTION_KINDS, help='attention kernel whose'
+                 ' activations are counted: xla stores the s^2 scores, cudnn (flash) does not'
+                 ' (default: cudnn on GPU profiles, xla for this CPU machine, or the config\'s)')
+  p.add_argument('--remat', action=argparse.BooleanOptionalAction, help='recompute each'
+                 ' block in the backward pass (default: off, or the config\'s model.remat)')
   p.add_argument('--achieved-tflops', type=_positive_float, help='training TFLOP/s per device,'
                  ' for the forward/backward estimate (default: 200 on h100-pcie5, 100 on'
                  ' a100-pcie4; otherwise no iteration time)')
@@ -110,7 +146,7 @@ def register(subparsers,
                  help='pipeline stages: report the GPipe bubble and each stage\'s memory')
   p.add_argument('--microbatches', type=_positive_int, default=1, metavar='M',
                  help='microbatches per step of a pipelined run (default: 1)')
-  p.set_defaults(handler=handler, config_shape=config_shape)
+  p.set_defaults(handler=handler, config_settings=config_settings)
 
 
 def _error(message: str) -> int:
@@ -118,16 +154,38 @@ def _error(message: str) -> int:
   return 2
 
 
-def _load_shape(args) -> model_shapes.ModelShape:
+def _load_settings(args) -> RunSettings | None:
+  """The run config's settings for `--config`, None for `--model`."""
   if args.model:
-    return model_shapes.preset(args.model)
-  config_shape = getattr(args, 'config_shape', None)
-  if config_shape is None:
+    return None
+  config_settings = getattr(args, 'config_settings', None)
+  if config_settings is None:
     raise ValueError('--config needs the runner\'s config loader; use --model')
-  shape = config_shape(args.config)
-  if not isinstance(shape, model_shapes.ModelShape):
-    raise ValueError(f'{args.config}: model.shape() did not return a ModelShape')
-  return shape
+  settings = config_settings(args.config)
+  if not isinstance(settings, RunSettings):
+    raise ValueError(f'{args.config}: the config loader did not return RunSettings')
+  return settings
+
+
+def _resolve(args, settings: RunSettings | None, gpu_profile: bool) -> argparse.Namespace:
+  """The flags' values where given, else the config's, else the paper's runs'."""
+
+  def pick(flag, from_config, paper):
+    if flag is not None:
+      return flag
+    return from_config if settings is not None else paper
+
+  attention = pick(args.attention, settings and settings.attention, 'auto')
+  if attention == 'auto':
+    attention = 'cudnn' if gpu_profile else 'xla'
+  return argparse.Namespace(
+      shape=settings.shape if settings else model_shapes.preset(args.model),
+      param_dtype=pick(args.param_dtype, settings and settings.param_dtype, 'bf16'),
+      seq_len=pick(args.seq_len, settings and settings.seq_len, 2048),
+      micro_batch=pick(args.micro_batch, settings and settings.micro_batch, 1),
+      remat=bool(pick(args.remat, settings and settings.remat, False)),
+      attention=attention,
+      devices=args.gpus_per_node or (settings.devices if settings else None))
 
 
 def _load_profile(name: str) -> HardwareProfile:
@@ -190,17 +248,22 @@ def _best_resident_only(profile, spec, budget, acts, bwd, last) -> Plan:
 
 def handler(args) -> int:
   try:
-    shape = _load_shape(args)
+    settings = _load_settings(args)
     profile = _load_profile(args.profile)
   except ValueError as e:
     return _error(str(e))
   preset_profile = args.profile in costmodel.PROFILE_PRESETS
-  devices = args.gpus_per_node or (4 if preset_profile else 1)
-  param_bytes = 2 if args.param_dtype == 'bf16' else 4
+  # The node presets and JSON profiles describe GPUs; 'this' is this machine.
+  gpu_profile = args.profile != _THIS or _this_is_a_gpu()
+  run = _resolve(args, settings, gpu_profile)
+  shape = run.shape
+  devices = run.devices or (4 if preset_profile else 1)
+  param_bytes = 2 if run.param_dtype == 'bf16' else 4
   # bf16: fp32 master + m + v on the host; fp32: the params are the master, m + v.
   state_bytes = 12 if param_bytes == 2 else 8
   size = sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=devices,
-                seq_len=args.seq_len, micro_batch=args.micro_batch)
+                seq_len=run.seq_len, micro_batch=run.micro_batch, remat=run.remat,
+                attention=run.attention)
   per_stage = None
   if args.pipeline > 1:
     from dos_jax.planner import stages  # pylint: disable=import-outside-toplevel
@@ -209,7 +272,8 @@ def handler(args) -> int:
           shape, stages=args.pipeline, microbatches=args.microbatches, devices=devices,
           param_bytes=param_bytes, state_bytes=state_bytes,
           layer_activation_bytes=memory.layer_activation_bytes(
-              shape, seq_len=args.seq_len, micro_batch=args.micro_batch))
+              shape, seq_len=run.seq_len, micro_batch=run.micro_batch,
+              attention=run.attention))
     except ValueError as e:
       return _error(f'--pipeline: {e}')
   subgroup = args.subgroup_size or (
@@ -226,13 +290,16 @@ def handler(args) -> int:
   tflops = args.achieved_tflops or _DEFAULT_TFLOPS.get(profile.name if preset_profile else '')
   fwd = bwd = 0.0
   if tflops:
-    tokens = args.seq_len * args.micro_batch
+    tokens = run.seq_len * run.micro_batch
     fwd = 2 * shape.num_params() * tokens / (tflops * 1e12)
     bwd = 2 * fwd
 
   print(f'model: {args.model or args.config}: {_count(shape.num_params())} params'
-        f' ({args.param_dtype}), {devices} device(s) per node, {spec.num_subgroups} subgroups'
+        f' ({run.param_dtype}), {devices} device(s) per node, {spec.num_subgroups} subgroups'
         f' of {subgroup:,} elements per device')
+  print(f'run: sequences of {run.seq_len} tokens, micro-batch {run.micro_batch},'
+        f' {run.attention} attention, {"remat" if run.remat else "no remat"}; params, grads'
+        f' and state sharded over the {devices} device(s)')
   print(f'profile: {profile.name} (device memory {_gib(device_mem)}, host memory'
         f' {_gib(host_mem) if host_mem else "unknown"})')
 
@@ -305,6 +372,11 @@ def handler(args) -> int:
   for line in _why(rows, budget, acts):
     print(line)
   return 0
+
+
+def _this_is_a_gpu() -> bool:
+  import jax  # pylint: disable=import-outside-toplevel  # 'this' calibrates with JAX anyway
+  return jax.default_backend() == 'gpu'
 
 
 def _why(rows: list[_Row], budget: float, acts: float) -> list[str]:

@@ -116,7 +116,8 @@ def predict_step(cfg, plan: Plan | None = None) -> StepMemory:
 
   compute_bytes = _BYTES[str(cfg.model.compute_dtype)]
   acts = memory.activation_bytes(shape, seq_len=s, micro_batch=b,
-                                 compute_bytes=compute_bytes, remat=bool(cfg.model.remat))
+                                 compute_bytes=compute_bytes, remat=bool(cfg.model.remat),
+                                 attention=cfg.model.attention_impl('gpu'))
   if pb != compute_bytes:  # the matrices cast to the compute dtype, kept for the backward
     acts += (n - shape.vocab_size * shape.dim) * compute_bytes
   dev_rows = (len(plan.device) + len(plan.resident)) * size

@@ -47,8 +47,10 @@ def _flatten_states(opt_state: Any):
 
 
 def build_step(cfg: RunConfig, compiler_options: Any = None) -> StepProgram:
-  """The runner's fused step for `cfg`, as the accelerator program, with arguments."""
-  apply, params = model_lib.build_model(cfg.model, cfg.train.seed)
+  """The runner's fused step for `cfg`, as the accelerator program, with arguments
+  (`model.attention: auto` resolved as on a GPU)."""
+  model_cfg = dataclasses.replace(cfg.model, attention=cfg.model.attention_impl('gpu'))
+  apply, params = model_lib.build_model(model_cfg, cfg.train.seed)
   tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
                                platform=dos_jax.Platform.GPU)
   opt_state = tx.init(params)

@@ -29,6 +29,7 @@ Params = dict[str, Any]
 ApplyFn = Callable[[Params, jax.Array], jax.Array]
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+ATTENTION = ('auto', 'xla', 'cudnn')
 _SIZE_FIELDS = ('dim', 'ffn_dim', 'n_layers', 'n_heads', 'vocab_size')
 _INIT_STD = 0.02
 
@@ -60,6 +61,10 @@ class ModelConfig:
   compute_dtype: str = 'bfloat16'
   # Recompute each block's activations in the backward pass instead of storing them.
   remat: bool = False
+  # Attention kernel: 'xla' (scores materialized, float32 softmax: memory ~ L^2 per
+  # head), 'cudnn' (cuDNN's fused flash attention, GPU only, bfloat16 compute: memory
+  # ~ L), or 'auto' (cudnn on a GPU with bfloat16 compute, else xla).
+  attention: str = 'auto'
   # Base of the rotary position frequencies.
   rope_theta: float = 10000.0
 
@@ -87,6 +92,14 @@ class ModelConfig:
         raise ValueError(
             f'ModelConfig.{name} must be one of {", ".join(_DTYPES)}, got {value!r}'
         )
+    if self.attention not in ATTENTION:
+      raise ValueError(
+          f'ModelConfig.attention must be one of {", ".join(ATTENTION)}, got {self.attention!r}'
+      )
+    if self.attention == 'cudnn' and self.compute_dtype != 'bfloat16':
+      raise ValueError(
+          "ModelConfig.attention: 'cudnn' needs compute_dtype 'bfloat16' (cuDNN's flash"
+          f' attention takes 16-bit inputs), got {self.compute_dtype!r}')
     if not isinstance(self.remat, bool):
       raise ValueError(f'ModelConfig.remat must be true or false, got {self.remat!r}')
     if (
@@ -113,6 +126,16 @@ class ModelConfig:
       return model_shapes.ModelShape(**sizes)
     except ValueError as e:
       raise ValueError(f'ModelConfig: {e}') from None
+
+  def attention_impl(self, backend: str | None = None) -> str:
+    """'xla' or 'cudnn': `attention` with 'auto' resolved for `backend` (a JAX backend
+    name; None: `jax.default_backend()`). Code that builds a GPU program on another
+    machine passes 'gpu' explicitly."""
+    if self.attention != 'auto':
+      return self.attention
+    backend = jax.default_backend() if backend is None else backend
+    on_gpu = backend in ('gpu', 'cuda')
+    return 'cudnn' if on_gpu and self.compute_dtype == 'bfloat16' else 'xla'
 
   @property
   def param_jnp_dtype(self) -> jnp.dtype:
@@ -169,13 +192,14 @@ class CausalSelfAttention(nnx.Module):
   """Multi-head causal self-attention; q/k/v kernels are (D, H, K) so heads shard cleanly."""
 
   def __init__(self, shape: model_shapes.ModelShape, *, param_dtype, compute_dtype,
-               out_std: float, rngs: nnx.Rngs):
+               out_std: float, rngs: nnx.Rngs, attention: str = 'xla'):
     d, h, k = shape.dim, shape.n_heads, shape.head_dim
     self.wq = _param(rngs.params(), (d, h, k), _INIT_STD, param_dtype)
     self.wk = _param(rngs.params(), (d, h, k), _INIT_STD, param_dtype)
     self.wv = _param(rngs.params(), (d, h, k), _INIT_STD, param_dtype)
     self.wo = _param(rngs.params(), (h, k, d), out_std, param_dtype)
     self.compute_dtype = compute_dtype
+    self.attention = attention
 
   def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
     dt = self.compute_dtype
@@ -184,9 +208,11 @@ class CausalSelfAttention(nnx.Module):
     v_BxLxHxK = jnp.einsum('bld,dhk->blhk', x_BxLxD, self.wv[...].astype(dt))
     q_BxLxHxK = apply_rotary(q_BxLxHxK, sin_LxK2, cos_LxK2)
     k_BxLxHxK = apply_rotary(k_BxLxHxK, sin_LxK2, cos_LxK2)
-    # JAX's XLA attention: scores and softmax in float32 whatever the input dtype. (Its
-    # implementation='cudnn' flash kernel is a GPU-only option not wired up yet.)
-    out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+    # 'xla': scores and softmax in float32 whatever the input dtype, all L x L of them
+    # kept for the backward pass. 'cudnn': the fused flash kernel keeps only the output
+    # and the softmax statistics (float32, L per head).
+    out_BxLxHxK = jax.nn.dot_product_attention(
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation=self.attention)
     return jnp.einsum('blhk,hkd->bld', out_BxLxHxK, self.wo[...].astype(dt))
 
 
@@ -212,12 +238,13 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, shape, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+  def __init__(self, shape, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
+               attention: str = 'xla'):
     # Residual-branch outputs start smaller with depth (GPT-2), keeping the stream's scale.
     out_std = _INIT_STD / (2 * shape.n_layers) ** 0.5
     kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, out_std=out_std, rngs=rngs)
     self.attn_norm = RMSNorm(shape.dim, param_dtype=param_dtype)
-    self.attn = CausalSelfAttention(shape, **kw)
+    self.attn = CausalSelfAttention(shape, **kw, attention=attention)
     self.mlp_norm = RMSNorm(shape.dim, param_dtype=param_dtype)
     self.mlp = SwiGLU(shape, **kw)
 
@@ -244,8 +271,10 @@ class Transformer(nnx.Module):
     self.embedding = _param(rngs.params(), (shape.vocab_size, shape.dim), _INIT_STD, pdt)
     # Layers are kept unrolled, one dict entry each, so that every layer is its own set of
     # leaves: gradients then arrive layer by layer, which the offloaded update exploits.
+    attention = cfg.attention_impl()
     self.blocks = nnx.Dict({
-        block_name(i, shape.n_layers): Block(shape, param_dtype=pdt, compute_dtype=cdt, rngs=rngs)
+        block_name(i, shape.n_layers): Block(shape, param_dtype=pdt, compute_dtype=cdt,
+                                             rngs=rngs, attention=attention)
         for i in range(shape.n_layers)
     })
     self.final_norm = RMSNorm(shape.dim, param_dtype=pdt)
@@ -327,7 +356,8 @@ def make_parts(cfg: ModelConfig) -> Parts:
   pdt, cdt = cfg.param_jnp_dtype, cfg.compute_jnp_dtype
   rngs = lambda: nnx.Rngs(params=jax.random.key(0))
   block_def, _ = nnx.split(nnx.eval_shape(
-      lambda: Block(shape, param_dtype=pdt, compute_dtype=cdt, rngs=rngs())))
+      lambda: Block(shape, param_dtype=pdt, compute_dtype=cdt, rngs=rngs(),
+                    attention=cfg.attention_impl())))
   norm_def, _ = nnx.split(nnx.eval_shape(lambda: RMSNorm(shape.dim, param_dtype=pdt)))
 
   def block(params, x_BxLxD, sin_LxK2, cos_LxK2):
