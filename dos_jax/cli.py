@@ -35,9 +35,8 @@ def _config_settings(path: str):
   except train_config.ConfigError as e:
     raise ValueError(str(e)) from None
   mesh = cfg.mesh
-  others = mesh.tensor * mesh.pipeline * getattr(mesh, 'fsdp', 1)
-  devices = mesh.data * others if mesh.data > 0 else None
-  data_shards = (mesh.data if mesh.data > 0 else 1) * getattr(mesh, 'fsdp', 1)
+  devices = mesh.data * mesh.fsdp * mesh.tensor * mesh.pipeline if mesh.data > 0 else None
+  data_shards = (mesh.data if mesh.data > 0 else 1) * mesh.fsdp
   return plan_cli.RunSettings(
       shape=cfg.model.shape(),
       param_dtype='bf16' if cfg.model.param_dtype == 'bfloat16' else 'fp32',

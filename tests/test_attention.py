@@ -62,10 +62,13 @@ def test_cudnn_activations_drop_the_scores():
   per_layer = (9 + 9) * MIB + 4 * 128 * 32 * 4
   assert memory.layer_activation_bytes(shape, **kw, attention='cudnn') == per_layer
   assert memory.layer_activation_bytes(shape, **kw) == (9 + 9 + 8 + 4) * MIB
-  # No score gradient at the start of the backward pass; the logits as before.
-  assert memory.activation_bytes(shape, **kw, attention='cudnn') == 4 * per_layer + 8 * MIB
+  # No score gradient at the start of the backward pass, but the last layer's dq, dk,
+  # dv (bf16, 3 x 1 MiB) and dq, dk through the rotary in float32 (2 x 2 MiB); the
+  # logits and their gradient as before (8 MiB).
+  assert memory.activation_bytes(shape, **kw, attention='cudnn') == (
+      4 * per_layer + 7 * MIB + 8 * MIB)
   assert memory.activation_bytes(shape, **kw, attention='cudnn', remat=True) == (
-      4 * MIB + per_layer + 8 * MIB)
+      4 * MIB + per_layer + 7 * MIB + 8 * MIB)
   with pytest.raises(ValueError, match='attention'):
     memory.activation_bytes(shape, **kw, attention='auto')
 

@@ -93,10 +93,12 @@ def _attention_bytes(shape, seq_len: int, micro_batch: int, compute_bytes: int,
 
 def _score_gradient_bytes(shape, seq_len: int, micro_batch: int, compute_bytes: int,
                           attention: str) -> float:
-  """The last layer's score gradient being made at the start of the backward pass:
-  (4 + c) a s^2 b for 'xla'; none for 'cudnn', whose backward works in blocks."""
+  """The last layer's attention gradient being made at the start of the backward pass:
+  for 'xla' the score gradient, (4 + c) a s^2 b; for 'cudnn', whose kernel makes no
+  scores, its dq, dk and dv in the compute dtype and dq and dk through the rotary
+  positions in float32, (3 c + 8) s b h (read off the step compiled for an H100)."""
   if attention == 'cudnn':
-    return 0.0
+    return float((3 * compute_bytes + 8) * seq_len * micro_batch * shape.dim)
   return _attention_bytes(shape, seq_len, micro_batch, compute_bytes, attention)
 
 
@@ -105,7 +107,7 @@ def activation_bytes(shape, *, seq_len: int, micro_batch: int, compute_bytes: in
   """Device bytes the forward and backward passes of one micro-batch hold at their peak
   (the start of the backward pass), for the runner's model: every layer's
   `layer_activation_bytes`, the float32 logits and their gradient (2 x 4 s b V), and
-  (XLA's attention) the last layer's score gradient being made ((4 + c) a s^2 b). With
+  the last layer's attention gradient being made (`_score_gradient_bytes`). With
   `remat`, each block keeps only its input (c s b h) and one block's activations are
   rebuilt at a time. `attention` is the resolved kind, 'xla' or 'cudnn'."""
   s, b, c = seq_len, micro_batch, compute_bytes
@@ -221,9 +223,10 @@ def _run_sizing(cfg, count: int) -> Sizing:
   shape = cfg.model.shape()
   param_bytes = _DTYPE_BYTES.get(str(cfg.model.param_dtype), 4)
   state_bytes = 12 if param_bytes < 4 else 8
-  data = cfg.mesh.data if cfg.mesh.data > 0 else max(
-      count // (cfg.mesh.tensor * cfg.mesh.pipeline), 1)
-  micro_batch = max(cfg.data.batch_size // data, 1)
+  mesh = cfg.mesh
+  data = mesh.data if mesh.data > 0 else max(
+      count // (mesh.fsdp * mesh.tensor * mesh.pipeline), 1)
+  micro_batch = max(cfg.data.batch_size // (data * mesh.fsdp), 1)
   return sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=count,
                 seq_len=cfg.data.seq_len, micro_batch=micro_batch,
                 remat=bool(cfg.model.remat),
@@ -231,16 +234,18 @@ def _run_sizing(cfg, count: int) -> Sizing:
                 attention=cfg.model.attention_impl())  # the backend has started
 
 
-def run_pinned_bytes(cfg, processes: int = 1) -> float:
+def run_pinned_bytes(cfg, processes: int = 1, local_devices: int | None = None) -> float:
   """Pinned host bytes per process of a run config, as `dos-jax train` sizes XLA's
-  pinned-host pool before any backend starts (so without counting devices): the host
-  tiers of the whole state (every subgroup on the host: the most any plan pins), plus
-  the step's host-bound gradients and the host update's new parameters.
+  pinned-host pool before any backend starts: the host tiers of the whole state (every
+  subgroup on the host: the most any plan pins), plus the step's host-bound gradients
+  and the host update's new parameters.
 
-  The state is split over the data axes (`data` x `fsdp`) and whole on every `tensor`
-  (and `pipeline`) device of a process, so a process holds `tensor x pipeline / processes`
-  times the model's state whatever the device count (for pipelined runs an upper bound:
-  each stage holds only its layers). 0 when nothing is offloaded ('none', 'all_device').
+  The state is split over one axis (`data`, or `fsdp` with ZeRO-3) and whole on every
+  device of the others, so a process holds `local devices / that axis` times the
+  model's state: `tensor x pipeline / processes` times it without fsdp, whatever the
+  device count (for pipelined runs an upper bound: each stage holds only its layers);
+  with fsdp also times `data`, which with `mesh.data: -1` needs `local_devices` (None:
+  taken as 1 data replica). 0 when nothing is offloaded ('none', 'all_device').
   """
   if cfg.offload.policy in ('none', 'all_device'):
     return 0.0
@@ -249,8 +254,14 @@ def run_pinned_bytes(cfg, processes: int = 1) -> float:
   if cfg.optim.mu_dtype == 'bfloat16':
     state_bytes -= 2
   per_element = state_bytes + 2 * param_bytes  # + gradient in, new parameter out
-  replicas = cfg.mesh.tensor * cfg.mesh.pipeline
-  return float(cfg.model.shape().num_params() * per_element * replicas / max(processes, 1))
+  mesh = cfg.mesh
+  replicas = mesh.tensor * mesh.pipeline / max(processes, 1)
+  if mesh.fsdp > 1:
+    if mesh.data > 0:
+      replicas *= mesh.data
+    elif local_devices:
+      replicas = max(local_devices // (mesh.fsdp * mesh.tensor), 1) * mesh.tensor
+  return float(cfg.model.shape().num_params() * per_element * replicas)
 
 
 def check_run(cfg) -> str | None:

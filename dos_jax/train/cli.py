@@ -61,7 +61,8 @@ def train_handler(args: argparse.Namespace) -> int:
       host_memory.keep_freed_host_memory()
     # XLA's GPU client reads its pinned-host cap once, when it starts: set it first.
     found = distributed.settings()
-    pinned = memory.run_pinned_bytes(cfg, processes=found[1] if found else 1)
+    pinned = memory.run_pinned_bytes(cfg, processes=found[1] if found else 1,
+                                     local_devices=_visible_gpus())
     pinned_pool.set_default(pinned)
     # A multi-process run joins its peers before any JAX backend starts.
     distributed.initialize_from_env()
@@ -91,6 +92,19 @@ def train_handler(args: argparse.Namespace) -> int:
     return FAILED
   return 128 + summary.signal if summary.interrupted and summary.signal else (
       INTERRUPTED if summary.interrupted else 0)
+
+
+def _visible_gpus() -> int | None:
+  """NVIDIA GPUs this process may use, counted without starting a JAX backend:
+  CUDA_VISIBLE_DEVICES's entries, else the /dev/nvidiaN device files; None for none."""
+  visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+  if visible is not None:
+    return len([d for d in visible.split(',') if d.strip()]) or None
+  try:
+    return sum(name[6:].isdigit() for name in os.listdir('/dev')
+               if name.startswith('nvidia')) or None
+  except OSError:
+    return None
 
 
 def _pinned_shortfall(pinned_bytes: float) -> str | None:

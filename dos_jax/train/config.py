@@ -130,18 +130,27 @@ class MeshConfig:
   Attributes:
     data: data-parallel size (batch split, optimizer state sharded ZeRO-1 style);
       -1 takes every device the other axes leave.
+    fsdp: fully sharded data-parallel size (ZeRO-3, MaxText's `fsdp`): params, their
+      gradients and the optimizer state split over it (and replicated over `data`
+      beside it), the batch over data x fsdp; XLA gathers each matrix where it is
+      used. Not combined with `pipeline`.
     tensor: tensor-parallel size (Megatron-style split of attention and MLP).
     pipeline: pipeline stages (GPipe, `train.microbatches` per batch); the model's
       layers split evenly over them (dos_jax/train/pipeline.py).
   """
 
   data: int = -1
+  fsdp: int = field(1, check=POSITIVE)
   tensor: int = field(1, check=POSITIVE)
   pipeline: int = field(1, check=POSITIVE)
 
   def __post_init__(self):
     if self.data != -1 and self.data < 1:
       raise ValueError(f'data: expected a positive integer or -1 (all devices), got {self.data}')
+    if self.fsdp > 1 and self.pipeline > 1:
+      raise ValueError(
+          f'fsdp: {self.fsdp} with mesh.pipeline = {self.pipeline} is not supported (a'
+          ' pipelined run shards each stage over data and tensor only); set one of them to 1')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,11 +230,10 @@ class RunConfig:
           f'data.seq_len: {self.data.seq_len} exceeds model.max_seq_len'
           f' ({self.model.max_seq_len})'
       )
-    if self.mesh.data > 0 and self.data.batch_size % self.mesh.data:
-      raise ValueError(
-          f'data.batch_size: {self.data.batch_size} is not divisible by mesh.data'
-          f' ({self.mesh.data})'
-      )
+    if self.mesh.data > 0 and self.data.batch_size % (self.mesh.data * self.mesh.fsdp):
+      over = (f'mesh.data x mesh.fsdp ({self.mesh.data} x {self.mesh.fsdp})'
+              if self.mesh.fsdp > 1 else f'mesh.data ({self.mesh.data})')
+      raise ValueError(f'data.batch_size: {self.data.batch_size} is not divisible by {over}')
     if self.train.microbatches > 1 and self.mesh.pipeline == 1:
       raise ValueError(
           f'train.microbatches: {self.train.microbatches} needs mesh.pipeline > 1'

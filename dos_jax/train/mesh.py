@@ -1,9 +1,14 @@
-"""The device mesh (`data`, `tensor`, `pipeline`) and placement of params and batches.
+"""The device mesh (`data`, `tensor`, `pipeline`, and `fsdp` when asked for) and
+placement of params and batches.
 
 Axes are sized from `MeshConfig`; their product must equal the number of devices the
 run uses. Params are placed by the sharding table in `dos_jax.train.sharding`
-(Megatron-style attention/MLP split over `tensor`), batches are split over `data`, and
-the optimizer state is sharded over `data` in host memory by dos_jax itself.
+(Megatron-style attention/MLP split over `tensor`, and over `fsdp` for ZeRO-3), batches
+are split over `data` (x `fsdp`), and the optimizer state is sharded over `data` (or
+`fsdp`) in host memory by dos_jax itself (`state_axis`).
+
+The `fsdp` axis exists only when `mesh.fsdp` > 1, so runs without it keep the
+three-axis mesh, specs and programs they had.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dos_jax.train import sharding
 from dos_jax.train.config import MeshConfig
 from dos_jax.train.configlib import ConfigError
 
-AXES = ('data', 'tensor', 'pipeline')
+AXES = sharding.MESH_AXES
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -29,45 +34,73 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
   """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
-  fixed = cfg.tensor * cfg.pipeline
+  fixed = cfg.fsdp * cfg.tensor * cfg.pipeline
+  names = 'data*fsdp*tensor*pipeline' if cfg.fsdp > 1 else 'data*tensor*pipeline'
   data = cfg.data
   if data == -1:
     if n % fixed:
       raise ConfigError(
-          f'mesh: tensor*pipeline = {fixed} does not divide the {n} available device(s)'
+          f'mesh: {names.split("*", 1)[1]} = {fixed} does not divide the {n} available'
+          ' device(s)'
       )
     data = n // fixed
   if data * fixed != n:
+    sizes = [data, cfg.fsdp, cfg.tensor, cfg.pipeline] if cfg.fsdp > 1 else [
+        data, cfg.tensor, cfg.pipeline]
     raise ConfigError(
-        f'mesh: data*tensor*pipeline = {data}*{cfg.tensor}*{cfg.pipeline} = {data * fixed}'
+        f'mesh: {names} = {"*".join(map(str, sizes))} = {data * fixed}'
         f' but {n} device(s) are available; set mesh.data to -1 or sizes that multiply to {n}'
     )
   # Mesh() (not jax.make_mesh) keeps Auto axes: jit propagates shardings from the
   # placed params instead of requiring explicit sharding types on every op.
-  return Mesh(np.asarray(devices, dtype=object).reshape(data, cfg.tensor, cfg.pipeline), AXES)
+  grid = np.asarray(devices, dtype=object)
+  if cfg.fsdp > 1:
+    return Mesh(grid.reshape(data, cfg.fsdp, cfg.tensor, cfg.pipeline), sharding.FSDP_MESH_AXES)
+  return Mesh(grid.reshape(data, cfg.tensor, cfg.pipeline), AXES)
+
+
+def has_fsdp(mesh: Mesh) -> bool:
+  return sharding.FSDP in mesh.axis_names
+
+
+def data_shards(mesh: Mesh) -> int:
+  """How many ways the batch splits: data x fsdp."""
+  return mesh.shape['data'] * (mesh.shape[sharding.FSDP] if has_fsdp(mesh) else 1)
+
+
+def state_axis(mesh: Mesh) -> str:
+  """The mesh axis dos_jax shards the optimizer state over: `data` (ZeRO-1), or with
+  ZeRO-3 `fsdp`, as the params and gradients are (replicated over `data` beside it, as
+  FSDP's hybrid sharding keeps it). One axis of the one mesh: JAX refuses a program
+  whose shardings name different meshes."""
+  return sharding.FSDP if has_fsdp(mesh) else 'data'
 
 
 def param_shardings(mesh: Mesh, params: Any) -> Any:
-  """NamedSharding of every param leaf, from the model's sharding table.
+  """NamedSharding of every param leaf, from the model's sharding table (ZeRO-3 over
+  `fsdp` when the mesh has it).
 
   Raises:
-    ConfigError: a tensor dimension does not split over `mesh.tensor` (names both).
+    ConfigError: a tensor dimension does not split over the mesh (names both).
   """
+  fsdp = has_fsdp(mesh)
+  rules = sharding.ShardingRules.megatron_fsdp() if fsdp else sharding.ShardingRules.megatron()
   try:
-    return sharding.param_shardings(params, mesh, sharding.ShardingRules.megatron())
+    return sharding.param_shardings(params, mesh, rules)
   except ValueError as err:
-    raise ConfigError(f'mesh.tensor: {err}') from None
+    raise ConfigError(f'{"mesh.fsdp/mesh.tensor" if fsdp else "mesh.tensor"}: {err}') from None
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Tokens [batch, seq+1] split over `data`, replicated over the other axes."""
-  return NamedSharding(mesh, sharding.batch_spec())
+  """Tokens [batch, seq+1] split over `data` (x `fsdp`), replicated over the others."""
+  return NamedSharding(mesh, sharding.batch_spec(fsdp=has_fsdp(mesh)))
 
 
 def check_divisible(mesh: Mesh, batch_size: int) -> None:
-  """The global batch must split evenly over the data axis."""
-  data = mesh.shape['data']
-  if batch_size % data:
+  """The global batch must split evenly over the data axes."""
+  shards = data_shards(mesh)
+  if batch_size % shards:
+    axes = 'data x fsdp axes' if has_fsdp(mesh) else 'data axis'
     raise ConfigError(
-        f'data.batch_size: {batch_size} is not divisible by the mesh data axis ({data})'
+        f'data.batch_size: {batch_size} is not divisible by the mesh {axes} ({shards})'
     )

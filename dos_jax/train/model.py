@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from dos_jax import model_shapes
+from dos_jax.train import sharding
 
 Params = dict[str, Any]
 ApplyFn = Callable[[Params, jax.Array], jax.Array]
@@ -208,12 +209,35 @@ class CausalSelfAttention(nnx.Module):
     v_BxLxHxK = jnp.einsum('bld,dhk->blhk', x_BxLxD, self.wv[...].astype(dt))
     q_BxLxHxK = apply_rotary(q_BxLxHxK, sin_LxK2, cos_LxK2)
     k_BxLxHxK = apply_rotary(k_BxLxHxK, sin_LxK2, cos_LxK2)
+    if self.attention == 'cudnn':
+      q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = _sharded_alike(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
     # 'xla': scores and softmax in float32 whatever the input dtype, all L x L of them
     # kept for the backward pass. 'cudnn': the fused flash kernel keeps only the output
     # and the softmax statistics (float32, L per head).
     out_BxLxHxK = jax.nn.dot_product_attention(
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation=self.attention)
     return jnp.einsum('blhk,hkd->bld', out_BxLxHxK, self.wo[...].astype(dt))
+
+
+def _sharded_alike(*xs_BxLxHxK: jax.Array) -> tuple[jax.Array, ...]:
+  """q, k and v pinned to one sharding (batch over the data axes, heads over `tensor`)
+  of the runner's mesh in context (`make_apply(cfg, mesh)`): cuDNN's attention
+  partitions only when the three are sharded alike, which XLA's propagation does not
+  promise (with fsdp it does not give it). No mesh in context (or inside a shard_map's
+  manual axes): left to XLA."""
+  return _constrain(xs_BxLxHxK, lambda batch, tensor: (batch, None, tensor, None))
+
+
+def _constrain(xs, spec_of) -> tuple[jax.Array, ...]:
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = getattr(jax.sharding.AxisType, 'Manual', None)
+  if mesh.empty or any(t == manual for t in mesh.axis_types):
+    return tuple(xs)
+  names = mesh.axis_names
+  batch = tuple(a for a in (sharding.DATA, sharding.FSDP) if a in names) or None
+  tensor = sharding.TENSOR if sharding.TENSOR in names else None
+  spec = jax.sharding.PartitionSpec(*spec_of(batch, tensor))
+  return tuple(jax.lax.with_sharding_constraint(x, spec) for x in xs)
 
 
 class SwiGLU(nnx.Module):
@@ -322,14 +346,18 @@ def init_params(cfg: ModelConfig, seed: int | jax.Array) -> Params:
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def make_apply(cfg: ModelConfig) -> ApplyFn:
-  """The pure forward function `apply(params, tokens_BxL int) -> logits_BxLxV float32`."""
+def make_apply(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None) -> ApplyFn:
+  """The pure forward function `apply(params, tokens_BxL int) -> logits_BxLxV float32`;
+  traced with `mesh` in context when given (cuDNN's attention is then sharded on it)."""
   graphdef, _ = nnx.split(
       nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=jax.random.key(0))))
   )
 
   def apply(params: Params, tokens_BxL: jax.Array) -> jax.Array:
-    return nnx.merge(graphdef, params)(tokens_BxL)
+    if mesh is None:
+      return nnx.merge(graphdef, params)(tokens_BxL)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return nnx.merge(graphdef, params)(tokens_BxL)
 
   return apply
 

@@ -5,7 +5,12 @@ head (column-parallel) and the output projection by head on its input side (row-
 so each device computes whole heads and one all-reduce closes the attention block; the
 SwiGLU gate/up kernels are column-split and down row-split, likewise. Embedding and output
 head are split over the vocabulary. Norm scales are replicated. The batch is split over
-`data`; `pipeline` is reserved (pipeline execution is not implemented yet).
+`data`; `pipeline` splits the layers into stages (dos_jax/train/pipeline.py).
+
+ZeRO-3 (`megatron_fsdp`, MaxText's `fsdp` axis): every matrix is also split over `fsdp`,
+on the dimension the `tensor` split leaves whole (the model width D), and the batch over
+`data` x `fsdp`. jit and the shardings make XLA gather each matrix before it is used and
+reduce-scatter its gradient; no collective is written by hand.
 
 The table is matched against the leaf names `model.py` gives its parameters; a parameter
 the table does not know is an error, never silently replicated.
@@ -22,6 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA, TENSOR, PIPELINE = 'data', 'tensor', 'pipeline'
 MESH_AXES = (DATA, TENSOR, PIPELINE)
+FSDP = 'fsdp'
+# The runner's mesh when `mesh.fsdp` > 1.
+FSDP_MESH_AXES = (DATA, FSDP, TENSOR, PIPELINE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +55,19 @@ class ShardingRules:
   def megatron(cls) -> ShardingRules:
     """Tensor-parallel layout described in the module docstring (the default)."""
     return cls()
+
+  @classmethod
+  def megatron_fsdp(cls) -> ShardingRules:
+    """As `megatron`, and every matrix split over `fsdp` on its model-width (D)
+    dimension: ZeRO-3 beside the tensor split. Norm scales stay replicated (D floats)."""
+    return cls(
+        embedding=P(TENSOR, FSDP),
+        attn_qkv=P(FSDP, TENSOR, None),
+        attn_out=P(TENSOR, None, FSDP),
+        mlp_in=P(FSDP, TENSOR),
+        mlp_out=P(TENSOR, FSDP),
+        head=P(FSDP, TENSOR),
+    )
 
   @classmethod
   def megatron_embed_over_dim(cls) -> ShardingRules:
@@ -116,9 +137,9 @@ def param_specs(params: Any, rules: ShardingRules = ShardingRules()) -> Any:
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def batch_spec() -> P:
-  """Token batches (B, L + 1): rows split over `data`."""
-  return P(DATA, None)
+def batch_spec(fsdp: bool = False) -> P:
+  """Token batches (B, L + 1): rows split over `data` (and `fsdp`, with ZeRO-3)."""
+  return P((DATA, FSDP), None) if fsdp else P(DATA, None)
 
 
 def check_divisible(params: Any, specs: Any, axis_sizes: Mapping[str, int]) -> None:

@@ -77,11 +77,13 @@ def make_optimizer(
     total_steps: int,
     mask: Callable[[Params], Any] | None = None,
     platform: Any = None,
+    data_axis: str = 'data',
 ) -> optax.GradientTransformation:
   """AdamW from the config: dos_jax's offloaded one, or plain `optax.adamw` when
   `offload` is None or its policy is 'none' (the baseline: state in device memory).
   `mask` (default `decay_mask`) says which leaves get weight decay. `platform` (a
   `dos_jax.Platform`, default the backend's) picks the program dos_jax builds.
+  `data_axis` is the params' mesh axis that shards the state ('fsdp' for ZeRO-3).
 
   Clipping is not part of the optimizer: the step computes the global norm once (it is
   also reported) and hands the clip factor to the dos_jax update as `grad_scale` (see
@@ -98,15 +100,16 @@ def make_optimizer(
   )
   if offload is None or offload.placement is None:
     return optax.adamw(**kwargs)
-  return dos_jax.adamw(**kwargs, offload=make_offload(offload, platform))
+  return dos_jax.adamw(**kwargs, offload=make_offload(offload, platform, data_axis))
 
 
-def make_offload(cfg: OffloadConfig, platform: Any = None) -> Any:
+def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'data') -> Any:
   """The `dos_jax.Offload` value for the configured policy, subgroup size and storage;
-  `platform` as in `make_optimizer`."""
+  `platform` and `data_axis` as in `make_optimizer`."""
   kwargs = {} if cfg.subgroup_size is None else {'subgroup_size': cfg.subgroup_size}
   storage = None if cfg.storage is None else dos_jax.Storage(cfg.storage)
-  return dos_jax.Offload(policy=cfg.placement, storage=storage, platform=platform, **kwargs)
+  return dos_jax.Offload(policy=cfg.placement, storage=storage, platform=platform,
+                         data_axis=data_axis, **kwargs)
 
 
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:

@@ -200,11 +200,14 @@ def build(
       raise ValueError('a pipelined run builds one optimizer per stage from the config')
     return pipeline_run.build(cfg, devices=devices, dataset_dir=dataset_dir)
   apply, params = model_lib.build_model(cfg.model, cfg.train.seed)
+  if mesh.size > 1:  # cuDNN's attention needs q, k and v sharded alike on the mesh
+    apply = model_lib.make_apply(cfg.model, mesh)
   param_shardings = mesh_lib.param_shardings(mesh, params)
   params = jax.device_put(params, param_shardings)
   budget_auto(cfg, list(mesh.devices.flat))
   if tx is None:
-    tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps)
+    tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
+                                 data_axis=mesh_lib.state_axis(mesh))
   opt_state = tx.init(params)
   state_shardings = step_lib.state_shardings(opt_state, mesh)
   compiler_options = step_lib.compiler_options_for(mesh.devices.flat[0].platform)
