@@ -112,3 +112,15 @@ def test_remat_shrinks_the_activations(capsys):
     _, out, _ = run(capsys, '--model', '7b', flag)
     acts[flag] = float(re.search(r'activations ~([\d.]+) GiB', out).group(1))
   assert acts['--remat'] < acts['--no-remat'] / 4
+
+
+@pytest.mark.parametrize('name, devices', [
+    ('paper/7b.yaml', 4), ('paper/13b.yaml', 4), ('paper/20b.yaml', 4), ('7b-1gpu.yaml', 1)])
+def test_the_papers_configs_fit_the_h100_profile(capsys, name, devices):
+  """The configs' own settings (fsdp x data devices, micro-batch, attention, remat) are
+  what is planned, and they fit."""
+  config = __import__('pathlib').Path(__file__).parents[1] / 'configs' / name
+  code, out, _ = run(capsys, '--config', str(config), '--profile', 'h100-pcie5')
+  assert code == 0, out
+  assert 'sequences of 2048 tokens, micro-batch 1, cudnn attention, no remat' in out
+  assert f'{devices} device(s) per node' in out
