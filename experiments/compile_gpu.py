@@ -20,6 +20,16 @@ version) and the project installed; runs on CPU (it sets JAX_PLATFORMS=cpu).
   python experiments/compile_gpu.py --target h100_sxm --policy stride --json out.json
   python experiments/compile_gpu.py --target h200 --policy device_fraction --dtype float32
   python experiments/compile_gpu.py --program update --policy stride --default-schedule
+  python experiments/compile_gpu.py --config configs/paper/20b.yaml --devices 4 \
+      --extrapolate 2,4 --json out.json
+
+`--devices N` compiles the step over the config's mesh of N GPUs (ZeRO-3 over `fsdp`
+included), one SPMD partition each, from abstract arguments (nothing is allocated, so a
+20B model needs no 20B of memory here); `device_peak_bytes` is then one GPU's.
+`--extrapolate A,B` compiles A and B layers of the config's shape instead of all of them
+and extends the device peak linearly per layer to the config's depth (both points are
+in the report). With `--config`, the policy, dtype and subgroup size are the config's
+unless given.
 
 On a machine with a GPU, `--run N` instead compiles the runner's step for that GPU through
 JAX (with the options the runner uses there), reports the same schedule facts from the
@@ -50,11 +60,18 @@ def _parse(argv):
                       help='run config YAML (default: the packaged tiny config)')
   parser.add_argument('--set', dest='overrides', action='append', default=[],
                       metavar='KEY=VALUE', help='config override, as for dos-jax train')
-  parser.add_argument('--policy', choices=POLICIES, default='stride')
-  parser.add_argument('--dtype', choices=('bfloat16', 'float32'), default='bfloat16',
-                      help='parameter dtype (bf16 params keep an fp32 master)')
+  parser.add_argument('--policy', choices=POLICIES, default=None,
+                      help='default: the config\'s, else stride')
+  parser.add_argument('--dtype', choices=('bfloat16', 'float32'), default=None,
+                      help='parameter dtype (bf16 params keep an fp32 master); default: the'
+                      ' config\'s, else bfloat16')
   parser.add_argument('--storage', choices=('stacked', 'per_subgroup'), default=None)
-  parser.add_argument('--subgroup-size', type=int, default=65536)
+  parser.add_argument('--subgroup-size', type=int, default=None,
+                      help='default: the config\'s, else 65536')
+  parser.add_argument('--devices', type=int, default=1,
+                      help='GPUs of the mesh (the config\'s mesh axes must fit them)')
+  parser.add_argument('--extrapolate', default=None, metavar='A,B',
+                      help='compile A and B layers and extrapolate the peak per layer')
   parser.add_argument('--no-clip', action='store_true',
                       help='no global-norm clipping (default: clip at 1.0)')
   parser.add_argument('--default-schedule', action='store_true',
@@ -66,14 +83,66 @@ def _parse(argv):
   return parser.parse_args(argv)
 
 
-def _config(args):
+def _config(args, extra=()):
   from dos_jax.train import config as config_lib
-  overrides = [f'offload.policy={args.policy}', f'model.param_dtype={args.dtype}',
-               f'offload.subgroup_size={args.subgroup_size}',
-               f'optim.clip_norm={"null" if args.no_clip else 1.0}']
+  given = args.config is not None  # a config's own settings stand unless a flag is given
+  defaults = {'policy': None if given else 'stride', 'dtype': None if given else 'bfloat16',
+              'subgroup_size': None if given else 65536}
+  pick = lambda name: getattr(args, name) or defaults[name]
+  overrides = []
+  if pick('policy'):
+    overrides.append(f'offload.policy={pick("policy")}')
+  if pick('dtype'):
+    overrides.append(f'model.param_dtype={pick("dtype")}')
+  if pick('subgroup_size'):
+    overrides.append(f'offload.subgroup_size={pick("subgroup_size")}')
+  if args.no_clip or not given:
+    overrides.append(f'optim.clip_norm={"null" if args.no_clip else 1.0}')
   if args.storage:
     overrides.append(f'offload.storage={args.storage}')
-  return config_lib.load(args.config, overrides + args.overrides)
+  return config_lib.load(args.config, overrides + args.overrides + list(extra))
+
+
+def _sharded(args, target, options) -> dict:
+  """`--devices N`: the step over the config's mesh of N GPUs, all layers or
+  `--extrapolate A,B` layers extended linearly to the config's depth."""
+  import jax
+  from dos_jax.planner import step_memory
+  from dos_jax.train import gpu_program
+  devices = jax.devices()[:args.devices]
+  if len(devices) < args.devices:
+    raise ValueError(f'--devices {args.devices}: only {len(devices)} CPU devices')
+  cfg = _config(args)
+  depth = cfg.model.shape().n_layers
+  counts = [depth] if not args.extrapolate else [int(x) for x in args.extrapolate.split(',')]
+  points = []
+  for layers in counts:
+    layer_cfg = _config(args, [f'model.n_layers={layers}'])
+    start = time.perf_counter()
+    program = gpu_program.compile_sharded_step(layer_cfg, devices, target,
+                                               compiler_options=options)
+    points.append({'layers': layers, 'compile_s': round(program.compile_s, 1),
+                   'build_and_compile_s': round(time.perf_counter() - start, 1),
+                   'device_peak_bytes': program.memory.device_peak_bytes,
+                   'memory': dataclasses.asdict(program.memory),
+                   'predicted_device_bytes': step_memory.predict_step(
+                       layer_cfg, devices=args.devices).device_bytes,
+                   **{k: v for k, v in program.schedule.summary().items()
+                      if k != 'device_work_inside_host_call'}})
+    print(f'compiled {layers} layers over {args.devices} GPUs: peak'
+          f' {points[-1]["device_peak_bytes"] / 2**30:.2f} GiB per GPU in'
+          f' {points[-1]["build_and_compile_s"]:.0f} s', file=sys.stderr, flush=True)
+  if len(points) == 1:
+    peak = points[0]['device_peak_bytes']
+    how = 'compiled'
+  else:
+    (a, pa), (b, pb) = [(p['layers'], p['device_peak_bytes']) for p in points[:2]]
+    peak = pa + (depth - a) * (pb - pa) / (b - a)
+    how = f'extrapolated per layer from {a} and {b} layers'
+  predicted = step_memory.predict_step(cfg, devices=args.devices).device_bytes
+  return {'devices': args.devices, 'layers': depth, 'device_peak_bytes': int(peak),
+          'device_peak_how': how, 'predicted_device_bytes': int(predicted),
+          'predicted_over_compiled': round(predicted / peak, 3), 'points': points}
 
 
 def _update_program(cfg, target, options):
@@ -151,6 +220,9 @@ def main(argv=None) -> int:
   args = _parse(argv)
   if not args.run:
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # compile-only: no GPU is looked for
+    if args.devices > 1:  # the mesh's devices, before JAX starts its CPU backend
+      os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                                 f' --xla_force_host_platform_device_count={args.devices}')
   import jax
   from dos_jax import dataflow
   from dos_jax.train import gpu_program
@@ -163,12 +235,13 @@ def main(argv=None) -> int:
     if args.run < 1:
       print('compile_gpu: error: --run needs a positive number of steps', file=sys.stderr)
       return 2
-    report = {'policy': args.policy, 'dtype': args.dtype, 'jax': jax.__version__,
-              **_run_here(args, _config(args))}
+    cfg = _config(args)
+    report = {'policy': cfg.offload.policy, 'dtype': cfg.model.param_dtype,
+              'jax': jax.__version__, **_run_here(args, cfg)}
     if args.json:
       with open(args.json, 'w', encoding='utf-8') as f:
         json.dump(report, f, indent=1)
-    print(f'SUMMARY {args.policy} {args.dtype} step on {report["device"]} '
+    print(f'SUMMARY {report["policy"]} {report["dtype"]} step on {report["device"]} '
           f'({report["backend"]}): median {report["median_step_s"] * 1e3:.2f} ms over '
           f'{args.run} steps, {report["tokens_per_s"]:.0f} tokens/s, compiled in '
           f'{report["compile_s"]:.1f} s'
@@ -181,8 +254,23 @@ def main(argv=None) -> int:
   if not available:
     print(f'compile_gpu: error: {why}', file=sys.stderr)
     return 2
-  cfg = _config(args)
   options = {} if args.default_schedule else dict(dataflow.GPU_COMPILER_OPTIONS)
+  if args.devices > 1 or args.extrapolate:
+    try:
+      report = {'target': target.value, 'config': args.config, 'jax': jax.__version__,
+                'compiler_options': options, **_sharded(args, target, options)}
+    except ValueError as e:
+      print(f'compile_gpu: error: {e}', file=sys.stderr)
+      return 2
+    if args.json:
+      with open(args.json, 'w', encoding='utf-8') as f:
+        json.dump(report, f, indent=1)
+    print(f'SUMMARY step over {args.devices} {target.value}: device peak'
+          f' {report["device_peak_bytes"] / 1e9:.1f} GB per GPU ({report["device_peak_how"]});'
+          f' planner {report["predicted_device_bytes"] / 1e9:.1f} GB'
+          f' ({report["predicted_over_compiled"]:.3f}x)')
+    return 0
+  cfg = _config(args)
   start = time.perf_counter()
   if args.program == 'step':
     program = gpu_program.compile_step(cfg, target, compiler_options=options)
@@ -191,9 +279,10 @@ def main(argv=None) -> int:
   wall_s = time.perf_counter() - start
   summary = program.schedule.summary()
   report = {
-      'target': target.value, 'program': args.program, 'policy': args.policy,
-      'dtype': args.dtype, 'storage': args.storage, 'clip': not args.no_clip,
-      'subgroup_size': args.subgroup_size, 'compiler_options': options,
+      'target': target.value, 'program': args.program, 'policy': cfg.offload.policy,
+      'dtype': cfg.model.param_dtype, 'storage': args.storage,
+      'clip': cfg.optim.clip_norm is not None,
+      'subgroup_size': cfg.offload.subgroup_size, 'compiler_options': options,
       'model': cfg.model.preset, 'jax': jax.__version__,
       'native_host_kernel': program.native_host_kernel,
       'compile_s': round(program.compile_s, 3), 'build_and_compile_s': round(wall_s, 3),
@@ -208,7 +297,7 @@ def main(argv=None) -> int:
       f.write(program.hlo_text)
   mib = lambda b: f'{b / 2**20:.1f} MiB'
   m = program.memory
-  print(f'SUMMARY {args.program} {args.policy} {args.dtype} on {target.value} '
+  print(f'SUMMARY {args.program} {cfg.offload.policy} {cfg.model.param_dtype} on {target.value} '
         f'(jax {jax.__version__}, {"default" if args.default_schedule else "dos_jax"} '
         f'schedule): compiled in {program.compile_s:.1f} s')
   print(f'  gradient copies overlapping compute: '

@@ -94,22 +94,42 @@ def _subgroup_size(cfg) -> int:
   return dos_jax.Offload().subgroup_size
 
 
-def predict_step(cfg, plan: Plan | None = None) -> StepMemory:
-  """Predicted memory of the runner's compiled step for `cfg` on one device.
+def _mesh_sizes(cfg, devices: int) -> tuple[int, int, int]:
+  """`(data, fsdp, tensor)` of `cfg.mesh` over `devices` (data -1: what the rest leave)."""
+  mesh = cfg.mesh
+  data = mesh.data if mesh.data > 0 else max(
+      devices // (mesh.fsdp * mesh.tensor * mesh.pipeline), 1)
+  return data, mesh.fsdp, mesh.tensor
+
+
+def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
+  """Predicted memory of the runner's compiled step for `cfg` on one device of a mesh
+  of `devices` (`cfg.mesh`'s axes; pipeline stages are not modelled).
+
+  Over a mesh: params and gradients split over fsdp x tensor (the norm scales, whole
+  everywhere, are neglected), the state over its axis (fsdp with ZeRO-3, else data),
+  the batch over data x fsdp; tensor parallelism's split of the activations is not
+  modelled. With fsdp, the backward pass also holds one layer's gathered matrices and
+  their gradient before it is reduce-scattered, both in the compute dtype.
 
   Args:
-    cfg: a `dos_jax.train.config.RunConfig` (one device: no data or tensor split).
+    cfg: a `dos_jax.train.config.RunConfig`.
     plan: the placement; default the configured policy's plan for the packed state
       (give it for `Auto`, whose plan needs a hardware profile).
+    devices: the mesh's device count (1: one device, no split).
   """
   shape = cfg.model.shape()
-  spec = run_spec(cfg)
+  data, fsdp, tensor = _mesh_sizes(cfg, devices) if devices > 1 else (1, 1, 1)
+  state_shards = fsdp if fsdp > 1 else data
+  spec = run_spec(cfg, state_shards)
   if plan is None:
     plan = cfg.offload.placement.plan(spec)
-  _, rows = packed_rows(shape, spec.subgroup_size)
-  s, b = cfg.data.seq_len, cfg.data.batch_size
+  _, rows = packed_rows(shape, spec.subgroup_size, state_shards)
+  s, b = cfg.data.seq_len, max(cfg.data.batch_size // (data * fsdp), 1)
   pb = gb = spec.param_bytes_per_element
-  sb, size, n = spec.state_bytes_per_element, spec.subgroup_size, spec.num_elements
+  sb = spec.state_bytes_per_element
+  size = spec.subgroup_size // state_shards  # a row's elements on one device
+  n = shape.num_params() // (fsdp * tensor)  # params (and gradients) on one device
   tokens = 4 * b * (s + 1)
   resident = sb * size * len(plan.resident)
   arguments = n * pb + tokens + resident
@@ -118,8 +138,11 @@ def predict_step(cfg, plan: Plan | None = None) -> StepMemory:
   acts = memory.activation_bytes(shape, seq_len=s, micro_batch=b,
                                  compute_bytes=compute_bytes, remat=bool(cfg.model.remat),
                                  attention=cfg.model.attention_impl('gpu'))
+  matrices = (shape.num_params() - shape.vocab_size * shape.dim) // tensor
   if pb != compute_bytes:  # the matrices cast to the compute dtype, kept for the backward
-    acts += (n - shape.vocab_size * shape.dim) * compute_bytes
+    acts += matrices // fsdp * compute_bytes
+  if fsdp > 1:  # one layer gathered, and its gradient before the reduce-scatter
+    acts += 2 * matrices // shape.n_layers * compute_bytes
   dev_rows = (len(plan.device) + len(plan.resident)) * size
   own_master = 0 if pb < 4 else pb  # fp32 params are packed with their gradients
   # Packing the device-bound gradients: the leaves, the flat concatenation and its rows
@@ -131,7 +154,7 @@ def predict_step(cfg, plan: Plan | None = None) -> StepMemory:
   loop = dev_rows * (gb + own_master) + streamed + spec.num_subgroups * size * pb
   update = max(packing, loop)
 
-  host_elements = sum(rows[i] for i in plan.host)
+  host_elements = sum(rows[i] for i in plan.host) // state_shards
   pulled = gb + (0 if pb < 4 else pb)  # fp32 params are their own master: pulled too
   # The host update writes the state in its argument's buffer (`fused.host_region_update`):
   # the host temporaries are what it reads, the gradient pieces (and fp32 params).

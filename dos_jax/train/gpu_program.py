@@ -8,6 +8,12 @@ array of the configured shape). It is then compiled for a GPU target with the op
 the runner uses on a GPU (`step.compiler_options_for('gpu')`), via
 `dos_jax.dataflow.compile_for_gpu`: the scheduled program, its memory and the schedule
 facts, with no GPU present.
+
+`build_sharded_step` / `compile_sharded_step` do the same over the config's mesh of
+several devices (ZeRO-3 over `fsdp` included) with abstract arguments
+(`jax.ShapeDtypeStruct`s with their shardings and memory kinds, the state's from
+`dos_jax.abstract_state`): nothing is allocated, so a 20B-parameter step can be built on
+a machine with a fraction of its memory.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 import dos_jax
 from dos_jax import dataflow
 from dos_jax.dataflow import compile as compile_lib
+from dos_jax.train import mesh as mesh_lib
 from dos_jax.train import model as model_lib
 from dos_jax.train import step as step_lib
 from dos_jax.train.config import RunConfig
@@ -71,6 +79,50 @@ def compile_step(cfg: RunConfig, target: dataflow.GpuTarget | str = 'h100_sxm',
       else compiler_options
   native = compile_lib.prepare(target)  # before tracing: the kernel goes in host regions
   program = build_step(cfg)
+  lowered = dataflow.lower_for_gpu(
+      program.step, program.params, program.opt_state, program.tokens,
+      target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
+  return compile_lib.compile_lowered(lowered, target, options, native_host_kernel=native)
+
+
+def _gpu_model(cfg: RunConfig) -> model_lib.ModelConfig:
+  return dataclasses.replace(cfg.model, attention=cfg.model.attention_impl('gpu'))
+
+
+def build_sharded_step(cfg: RunConfig, devices, compiler_options: Any = None) -> StepProgram:
+  """The runner's fused step for `cfg` over its mesh of `devices` (as `trainer.build`
+  places it: the sharding table, ZeRO-3 over `fsdp`, the state over `mesh.state_axis`), as
+  the accelerator program, with abstract arguments: nothing is allocated."""
+  model_cfg = _gpu_model(cfg)
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  mesh_lib.check_divisible(mesh, cfg.data.batch_size)
+  apply = model_lib.make_apply(model_cfg, mesh)
+  shapes = jax.eval_shape(lambda: model_lib.init_params(model_cfg, 0))
+  param_shardings = mesh_lib.param_shardings(mesh, shapes)
+  params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        shapes, param_shardings)
+  tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
+                               platform=dos_jax.Platform.GPU,
+                               data_axis=mesh_lib.state_axis(mesh))
+  opt_state = dos_jax.abstract_state(tx, params)
+  state_shardings = step_lib.state_shardings(opt_state, mesh)
+  step = step_lib.make_train_step(
+      apply, model_lib.loss_fn, tx, clip_norm=cfg.optim.clip_norm,
+      param_shardings=param_shardings, state_shardings=state_shardings,
+      compiler_options=compiler_options)
+  tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
+                                sharding=mesh_lib.batch_sharding(mesh))
+  return StepProgram(step=step.jitted, params=params, opt_state=opt_state, tokens=tokens)
+
+
+def compile_sharded_step(cfg: RunConfig, devices, target: dataflow.GpuTarget | str = 'h100_sxm',
+                         compiler_options: Any = None) -> dataflow.CompiledGpuProgram:
+  """`build_sharded_step` compiled for `len(devices)` GPUs of `target`, one SPMD
+  partition each (the result's HLO and memory are one device's)."""
+  options = step_lib.compiler_options_for('gpu') if compiler_options is None \
+      else compiler_options
+  native = compile_lib.prepare(target)
+  program = build_sharded_step(cfg, devices)
   lowered = dataflow.lower_for_gpu(
       program.step, program.params, program.opt_state, program.tokens,
       target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
