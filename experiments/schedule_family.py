@@ -26,16 +26,17 @@ FAMILY = tuple(itertools.product((2, 5, 8, 16), (256, 1024, 4096)))
 QUICK = ((2, 1024), (5, 512), (8, 1024), (16, 256))
 
 
-def facts(num_layers: int, width: int, storage: str, dtype: str) -> dict:
+def facts(num_layers: int, width: int, storage: str, dtype: str, chunks: int = 0) -> dict:
   from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
   from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
   dataflow.compile.prepare()
-  fn, args, jit_kwargs = probes.mlp_step(num_layers, width, dtype=dtype, storage=storage)
+  fn, args, jit_kwargs = probes.mlp_step(num_layers, width, dtype=dtype, storage=storage,
+                                     chunks=chunks)
   program = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
   s = program.schedule
   copies = s.gradient_copies()
   return dict(
-      layers=num_layers, width=width, storage=storage, dtype=dtype,
+      layers=num_layers, width=width, storage=storage, dtype=dtype, chunks=chunks,
       host_calls=[[c.start, c.done] for c in s.host_calls],
       device_updates=len(s.device_updates()),
       outside_host_calls=len(s.device_updates_outside_host_calls()),
@@ -53,13 +54,14 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
   parser.add_argument('--quick', action='store_true', help=f'only {QUICK}')
   parser.add_argument('--dtypes', default='bfloat16,float32')
+  parser.add_argument('--chunks', type=int, default=0, help='Offload.chunks')
   args = parser.parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
   print(json.dumps({'jax': jax.__version__}), flush=True)
   shapes = QUICK if args.quick else FAMILY
   for (layers, width), storage, dtype in itertools.product(
       shapes, ('stacked', 'per_subgroup'), args.dtypes.split(',')):
-    print(json.dumps(facts(layers, width, storage, dtype)), flush=True)
+    print(json.dumps(facts(layers, width, storage, dtype, args.chunks)), flush=True)
   return 0
 
 
