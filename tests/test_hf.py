@@ -95,6 +95,21 @@ def test_export_then_from_pretrained_gives_identical_tensors(tmp_path, dtype, sh
   assert back.config.rope_scaling['rope_type'] == 'llama3'
 
 
+def test_runner_places_each_tensor_on_its_own_devices(tmp_path):
+  # GQA 4/2 heads over mesh data=4 x tensor=2 (8 virtual CPU devices): the runner's
+  # import gives each device its own slice of whole KV groups, equal to hf.load's.
+  from dos_jax.train import config, mesh, trainer  # pylint: disable=import-outside-toplevel
+  make_reference(tmp_path, seed=6, kv_heads=2)
+  _, want = hf.load(str(tmp_path))
+  cfg = config.RunConfig(model=model.ModelConfig(from_hf=str(tmp_path)),
+                         mesh=config.MeshConfig(data=4, tensor=2))
+  params, _ = trainer.hf_params(cfg, mesh.make_mesh(cfg.mesh, jax.devices()[:8]))
+  wk = params['blocks']['0']['attn']['wk']
+  assert {s.data.shape for s in wk.addressable_shards} == {(64, 1, 16)}
+  jax.tree.map(lambda got, host: np.testing.assert_array_equal(np.asarray(got), host),
+               params, want)
+
+
 def test_save_is_atomic_and_refuses_a_used_folder(tmp_path, monkeypatch):
   cfg = model.ModelConfig(preset='tiny', n_kv_heads=2)
   params = model.init_params(cfg, 0)
