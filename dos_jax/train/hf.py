@@ -5,9 +5,10 @@
 `save(cfg, params, folder)` writes one that `transformers` loads. With
 `dos_jax.train.model.make_apply` that is three lines from a checkpoint to logits:
 
+  >>> import jax, numpy as np
   >>> from dos_jax.train import hf, model
   >>> cfg, params = hf.load('Llama-3.2-1B', compute_dtype='float32')
-  >>> logits_BxLxV = jax.jit(model.make_apply(cfg))(params, tokens_BxL)
+  >>> logits_BxLxV = jax.jit(model.make_apply(cfg))(params, np.array([[128000, 9906]]))
 
 Files are read one tensor at a time with the `safetensors` package's `pread` backend (no
 memory map whose pages would stay resident), each cast to `param_dtype` and handed to
