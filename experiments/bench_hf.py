@@ -3,7 +3,7 @@ pretraining run whose first loss is checked against transformers (RESULTS.md, is
 
   python experiments/bench_hf.py make DIR [--shape llama3.2-1b] [--dtype bfloat16] [--kv-heads G]
   /usr/bin/time -v python experiments/bench_hf.py load DIR [--runner]
-  /usr/bin/time -v python experiments/bench_hf.py save DIR OUT
+  /usr/bin/time -v python experiments/bench_hf.py save DIR OUT [--consume]
   python experiments/bench_hf.py cpt DIR RUN_DIR [--steps 100]
 
 `make` writes a random LlamaForCausalLM of a preset's shape with transformers
@@ -91,10 +91,10 @@ def save(args) -> dict:
   cfg, params = hf.load(args.dir)
   after_load = _peak_rss()
   t0 = time.perf_counter()
-  hf.save(cfg, params, args.out)
+  hf.save(cfg, params, args.out, consume=args.consume)
   seconds = time.perf_counter() - t0
   size = _file_bytes(args.out)
-  return {'save_s': seconds, 'file_bytes': size, 'files': sorted(os.listdir(args.out)),
+  return {'consume': args.consume, 'save_s': seconds, 'file_bytes': size, 'files': sorted(os.listdir(args.out)),
           'peak_rss_after_load': after_load, 'peak_rss': _peak_rss(),
           'peak_over_file': _peak_rss() / size}
 
@@ -146,6 +146,8 @@ def main() -> None:
   p = sub.add_parser('save')
   p.add_argument('dir')
   p.add_argument('out')
+  p.add_argument('--consume', action='store_true',
+                 help='free each param once converted (what export-hf does)')
   p = sub.add_parser('cpt')
   p.add_argument('dir')
   p.add_argument('run_dir')

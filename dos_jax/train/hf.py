@@ -225,7 +225,7 @@ def _headers(folder: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
 
 def save(cfg: model_lib.ModelConfig, params: Any, folder: str, *,
          max_shard_bytes: int = MAX_SHARD_BYTES, extra_files: tuple[str, ...] = (),
-         max_position_embeddings: int | None = None) -> None:
+         max_position_embeddings: int | None = None, consume: bool = False) -> None:
   """Writes `params` of model `cfg` as a Hugging Face LlamaForCausalLM folder.
 
   Atomic: everything goes into a temporary folder beside `folder`, renamed to it once
@@ -239,6 +239,8 @@ def save(cfg: model_lib.ModelConfig, params: Any, folder: str, *,
     max_shard_bytes: files above this size are split into shards with an index.
     extra_files: files copied in beside the weights (tokenizer files).
     max_position_embeddings: recorded in config.json (default `cfg.max_seq_len`).
+    consume: delete each leaf from `params` (a nested dict, emptied) once converted, so
+      the host holds each tensor once, not the params beside the file being written.
 
   Example:
     >>> cfg = model.ModelConfig(preset='tiny', compute_dtype='float32')
@@ -251,7 +253,8 @@ def save(cfg: model_lib.ModelConfig, params: Any, folder: str, *,
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(folder)}.tmp-', dir=parent)
   try:
-    _write(cfg, params, tmp, max_shard_bytes, max_position_embeddings or cfg.max_seq_len)
+    _write(cfg, params, tmp, max_shard_bytes, max_position_embeddings or cfg.max_seq_len,
+           consume)
     for path in extra_files:
       shutil.copy2(path, os.path.join(tmp, os.path.basename(path)))
     os.replace(tmp, folder)
@@ -260,7 +263,8 @@ def save(cfg: model_lib.ModelConfig, params: Any, folder: str, *,
     raise
 
 
-def _write(cfg, params, folder: str, max_shard_bytes: int, max_positions: int) -> None:
+def _write(cfg, params, folder: str, max_shard_bytes: int, max_positions: int,
+           consume: bool) -> None:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
   dtype = np.dtype(cfg.param_jnp_dtype)
@@ -271,10 +275,12 @@ def _write(cfg, params, folder: str, max_shard_bytes: int, max_positions: int) -
   for name, shard in zip(names, shards):
     arrays = {}
     for t in shard:
-      leaf = params
-      for key in t.path:
-        leaf = leaf[key]
+      node = params
+      for key in t.path[:-1]:
+        node = node[key]
+      leaf = node.pop(t.path[-1]) if consume else node[t.path[-1]]
       array = np.ascontiguousarray(t.to_hf(np.asarray(leaf)), dtype=dtype)
+      del leaf
       if array.shape != t.hf_shape:
         raise ValueError(f'params{list(t.path)}: shape {np.shape(leaf)} does not fit the'
                          f' config (as {t.name!r}: {array.shape}, expected {t.hf_shape})')

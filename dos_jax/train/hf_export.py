@@ -110,7 +110,7 @@ def export(run_dir: str, out: str, step: int | None = None, *,
       raise ConfigError(f'--step {step}: {err}') from None
   extra = tokenizer_files(cfg, stream)
   params = restore_params(cfg.model, directory, step)
-  hf.save(cfg.model, params, out, extra_files=extra)
+  hf.save(cfg.model, params, out, extra_files=extra, consume=True)
   print(f'wrote {out}: step {step} of {run_dir} as a LlamaForCausalLM'
         f'{" with its tokenizer" if extra else ""}', file=stream)
   return out
