@@ -125,6 +125,10 @@ class ModelConfig:
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(
           f'ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}')
+    heads = self.n_heads or (model_shapes.PRESETS[self.preset].n_heads if self.preset else 0)
+    if self.n_kv_heads is not None and heads and heads % self.n_kv_heads:
+      raise ValueError(
+          f'ModelConfig.n_kv_heads: {self.n_kv_heads} must divide n_heads ({heads})')
     shape = self.shape()  # Checks the resolved sizes together.
     if shape.head_dim % 2:
       raise ValueError(
