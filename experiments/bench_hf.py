@@ -50,7 +50,8 @@ def make(args) -> dict:
                     'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192})
   torch.manual_seed(args.seed)
   t0 = time.perf_counter()
-  model = transformers.LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+  torch.set_default_dtype(getattr(torch, args.dtype))  # Drawn in it: no float32 copy.
+  model = transformers.LlamaForCausalLM(config)
   model.save_pretrained(args.dir)
   return {'made': args.dir, 'shape': args.shape, 'dtype': args.dtype, 'seed': args.seed,
           'params': sum(p.numel() for p in model.parameters()),

@@ -252,6 +252,9 @@ def save(cfg: model_lib.ModelConfig, params: Any, folder: str, *,
   parent = os.path.dirname(folder)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(folder)}.tmp-', dir=parent)
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would stay on the renamed folder.
   try:
     _write(cfg, params, tmp, max_shard_bytes, max_position_embeddings or cfg.max_seq_len,
            consume)
