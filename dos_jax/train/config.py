@@ -226,6 +226,12 @@ class RunConfig:
           f'data.batch_size: {self.data.batch_size} is not divisible by mesh.data'
           f' ({self.mesh.data})'
       )
+    if self.mesh.pipeline > 1 and self.model.shape().tie_embeddings:
+      raise ValueError('model.tie_embeddings: a pipelined run (mesh.pipeline > 1) needs an'
+                       ' untied output head on its last stage')
+    if self.mesh.pipeline > 1 and self.model.from_hf is not None:
+      raise ValueError('model.from_hf: a pipelined run (mesh.pipeline > 1) cannot start from'
+                       ' a Hugging Face checkpoint yet')
     if self.train.microbatches > 1 and self.mesh.pipeline == 1:
       raise ValueError(
           f'train.microbatches: {self.train.microbatches} needs mesh.pipeline > 1'
