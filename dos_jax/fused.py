@@ -210,9 +210,15 @@ STATE_RESULT_PLATFORMS = ('cpu',)
 
 def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
                        adam_scalars: AdamWScalars, grad_pieces, param_pieces, runs,
-                       num_threads: int | None = None, inputs_sink: list | None = None):
+                       num_threads: int | None = None, inputs_sink: list | None = None,
+                       link=None):
   """The host tier in one native call inside a host region (the accelerator program);
-  returns (stacked, out rows in device memory).
+  returns (stacked, out rows in device memory, link token in device memory).
+
+  `link` (a `(1,)` float32 zero in host memory, or None): the previous chunk's link,
+  read by the kernel call through its row indices, so that XLA keeps this region its
+  own host call (see `dos_jax.chunked`). The token returned is computed from the out
+  rows, in device memory.
 
   `grad_pieces` (and `param_pieces` for fp32 params) are the tier's `partition.Piece`
   runs, already in host memory: the kernel reads them at their offsets in the tier's
@@ -232,8 +238,7 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
   must, and the caller's state array is overwritten as well. On the platforms in
   `STATE_RESULT_PLATFORMS` the region returns the state as before.
   """
-  num_rows = stacked[0].shape[0]
-  rows_h = paths.to_host(jnp.arange(num_rows, dtype=jnp.int32))
+  rows_h = paths.to_host(jnp.arange(stacked[0].shape[0], dtype=jnp.int32))
   # Array scalars (schedule value, bias corrections, clip factor) cross too; Python
   # floats stay Python floats (closed over, never traced), which `AdamWScalars` rounds
   # as optax does.
@@ -245,32 +250,38 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
 
-  def run(state, grad_pieces, param_pieces, rows_h, arrays_h, state_in_arg=False):
+  def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, state_in_arg=False):
     it = iter(arrays_h)
     scalars_h = scalar_tree.unflatten(
         [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
-    return host_adamw_rows.adamw_host_leaves(
+    if link is not None:  # exactly zero: the indices do not change
+      rows_h = rows_h + link[0].astype(rows_h.dtype)
+    result = host_adamw_rows.adamw_host_leaves(
         state, grad_pieces, param_pieces, rows_h, scalars_h, state_in_arg=state_in_arg,
         **kernel_args)
+    new_state, out = (None, result) if state_in_arg else result
+    token = out[:1, :1].reshape(1).astype(jnp.float32)
+    return (out, token) if state_in_arg else (new_state, out, token)
 
-  args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h)
+  args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h, link)
   if inputs_sink is not None:
     inputs_sink.extend(jax.tree.leaves(args[1:]))
-
-  def run_in_arg(*args):
-    return run(*args, state_in_arg=True)
+  spaces = (paths.HOST, paths.DEVICE)
 
   def in_place(*args):
-    out_h = paths.put(paths.host_region(run_in_arg)(*args), paths.DEVICE)
-    return jax.lax.optimization_barrier((args[0], out_h))
+    out_h, token = paths.host_region(lambda *a: run(*a, state_in_arg=True),
+                                     out_spaces=spaces)(*args)
+    out = paths.put(out_h, paths.DEVICE)
+    new_state, out = jax.lax.optimization_barrier((args[0], out))
+    return new_state, out, token
 
   def with_result(*args):
-    new_state, out_h = paths.host_region(run)(*args)
-    return new_state, paths.put(out_h, paths.DEVICE)
+    new_state, out_h, token = paths.host_region(run, out_spaces=(paths.HOST,) + spaces)(*args)
+    return new_state, paths.put(out_h, paths.DEVICE), token
 
   branches = {platform: with_result for platform in STATE_RESULT_PLATFORMS}
-  new_state, out_h = jax.lax.platform_dependent(*args, **branches, default=in_place)
-  return (new_state,), out_h
+  new_state, out, token = jax.lax.platform_dependent(*args, **branches, default=in_place)
+  return (new_state,), out, token
 
 
 def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,

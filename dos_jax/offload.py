@@ -85,6 +85,13 @@ class Offload:
       per subgroup when the policy re-plans as it runs (`Auto`), so that its plan
       changes move only the rows that change tier, else stacked. The CPU program keeps
       one stacked array.
+    chunks: the accelerator program's host tier updated in this many host calls, each
+      linked through the device to a part of the streamed tier (`dos_jax.chunked`):
+      host and device work then interleave chunk by chunk, and each host call can
+      start as soon as its own gradients are on the host. 0: one host call. Needs
+      per-subgroup storage (stacked rows would chain every chunk's stream through one
+      tier array); applies with the native host kernel, an unsharded state, and both
+      host and streamed subgroups (experiments/RESULTS.md).
   """
 
   subgroup_size: int = 100_000_000
@@ -96,6 +103,7 @@ class Offload:
   host_threads: int | None = None
   platform: Platform | None = None
   storage: Storage | None = None
+  chunks: int = 0
 
   def __post_init__(self):
     if self.platform is not None and not isinstance(self.platform, Platform):
@@ -124,6 +132,12 @@ class Offload:
         )
     if self.storage is not None and not isinstance(self.storage, Storage):
       raise TypeError(f'Offload.storage must be None or a dos_jax.Storage, got {self.storage!r}')
+    if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 0:
+      raise ValueError(f'Offload.chunks must be an integer >= 0, got {self.chunks!r}')
+    if self.chunks and not self.per_subgroup():
+      raise ValueError(
+          f'Offload.chunks={self.chunks} needs per-subgroup storage: pass'
+          ' storage=dos_jax.Storage.PER_SUBGROUP (an Auto policy uses it by default)')
     if self.host_threads is not None and (
         not isinstance(self.host_threads, int) or self.host_threads < 1
     ):

@@ -184,11 +184,11 @@ class StepContext:
 
   def _host_native(self, step, arrays, ids, runs):
     grad_pieces, param_pieces = self._host_pieces(ids, runs)
-    arrays, out = fused_lib.host_region_update(
+    arrays, out, _ = fused_lib.host_region_update(
         step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
         grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs,
         num_threads=self.offload.host_threads, inputs_sink=self.host_inputs)
-    return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
+    return paths.put(arrays, paths.HOST), out
 
   def _host_native_sharded(self, step, arrays, ids, runs):
     """The native kernel per data shard (`fused.sharded_host_region_update`), on
@@ -217,6 +217,11 @@ class StepContext:
     return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
 
   def _streamed(self, step, arrays, ids, runs):
+    return self.streamed(step, arrays, ids, runs)
+
+  def streamed(self, step, arrays, ids, runs):
+    """The streamed block through the device, in stream order; returns (arrays, out
+    rows)."""
     grads, params = self._rows(step, arrays, runs)
     local = {g: i for i, g in enumerate(ids)}
     order = tuple(local[g] for g in self.plan.device if g in local)
@@ -253,7 +258,12 @@ class StepContext:
     produced its leaf: never after a concatenation of all gradients."""
     grad_pieces = self.host_grad_pieces.get(tuple(ids))
     if grad_pieces is None:
-      grad_pieces = paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs))
+      return self.host_pieces(runs)
+    return grad_pieces, self.host_pieces(runs)[1]
+
+  def host_pieces(self, runs):
+    """The gradient (and fp32 param) pieces of `runs`, sent to host memory."""
+    grad_pieces = paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs))
     param_pieces = None
     if self.param_leaves is not None:
       param_pieces = paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs))

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dos_jax import chunked as chunked_lib
 from dos_jax import clipping
 from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
@@ -293,8 +294,11 @@ def offloaded(
       # must be registered and proven there too, else (one warning) XLA's host loop
       # runs instead. On the CPU backend they run in jaxlib's XLA, which has it.
       native = host_adamw_rows.host_kernel_in_accelerator_programs()[0]
+    chunks = offload.chunks if native and offload.host_impl is UpdateImpl.KERNEL else 0
+    run_chunked = (split and bool(chunks) and part.per_subgroup and mesh_info is None
+                   and bool(part.ids(Tier.HOST)) and bool(part.ids(Tier.STREAMED)))
     host_grad_pieces = {}
-    if split:
+    if split and not run_chunked:
       # A sharded state's native host path takes its gradients as rows split over the
       # data axis (see `tier_updates.host_rows`).
       rows = None
@@ -313,8 +317,13 @@ def offloaded(
             fused, base_step, scalar_update),
         mesh=None if mesh_info is None else mesh_info[0], host_grad_pieces=host_grad_pieces)
     new_tiers, outs = dict(state.tiers), []
+    if run_chunked:
+      chunked_tiers, outs = chunked_lib.update(
+          context, base_step, {t: state.tier(t) for t in (Tier.HOST, Tier.STREAMED)},
+          chunks)
+      new_tiers.update(chunked_tiers)
     for tier in TIERS:
-      if not part.ids(tier):
+      if not part.ids(tier) or (run_chunked and tier is not Tier.RESIDENT):
         continue
       impl = offload.host_impl if tier is Tier.HOST else offload.device_impl
       if tier is not Tier.HOST:

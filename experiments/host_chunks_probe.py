@@ -1,20 +1,27 @@
-"""Do K host regions stay K host calls in the compiled GPU program? (issue 20's premise)
+"""Do K host regions stay K host calls in the compiled GPU program, and when do they start?
 
-Starting the host update during the backward pass needs several host calls, each
-started when its own gradients are on the host. This builds a bf16 MLP whose weight
-gradients go to host memory per layer and are consumed by K `compute_on('device_host')`
-regions (one chunk of layers each, in backward order; `--chain` makes each region also
-take a value of the previous one), compiles it for an H100 with no GPU
-(`dos_jax.dataflow.compile_for_gpu`, the runner's scheduler options) and reports how
-many host regions the lowered program has, how many host calls the compiled one has,
-and where they start relative to the backward pass's last gemm.
+The first thing to rerun when JAX (or its CUDA plugin) is upgraded: an early, chunked
+host update relies on what this shows. It builds a bf16 MLP whose weight gradients go to
+host memory per layer and are consumed by K `compute_on('device_host')` regions, one
+chunk of layers each, in backward order (`dos_jax.dataflow.probes.host_chunks_program`),
+compiles it for an H100 with no GPU (the runner's scheduler options) and reports how many
+host calls the compiled program has and where they start relative to the backward
+pass's last gemm. `--link`:
 
-  JAX_PLATFORMS=cpu python3.12 experiments/host_chunks_probe.py --chunks 3 [--chain]
+* `none`: the regions share no value. XLA's host-call wrapper merges them into one call
+  (an instruction disconnected from the current call is included in it).
+* `host`: region k+1 takes a token from region k, host to host: still one call.
+* `device`: region k's token, computed from all its outputs, goes through a device op
+  into region k+1: an indirect connection, so each region is its own call, and the
+  early ones start while the backward pass still runs.
+
+  JAX_PLATFORMS=cpu python3.12 experiments/host_chunks_probe.py --chunks 3 --link device
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -22,61 +29,31 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 
+def probe(chunks: int, link: str, layers: int = 6, width: int = 1024) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
+  from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
+  fn, args, jit_kwargs = probes.host_chunks_program(chunks, probes.Link(link), layers, width)
+  program = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
+  schedule = program.schedule
+  last_gemm = max(schedule.gemm_positions)
+  calls = schedule.host_calls
+  return dict(jax=jax.__version__, chunks=chunks, link=link, layers=layers,
+              host_calls=len(calls), starts=[c.start for c in calls],
+              dones=[c.done for c in calls], last_gemm=last_gemm,
+              started_before_last_gemm=schedule.host_calls_started_before(last_gemm),
+              gemms_inside=[sum(c.start < g < c.done for g in schedule.gemm_positions)
+                            for c in calls])
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
   parser.add_argument('--chunks', type=int, default=3)
   parser.add_argument('--layers', type=int, default=6)
   parser.add_argument('--width', type=int, default=1024)
-  parser.add_argument('--chain', action='store_true')
+  parser.add_argument('--link', choices=('none', 'host', 'device'), default='device')
   args = parser.parse_args(argv)
-
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from dos_jax import dataflow
-  from dos_jax import paths
-  from dos_jax.dataflow import hlo
-  from dos_jax.dataflow import Graph
-  from dos_jax.dataflow import OpKind
-
-  rng = np.random.default_rng(0)
-  num, width = args.layers, args.width
-  params = {f'l{i}': jnp.asarray(rng.standard_normal((width, width)) / np.sqrt(width),
-                                 jnp.bfloat16) for i in range(num)}
-  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind='pinned_host')
-  rows = jax.device_put(jnp.zeros((num, width * width), jnp.float32), host)
-  x = jnp.asarray(rng.standard_normal((256, width)), jnp.bfloat16)
-
-  def loss(p, x):
-    h = x
-    for i in range(num):
-      h = jnp.tanh(h @ p[f'l{i}'])
-    return jnp.mean(h.astype(jnp.float32) ** 2)
-
-  def step(p, rows, x):
-    grads = jax.grad(loss)(p, x)
-    on_host = [paths.to_host(grads[f'l{i}'].reshape(-1)) for i in range(num)]
-    token, new = paths.to_host(jnp.zeros((1,), jnp.float32)), {}
-    for chunk in np.array_split(np.arange(num)[::-1], args.chunks):
-      def update(token, old, *g):
-        out = tuple(r + gi.astype(jnp.float32) for r, gi in zip(old, g))
-        return out[0][:1] + token, out
-      last, out = paths.host_region(update)(
-          token, tuple(rows[int(i)] for i in chunk), *[on_host[int(i)] for i in chunk])
-      token = last if args.chain else token
-      new.update({int(i): r for i, r in zip(chunk, out)})
-    return jnp.stack([new[i] for i in range(num)])
-
-  regions = len(Graph.from_lowered(dataflow.lower_for_gpu(step, params, rows, x))
-                .with_kind(OpKind.HOST_REGION))
-  program = dataflow.compile_for_gpu(step, params, rows, x)
-  entry = hlo.Module.parse(program.hlo_text).entry_computation
-  gemms = [i.position for i in entry.instructions
-           if (i.attribute('kind') or '') == 'kCustom' and 'gemm' in (i.attribute('calls') or '')]
-  calls = program.schedule.host_calls
-  print(f'SUMMARY {args.chunks} host regions lowered ({regions} found), '
-        f'{len(calls)} host call(s) compiled{" (chained)" if args.chain else ""}; '
-        f'last gemm at {max(gemms)}, host calls start at {[c.start for c in calls]}')
+  print(json.dumps(probe(args.chunks, args.link, args.layers, args.width)))
   return 0
 
 

@@ -71,6 +71,14 @@ def _error(path, overrides=()):
         ('optim.betas=1', 'optim.betas: unknown key'),
         ('nonsense.key=1', 'nonsense: unknown key'),
         ('optim=3', 'optim: expected a mapping'),
+        ('model.n_kv_heads=3', 'model.n_kv_heads: 3 must divide n_heads (4)'),
+        ('model.rope_scaling.rope_type=yarn',
+         "model.rope_scaling.rope_type: expected one of 'llama3', got 'yarn'"),
+        ('model.rope_scaling.factorr=2', 'model.rope_scaling.factorr: unknown key'),
+        ('model.rope_scaling.high_freq_factor=0.5',
+         'model.rope_scaling.high_freq_factor: 0.5 must exceed low_freq_factor (1.0)'),
+        ('model.norm_eps=0', 'model.norm_eps: must be a positive number, got 0'),
+        ('model.from_hf=/nonexistent', 'model.from_hf: /nonexistent: no such folder'),
     ],
 )
 def test_bad_values_name_the_key_and_the_file(override, expected):
@@ -78,6 +86,11 @@ def test_bad_values_name_the_key_and_the_file(override, expected):
   message = _error(path, [override])
   assert message.startswith(f'--set {override}: ')  # The culprit is the override.
   assert expected in message
+
+
+def test_pipelined_run_refuses_tied_embeddings():
+  message = _error(None, ['mesh.pipeline=2', 'model.tie_embeddings=true'])
+  assert 'model.tie_embeddings: a pipelined run (mesh.pipeline > 1) needs an untied' in message
 
 
 def test_unknown_key_in_a_file_names_its_path(tmp_path):

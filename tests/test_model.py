@@ -53,6 +53,8 @@ def _np_rope(x_BxLxHxK, theta):
 
 
 def _np_forward(p, tokens, theta):
+  """Grouped-query heads: query head h reads key/value head h // (H / G); tied
+  embeddings: no 'head', the embedding transposed."""
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
   x = p['embedding'][np.asarray(tokens)]
   length = x.shape[1]
@@ -61,8 +63,9 @@ def _np_forward(p, tokens, theta):
     blk = p['blocks'][name]
     h = _np_rmsnorm(x, blk['attn_norm']['scale'])
     q = _np_rope(np.einsum('bld,dhk->blhk', h, blk['attn']['wq']), theta)
-    k = _np_rope(np.einsum('bld,dhk->blhk', h, blk['attn']['wk']), theta)
-    v = np.einsum('bld,dhk->blhk', h, blk['attn']['wv'])
+    group = blk['attn']['wq'].shape[1] // blk['attn']['wk'].shape[1]
+    k = _np_rope(np.einsum('bld,dhk->blhk', h, blk['attn']['wk']), theta).repeat(group, 2)
+    v = np.einsum('bld,dhk->blhk', h, blk['attn']['wv']).repeat(group, 2)
     s = np.einsum('bqhk,bshk->bhqs', q, k) / math.sqrt(q.shape[-1])
     s = np.where(causal, s, -np.inf)
     w = np.exp(s - s.max(-1, keepdims=True))
@@ -72,7 +75,8 @@ def _np_forward(p, tokens, theta):
     h = _np_rmsnorm(x, blk['mlp_norm']['scale'])
     g = h @ blk['mlp']['w_gate']
     x = x + ((g / (1 + np.exp(-g))) * (h @ blk['mlp']['w_up'])) @ blk['mlp']['w_down']
-  return _np_rmsnorm(x, p['final_norm']['scale']) @ p['head']
+  head = p['head'] if 'head' in p else p['embedding'].T
+  return _np_rmsnorm(x, p['final_norm']['scale']) @ head
 
 
 def test_forward_matches_float64_reference(small):
@@ -90,6 +94,16 @@ def test_forward_matches_float64_reference(small):
                              rtol=1e-4, atol=1e-5)
 
 
+def test_gqa_and_tied_forward_match_float64_reference():
+  # 4 query heads over 2 key/value heads, output head = embedding^T; seed 5.
+  cfg = dataclasses.replace(SMALL, n_kv_heads=2, tie_embeddings=True)
+  apply, params = model.build_model(cfg, seed=5)
+  assert params['blocks']['0']['attn']['wk'].shape == (32, 2, 8) and 'head' not in params
+  tokens = _tokens(5, 2, 13, cfg.vocab_size)
+  np.testing.assert_allclose(jax.jit(apply)(params, tokens),
+                             _np_forward(params, tokens, cfg.rope_theta), rtol=1e-4, atol=1e-5)
+
+
 def test_bf16_compute_stays_close_to_float32(small):
   apply32, params = small
   apply16 = jax.jit(model.make_apply(dataclasses.replace(SMALL, compute_dtype='bfloat16')))
@@ -104,11 +118,20 @@ def test_bf16_compute_stays_close_to_float32(small):
     SMALL,
     model.ModelConfig(preset='tiny'),
     model.ModelConfig(preset='tiny', n_layers=1, vocab_size=300, ffn_dim=100),
-], ids=['small', 'tiny', 'tiny-overridden'])
+    model.ModelConfig(preset='tiny', n_kv_heads=1, tie_embeddings=True),
+], ids=['small', 'tiny', 'tiny-overridden', 'tiny-gqa-tied'])
 def test_param_count_matches_model_shape(cfg):
   params = jax.eval_shape(lambda: model.init_params(cfg, 0))
   assert _num_params(params) == cfg.shape().num_params()
   assert len(params['blocks']) == cfg.shape().n_layers
+
+
+@pytest.mark.parametrize('name', ['llama3-8b', 'llama3.2-1b', 'llama3.2-3b'])
+def test_llama3_presets_count_what_init_makes(name):
+  # (tests/test_hf.py checks these counts against transformers' own models.)
+  cfg = model.ModelConfig(preset=name, n_layers=1)
+  params = jax.eval_shape(lambda: model.init_params(cfg, 0))
+  assert _num_params(params) == cfg.shape().num_params()
 
 
 def test_preset_fills_only_unset_fields():
@@ -203,6 +226,10 @@ def test_adamw_on_a_repeated_batch_reduces_loss(param_dtype):
     (dict(preset='tiny', rope_theta=0.0), 'rope_theta'),
     (dict(preset='tiny', n_heads=3), 'n_heads'),
     (dict(preset='tiny', dim=120, n_heads=8), 'even'),
+    (dict(preset='tiny', n_kv_heads=3), 'n_kv_heads'),
+    (dict(preset='tiny', n_kv_heads=0), 'n_kv_heads'),
+    (dict(preset='tiny', tie_embeddings='yes'), 'tie_embeddings'),
+    (dict(preset='tiny', norm_eps=0.0), 'norm_eps'),
 ])
 def test_bad_config_names_the_field(kwargs, culprit):
   with pytest.raises(ValueError, match=culprit):

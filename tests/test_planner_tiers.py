@@ -94,7 +94,10 @@ def test_migration_cost_counts_each_moved_row_once_on_its_link():
   assert per.bytes_host == 0 and per.bytes_h2d == m.bytes_h2d and per.subgroups == m.subgroups
 
 
-@pytest.mark.parametrize('name', [n for n in model_shapes.PRESETS if n != 'tiny'])
+# The llama3-* presets carry Meta's names (Llama 3.2 "1B" counts 1.24B); tests/test_hf.py
+# checks them against transformers' own models instead.
+@pytest.mark.parametrize('name', [n for n in model_shapes.PRESETS
+                                  if n != 'tiny' and not n.startswith('llama')])
 def test_preset_names_match_their_sizes(name):
   scale = {'m': 1e6, 'b': 1e9}[name[-1]]
   assert model_shapes.preset(name).num_params() == pytest.approx(float(name[:-1]) * scale,

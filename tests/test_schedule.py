@@ -175,3 +175,70 @@ def test_a_fetch_after_the_previous_write_back_is_not_prefetched(reads, prefetch
   assert [r.after_previous_write_back for r in rows] == [False, not prefetched]
   assert schedule.stream_prefetched() is prefetched
   assert schedule.summary()['streamed_fetches_after_previous_write_back'] == (not prefetched)
+
+
+def _duplex_module(write_back_waits: bool) -> str:
+  """Two rows of a stacked tier in one loop body, the second fetched while the first is
+  updated (a prefetch). With `write_back_waits`, the first row's write-back takes the
+  tier through an optimization barrier with the second row's fetched block (what the
+  streamed loop did to keep XLA from copying the tier): the two transfers then cannot
+  be in flight together."""
+  tier_for_write_back = '%tier2' if write_back_waits else '%tier'
+  return f'''HloModule jit_duplex, is_scheduled=true
+
+%body (arg: (s32[], f32[4,3,8192])) -> (s32[], f32[4,3,8192]) {{
+  %arg = (s32[], f32[4,3,8192]{{2,1,0:S(5)}}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %tier = f32[4,3,8192]{{2,1,0:S(5)}} get-tuple-element(%arg), index=1
+  %fetch-start.0 = ((f32[4,3,8192]{{2,1,0:S(5)}}, s32[]), f32[1,3,8192]{{2,1,0}}, u32[]) fusion-start(%tier, %i), kind=kLoop, calls=%wrapped_dynamic-slice_computation
+  %fetch-done.0 = f32[1,3,8192]{{2,1,0}} fusion-done(%fetch-start.0)
+  %fetch-start.1 = ((f32[4,3,8192]{{2,1,0:S(5)}}, s32[]), f32[1,3,8192]{{2,1,0}}, u32[]) fusion-start(%tier, %i), kind=kLoop, calls=%wrapped_dynamic-slice_computation
+  %fetch-done.1 = f32[1,3,8192]{{2,1,0}} fusion-done(%fetch-start.1)
+  %k.0 = f32[1,3,8192]{{2,1,0}} custom-call(%fetch-done.0), custom_call_target="__gpu$xla.gpu.triton"
+  %tup = (f32[4,3,8192]{{2,1,0:S(5)}}, f32[1,3,8192]{{2,1,0}}) tuple(%tier, %fetch-done.1)
+  %bar = (f32[4,3,8192]{{2,1,0:S(5)}}, f32[1,3,8192]{{2,1,0}}) opt-barrier(%tup)
+  %tier2 = f32[4,3,8192]{{2,1,0:S(5)}} get-tuple-element(%bar), index=0
+  %wb-start.0 = ((f32[4,3,8192]{{2,1,0:S(5)}}, f32[1,3,8192]{{2,1,0}}, s32[]), f32[4,3,8192]{{2,1,0:S(5)}}, u32[]) fusion-start({tier_for_write_back}, %k.0, %i), kind=kLoop, calls=%wrapped_dynamic-update-slice_computation
+  %wb-done.0 = f32[4,3,8192]{{2,1,0:S(5)}} fusion-done(%wb-start.0)
+  %k.1 = f32[1,3,8192]{{2,1,0}} custom-call(%fetch-done.1), custom_call_target="__gpu$xla.gpu.triton"
+  %wb-start.1 = ((f32[4,3,8192]{{2,1,0:S(5)}}, f32[1,3,8192]{{2,1,0}}, s32[]), f32[4,3,8192]{{2,1,0:S(5)}}, u32[]) fusion-start(%wb-done.0, %k.1, %i), kind=kLoop, calls=%wrapped_dynamic-update-slice_computation
+  %wb-done.1 = f32[4,3,8192]{{2,1,0:S(5)}} fusion-done(%wb-start.1)
+  ROOT %t = (s32[], f32[4,3,8192]{{2,1,0:S(5)}}) tuple(%i, %wb-done.1)
+}}
+
+ENTRY %main (tier: f32[4,3,8192]) -> (s32[], f32[4,3,8192]) {{
+  %tier = f32[4,3,8192]{{2,1,0:S(5)}} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,3,8192]{{2,1,0:S(5)}}) tuple(%zero, %tier)
+  ROOT %while.0 = (s32[], f32[4,3,8192]{{2,1,0:S(5)}}) while(%init), condition=%body, body=%body
+}}
+'''
+
+
+@pytest.mark.parametrize('waits', [True, False], ids=['write_back_waits', 'independent'])
+def test_a_write_back_that_waits_for_the_next_fetch_is_not_full_duplex(waits):
+  """Row 1's fetch is prefetched either way (it reads the tier as it was before row 0's
+  write-back); only without the barrier can row 0's write-back and row 1's fetch be on
+  the link at once."""
+  schedule = Schedule.from_text(_duplex_module(waits))
+  rows = schedule.streamed_rows
+  assert [(r.fetch, r.write_back) for r in rows] == [
+      ('fetch-start.0', 'wb-start.0'), ('fetch-start.1', 'wb-start.1')]
+  assert schedule.stream_prefetched()
+  assert [r.write_back_after_next_fetch for r in rows] == [waits, False]
+  assert schedule.stream_full_duplex() is (not waits)
+  assert schedule.summary()['streamed_write_backs_after_next_fetch'] == int(waits)
+
+
+def test_device_updates_outside_the_host_call_are_counted():
+  schedule = Schedule.from_text(_MODULE)
+  [position] = schedule.device_updates()
+  assert schedule.device_updates_outside_host_calls() == ()
+  assert schedule.host_calls_started_before(position) == 1
+  moved = Schedule.from_text(_MODULE.replace(
+      '  %while.0 = (s32[], f32[2,3,1024]{2,1,0:S(5)}) while(%tuple.0), condition=%body, body=%body\n'
+      '  %call-done = f32[4,3,1024]{2,1,0:S(5)} custom-call-done(%call-start)\n',
+      '  %call-done = f32[4,3,1024]{2,1,0:S(5)} custom-call-done(%call-start)\n'
+      '  %while.0 = (s32[], f32[2,3,1024]{2,1,0:S(5)}) while(%tuple.0), condition=%body, body=%body\n'))
+  assert moved.device_updates_outside_host_calls() == moved.device_updates()
+  assert moved.gemm_positions == schedule.gemm_positions

@@ -97,6 +97,27 @@ def test_sharded_forward_matches_unsharded(built, data, tensor):
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_gqa_and_tied_split_by_whole_kv_groups():
+  # 8 query heads over 4 key/value heads, tensor=2 (data=2): each device holds 2 whole
+  # groups, i.e. 4 query heads and their 2 key/value heads; the tied embedding is split
+  # over the vocabulary. Seed 1 for the params, 2 for the tokens.
+  cfg = model.ModelConfig(dim=64, ffn_dim=64, n_layers=2, n_heads=8, n_kv_heads=4,
+                          tie_embeddings=True, vocab_size=64, max_seq_len=16,
+                          param_dtype='float32', compute_dtype='float32')
+  apply, params = model.build_model(cfg, seed=1)
+  tokens = jax.random.randint(jax.random.key(2), (4, 16), 0, cfg.vocab_size)
+  expected = jax.jit(apply)(params, tokens)
+  mesh = _mesh(2, 2)
+  sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
+  attn = sharded['blocks']['0']['attn']
+  assert attn['wq'].addressable_shards[0].data.shape == (64, 4, 8)
+  assert attn['wk'].addressable_shards[0].data.shape == (64, 2, 8)
+  got = jax.jit(apply)(sharded, jax.device_put(tokens, NamedSharding(mesh, sharding.batch_spec())))
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="'blocks/0/attn/wk' dimension 1 of size 4"):
+    sharding.param_shardings(params, _mesh(1, 8))  # 4 KV heads cannot split 8 ways.
+
+
 def test_sharded_gradients_match_unsharded(built):
   apply, params = built
   tokens = jax.random.randint(jax.random.key(11), (4, 17), 0, CFG.vocab_size)

@@ -88,6 +88,9 @@ class StreamedRow:
   nbytes: int
   write_back: str | None  # the first device->host write computed from the fetched block
   after_previous_write_back: bool  # the fetch depends on the previous row's write-back
+  # This row's write-back depends on the next row's fetch: the two cannot be in flight
+  # together, so the link carries one direction at a time.
+  write_back_after_next_fetch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,8 @@ class Schedule:
   host_copies: tuple[HostCopy, ...]
   gemms: int  # matrix multiplications in the entry computation
   streamed_rows: tuple[StreamedRow, ...] = ()
+  update_positions: tuple[int, ...] = ()  # entry positions of Pallas calls and update loops
+  gemm_positions: tuple[int, ...] = ()  # entry positions of matrix multiplications
 
   @classmethod
   def from_text(cls, text: str) -> 'Schedule':
@@ -114,7 +119,11 @@ class Schedule:
                host_calls=tuple(_host_calls(module, entry, kinds)),
                host_copies=tuple(_host_copies(module)),
                gemms=sum(1 for k in kinds if k == 'gemm'),
-               streamed_rows=tuple(_streamed_rows(module)))
+               streamed_rows=tuple(_streamed_rows(module)),
+               update_positions=tuple(i.position for i in entry.instructions
+                                      if kinds[i.position] in ('pallas', 'update_loop')),
+               gemm_positions=tuple(i.position for i in entry.instructions
+                                    if kinds[i.position] == 'gemm'))
 
   def gradient_copies(self, min_bytes: int = 64 * 1024) -> tuple[Copy, ...]:
     """Device->host copies of at least `min_bytes` of values computed from a matrix
@@ -129,6 +138,27 @@ class Schedule:
   def device_update_inside_host_call(self) -> bool:
     """Whether device update work is issued while some host call runs."""
     return any(call.device_update_between for call in self.host_calls)
+
+  def device_updates(self) -> tuple[int, ...]:
+    """Schedule positions of the entry's device update work: Pallas AdamW calls and
+    loops that stream state through the device."""
+    return self.update_positions
+
+  def device_updates_outside_host_calls(self) -> tuple[int, ...]:
+    """The device updates issued outside every host call's window."""
+    return tuple(p for p in self.update_positions
+                 if not any(c.start < p < c.done for c in self.host_calls))
+
+  def stream_full_duplex(self) -> bool:
+    """Whether consecutive streamed rows' transfers are independent both ways: no fetch
+    waits for the previous row's write-back and no write-back waits for the next row's
+    fetch (vacuously true without streamed rows)."""
+    return not any(r.after_previous_write_back or r.write_back_after_next_fetch
+                   for r in self.streamed_rows)
+
+  def host_calls_started_before(self, position: int) -> int:
+    """How many host calls start before schedule position `position`."""
+    return sum(1 for c in self.host_calls if c.start < position)
 
   def stream_prefetched(self) -> bool:
     """Whether every streamed row's fetch is independent of the previous row's
@@ -153,6 +183,10 @@ class Schedule:
         'streamed_row_fetches': len(self.streamed_rows),
         'streamed_fetches_after_previous_write_back': sum(
             r.after_previous_write_back for r in self.streamed_rows),
+        'streamed_write_backs_after_next_fetch': sum(
+            r.write_back_after_next_fetch for r in self.streamed_rows),
+        'device_updates': len(self.update_positions),
+        'device_updates_outside_host_calls': len(self.device_updates_outside_host_calls()),
         'host_to_host_copies': [dataclasses.asdict(c) for c in self.host_copies],
     }
 
@@ -388,11 +422,15 @@ def _streamed_rows(module: hlo.Module, min_bytes: int = 64 * 1024) -> list[Strea
     rows.sort(key=lambda row: (row[1] is None, position.get(row[1] or row[0])))
     rows = sorted(carried, key=lambda row: position[row[1]]) + rows
     previous_write_back = None
-    for fetch, write_back in rows:
+    for j, (fetch, write_back) in enumerate(rows):
+      next_fetch = next((f for f, _ in rows[j + 1:] if f is not None), None)
+      waits = (write_back is not None and next_fetch is not None
+               and write_back in descendants(next_fetch))
       if fetch is not None:
         after = previous_write_back is not None and fetch in descendants(previous_write_back)
         found.append(StreamedRow(computation=computation.name, fetch=fetch,
                                  nbytes=moves[fetch][1], write_back=write_back,
-                                 after_previous_write_back=after))
+                                 after_previous_write_back=after,
+                                 write_back_after_next_fetch=waits))
       previous_write_back = write_back
   return found

@@ -25,7 +25,8 @@ MARGIN = 0.05
 # hidden width) and a s^2 b (heads x scores), read off the buffers live at the peak of
 # the step compiled for an H100 (experiments/memory_vs_compiled.py, RESULTS.md):
 # - the stream: the block's input, its norm, q, k, v, the attention output, the stream
-#   after attention and its norm, and a head-major copy of k: 9 in the compute dtype;
+#   after attention and its norm, and a head-major copy of k: 9 in the compute dtype
+#   (with grouped-query attention k, v and the copy are n_kv_heads / n_heads as wide);
 # - the MLP: gate, up and silu(gate) * up: 3 in the compute dtype;
 # - attention: the softmax probabilities in float32 and their compute-dtype copy that
 #   the probabilities-times-v matmul reads.
@@ -75,9 +76,11 @@ def layer_activation_bytes(shape, *, seq_len: int, micro_batch: int,
   micro-batch: 9 c s b h + 3 c s b f + the attention's own, with c = `compute_bytes`
   (see the constants above): for 'xla' the scores, (4 + c) a s^2 b (float32 whatever
   the compute dtype; with float32 compute their copy is the same buffer); for 'cudnn'
-  the softmax statistics, 4 a s b."""
+  the softmax statistics, 4 a s b. With g = n_kv_heads / n_heads < 1, the three
+  key/value tensors of the 9 count g each."""
   s, b, c = seq_len, micro_batch, compute_bytes
-  return float(STREAM_TENSORS_PER_LAYER * c * s * b * shape.dim
+  kv_narrowing = 3 * (1 - shape.kv_heads / shape.n_heads)
+  return float((STREAM_TENSORS_PER_LAYER - kv_narrowing) * c * s * b * shape.dim
                + MLP_TENSORS_PER_LAYER * c * s * b * shape.ffn_dim
                + _attention_bytes(shape, s, b, c, attention))
 

@@ -53,11 +53,12 @@ def stage_sizes(shape, *, stages: int, microbatches: int, devices: int, param_by
   per_stage_devices = devices // stages
   layers = shape.n_layers // stages
   embed = shape.vocab_size * shape.dim
-  per_block = (shape.num_params() - shape.dim - 2 * embed) // shape.n_layers
+  head = 0 if shape.tie_embeddings else embed
+  per_block = (shape.num_params() - shape.dim - embed - head) // shape.n_layers
   out = []
   for s in range(stages):
     n = layers * per_block + (embed if s == 0 else 0)
-    n += (embed + shape.dim) if s == stages - 1 else 0
+    n += (head + shape.dim) if s == stages - 1 else 0
     local = math.ceil(n / per_stage_devices)
     acts = layers * microbatches * layer_activation_bytes
     out.append(StageSize(

@@ -96,6 +96,11 @@ def _step_dirs(directory: str) -> list[int]:
                 if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
 
 
+def has_checkpoint(directory: str) -> bool:
+  """Whether `directory` holds any finished checkpoint, complete or not (reads a listing)."""
+  return bool(_step_dirs(directory))
+
+
 def find_restorable(directory: str) -> tuple[int | None, dict | None, list[Skipped]]:
   """The newest checkpoint in `directory` whose files match their checksums, its
   manifest, and the newer ones passed over (incomplete or corrupt). Reads only, so the

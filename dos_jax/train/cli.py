@@ -1,4 +1,4 @@
-"""`dos-jax train` and `dos-jax prepare`.
+"""`dos-jax train`, `dos-jax prepare` and `dos-jax export-hf`.
 
 User mistakes (a bad key or value, a missing file, a mesh that does not fit the
 machine) end with exit code 2 and one line on stderr naming the culprit; they are
@@ -154,8 +154,19 @@ def prepare_handler(args: argparse.Namespace) -> int:
   return 0
 
 
+def export_hf_handler(args: argparse.Namespace) -> int:
+  """Writes a run's checkpoint as a Hugging Face Llama folder."""
+  from dos_jax.train import hf_export  # pylint: disable=import-outside-toplevel
+
+  try:
+    hf_export.export(args.run_dir, args.out, args.step)
+  except ConfigError as err:
+    return _fail(str(err))
+  return 0
+
+
 def register(subparsers) -> None:
-  """Adds `train` and `prepare` to the `dos-jax` command."""
+  """Adds `train`, `prepare` and `export-hf` to the `dos-jax` command."""
   train = subparsers.add_parser(
       'train',
       help='pretrain a GPT-style model with offloaded optimizer state',
@@ -207,3 +218,19 @@ def register(subparsers) -> None:
             f' evaluation windows of seq_len + 1 fit (default: {data.MIN_VAL_TOKENS})'),
   )
   prepare.set_defaults(handler=prepare_handler)
+
+  export_hf = subparsers.add_parser(
+      'export-hf',
+      help="write a run's checkpoint as a Hugging Face Llama folder (safetensors)",
+      description=textwrap.fill(
+          "Write a run's newest complete checkpoint (or --step N) as config.json and"
+          ' safetensors files (sharded above 5 GB, with model.safetensors.index.json) that'
+          " transformers' LlamaForCausalLM.from_pretrained loads, with the tokenizer files"
+          ' when the run was prepared with a tokenizer.json. DIR appears only once'
+          ' complete.', width=88,
+      ),
+  )
+  export_hf.add_argument('run_dir', metavar='RUN_DIR', help='the run directory (train.out_dir)')
+  export_hf.add_argument('--out', required=True, metavar='DIR', help='folder to write (new)')
+  export_hf.add_argument('--step', type=int, metavar='N', help='checkpoint step to export')
+  export_hf.set_defaults(handler=export_hf_handler)

@@ -234,6 +234,12 @@ class RunConfig:
       over = (f'mesh.data x mesh.fsdp ({self.mesh.data} x {self.mesh.fsdp})'
               if self.mesh.fsdp > 1 else f'mesh.data ({self.mesh.data})')
       raise ValueError(f'data.batch_size: {self.data.batch_size} is not divisible by {over}')
+    if self.mesh.pipeline > 1 and self.model.shape().tie_embeddings:
+      raise ValueError('model.tie_embeddings: a pipelined run (mesh.pipeline > 1) needs an'
+                       ' untied output head on its last stage')
+    if self.mesh.pipeline > 1 and self.model.from_hf is not None:
+      raise ValueError('model.from_hf: a pipelined run (mesh.pipeline > 1) cannot start from'
+                       ' a Hugging Face checkpoint yet')
     if self.train.microbatches > 1 and self.mesh.pipeline == 1:
       raise ValueError(
           f'train.microbatches: {self.train.microbatches} needs mesh.pipeline > 1'

@@ -94,7 +94,8 @@ def _convert(tp: Any, value: Any, key: str, check: Check | None = None) -> Any:
       try:
         return _convert(non_null[0], value, key, check)
       except ConfigError:
-        if type(None) in args:
+        # An optional section keeps its own error, which names the key inside it.
+        if type(None) in args and not dataclasses.is_dataclass(non_null[0]):
           fail(f'{_describe(non_null[0], check)} or null')
         raise
     for arg in non_null:

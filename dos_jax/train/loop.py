@@ -156,6 +156,11 @@ def train(
   sampler = trainer.train_sampler()
   run_id = resume_lib.identity(cfg, trainer.dataset_dir, sampler.meta)
   latest, verified, skipped = _resume_point(cfg, run_id)
+  if latest is None and cfg.model.from_hf is not None and not trainer.started_from_hf:
+    # Every checkpoint was damaged: the run starts again, from the weights it began with.
+    del trainer
+    trainer = trainer_lib.build(cfg, devices=devices, from_hf=True)
+    sampler = trainer.train_sampler()
   if latest is not None and latest >= cfg.train.steps and not skipped:
     print(f'nothing to do: the run is already at step {latest}', file=stream)
     return Summary(start_step=latest, final_step=latest, final_loss=math.nan, eval_loss=None,

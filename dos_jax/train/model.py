@@ -1,15 +1,18 @@
 """The decoder-only transformer the runner trains: Llama-style, written in Flax NNX.
 
-RMSNorm before attention and MLP, rotary positions, SwiGLU MLP, causal attention, untied
-output head. Parameters are stored in `param_dtype`; every matmul runs in `compute_dtype`
-and the logits come out in float32 so the loss is always computed in full precision.
+RMSNorm before attention and MLP, rotary positions (optionally with Llama 3.1's frequency
+scaling), SwiGLU MLP, causal attention with grouped-query heads (`n_kv_heads`), an output
+head untied or tied to the embedding: the Llama family, so that Hugging Face Llama
+checkpoints load into it (`dos_jax.train.hf`). Parameters are stored in `param_dtype`;
+every matmul runs in `compute_dtype` and the logits come out in float32 so the loss is
+always computed in full precision.
 
 The rest of the runner never sees a Flax module: `build_model` returns a pure
 `apply(params, tokens)` function and the parameters as a plain nested dict, which is the
 pytree `dos_jax` offloads, `sharding.param_specs` shards and orbax checkpoints.
 
 Arrays are named by shape: B batch, L sequence length, D model width, H heads,
-K head width, F MLP hidden width, V vocabulary.
+K head width, G key/value heads, F MLP hidden width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import optax
 
 from dos_jax import model_shapes
 from dos_jax.train import sharding
+from dos_jax.train.rope import RopeScaling, llama3_scaled
 
 Params = dict[str, Any]
 ApplyFn = Callable[[Params, jax.Array], jax.Array]
@@ -32,6 +36,8 @@ ApplyFn = Callable[[Params, jax.Array], jax.Array]
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 ATTENTION = ('auto', 'xla', 'cudnn')
 _SIZE_FIELDS = ('dim', 'ffn_dim', 'n_layers', 'n_heads', 'vocab_size')
+# Taken from the preset when None, like the sizes, but optional without one.
+_OPTIONAL_SHAPE_FIELDS = ('n_kv_heads', 'tie_embeddings')
 _INIT_STD = 0.02
 
 
@@ -54,6 +60,12 @@ class ModelConfig:
   n_heads: int | None = None
   # Token vocabulary (embedding rows and output columns); must cover the tokenizer's.
   vocab_size: int | None = None
+  # Key/value heads (grouped-query attention); must divide n_heads. None: the preset's,
+  # else n_heads (multi-head attention).
+  n_kv_heads: int | None = None
+  # The output head is the input embedding transposed (no `head` parameter). None: the
+  # preset's, else false.
+  tie_embeddings: bool | None = None
   # Longest sequence `apply` accepts.
   max_seq_len: int = 256
   # Storage dtype of the parameters: 'float32' or 'bfloat16'.
@@ -68,8 +80,19 @@ class ModelConfig:
   attention: str = 'auto'
   # Base of the rotary position frequencies.
   rope_theta: float = 10000.0
+  # Llama 3.1's rotary frequency scaling; null: none.
+  rope_scaling: RopeScaling | None = None
+  # Epsilon added to the mean square in every RMSNorm.
+  norm_eps: float = 1e-6
+  # A local Hugging Face Llama folder (config.json and *.safetensors) to start from: the
+  # sizes and settings above come from its config.json (a size also given here must
+  # agree; the preset is dropped) and a fresh run starts from its weights, cast to
+  # param_dtype. A resumed run restores its checkpoint instead. See dos_jax.train.hf.
+  from_hf: str | None = None
 
   def __post_init__(self):
+    if self.from_hf is not None:
+      self._resolve_from_hf()
     if self.preset is not None:
       if not isinstance(self.preset, str) or self.preset not in model_shapes.PRESETS:
         raise ValueError(
@@ -103,18 +126,49 @@ class ModelConfig:
           f' attention takes 16-bit inputs), got {self.compute_dtype!r}')
     if not isinstance(self.remat, bool):
       raise ValueError(f'ModelConfig.remat must be true or false, got {self.remat!r}')
-    if (
-        isinstance(self.rope_theta, bool)
-        or not isinstance(self.rope_theta, (int, float))
-        or not self.rope_theta > 0
-    ):
-      raise ValueError(f'ModelConfig.rope_theta must be a positive number, got {self.rope_theta!r}')
+    if self.n_kv_heads is not None and not _is_positive_int(self.n_kv_heads):
+      raise ValueError(
+          f'ModelConfig.n_kv_heads must be a positive integer, got {self.n_kv_heads!r}')
+    if self.tie_embeddings is not None and not isinstance(self.tie_embeddings, bool):
+      raise ValueError(
+          f'ModelConfig.tie_embeddings must be true or false, got {self.tie_embeddings!r}')
+    for name in ('rope_theta', 'norm_eps'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f'ModelConfig.{name} must be a positive number, got {value!r}')
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(
+          f'ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}')
+    heads = self.n_heads or (model_shapes.PRESETS[self.preset].n_heads if self.preset else 0)
+    if self.n_kv_heads is not None and heads and heads % self.n_kv_heads:
+      raise ValueError(
+          f'ModelConfig.n_kv_heads: {self.n_kv_heads} must divide n_heads ({heads})')
     shape = self.shape()  # Checks the resolved sizes together.
     if shape.head_dim % 2:
       raise ValueError(
           f'ModelConfig: head width dim / n_heads = {shape.dim} / {shape.n_heads} = '
           f'{shape.head_dim} must be even for rotary positions'
       )
+
+  def _resolve_from_hf(self) -> None:
+    """Fills the sizes and settings from `from_hf`'s config.json (ValueError naming the
+    key that disagrees, or `from_hf` for a folder that is not a Llama checkpoint)."""
+    from dos_jax.train import hf_config  # pylint: disable=import-outside-toplevel
+
+    if not isinstance(self.from_hf, str) or not self.from_hf:
+      raise ValueError(f'ModelConfig.from_hf must be a folder path, got {self.from_hf!r}')
+    settings = hf_config.read(self.from_hf)
+    for name in _SIZE_FIELDS + _OPTIONAL_SHAPE_FIELDS:
+      given = getattr(self, name)
+      if given is not None and given != settings[name]:
+        raise ValueError(
+            f'ModelConfig.{name}: {given!r} disagrees with {settings[name]!r} in'
+            f' {hf_config.config_path(self.from_hf)}; leave it unset or make them agree')
+    scaling = settings.pop('rope_scaling')
+    object.__setattr__(self, 'rope_scaling', None if scaling is None else RopeScaling(**scaling))
+    object.__setattr__(self, 'preset', None)
+    for name, value in settings.items():
+      object.__setattr__(self, name, value)
 
   def shape(self) -> model_shapes.ModelShape:
     """The resolved sizes: explicit fields first, then the preset's."""
@@ -123,6 +177,12 @@ class ModelConfig:
     for name in _SIZE_FIELDS:
       value = getattr(self, name)
       sizes[name] = getattr(base, name) if value is None else value
+    for name in _OPTIONAL_SHAPE_FIELDS:
+      value = getattr(self, name)
+      if value is None and base is not None:
+        value = getattr(base, name)
+      if value is not None:
+        sizes[name] = value
     try:
       return model_shapes.ModelShape(**sizes)
     except ValueError as e:
@@ -172,9 +232,12 @@ class RMSNorm(nnx.Module):
     return (y_BxLxD * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rotary_tables(seq_len: int, head_dim: int, theta: float,
+                  scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
   """sin and cos of position * frequency, each (L, K/2), in float32."""
   freq_K2 = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  if scaling is not None:
+    freq_K2 = llama3_scaled(freq_K2, scaling)
   angle_LxK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freq_K2[None, :]
   return jnp.sin(angle_LxK2), jnp.cos(angle_LxK2)
 
@@ -190,14 +253,16 @@ def apply_rotary(x_BxLxHxK: jax.Array, sin_LxK2: jax.Array, cos_LxK2: jax.Array)
 
 
 class CausalSelfAttention(nnx.Module):
-  """Multi-head causal self-attention; q/k/v kernels are (D, H, K) so heads shard cleanly."""
+  """Causal self-attention with grouped-query heads: the q kernel is (D, H, K), the k and
+  v kernels (D, G, K), and query head h reads key/value head h // (H / G) (Hugging Face's
+  order), so splitting H and G alike over devices keeps whole groups together."""
 
   def __init__(self, shape: model_shapes.ModelShape, *, param_dtype, compute_dtype,
                out_std: float, rngs: nnx.Rngs, attention: str = 'xla'):
-    d, h, k = shape.dim, shape.n_heads, shape.head_dim
+    d, h, g, k = shape.dim, shape.n_heads, shape.kv_heads, shape.head_dim
     self.wq = _param(rngs.params(), (d, h, k), _INIT_STD, param_dtype)
-    self.wk = _param(rngs.params(), (d, h, k), _INIT_STD, param_dtype)
-    self.wv = _param(rngs.params(), (d, h, k), _INIT_STD, param_dtype)
+    self.wk = _param(rngs.params(), (d, g, k), _INIT_STD, param_dtype)
+    self.wv = _param(rngs.params(), (d, g, k), _INIT_STD, param_dtype)
     self.wo = _param(rngs.params(), (h, k, d), out_std, param_dtype)
     self.compute_dtype = compute_dtype
     self.attention = attention
@@ -205,17 +270,18 @@ class CausalSelfAttention(nnx.Module):
   def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
     dt = self.compute_dtype
     q_BxLxHxK = jnp.einsum('bld,dhk->blhk', x_BxLxD, self.wq[...].astype(dt))
-    k_BxLxHxK = jnp.einsum('bld,dhk->blhk', x_BxLxD, self.wk[...].astype(dt))
-    v_BxLxHxK = jnp.einsum('bld,dhk->blhk', x_BxLxD, self.wv[...].astype(dt))
+    k_BxLxGxK = jnp.einsum('bld,dgk->blgk', x_BxLxD, self.wk[...].astype(dt))
+    v_BxLxGxK = jnp.einsum('bld,dgk->blgk', x_BxLxD, self.wv[...].astype(dt))
     q_BxLxHxK = apply_rotary(q_BxLxHxK, sin_LxK2, cos_LxK2)
-    k_BxLxHxK = apply_rotary(k_BxLxHxK, sin_LxK2, cos_LxK2)
+    k_BxLxGxK = apply_rotary(k_BxLxGxK, sin_LxK2, cos_LxK2)
     if self.attention == 'cudnn':
-      q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = _sharded_alike(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+      q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = _sharded_alike(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
     # 'xla': scores and softmax in float32 whatever the input dtype, all L x L of them
     # kept for the backward pass. 'cudnn': the fused flash kernel keeps only the output
-    # and the softmax statistics (float32, L per head).
+    # and the softmax statistics (float32, L per head). Both take G < H key/value heads
+    # themselves (grouped-query attention).
     out_BxLxHxK = jax.nn.dot_product_attention(
-        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True, implementation=self.attention)
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True, implementation=self.attention)
     return jnp.einsum('blhk,hkd->bld', out_BxLxHxK, self.wo[...].astype(dt))
 
 
@@ -262,14 +328,14 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, shape, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
+  def __init__(self, shape, *, param_dtype, compute_dtype, rngs: nnx.Rngs, norm_eps: float,
                attention: str = 'xla'):
     # Residual-branch outputs start smaller with depth (GPT-2), keeping the stream's scale.
     out_std = _INIT_STD / (2 * shape.n_layers) ** 0.5
     kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, out_std=out_std, rngs=rngs)
-    self.attn_norm = RMSNorm(shape.dim, param_dtype=param_dtype)
+    self.attn_norm = RMSNorm(shape.dim, param_dtype=param_dtype, eps=norm_eps)
     self.attn = CausalSelfAttention(shape, **kw, attention=attention)
-    self.mlp_norm = RMSNorm(shape.dim, param_dtype=param_dtype)
+    self.mlp_norm = RMSNorm(shape.dim, param_dtype=param_dtype, eps=norm_eps)
     self.mlp = SwiGLU(shape, **kw)
 
   def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
@@ -287,7 +353,8 @@ def block_name(index: int, n_layers: int) -> str:
 
 
 class Transformer(nnx.Module):
-  """Embedding, `n_layers` blocks, final norm, untied head; tokens (B, L) -> logits (B, L, V)."""
+  """Embedding, `n_layers` blocks, final norm, head (untied, or the embedding transposed
+  when tied); tokens (B, L) -> logits (B, L, V)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     shape = cfg.shape()
@@ -298,15 +365,19 @@ class Transformer(nnx.Module):
     attention = cfg.attention_impl()
     self.blocks = nnx.Dict({
         block_name(i, shape.n_layers): Block(shape, param_dtype=pdt, compute_dtype=cdt,
-                                             rngs=rngs, attention=attention)
+                                             rngs=rngs, norm_eps=float(cfg.norm_eps),
+                                             attention=attention)
         for i in range(shape.n_layers)
     })
-    self.final_norm = RMSNorm(shape.dim, param_dtype=pdt)
-    self.head = _param(rngs.params(), (shape.dim, shape.vocab_size), _INIT_STD, pdt)
+    self.final_norm = RMSNorm(shape.dim, param_dtype=pdt, eps=float(cfg.norm_eps))
+    if not shape.tie_embeddings:
+      self.head = _param(rngs.params(), (shape.dim, shape.vocab_size), _INIT_STD, pdt)
+    self.tie_embeddings = shape.tie_embeddings
     self.n_layers = shape.n_layers
     self.head_dim = shape.head_dim
     self.max_seq_len = cfg.max_seq_len
     self.rope_theta = float(cfg.rope_theta)
+    self.rope_scaling = cfg.rope_scaling
     self.remat = cfg.remat
     self.compute_dtype = cdt
 
@@ -318,12 +389,14 @@ class Transformer(nnx.Module):
       raise ValueError(
           f'sequence length {seq_len} exceeds ModelConfig.max_seq_len={self.max_seq_len}'
       )
-    sin_LxK2, cos_LxK2 = rotary_tables(seq_len, self.head_dim, self.rope_theta)
+    sin_LxK2, cos_LxK2 = rotary_tables(seq_len, self.head_dim, self.rope_theta,
+                                       self.rope_scaling)
     x_BxLxD = embed(self.embedding[...], tokens_BxL, self.compute_dtype)
     run = nnx.remat(_run_block) if self.remat else _run_block
     for i in range(self.n_layers):
       x_BxLxD = run(self.blocks[block_name(i, self.n_layers)], x_BxLxD, sin_LxK2, cos_LxK2)
-    return logits(self.head[...], self.final_norm(x_BxLxD), self.compute_dtype)
+    head_DxV = self.embedding[...].T if self.tie_embeddings else self.head[...]
+    return logits(head_DxV, self.final_norm(x_BxLxD), self.compute_dtype)
 
 
 def embed(embedding_VxD: jax.Array, tokens_BxL: jax.Array, compute_dtype) -> jax.Array:
@@ -372,7 +445,8 @@ class Parts:
   embed: Callable[[jax.Array, jax.Array], jax.Array]
   # (one block's params, stream BxLxD, sin LxK/2, cos LxK/2) -> stream BxLxD.
   block: Callable[..., jax.Array]
-  # ({'final_norm', 'head'} params, stream BxLxD) -> float32 logits BxLxV.
+  # ({'final_norm', 'head'} params, stream BxLxD) -> float32 logits BxLxV (untied only:
+  # RunConfig refuses a pipelined run with tied embeddings).
   head: Callable[[Params, jax.Array], jax.Array]
   # seq_len -> (sin, cos) rotary tables.
   rotary: Callable[[int], tuple[jax.Array, jax.Array]]
@@ -383,10 +457,11 @@ def make_parts(cfg: ModelConfig) -> Parts:
   shape = cfg.shape()
   pdt, cdt = cfg.param_jnp_dtype, cfg.compute_jnp_dtype
   rngs = lambda: nnx.Rngs(params=jax.random.key(0))
+  eps = float(cfg.norm_eps)
   block_def, _ = nnx.split(nnx.eval_shape(
-      lambda: Block(shape, param_dtype=pdt, compute_dtype=cdt, rngs=rngs(),
+      lambda: Block(shape, param_dtype=pdt, compute_dtype=cdt, rngs=rngs(), norm_eps=eps,
                     attention=cfg.attention_impl())))
-  norm_def, _ = nnx.split(nnx.eval_shape(lambda: RMSNorm(shape.dim, param_dtype=pdt)))
+  norm_def, _ = nnx.split(nnx.eval_shape(lambda: RMSNorm(shape.dim, param_dtype=pdt, eps=eps)))
 
   def block(params, x_BxLxD, sin_LxK2, cos_LxK2):
     return nnx.merge(block_def, params)(x_BxLxD, sin_LxK2, cos_LxK2)
@@ -398,7 +473,8 @@ def make_parts(cfg: ModelConfig) -> Parts:
       embed=lambda embedding, tokens: embed(embedding, tokens, cdt),
       block=jax.checkpoint(block) if cfg.remat else block,
       head=head,
-      rotary=lambda seq_len: rotary_tables(seq_len, shape.head_dim, float(cfg.rope_theta)),
+      rotary=lambda seq_len: rotary_tables(seq_len, shape.head_dim, float(cfg.rope_theta),
+                                           cfg.rope_scaling),
   )
 
 

@@ -25,6 +25,8 @@ def identity(cfg: Any, dataset_dir: str, dataset_meta: Any) -> dict[str, Any]:
       'model.n_layers': shape.n_layers,
       'model.n_heads': shape.n_heads,
       'model.vocab_size': shape.vocab_size,
+      'model.n_kv_heads': shape.kv_heads,
+      'model.tie_embeddings': shape.tie_embeddings,
       'model.param_dtype': cfg.model.param_dtype,
       'data.batch_size': cfg.data.batch_size,
       'data.seq_len': cfg.data.seq_len,

@@ -38,7 +38,9 @@ class ShardingRules:
 
   # Input embedding, (V, D).
   embedding: P = P(TENSOR, None)
-  # Attention q, k and v kernels, (D, H, K): column-parallel, whole heads per device.
+  # Attention q, k and v kernels, (D, H, K) and (D, G, K): column-parallel, whole heads
+  # per device; with G < H key/value heads, whole groups (a device's query heads read only
+  # its own key/value heads, so G must divide by `tensor`).
   attn_qkv: P = P(None, TENSOR, None)
   # Attention output kernel, (H, K, D): row-parallel over the same heads.
   attn_out: P = P(TENSOR, None, None)
@@ -48,7 +50,8 @@ class ShardingRules:
   mlp_out: P = P(TENSOR, None)
   # RMSNorm scales, (D,): small, replicated.
   norm: P = P(None)
-  # Output head, (D, V): split over the vocabulary.
+  # Output head, (D, V): split over the vocabulary (absent with tied embeddings: the
+  # embedding's vocabulary split then splits the logits alike).
   head: P = P(None, TENSOR)
 
   @classmethod

@@ -20,6 +20,7 @@ import optax
 
 import dos_jax
 from dos_jax.planner import memory
+from dos_jax.train import checkpoint as ckpt_lib
 from dos_jax.train import data as data_lib
 from dos_jax.train import mesh as mesh_lib
 from dos_jax.train import model as model_lib
@@ -47,6 +48,9 @@ class Trainer:
   grad_step: Any
   update_step: Any
   eval_step: Any
+  # The params came from `model.from_hf` (False: initialized, to be replaced by a
+  # checkpoint being resumed, or a run with no from_hf).
+  started_from_hf: bool = False
 
   def place_batch(self, tokens_BxLp1: np.ndarray) -> jax.Array:
     return jax.device_put(tokens_BxLp1, self.batch_sharding)
@@ -138,8 +142,10 @@ def check_dataset(cfg: RunConfig, dataset_dir: str) -> None:
   vocab = cfg.model.shape().vocab_size
   meta_path = os.path.join(dataset_dir, data_lib.META)
   if meta.vocab_size > vocab:
+    key = 'model.vocab_size' if cfg.model.from_hf is None else (
+        f'model.from_hf: vocab_size in {os.path.join(cfg.model.from_hf, "config.json")}')
     raise ConfigError(
-        f'model.vocab_size: {vocab} is smaller than the vocabulary of the dataset'
+        f'{key}: {vocab} is smaller than the vocabulary of the dataset'
         f' ({meta.vocab_size}, {meta_path})'
     )
   for split in data_lib.SPLITS:
@@ -173,11 +179,36 @@ def budget_auto(cfg: RunConfig, devices: Sequence[jax.Device],
     auto.budget_bytes, auto.activation_bytes = budget
 
 
+def hf_params(cfg: RunConfig, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
+  """The params of `model.from_hf`, each tensor placed on its devices as it is read
+  (each device gets only its own shards), and their shardings.
+
+  Raises:
+    ConfigError: the checkpoint's tensors do not match its config.json (names the file).
+  """
+  from dos_jax.train import hf  # pylint: disable=import-outside-toplevel
+
+  abstract = jax.eval_shape(lambda: model_lib.init_params(cfg.model, 0))
+  param_shardings = mesh_lib.param_shardings(mesh, abstract)
+
+  def place(path, host):
+    sharding = param_shardings
+    for key in path:
+      sharding = sharding[key]
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  try:
+    return hf.read_params(cfg.model.from_hf, cfg.model, place), param_shardings
+  except hf.CheckpointError as err:
+    raise ConfigError(f'model.from_hf: {err}') from None
+
+
 def build(
     cfg: RunConfig,
     *,
     devices: Sequence[jax.Device] | None = None,
     tx: optax.GradientTransformation | None = None,
+    from_hf: bool | None = None,
 ) -> Trainer:
   """Assembles a run from its config, writing nothing.
 
@@ -186,6 +217,8 @@ def build(
     devices: devices of the mesh (default: all).
     tx: an optimizer to use instead of the configured dos_jax AdamW (the tests and the
       benchmark pass `optax.adamw` here as the reference).
+    from_hf: start from `model.from_hf`'s weights; None: when it is set and the run
+      has no checkpoint to resume (whose params would replace them).
 
   Raises:
     ConfigError: the config does not fit the machine or the files (names the key).
@@ -199,11 +232,17 @@ def build(
     if tx is not None:
       raise ValueError('a pipelined run builds one optimizer per stage from the config')
     return pipeline_run.build(cfg, devices=devices, dataset_dir=dataset_dir)
-  apply, params = model_lib.build_model(cfg.model, cfg.train.seed)
+  if from_hf is None:
+    from_hf = cfg.model.from_hf is not None and not ckpt_lib.has_checkpoint(cfg.checkpoint_dir)
+  if from_hf:
+    apply = model_lib.make_apply(cfg.model)
+    params, param_shardings = hf_params(cfg, mesh)
+  else:
+    apply, params = model_lib.build_model(cfg.model, cfg.train.seed)
+    param_shardings = mesh_lib.param_shardings(mesh, params)
+    params = jax.device_put(params, param_shardings)
   if mesh.size > 1:  # cuDNN's attention needs q, k and v sharded alike on the mesh
     apply = model_lib.make_apply(cfg.model, mesh)
-  param_shardings = mesh_lib.param_shardings(mesh, params)
-  params = jax.device_put(params, param_shardings)
   budget_auto(cfg, list(mesh.devices.flat))
   if tx is None:
     tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
@@ -239,4 +278,5 @@ def build(
           compiler_options=compiler_options,
       ),
       eval_step=step_lib.make_eval_step(apply, model_lib.loss_fn),
+      started_from_hf=from_hf,
   )

@@ -1,0 +1,69 @@
+"""The schedule facts of library steps over a family of shapes, compiled for an H100.
+
+For every program of the family (`dos_jax.dataflow.probes.mlp_step`: an L x W MLP,
+one subgroup per layer, Stride(2), clipping; both storages; bf16 and fp32) it prints
+one JSON line: host calls and their windows, device updates and how many are issued
+outside every host call's window, whether the stream is full duplex (no row's
+write-back waits for the next row's fetch, no fetch for the previous row's write-back),
+gradient copies overlapping compute, host->host copies. No GPU needed: the CUDA
+plugin compiles (Python 3.12, `jax[cuda13]`).
+
+  JAX_PLATFORMS=cpu python3.12 experiments/schedule_family.py [--quick] > family.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+FAMILY = tuple(itertools.product((2, 5, 8, 16), (256, 1024, 4096)))
+QUICK = ((2, 1024), (5, 512), (8, 1024), (16, 256))
+
+
+def facts(num_layers: int, width: int, storage: str, dtype: str, chunks: int = 0) -> dict:
+  from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
+  from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
+  dataflow.compile.prepare()
+  fn, args, jit_kwargs = probes.mlp_step(num_layers, width, dtype=dtype, storage=storage,
+                                     chunks=chunks)
+  program = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
+  s = program.schedule
+  copies = s.gradient_copies()
+  return dict(
+      layers=num_layers, width=width, storage=storage, dtype=dtype, chunks=chunks,
+      host_calls=[[c.start, c.done] for c in s.host_calls],
+      device_updates=len(s.device_updates()),
+      outside_host_calls=len(s.device_updates_outside_host_calls()),
+      streamed_rows=len(s.streamed_rows),
+      full_duplex=s.stream_full_duplex(),
+      write_backs_after_next_fetch=sum(r.write_back_after_next_fetch for r in s.streamed_rows),
+      gradient_copies=len(copies),
+      gradient_copies_overlapping=sum(c.overlaps_compute for c in copies),
+      host_to_host_copies=len(s.large_host_copies()),
+      native_host_kernel=program.native_host_kernel,
+      compile_s=round(program.compile_s, 1))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
+  parser.add_argument('--quick', action='store_true', help=f'only {QUICK}')
+  parser.add_argument('--dtypes', default='bfloat16,float32')
+  parser.add_argument('--chunks', type=int, default=0, help='Offload.chunks')
+  args = parser.parse_args(argv)
+  import jax  # pylint: disable=import-outside-toplevel
+  print(json.dumps({'jax': jax.__version__}), flush=True)
+  shapes = QUICK if args.quick else FAMILY
+  for (layers, width), storage, dtype in itertools.product(
+      shapes, ('stacked', 'per_subgroup'), args.dtypes.split(',')):
+    print(json.dumps(facts(layers, width, storage, dtype, args.chunks)), flush=True)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
