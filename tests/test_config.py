@@ -13,7 +13,8 @@ from dos_jax.train import step as step_lib
 from dos_jax.train.configlib import ConfigError, from_dict, parse_override, to_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.yaml')))
+CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.yaml'))
+                      + glob.glob(os.path.join(REPO, 'configs', 'paper', '*.yaml')))
 
 
 def test_the_expected_configs_ship():
@@ -26,7 +27,8 @@ def test_every_config_file_loads_and_round_trips(path):
   cfg = config.load(path)
   assert isinstance(cfg, config.RunConfig)
   assert from_dict(config.RunConfig, to_dict(cfg)) == cfg
-  assert cfg.model.preset == os.path.basename(path)[:-5]
+  # Named by their preset, with a suffix for a variant ('7b-1gpu').
+  assert cfg.model.preset == os.path.basename(path)[:-5].split('-')[0]
 
 
 def test_packaged_default_is_configs_tiny():
