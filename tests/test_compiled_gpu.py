@@ -25,6 +25,7 @@ import pytest
 
 import dos_jax
 from dos_jax import dataflow
+from dos_jax.dataflow import probes
 from dos_jax.train import config as config_lib
 from dos_jax.train import gpu_program
 
@@ -132,26 +133,12 @@ def test_default_options_overlap_nothing():
   assert not schedule.device_update_inside_host_call()
 
 
-def _mlp(num_layers: int, width: int, dtype):
-  rng = np.random.default_rng(0)
-  return {f'layer{i}': {'w': jnp.asarray(rng.standard_normal((width, width)) / np.sqrt(width),
-                                         dtype),
-                        'b': jnp.zeros((width,), dtype)} for i in range(num_layers)}
-
-
-def _loss(params, x):
-  h = x
-  for i in range(len(params)):
-    h = jnp.tanh(h @ params[f'layer{i}']['w'] + params[f'layer{i}']['b'])
-  return jnp.mean(h.astype(jnp.float32) ** 2)
-
-
 def test_library_step_overlaps_every_weight_gradient_but_the_last():
   """An L-layer bf16 MLP, one subgroup per layer, AllHost with clipping, jitted by the
   user with dos_jax.GPU_COMPILER_OPTIONS: at least L-1 of the L weight-gradient copies
   have a backward gemm issued while they are in flight."""
   num_layers, width = 6, 512
-  params = _mlp(num_layers, width, jnp.bfloat16)
+  params = probes.mlp_params(num_layers, width, jnp.bfloat16)
   x = jnp.asarray(np.random.default_rng(1).standard_normal((64, width)), jnp.bfloat16)
   offload = dos_jax.Offload(subgroup_size=width * width + width, policy=dos_jax.AllHost(),
                             platform='gpu')
@@ -160,7 +147,7 @@ def test_library_step_overlaps_every_weight_gradient_but_the_last():
   state = opt.init(params)
 
   def step(p, s, x):
-    loss, g = jax.value_and_grad(_loss)(p, x)
+    loss, g = jax.value_and_grad(probes.mlp_loss)(p, x)
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s, loss
 

@@ -34,7 +34,8 @@ class Link(enum.Enum):
   DEVICE = 'device'
 
 
-def _mlp_params(num_layers: int, width: int, dtype, seed: int = 0):
+def mlp_params(num_layers: int, width: int, dtype, seed: int = 0):
+  """`{'layer<i>': {'w': (W, W), 'b': (W,)}}` in `dtype`, weights scaled by 1/sqrt(W)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
   return {f'layer{i}': {'w': jnp.asarray(rng.standard_normal((width, width)) / np.sqrt(width),
@@ -42,7 +43,8 @@ def _mlp_params(num_layers: int, width: int, dtype, seed: int = 0):
                         'b': jnp.zeros((width,), dtype)} for i in range(num_layers)}
 
 
-def _mlp_loss(params, x):
+def mlp_loss(params, x):
+  """Mean square of the last layer's tanh output, in float32."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   h = x
   for i in range(len(params)):
@@ -58,7 +60,7 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from dos_jax import paths  # pylint: disable=import-outside-toplevel
 
-  params = {k: v['w'] for k, v in _mlp_params(num_layers, width, jnp.bfloat16).items()}
+  params = {k: v['w'] for k, v in mlp_params(num_layers, width, jnp.bfloat16).items()}
   host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind='pinned_host')
   rows = jax.device_put(jnp.zeros((num_layers, width * width), jnp.float32), host)
   x = jnp.asarray(np.random.default_rng(1).standard_normal((256, width)), jnp.bfloat16)
@@ -107,7 +109,7 @@ def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', storage: s
   import dos_jax  # pylint: disable=import-outside-toplevel
 
   # Committed, as a training loop's params are (an uncommitted init warns).
-  params = jax.device_put(_mlp_params(num_layers, width, jnp.dtype(dtype)), jax.devices()[0])
+  params = jax.device_put(mlp_params(num_layers, width, jnp.dtype(dtype)), jax.devices()[0])
   x = jnp.asarray(np.random.default_rng(1).standard_normal((batch, width)), jnp.dtype(dtype))
   offload = dos_jax.Offload(
       subgroup_size=width * width + width,
@@ -118,7 +120,7 @@ def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', storage: s
   state = opt.init(params)
 
   def step(p, s, x):
-    loss, g = jax.value_and_grad(_mlp_loss)(p, x)
+    loss, g = jax.value_and_grad(mlp_loss)(p, x)
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s, loss
 
