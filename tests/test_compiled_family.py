@@ -16,19 +16,15 @@ device update inside a host call's window, and a full-duplex stacked stream (one
 array: XLA orders every read of it before the next write).
 """
 
-import jax
 import pytest
 
 from dos_jax import dataflow
 from dos_jax.dataflow import probes
+from tests import compiled
 
 pytestmark = pytest.mark.compiled_gpu
 
-_AVAILABLE, _WHY = dataflow.gpu_compiler_available()
-if not _AVAILABLE:
-  pytest.skip(f'no GPU compiler here: {_WHY}', allow_module_level=True)
-if jax.default_backend() != 'cpu':
-  pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu', allow_module_level=True)
+compiled.skip_without_gpu_compiler()
 
 # (layers, width, dtype): odd and even streamed row counts, 256-4096 wide, both dtypes.
 SHAPES = ((2, 4096, 'bfloat16'), (5, 512, 'float32'), (8, 1024, 'bfloat16'),

@@ -19,19 +19,15 @@ loudly where a JAX/XLA upgrade changes it:
 Compiled with the CUDA plugin's compile-only client; skipped where it is not installed.
 """
 
-import jax
 import pytest
 
 from dos_jax import dataflow
 from dos_jax.dataflow import probes
+from tests import compiled
 
 pytestmark = pytest.mark.compiled_gpu
 
-_AVAILABLE, _WHY = dataflow.gpu_compiler_available()
-if not _AVAILABLE:
-  pytest.skip(f'no GPU compiler here: {_WHY}', allow_module_level=True)
-if jax.default_backend() != 'cpu':
-  pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu', allow_module_level=True)
+compiled.skip_without_gpu_compiler()
 
 
 def _schedule(chunks: int, link: probes.Link, layers: int = 6):
