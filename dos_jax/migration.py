@@ -99,10 +99,12 @@ def _rebuild_concrete(state: OffloadedState, wanted: partition_lib.Partition) ->
   """Stacked storage, between steps: the changed tiers rebuilt by one jitted program,
   the others handed over as they are."""
   old = state.partition
-  changed = tuple(t for t in TIERS if wanted.ids(t) != old.ids(t))
+  changed = tuple(t for t in TIERS if wanted.blocks(t) != old.blocks(t))
   template = next(x.sharding for x in jax.tree.leaves(state.tiers) if x.ndim == 3)
+  width = len(state.slots.groups)
   shardings = tuple((t, tuple(template.with_memory_kind(
-      'device' if t is Tier.RESIDENT else 'pinned_host') for _ in state.tier(t)))
+      'device' if t is Tier.RESIDENT else 'pinned_host')
+                              for _ in range(width * len(wanted.blocks(t)))))
                     for t in changed)
   new = _rebuild_program(wanted, shardings)(state)
   return state.with_tiers({t: new.get(t, state.tier(t)) for t in TIERS}, wanted)
@@ -118,34 +120,36 @@ def _rebuild_program(wanted: partition_lib.Partition, shardings: tuple) -> Calla
 
 
 def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
-  """Stacked storage: the changed tiers rebuilt from runs of consecutive rows (host
-  tiers sliced inside host regions in the accelerator program). Device memory holds
-  moved rows only when they become resident."""
+  """Stacked storage: the changed tiers' blocks rebuilt from runs of consecutive rows
+  (host tiers sliced inside host regions in the accelerator program). Device memory
+  holds moved rows only when they become resident."""
   old = state.partition
   region = paths.host_region if wanted.split else (lambda fn: fn)
+  old_blocks = {t: partition_lib.blocks_of(state.tier(t), len(old.blocks(t))) for t in TIERS}
   tiers = dict(state.tiers)
   for tier in TIERS:
-    ids = wanted.ids(tier)
-    if ids == old.ids(tier):
+    if wanted.blocks(tier) == old.blocks(tier):
       continue
     dest = paths.DEVICE if tier is Tier.RESIDENT else paths.HOST
-    segments = segments_of(old, ids)
     rebuilt = []
-    for j, same in enumerate(state.tier(tier)):
-      parts = []
-      for src, start, stop in segments:
-        x = state.tier(src)[j]
-        take = lambda y, a=start, b=stop: y[a:b]
-        part = take(x) if src is Tier.RESIDENT else region(take)(x)
-        parts.append(jax.device_put(part, dest))
-      if not parts:
-        rebuilt.append(same[:0] if tier is Tier.RESIDENT else region(lambda y: y[:0])(same))
-      elif len(parts) == 1:
-        rebuilt.append(parts[0])
-      elif tier is Tier.RESIDENT:
-        rebuilt.append(jnp.concatenate(parts))
-      else:
-        rebuilt.append(region(lambda *p: jnp.concatenate(p))(*parts))
+    for ids in wanted.blocks(tier):
+      segments = segments_of(old, ids)
+      for j in range(len(state.slots.groups)):
+        parts = []
+        for src, block, start, stop in segments:
+          x = old_blocks[src][block][j]
+          take = lambda y, a=start, b=stop: y[a:b]
+          part = take(x) if src is Tier.RESIDENT else region(take)(x)
+          parts.append(jax.device_put(part, dest))
+        if not parts:
+          same = old_blocks[tier][0][j]
+          rebuilt.append(same[:0] if tier is Tier.RESIDENT else region(lambda y: y[:0])(same))
+        elif len(parts) == 1:
+          rebuilt.append(parts[0])
+        elif tier is Tier.RESIDENT:
+          rebuilt.append(jnp.concatenate(parts))
+        else:
+          rebuilt.append(region(lambda *p: jnp.concatenate(p))(*parts))
     tiers[tier] = tuple(rebuilt)
   return state.with_tiers(tiers, wanted)
 
@@ -171,15 +175,14 @@ def _move_blocks(state: OffloadedState, wanted: partition_lib.Partition) -> Offl
 
 
 def segments_of(old: partition_lib.Partition,
-                ids: tuple[int, ...]) -> list[tuple[Tier, int, int]]:
-  """`ids` (ascending subgroups of a new tier) as `(old tier, start row, stop row)` runs
-  of rows that are consecutive in one old tier."""
-  out: list[tuple[Tier, int, int]] = []
+                ids: tuple[int, ...]) -> list[tuple[Tier, int, int, int]]:
+  """`ids` (ascending subgroups of a new block) as `(old tier, block, start row, stop
+  row)` runs of rows that are consecutive in one old block."""
+  out: list[tuple[Tier, int, int, int]] = []
   for g in ids:
-    src = old.tier_of(g)
-    row = old.local(src, [g])[0]
-    if out and out[-1][0] is src and out[-1][2] == row:
-      out[-1] = (src, out[-1][1], row + 1)
+    src, block, row = old.locate(g)
+    if out and out[-1][:2] == (src, block) and out[-1][3] == row:
+      out[-1] = (src, block, out[-1][2], row + 1)
     else:
-      out.append((src, row, row + 1))
+      out.append((src, block, row, row + 1))
   return out

@@ -60,7 +60,8 @@ class Partition:
   `per_subgroup`: each subgroup's rows are their own arrays (one block per subgroup)
   rather than one stacked array per tier (see the module docstring). `split`: the
   accelerator program's partition (see `for_plan`), so that a plan change can be
-  applied to a state alone.
+  applied to a state alone. `stacks`: stacked storage keeps the streamed tier in this
+  many interleaved blocks (see `blocks`).
   """
 
   host: tuple[int, ...]
@@ -68,6 +69,7 @@ class Partition:
   resident: tuple[int, ...] = ()
   per_subgroup: bool = False
   split: bool = True
+  stacks: int = 1
 
   def __post_init__(self):
     for tier in TIERS:
@@ -93,9 +95,28 @@ class Partition:
   def blocks(self, tier: Tier) -> tuple[tuple[int, ...], ...]:
     """The subgroups of each of `tier`'s blocks, in storage order: one block per
     subgroup, or the whole tier as one block (also when it is empty: its arrays then
-    have no row)."""
+    have no row).
+
+    Stacked storage with `stacks` > 1 keeps the streamed tier's subgroups in `stacks`
+    interleaved blocks instead: block k holds the k-th, (k + stacks)-th, ... streamed
+    subgroup, so consecutive rows of the stream sit in different arrays and a row's
+    fetch never reads the array the row before it is written back into
+    (`paths.interleaved_loop`)."""
     ids = self.ids(tier)
-    return tuple((g,) for g in ids) if self.per_subgroup else (ids,)
+    if self.per_subgroup:
+      return tuple((g,) for g in ids)
+    if tier is Tier.STREAMED and self.stacks > 1 and len(ids) > 1:
+      count = min(self.stacks, len(ids))
+      return tuple(ids[k::count] for k in range(count))
+    return (ids,)
+
+  def locate(self, subgroup: int) -> tuple[Tier, int, int]:
+    """`(tier, block, row)`: where `subgroup`'s state is stored."""
+    tier = self.tier_of(subgroup)
+    for b, ids in enumerate(self.blocks(tier)):
+      if subgroup in ids:
+        return tier, b, ids.index(subgroup)
+    raise AssertionError(subgroup)  # every subgroup of a tier is in one of its blocks
 
   def tier_of(self, subgroup: int) -> Tier:
     for tier in TIERS:
@@ -120,8 +141,13 @@ def for_plan(plan: Plan, split: bool, per_subgroup: bool = False) -> Partition:
     return Partition(host=(), resident=everything, per_subgroup=per_subgroup, split=split)
   if not split:
     return Partition(host=everything, split=False)
-  return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.device)),
-                   resident=tuple(sorted(plan.resident)), per_subgroup=per_subgroup)
+  # Stacked, a stream in ascending order is stored as `buffers` interleaved blocks:
+  # full duplex (see `Partition.blocks`). Another order keeps one block.
+  streamed = tuple(sorted(plan.device))
+  stacks = plan.buffers if not per_subgroup and plan.device == streamed else 1
+  return Partition(host=tuple(sorted(plan.host)), streamed=streamed,
+                   resident=tuple(sorted(plan.resident)), per_subgroup=per_subgroup,
+                   stacks=max(1, stacks))
 
 
 def blocks_of(arrays: Sequence[jax.Array], count: int) -> list[tuple[jax.Array, ...]]:
@@ -262,7 +288,7 @@ def merge_tiers(tiers: dict[Tier, tuple[jax.Array, ...]],
                 partition: Partition) -> tuple[jax.Array, ...]:
   """The tiers' block arrays (all in one memory) as `(G, K, S)` arrays in subgroup
   order."""
-  stored = [g for tier in TIERS for g in partition.ids(tier)]  # concatenation order
+  stored = [g for tier in TIERS for ids in partition.blocks(tier) for g in ids]  # concatenation order
   position = {g: i for i, g in enumerate(stored)}
   order = [position[g] for g in range(len(stored))]
   blocks = [block for tier in TIERS if partition.ids(tier)

@@ -263,6 +263,59 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
   return stacked, out
 
 
+def interleaved_loop(steps: Sequence[RowStep], *, stacks, scalars, grads, params, outs):
+  """Updates a streamed tier stored as B interleaved blocks (`Partition.blocks`):
+  stream position p is row p // B of block p % B. Returns (stacks, outs), per block.
+
+  `steps`, `stacks`, `grads`, `params` (None or per block) and `outs` are per block;
+  blocks are in position order and block 0 is the longest. Like `streamed_loop`,
+  software-pipelined B deep: position q is fetched while position q - B + 1 is
+  updated. That fetch reads block q % B, last written by position q - B's
+  write-back, B rows back; it never reads the array the row before it is written
+  into, and no write-back waits for a fetch. So no dependency keeps the link to one
+  direction at a time (full duplex); with one array (`streamed_loop`) each write-back
+  had to wait for the next row's fetch.
+
+  One loop iteration runs B positions (block k in turn), so every block is written
+  in place. Where B does not divide the row count, the last iteration's missing
+  positions update their block's last row again and write back what they fetched
+  (a masked update: one extra round trip of a row, never a peeled row); as in
+  `streamed_loop`, the fetches past the end read the last row again and are dropped.
+  """
+  count = len(stacks)
+  lengths = [x[0].shape[0] for x in stacks]
+  if count < 2 or sorted(lengths, reverse=True) != lengths or lengths[-1] < lengths[0] - 1:
+    raise ValueError(f'interleaved_loop needs >= 2 interleaved blocks, got rows {lengths}')
+  params = (None,) * count if params is None else tuple(params)
+
+  def fetch(stacks, k, r):
+    r = jnp.minimum(r, lengths[k] - 1)
+    return put(tuple(_row(x, r) for x in stacks[k]), DEVICE)
+
+  def body(i, carry):
+    stacks, outs, fetched = (list(c) for c in carry)
+    for k in range(count):
+      ahead = k + count - 1  # the position fetched now, relative to this iteration's first
+      fetched.append(fetch(stacks, ahead % count, i + ahead // count))
+      blocks = fetched.pop(0)
+      r = jnp.minimum(i, lengths[k] - 1)
+      param = None if params[k] is None else _row(params[k], r)
+      new_blocks, _, out_row = steps[k](blocks, scalars, _row(grads[k], r), param, r)
+      if lengths[k] < lengths[0]:  # the last iteration has no row for this block
+        valid = i < lengths[k]
+        new_blocks = tuple(jnp.where(valid, n, o.astype(n.dtype))
+                           for n, o in zip(new_blocks, blocks))
+        out_row = jnp.where(valid, out_row, _row(outs[k], r))
+      new_blocks = put(new_blocks, HOST)
+      stacks[k] = tuple(_set_row(x, b, r) for x, b in zip(stacks[k], new_blocks))
+      outs[k] = _set_row(outs[k], out_row, r)
+    return tuple(stacks), tuple(outs), tuple(fetched)
+
+  fetched = tuple(fetch(stacks, k, 0) for k in range(count - 1))
+  stacks, outs, _ = lax.fori_loop(0, lengths[0], body, (tuple(stacks), tuple(outs), fetched))
+  return stacks, outs
+
+
 def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pieces, runs,
                        grad_dtype, inputs_sink: list | None = None):
   """Updates every row of the host tier in a `compute_on('device_host')` region (the

@@ -123,6 +123,8 @@ class StepContext:
     update = getattr(self, f'_{path.value}')
     blocks = self.part.blocks(tier)
     given = partition_lib.blocks_of(arrays, len(blocks))
+    if path is Path.STREAMED and not self.part.per_subgroup and len(blocks) > 1:
+      return self._interleaved(base_step, blocks, given)
     order = list(range(len(blocks)))
     if tier is Tier.STREAMED and len(blocks) > 1:
       first_row = {ids[0]: b for b, ids in enumerate(blocks)}
@@ -229,6 +231,26 @@ class StepContext:
     return paths.streamed_loop(order, self._device_step(step, arrays), stacked=arrays,
                                scalars=self.scalars, grads=grads, params=params, out=out,
                                buffers=self.plan.buffers)
+
+  def _interleaved(self, base_step, blocks, given):
+    """The stacked streamed tier's interleaved blocks through one loop
+    (`paths.interleaved_loop`); returns what `update_tier` does."""
+    steps, grads, params, outs, all_runs = [], [], [], [], []
+    for ids, block in zip(blocks, given):
+      step = dataclasses.replace(
+          base_step, decayed_rows=sum(1 for g in ids if g < self.layout.decayed_rows))
+      runs = partition_lib.pieces_of(self.layout, ids)
+      g, p = self._rows(step, block, runs)
+      steps.append(self._device_step(step, block))
+      grads.append(g)
+      params.append(p)
+      outs.append(jnp.zeros(g.shape, step.out_dtype))
+      all_runs.append(runs)
+    new, outs = paths.interleaved_loop(
+        steps, stacks=given, scalars=self.scalars, grads=grads,
+        params=None if params[0] is None else params, outs=outs)
+    return (tuple(x for block in new for x in block),
+            [(out, runs) for out, runs in zip(outs, all_runs)])
 
   def _resident(self, step, arrays, ids, runs):
     del ids

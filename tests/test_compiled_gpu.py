@@ -14,6 +14,7 @@ prove what the compiled schedule *does*:
   `dos_jax.GPU_COMPILER_OPTIONS`.
 """
 
+import functools
 import os
 import re
 
@@ -69,14 +70,15 @@ def test_runner_step_overlaps_copies_and_updates(policy, dtype):
   assert len(schedule.host_calls) == 1
   if policy in DEVICE_PLANS:
     assert schedule.device_update_inside_host_call(), schedule.host_calls
-    assert schedule.streamed_rows and schedule.stream_prefetched(), schedule.streamed_rows
+    assert schedule.streamed_rows and schedule.stream_full_duplex(), schedule.streamed_rows
   assert not schedule.large_host_copies()
 
 
 @pytest.mark.parametrize('storage', ['stacked', 'per_subgroup'])
-def test_streamed_rows_are_prefetched_with_one_block_each(storage):
-  """The runner's Stride(2) step (bf16): every streamed row's host->device fetch is
-  independent of the previous row's write-back (double buffering), for both storages;
+def test_streamed_rows_stream_full_duplex_with_one_block_each(storage):
+  """The runner's Stride(2) step (bf16): no streamed row's host->device fetch waits for
+  the previous row's write-back and no write-back for the next row's fetch (full
+  duplex), for both storages;
   no device copy of a state block is made (the Pallas kernel updates the fetched (3, S)
   block where it lands), and no host->host copy either."""
   cfg = config_lib.load(None, [
@@ -85,7 +87,7 @@ def test_streamed_rows_are_prefetched_with_one_block_each(storage):
   program = gpu_program.compile_step(cfg, 'h100_sxm')
   schedule = program.schedule
   assert len(schedule.streamed_rows) >= 2, schedule.streamed_rows
-  assert schedule.stream_prefetched(), schedule.streamed_rows
+  assert schedule.stream_full_duplex(), schedule.streamed_rows
   block = 3 * 65536 * 4
   device_copy = re.compile(r'= f32\[(1,)?3,65536\]\{[0-9,]*\} copy\(')
   device_copies = [line for line in program.hlo_text.splitlines() if device_copy.search(line)]
@@ -94,17 +96,35 @@ def test_streamed_rows_are_prefetched_with_one_block_each(storage):
   assert not schedule.large_host_copies(min_bytes=block)
 
 
-def test_a_row_count_the_buffers_do_not_divide_stays_one_loop_inside_the_host_call():
-  """2 layers: 5 streamed rows, 2 buffers. An unrolled loop would peel the fifth row,
-  and its write-back would pull the device update before the host call; the loop is not
-  unrolled there (`paths.streamed_loop`), and the update runs inside the host call."""
-  program = _runner_step('stride', 'bfloat16', overrides=['model.n_layers=2'])
-  rows = re.search(r'opt_state_streamed_0_\S* = f32\[(\d+),3,65536\]', program.hlo_text)
-  assert rows and int(rows.group(1)) % 2 == 1, 'an odd number of streamed rows'
+@functools.lru_cache(maxsize=None)
+def _two_layer_step():
+  return _runner_step('stride', 'bfloat16', overrides=['model.n_layers=2'])
+
+
+_BEFORE_THE_START = ('the 2-layer runner step: the scheduler issues the interleaved loop just '
+                     "before the host call's start, no longer inside its window (the "
+                     'one-array loop it replaced, which was not full duplex, landed inside): '
+                     "the window is the latency-hiding scheduler's choice, not a dependency "
+                     '(experiments/RESULTS.md, 2026-11-25, fifth session)')
+
+
+def test_a_row_count_the_buffers_do_not_divide_stays_one_full_duplex_loop():
+  """2 layers: 5 streamed rows, 2 buffers, stored as interleaved blocks of 3 and 2
+  rows. The loop's last iteration masks its missing position (`paths.interleaved_loop`):
+  one loop, no peeled row, full duplex, one host call."""
+  program = _two_layer_step()
+  rows = re.findall(r'opt_state_streamed_\d+_\S* = f32\[(\d+),3,65536\]', program.hlo_text)
+  assert sorted(set(int(r) for r in rows)) == [2, 3], rows
   schedule = program.schedule
   assert len(schedule.host_calls) == 1
+  assert len(schedule.device_updates()) == 1, schedule.update_positions
+  assert schedule.streamed_rows and schedule.stream_full_duplex(), schedule.streamed_rows
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_BEFORE_THE_START)
+def test_the_2_layer_loop_inside_the_host_call_is_not_guaranteed():
+  schedule = _two_layer_step().schedule
   assert schedule.device_update_inside_host_call(), schedule.host_calls
-  assert schedule.streamed_rows and schedule.stream_prefetched(), schedule.streamed_rows
 
 
 _WRITE_BACK_FIRST = ("XLA's latency-hiding scheduler issues a streamed row's write-back to "

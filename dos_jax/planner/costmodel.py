@@ -12,12 +12,15 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
   write-back (`paths.streamed_loop`; checked on the program compiled for an H100).
   Stored per subgroup, each subgroup holds a buffer from the start of its H2D to the
   end of its D2H and the two directions run at once, so the steady-state period per
-  subgroup is `max(h, c, d, (h + c + d) / buffers)`. Stacked (`stacked=True`), each
-  write-back waits for the next row's fetch and the fetch after it for the write-back
-  (two accesses to one host array, which XLA would otherwise keep apart by copying it):
-  the link carries one direction at a time and the period is `max(h + d, c)`, plus the
-  `buffers - 1` extra fetches of the last row the loop makes. Either way, one first
-  subgroup's latency fills the pipeline;
+  subgroup is `max(h, c, d, (h + c + d) / buffers)`. Stacked (`stacked=True`), a
+  stream in ascending order is stored as `buffers` interleaved blocks
+  (`paths.interleaved_loop`): the same full-duplex period, plus the `buffers - 1` extra
+  fetches of the last row the loop makes and, where `buffers` does not divide the row
+  count, one masked round trip per missing position. A stream in another order is one
+  array, whose write-backs wait for the next row's fetch and fetches for the write-back
+  before: the link carries one direction at a time and the period is `max(h + d, c)`,
+  plus the same extra fetches. Either way, one first subgroup's latency fills the
+  pipeline;
 * host subgroups need their gradients D2H, the host AdamW, and their new low-precision
   params H2D. The gradients leave the device piece by piece as the backward pass makes
   them (per leaf, never after a concatenation of all gradients, and never behind the
@@ -168,6 +171,47 @@ def _slowed(work: float, window: float, slowdown: float) -> float:
   return window + (work - window / slowdown)
 
 
+def stream_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
+                   dev_sizes: list[int], *, stacked: bool = False,
+                   both: bool = True) -> float:
+  """The streamed path of `dev_sizes` (rows of `plan`'s stream, in order) alone, from
+  the first fetch to the last write-back (see the module docstring); `both`: the two
+  link directions carry traffic at once."""
+  if not dev_sizes:
+    return 0.0
+  sb = spec.state_bytes_per_element
+  u_dev = profile.device_adamw_gparams * _GB
+  h2d_bw = (profile.both_gbps if both else profile.h2d_gbps) * _GB
+  d2h_bw = (profile.both_gbps if both else profile.d2h_gbps) * _GB
+  stream = 0.0
+  # A single buffer cannot overlap its own copies: those run at the lone-direction rate.
+  in_bw = h2d_bw if plan.buffers >= 2 else profile.h2d_gbps * _GB
+  out_bw = d2h_bw if plan.buffers >= 2 else profile.d2h_gbps * _GB
+  interleaved = (stacked and plan.buffers >= 2 and len(dev_sizes) > 1
+                 and list(plan.device) == sorted(plan.device))
+  alternating = stacked and plan.buffers >= 2 and not interleaved
+  if alternating:
+    # One direction at a time: the lone-direction rates.
+    in_bw, out_bw = profile.h2d_gbps * _GB, profile.d2h_gbps * _GB
+  latencies = []
+  for s in dev_sizes:
+    h, c, d = sb * s / in_bw, s / u_dev, sb * s / out_bw
+    period = max(h + d, c) if alternating else max(h, c, d, (h + c + d) / plan.buffers)
+    stream += period
+    latencies.append((h + c + d) - period)
+  if latencies:
+    stream += max(latencies[0], 0.0)  # filling the pipeline: the first subgroup's latency
+  if stacked and plan.buffers >= 2:
+    # The loop fetches the last row again `buffers - 1` times (clamped index).
+    stream += (min(plan.buffers, len(dev_sizes)) - 1) * sb * dev_sizes[-1] / in_bw
+  if interleaved:
+    # Masked positions of the last iteration: a round trip of a row each.
+    masked = -len(dev_sizes) % min(plan.buffers, len(dev_sizes))
+    last = dev_sizes[-1]
+    stream += masked * max(sb * last / in_bw, last / u_dev, sb * last / out_bw)
+  return stream
+
+
 def predict(
     profile: HardwareProfile,
     spec: SubgroupSpec,
@@ -189,9 +233,8 @@ def predict(
       matmul (the runner's model: the input embedding's); its host-bound share (the
       host subgroups' share of the elements) leaves the device with nothing to hide
       behind.
-    stacked: the streamed tier is one stacked array (`Storage.STACKED`, the default of
-      fixed policies) rather than an array per subgroup: its fetches and write-backs
-      alternate on the link (see the module docstring).
+    stacked: the streamed tier is stacked (`Storage.STACKED`, the default of fixed
+      policies) rather than an array per subgroup (see the module docstring).
   """
   if plan.num_subgroups != spec.num_subgroups:
     raise ValueError(
@@ -238,29 +281,7 @@ def predict(
   h2d_bw = (profile.both_gbps if both else profile.h2d_gbps) * _GB
   d2h_bw = (profile.both_gbps if both else profile.d2h_gbps) * _GB
 
-  stream = 0.0
-  if dev_sizes:
-    # A single buffer cannot overlap its own copies: those run at the lone-direction rate.
-    in_bw = h2d_bw if plan.buffers >= 2 else profile.h2d_gbps * _GB
-    out_bw = d2h_bw if plan.buffers >= 2 else profile.d2h_gbps * _GB
-    alternating = stacked and plan.buffers >= 2
-    if alternating:
-      # One direction at a time: the lone-direction rates.
-      in_bw, out_bw = profile.h2d_gbps * _GB, profile.d2h_gbps * _GB
-    latencies = []
-    for s in dev_sizes:
-      h, c, d = sb * s / in_bw, s / u_dev, sb * s / out_bw
-      if serial:
-        stream += h + c + d
-        continue
-      period = max(h + d, c) if alternating else max(h, c, d, (h + c + d) / plan.buffers)
-      stream += period
-      latencies.append((h + c + d) - period)
-    if latencies:
-      stream += max(latencies[0], 0.0)  # filling the pipeline: the first subgroup's latency
-    if alternating:
-      # The loop fetches the last row again `buffers - 1` times (clamped index).
-      stream += (min(plan.buffers, len(dev_sizes)) - 1) * sb * dev_sizes[-1] / in_bw
+  stream = stream_seconds(profile, spec, plan, dev_sizes, stacked=stacked, both=both)
   stream_alone = stream
   stream += resident_seconds
 

@@ -1,0 +1,74 @@
+"""Stacked storage keeps the streamed tier in `buffers` interleaved blocks
+(`Partition.blocks`, `paths.interleaved_loop`): the numbers are the per-subgroup
+storage's to the last bit or so (XLA on CPU fuses a row's update differently by loop
+shape: 1e-6 relative) and optax's within the suite's tolerance, for odd and even
+streamed row counts and 2 or 3 buffers."""
+
+import jax
+import numpy as np
+import pytest
+
+import dos_jax
+from dos_jax.partition import Tier
+from tests.test_adamw import jit_step
+from tests.test_adamw import make_pair
+from tests.test_adamw import random_grads
+from tests.test_adamw import random_tree
+
+# random_tree has 284 elements: these subgroup sizes give 3 and 7 subgroups (Stride(2):
+# 2 and 4 streamed, Stride(1): 3 and 7).
+SIZES = (95, 41)
+
+
+def _run(policy, size, storage, impl, seed, steps=3):
+  ours, ref = make_pair(policy, subgroup_size=size, impl=impl, platform='gpu',
+                        storage=storage)
+  params = ref_params = jax.device_put(random_tree(seed), jax.devices()[0])
+  state, ref_state = ours.init(params), ref.init(params)
+  step, ref_step = jit_step(ours), jit_step(ref)
+  for i in range(steps):
+    grads = random_grads(params, i, seed)
+    params, state = step(params, state, grads)
+    ref_params, ref_state = ref_step(ref_params, ref_state, grads)
+  return params, state, ref_params
+
+
+@pytest.mark.parametrize('buffers', [2, 3])
+@pytest.mark.parametrize('size', SIZES)
+@pytest.mark.parametrize('stride', [1, 2])
+def test_interleaved_blocks_equal_per_subgroup_storage_and_optax(stride, size, buffers):
+  seed = 1000 * stride + 10 * size + buffers  # reported in the test id
+  policy = dos_jax.Stride(stride, buffers=buffers)
+  xla = dos_jax.UpdateImpl.XLA
+  params, state, ref_params = _run(policy, size, dos_jax.Storage.STACKED, xla, seed)
+  part = state.partition
+  streamed = part.ids(Tier.STREAMED)
+  count = min(buffers, len(streamed))
+  if count > 1:
+    assert part.blocks(Tier.STREAMED) == tuple(streamed[k::count] for k in range(count))
+  assert len(state.streamed) == len(part.blocks(Tier.STREAMED)) * len(state.slots.groups)
+  per_params, per_state, _ = _run(policy, size, dos_jax.Storage.PER_SUBGROUP, xla, seed)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(per_params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  for a, b in zip(state.rows(), per_state.rows()):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_interleaved_blocks_with_the_pallas_kernel_match_optax():
+  """The Pallas row kernel (interpret mode on CPU) inside the interleaved loop."""
+  size = seed = 41
+  params, _, ref_params = _run(dos_jax.Stride(1), size, dos_jax.Storage.STACKED,
+                               dos_jax.UpdateImpl.KERNEL, seed)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stream_out_of_ascending_order_keeps_one_block():
+  """Only a stream in ascending order alternates blocks row by row."""
+  plan = dos_jax.Plan(device=(3, 1), host=(0, 2))
+  part = dos_jax.partition.for_plan(plan, split=True)
+  assert part.stacks == 1 and part.blocks(Tier.STREAMED) == ((1, 3),)
+  assert dos_jax.partition.for_plan(dos_jax.Plan(device=(1, 3), host=(0, 2)),
+                                    split=True).blocks(Tier.STREAMED) == ((1,), (3,))
