@@ -24,6 +24,7 @@ from typing import Callable
 
 from dos_jax.planner import auto
 from dos_jax.planner import costmodel
+from dos_jax.planner import timeline
 from dos_jax.planner import memory
 from dos_jax import model_shapes
 from dos_jax import pinned_pool
@@ -369,9 +370,23 @@ def handler(args) -> int:
           f' {_gib(u.buffer_bytes):>9} {_gib(host):>10}  {u.bound}')
   if tflops:
     print(f'\n(forward {_ms(fwd)} + backward {_ms(bwd)} estimated at {tflops:g} TFLOP/s per device)')
+    shown = [(n, p) for n, p in [('Auto (chosen)', plan)] + statics if p.host and p.device]
+    if shown:
+      print(_chunk_line(profile, spec, *shown[0], fwd, bwd))
   for line in _why(rows, budget, acts):
     print(line)
   return 0
+
+
+def _chunk_line(profile, spec, name, plan, fwd, bwd, chunks: int = 4) -> str:
+  """A plan's step as the program runs it (`timeline`), its host update in one host
+  call and in `chunks` early ones (`Offload(chunks=...)`)."""
+  def step(k, clipped):
+    return _ms(timeline.timeline(profile, spec, plan, forward_seconds=fwd, backward_seconds=bwd,
+                                 chunks=k, clipped=clipped).seconds)
+  return (f'{name} as the step runs it (dos_jax.planner.timeline): one host call'
+          f' {step(1, True)}; {chunks} early host chunks {step(chunks, True)} with clipping'
+          f' (each waits for the clip factor), {step(chunks, False)} without')
 
 
 def _this_is_a_gpu() -> bool:

@@ -1,0 +1,141 @@
+"""One training step as the compiled program runs it: when the device, the two link
+directions and the host are busy, for a plan whose host update runs in K chunks.
+
+`predict` gives the update phase as a roofline; this follows the order the step's
+construction forces (`dos_jax.chunked`, `paths`, `tier_updates`), so that it can be
+put beside a compiled schedule's order of starts and dones:
+
+* the device runs the forward and backward passes. Host-bound gradients leave as the
+  backward pass makes them, the last subgroups first, one after another on the D2H link;
+* host call k starts once its chunk's gradients are in host memory, host call k-1 is
+  done and device part k-1 has finished (the link that keeps the calls apart), and,
+  under clipping, once the backward pass is over (the clip factor needs every
+  gradient). It runs the host AdamW on its subgroups;
+* device part k, chunk k's streamed rows (`costmodel.stream_seconds`), starts after the
+  backward pass once host call k's inputs are in host memory (the gate);
+* a host call's done blocks the thread that launches GPU work until the host
+  computation ends, and it comes before the next chunk's device work: after device
+  part k the device waits for host call k;
+* each chunk's new params go back over H2D after its host call; the step ends when the
+  device and the last params are done, plus the layout's packing and unpacking.
+
+With K = 1 this is the step `predict` describes: one host call that starts after every
+host-bound gradient is in host memory, the stream inside its window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dos_jax.planner import costmodel
+from dos_jax.planner.hardware import HardwareProfile
+from dos_jax.policies import Plan
+from dos_jax.policies import SubgroupSpec
+
+_GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  """One piece of work on one lane: 'device', 'h2d', 'd2h' or 'host'."""
+
+  lane: str
+  name: str
+  start: float
+  end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+  """The spans of one step, in start order."""
+
+  spans: tuple[Span, ...]
+
+  @property
+  def seconds(self) -> float:
+    """The step: from the forward pass to the last span's end."""
+    return max(s.end for s in self.spans)
+
+  def span(self, name: str) -> Span:
+    return next(s for s in self.spans if s.name == name)
+
+  def events(self) -> list[tuple[float, str]]:
+    """Every span's start and end as `(seconds, 'name start' | 'name end')`, in time
+    order: the order to put beside a schedule's starts and dones."""
+    out = [(s.start, f'{s.name} start') for s in self.spans]
+    out += [(s.end, f'{s.name} end') for s in self.spans]
+    return sorted(out, key=lambda e: e[0])
+
+  def table(self) -> str:
+    """One line per span: start and end in ms, lane, name."""
+    return '\n'.join(f'{1e3 * s.start:9.2f} {1e3 * s.end:9.2f} ms  {s.lane:6} {s.name}'
+                     for s in self.spans)
+
+
+def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
+             forward_seconds: float, backward_seconds: float, chunks: int = 1,
+             clipped: bool = True, stacked: bool = False) -> Timeline:
+  """The step of `plan` with its host update in `chunks` host calls (see the module
+  docstring); `clipped`: a global-norm clip gates every host call on the backward pass.
+
+  Example:
+    >>> from dos_jax.planner import costmodel, timeline
+    >>> from dos_jax.policies import Stride, SubgroupSpec
+    >>> spec = SubgroupSpec(num_subgroups=8, subgroup_size=10**7, num_elements=8 * 10**7)
+    >>> profile = costmodel.PROFILE_PRESETS['h100-pcie5']
+    >>> t = timeline.timeline(profile, spec, Stride(2).plan(spec), forward_seconds=0.1,
+    ...                       backward_seconds=0.2)
+    >>> t.span('host call 1').start >= 0.3  # after the backward pass (clipping)
+    True
+  """
+  if chunks < 1:
+    raise ValueError(f'timeline: chunks must be >= 1, got {chunks}')
+  sizes = costmodel.subgroup_sizes(spec)
+  n = spec.num_subgroups
+  pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds,
+                           stacked=stacked)
+  backward_end = forward_seconds + backward_seconds
+  spans = [Span('device', 'forward', 0.0, forward_seconds),
+           Span('device', 'backward', forward_seconds, backward_end)]
+  # Host-bound gradients over D2H, in the order the backward pass makes them.
+  gb = costmodel.host_pull_bytes(spec)
+  arrived, link_free = {}, 0.0
+  for g in sorted(plan.host, reverse=True):
+    made = forward_seconds + backward_seconds * (n - g) / n
+    link_free = max(made, link_free) + gb * sizes[g] / (profile.d2h_gbps * _GB)
+    arrived[g] = link_free
+  if plan.host:
+    spans.append(Span('d2h', 'host-bound gradients', forward_seconds, link_free))
+  count = max(1, min(chunks, len(plan.host) or 1, len(plan.device) or 1))
+  host_chunks = np.array_split(np.asarray(sorted(plan.host, reverse=True), int), count)
+  stream_chunks = np.array_split(np.asarray(plan.device, int), count)
+  u_host = profile.host_adamw_gparams() * _GB
+  both = bool(plan.device) and (plan.buffers >= 2 or bool(plan.host))
+  device, host_done, part_done, params_free = backward_end, 0.0, 0.0, 0.0
+  for k, (hosts, streams) in enumerate(zip(host_chunks, stream_chunks), 1):
+    rows = [sizes[g] for g in streams]
+    stream = costmodel.stream_seconds(profile, spec, plan, rows, stacked=stacked, both=both)
+    ready = max([arrived[g] for g in hosts] + [0.0])
+    if clipped:
+      ready = max(ready, backward_end)
+    if len(hosts):
+      start = max(ready, host_done, part_done)
+      work = sum(sizes[g] for g in hosts) / u_host
+      host_done = start + costmodel._slowed(work, stream, profile.host_copy_slowdown)  # pylint: disable=protected-access
+      spans.append(Span('host', f'host call {k}', start, host_done))
+    if rows:
+      part_start = max(device, ready)
+      part_done = part_start + stream
+      spans.append(Span('device', f'device part {k}', part_start, part_done))
+      device = part_done
+    device = max(device, host_done)  # the done blocks the launch thread
+    if len(hosts):
+      back = max(host_done, params_free)
+      params_free = back + spec.param_bytes_per_element * sum(sizes[g] for g in hosts) / (
+          profile.h2d_gbps * _GB)
+      spans.append(Span('h2d', f'params {k}', back, params_free))
+  end = max(device, params_free)
+  spans.append(Span('device', 'layout and apply', end, end + pred.layout_seconds))
+  return Timeline(tuple(sorted(spans, key=lambda s: (s.start, s.end))))

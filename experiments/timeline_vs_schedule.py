@@ -1,0 +1,86 @@
+"""The runner's step compiled for an H100 beside the timeline the cost model predicts.
+
+For each config it compiles the runner's step with the CUDA plugin (no GPU needed) and
+prints the schedule's order of the events that matter, by instruction position: the
+last backward gemm, each host call's start and done, each device update (Pallas call or
+update loop), and the first and last weight-gradient copy to host. Beside it,
+`dos_jax.planner.timeline` for the same plan and state on the `h100-pcie5` profile (the
+forward and backward times at its default achieved TFLOP/s, as `dos-jax plan`).
+
+  JAX_PLATFORMS=cpu python3.12 experiments/timeline_vs_schedule.py \
+      --config configs/125m.yaml --config configs/1.3b.yaml --set data.batch_size=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+_TFLOPS = 200.0  # plan_cli's default for h100-pcie5
+
+
+def schedule_events(schedule) -> list[tuple[int, str]]:
+  """(position, event) of one compiled schedule, in order."""
+  events = []
+  if schedule.gemm_positions:
+    events.append((max(schedule.gemm_positions), 'last gemm (end of backward)'))
+  for k, call in enumerate(schedule.host_calls, 1):
+    events.append((call.start, f'host call {k} start'))
+    events.append((call.done, f'host call {k} done'))
+  for p in schedule.update_positions:
+    events.append((p, 'device update'))
+  copies = schedule.gradient_copies()
+  if copies:
+    events.append((min(c.start for c in copies), 'first gradient copy to host'))
+    events.append((max(c.start for c in copies), 'last gradient copy to host'))
+  return sorted(events)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--config', action='append', required=True)
+  parser.add_argument('--set', dest='overrides', action='append', default=[])
+  parser.add_argument('--target', default='h100_sxm')
+  args = parser.parse_args(argv)
+
+  import dos_jax  # pylint: disable=import-outside-toplevel
+  from dos_jax.planner import costmodel, timeline  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+
+  profile = costmodel.PROFILE_PRESETS['h100-pcie5']
+  for path in args.config:
+    cfg = config_lib.load(path, args.overrides)
+    built = gpu_program.build_step(cfg)
+    state = built.offloaded_state
+    spec = state.layout.spec()
+    part = state.partition
+    plan = dos_jax.Plan(device=part.streamed, host=part.host, resident=part.resident)
+    params = spec.num_elements
+    tokens = cfg.data.seq_len * cfg.data.batch_size
+    forward = 2 * params * tokens / (_TFLOPS * 1e12)
+    program = gpu_program.compile_step(cfg, args.target)
+    print(f'== {path} {" ".join(args.overrides)}: {params:,} params, {spec.num_subgroups}'
+          f' subgroups ({len(plan.device)} streamed, {len(plan.host)} host),'
+          f' {part.stacks if not part.per_subgroup else "per-subgroup"} stream block(s),'
+          f' compiled in {program.compile_s:.0f} s')
+    print('-- compiled schedule (instruction positions of the entry computation):')
+    for position, event in schedule_events(program.schedule):
+      print(f'  {position:6d}  {event}')
+    predicted = timeline.timeline(profile, spec, plan, forward_seconds=forward,
+                                  backward_seconds=2 * forward,
+                                  clipped=cfg.optim.clip_norm is not None,
+                                  stacked=not part.per_subgroup)
+    print(f'-- predicted timeline ({profile.name}, {_TFLOPS:g} TFLOP/s;'
+          f' step {1e3 * predicted.seconds:.1f} ms):')
+    print(predicted.table())
+    sys.stdout.flush()
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
