@@ -109,8 +109,9 @@ def _score_gradient_bytes(shape, seq_len: int, micro_batch: int, compute_bytes: 
 # batch into a (D / fsdp) x 2F block. Where that block's 128 x 128 tiles leave most of
 # the GPU's 132 SMs idle, the GPU compiler splits the contraction into pieces of 256
 # tokens (up to one piece per idle SM's share) and keeps one float32 partial block per
-# piece (read off the step compiled for an H100: 16 pieces at 4096 tokens, 8 at 2048,
-# for a 32 x 768 block).
+# piece. The tile/SM rule is this model's, not XLA's code: it gives what the step
+# compiled for an H100 holds (16 pieces at 4096 tokens, 8 at 2048, for 32 x 768 and
+# 64 x 768 blocks) and 1 piece at the paper's widths, where the block fills the GPU.
 SPLIT_K_TOKENS = 256
 _GEMM_TILE = 128
 _H100_SMS = 132
