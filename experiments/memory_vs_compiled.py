@@ -13,7 +13,12 @@ step for an H100 with no GPU (`dos_jax.train.gpu_program.compile_step`), and com
 Compiled figures are cached in `--cache` (JSON, one entry per config), so the comparison
 can be redone without compiling again.
 
+`--fsdp` compares ZeRO-3 instead: the `FSDP_CONFIGS` family compiled over 2 or 4 GPUs
+(`gpu_program.compile_sharded_step`, cuDNN attention, bf16, Stride(2)) against
+`predict_step(cfg, devices=N)`, device bytes only.
+
   JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --cache /tmp/mem.json
+  JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --fsdp --cache /tmp/fsdp.json
 """
 
 from __future__ import annotations
@@ -38,6 +43,20 @@ CONFIGS = (
     ('tiny L4 s128 b32 remat', 'tiny', ('model.n_layers=4', 'data.seq_len=128',
                                         'data.batch_size=32', 'model.remat=true')),
     ('125m L4 s256 b4', '125m', ('model.n_layers=4', 'data.seq_len=256', 'data.batch_size=4')),
+)
+# (name, fsdp, overrides): ZeRO-3 at small scale (RESULTS.md 2026-11-25, "the planner
+# under fsdp"); the first three are tested (tests/test_compiled_fsdp.py).
+FSDP_BASE = ('mesh.data=1', 'model.param_dtype=bfloat16', 'model.attention=cudnn',
+             'offload.subgroup_size=65536', 'optim.clip_norm=1.0')
+FSDP_CONFIGS = (
+    ('tiny L4 s128 B32', 4, ()),
+    ('tiny L4 s128 B32', 2, ()),
+    ('tiny L4 s64 B32', 4, ('data.seq_len=64',)),
+    ('tiny L2 s256 B16', 4, ('model.n_layers=2', 'data.seq_len=256', 'data.batch_size=16')),
+    ('tiny L3 s128 B8', 2, ('model.n_layers=3', 'data.batch_size=8')),
+    ('tiny L2 s128 B4', 4, ('model.n_layers=2', 'data.batch_size=4')),
+    ('125m L2 s128 B8', 4, ('model.preset=125m', 'model.n_layers=2', 'data.batch_size=8',
+                            'offload.subgroup_size=4194304')),
 )
 POLICIES = ('all_host', 'stride', 'device_fraction')
 DTYPES = ('bfloat16', 'float32')
@@ -85,17 +104,59 @@ def compile_one(preset, extra, policy, dtype) -> dict:
   }
 
 
+def fsdp_cfg(fsdp: int, extra):
+  from dos_jax.train import config as config_lib
+  return config_lib.load(None, [*FSDP_BASE, f'mesh.fsdp={fsdp}', *extra])
+
+
+def compile_fsdp(fsdp: int, extra) -> dict:
+  import jax
+  from dos_jax.train import gpu_program
+  start = time.perf_counter()
+  program = gpu_program.compile_sharded_step(fsdp_cfg(fsdp, extra), jax.devices()[:fsdp],
+                                             'h100_sxm')
+  return {'memory': dataclasses.asdict(program.memory),
+          'device_peak_bytes': program.memory.device_peak_bytes,
+          'compile_s': round(time.perf_counter() - start, 1)}
+
+
+def main_fsdp(cache: dict, args) -> int:
+  from dos_jax.planner import step_memory
+  mib = lambda b: b / 2**20
+  print('| config | fsdp | compiled device MiB | predicted device MiB | ratio |')
+  print('|---|---|---|---|---|')
+  for name, fsdp, extra in FSDP_CONFIGS:
+    key = f'fsdp{fsdp} {name}'
+    if key not in cache and not args.no_compile:
+      cache[key] = compile_fsdp(fsdp, extra)
+      with open(args.cache, 'w', encoding='utf-8') as f:
+        json.dump(cache, f, indent=1)
+    if key not in cache:
+      continue
+    got = cache[key]['device_peak_bytes']
+    pred = step_memory.predict_step(fsdp_cfg(fsdp, extra), devices=fsdp).device_bytes
+    print(f'| {name} | {fsdp} | {mib(got):.2f} | {mib(pred):.2f} | {pred / got:.3f} |',
+          flush=True)
+  return 0
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
   parser.add_argument('--cache', default='/tmp/memory_vs_compiled.json')
   parser.add_argument('--full', action='store_true', help='every policy x dtype per config')
   parser.add_argument('--no-compile', action='store_true', help='use only cached figures')
+  parser.add_argument('--fsdp', action='store_true', help='the ZeRO-3 family instead')
   args = parser.parse_args(argv)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  if args.fsdp:  # the mesh's devices, before JAX starts its CPU backend
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                               ' --xla_force_host_platform_device_count=4')
   cache = {}
   if os.path.exists(args.cache):
     with open(args.cache, encoding='utf-8') as f:
       cache = json.load(f)
+  if args.fsdp:
+    return main_fsdp(cache, args)
   if not args.no_compile:
     for name, preset, extra, policy, dtype in runs(args.full):
       key = f'{name} {policy} {dtype}'

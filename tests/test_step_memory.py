@@ -9,6 +9,7 @@ import pytest
 import dos_jax
 from dos_jax import dataflow
 from dos_jax import layout
+from dos_jax import model_shapes
 from dos_jax.planner import costmodel
 from dos_jax.planner import memory
 from dos_jax.planner import step_memory
@@ -123,3 +124,20 @@ def test_prediction_within_10_percent_of_the_compiled_h100_step(policy, dtype):
   # The host update is in place: host temp is what it reads (gradient pieces, fp32
   # params).
   assert predicted.host_temp_bytes == pytest.approx(compiled.host_temp_bytes, rel=0.10)
+
+
+def test_zero3_mlp_gradient_gather_by_hand():
+  # tiny (D 128, F 384) over fsdp=4, 8 sequences of 128 per device, bf16: the MLP's
+  # gate and up gradients gathered over the whole batch (2 x 2 B x 32 x 128 x 384),
+  # float32 weight-gradient partials (16 pieces of 256 tokens x 32 x 768), less the
+  # last layer's dead gate/up/product (2 x 8 x 128 x 384).
+  shape = model_shapes.PRESETS['tiny']
+  got = memory.fsdp_gradient_bytes(shape, seq_len=128, micro_batch=8, fsdp=4)
+  assert got == 2 * 2 * 32 * 128 * 384 + 4 * 16 * 32 * 768 - 2 * 8 * 128 * 384
+  assert memory.fsdp_gradient_bytes(shape, seq_len=128, micro_batch=8, fsdp=1) == 0
+  kw = dict(seq_len=128, micro_batch=8, attention='cudnn')
+  assert memory.activation_bytes(shape, **kw, fsdp=1) == memory.activation_bytes(shape, **kw)
+  assert memory.activation_bytes(shape, **kw, fsdp=4) > memory.activation_bytes(shape, **kw)
+  # At the paper's widths the weight-gradient block fills the GPU: no split.
+  big = model_shapes.PRESETS['20b']
+  assert memory._split_k_pieces(8192, big.dim // 4, 2 * big.ffn_dim) == 1  # pylint: disable=protected-access

@@ -19,7 +19,13 @@ schedule (the update's device work waits for the clip factor, i.e. for every gra
   rows of every subgroup before they are unpacked into the params.
 
 Checked against the program compiled for an H100 (experiments/memory_vs_compiled.py,
-RESULTS.md 2026-11-24): within 10% for the tiny and 125m presets at small scale.
+RESULTS.md 2026-11-24): within 10% for the tiny and 125m presets at small scale. Under
+ZeRO-3 (`fsdp`) the backward moment is the last layer's MLP weight gradient, where XLA
+holds the MLP's gradients gathered over the whole batch (`memory.fsdp_gradient_bytes`):
+within 10% of the tiny model compiled for 2 and 4 H100s (tests/test_compiled_fsdp.py,
+RESULTS.md 2026-11-25). Not modelled under fsdp: the update phase's whole gathered rows
+(it dominates from the 125m width up), and the other layouts XLA picks for some tiny
+shapes (one sequence per device, or activations split over the width); see RESULTS.md.
 """
 
 from __future__ import annotations
@@ -110,7 +116,8 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   everywhere, are neglected), the state over its axis (fsdp with ZeRO-3, else data),
   the batch over data x fsdp; tensor parallelism's split of the activations is not
   modelled. With fsdp, the backward pass also holds one layer's gathered matrices and
-  their gradient before it is reduce-scattered, both in the compute dtype.
+  their gradient before it is reduce-scattered, both in the compute dtype, and its peak
+  may be the last layer's MLP weight gradient (`memory.fsdp_gradient_bytes`).
 
   Args:
     cfg: a `dos_jax.train.config.RunConfig`.
@@ -137,7 +144,7 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   compute_bytes = _BYTES[str(cfg.model.compute_dtype)]
   acts = memory.activation_bytes(shape, seq_len=s, micro_batch=b,
                                  compute_bytes=compute_bytes, remat=bool(cfg.model.remat),
-                                 attention=cfg.model.attention_impl('gpu'))
+                                 attention=cfg.model.attention_impl('gpu'), fsdp=fsdp)
   matrices = (shape.num_params() - shape.vocab_size * shape.dim) // tensor
   if pb != compute_bytes:  # the matrices cast to the compute dtype, kept for the backward
     acts += matrices // fsdp * compute_bytes
