@@ -210,6 +210,8 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
                   out, buffers: int = 2):
   """Updates the rows `order` of the streamed tier, whose state stays in host memory:
   each row is copied host -> device, updated, and copied back; returns (stacked, out).
+  For a stacked tier of one block (a stream out of ascending order); in order, the
+  tier is interleaved blocks and `interleaved_loop` streams it full duplex.
 
   Software-pipelined `buffers` deep (the paper's double buffering at 2): the loop
   carries the next `buffers - 1` rows already on the device, and each iteration issues
