@@ -107,8 +107,9 @@ def test_auto_no_worse_than_any_stride_or_fraction(u_host, u_dev, bw, slowdown):
 
 @pytest.mark.parametrize('model', ['7b', '13b', '20b'])
 def test_h100_preset_chooses_about_half_on_device(model):
-  """PAPER.md: on 4x H100 the paper measured k=2 (half the subgroups) best, streaming
-  every subgroup it did not update on the host (no resident tier)."""
+  """On 4x H100 the paper measured k=2 (half the subgroups) best, streaming every
+  subgroup it did not update on the host, no resident tier (docs/planner.md, the
+  paper's figures)."""
   n = math.ceil(model_shapes.preset(model).num_params() / 4)  # per GPU of a 4-GPU node
   spec = SubgroupSpec(math.ceil(n / 10**8), 10**8, n, 12, 2, 2)
   plan = auto.rank(costmodel.H100_PCIE_GEN5_NODE, spec, 10e9, resident=False)[0].plan
