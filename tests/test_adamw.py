@@ -64,8 +64,7 @@ def jit_step(opt, grad_dtype=None):
 # run on the CPU backend.
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
-def test_fp32_matches_optax_over_50_steps(policy, platform):
-  seed = np.random.randint(1 << 30)
+def test_fp32_matches_optax_over_50_steps(policy, platform, seed):
   ours, ref = make_pair(policy, platform=platform)
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)
@@ -289,11 +288,10 @@ def test_inside_optax_chain_with_clipping():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math():
+def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math(seed):
   """The accelerator program stores each tier apart: a plan with another split moves
   the rows (host <-> streamed <-> resident) between the steps (`dos_jax.migrate`), and
   the math is optax's. A jitted step handed a state laid out for another plan says so."""
-  seed = np.random.randint(1 << 30)
   ours, ref = make_pair(dos_jax.AllHost(), platform='gpu')
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)

@@ -74,9 +74,9 @@ def test_host_throughput_by_threads():
     dataclasses.replace(p, host_threads=3)
 
 
-def test_all_host_by_hand():
+def test_all_host_by_hand(seed):
   """AllHost on an accelerator: grads out, host AdamW, params back, pipelined by subgroup."""
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   p = synthetic(host_adamw_gparams_by_threads={4: rng.uniform(0.5, 3)})
   n = int(rng.integers(3 * 10**6, 9 * 10**6))
   spec = spec_of(n, 10**6)
