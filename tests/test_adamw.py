@@ -80,7 +80,7 @@ def test_fp32_matches_optax_over_50_steps(policy, platform, seed):
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('impl', list(dos_jax.UpdateImpl), ids=lambda i: i.value)
 @pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
-def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform):
+def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform, seed):
   """bf16 params == cast(optax.adamw on the fp32 master), with the same grads.
 
   The XLA path runs optax's own ops on the rows: bit for bit. The native kernel is bit
@@ -90,7 +90,6 @@ def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform):
   bf16 ulp. Our params, updated with optax's bf16 updates, track the cast of our own
   master (see `assert_params_track_master`).
   """
-  seed = np.random.randint(1 << 30)
   ours, ref = make_pair(policy, impl=impl, platform=platform)
   master = random_tree(seed)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
