@@ -82,8 +82,21 @@ def chain(
     A `GradientTransformationExtraArgs`; its update accepts `plan=` for one step.
 
   Example:
-    >>> opt = dos_jax.chain(optax.scale_by_adam(), optax.add_decayed_weights(0.1),
-    ...                     optax.scale_by_learning_rate(1e-3))
+    One step clipped and updated in subgroups of 8, against the same `optax.chain`:
+
+    >>> import jax, jax.numpy as jnp, optax, dos_jax
+    >>> params = {'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)}
+    >>> params = jax.device_put(params, jax.devices()[0])  # committed: compiles once
+    >>> members = (optax.scale_by_adam(), optax.add_decayed_weights(0.1),
+    ...            optax.scale_by_learning_rate(1e-3))
+    >>> opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), *members,
+    ...                     offload=dos_jax.Offload(subgroup_size=8))
+    >>> ref = optax.chain(optax.clip_by_global_norm(1.0), *members)
+    >>> grads = {'w': jnp.full((4, 3), 2.0), 'b': jnp.ones(3)}
+    >>> updates, state = opt.update(grads, opt.init(params), params)
+    >>> want, _ = ref.update(grads, ref.init(params), params)
+    >>> jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, rtol=1e-6, atol=0)), updates, want)
+    {'b': True, 'w': True}
   """
   validate_lib.check_offload(offload, 'dos_jax.chain')
   split = 0
@@ -164,6 +177,25 @@ def adamw(
     dos_jax.PinnedPoolError: at `init` on a GPU backend, when the state's host tiers do
       not fit XLA's pinned-host pool (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, default 64 GiB,
       read when JAX starts its GPU client); the message names the value to set.
+
+  Example:
+    One step against `optax.adamw` (the native host kernel may round a last bit
+    differently, hence the tolerance); the state lives in `pinned_host` memory:
+
+    >>> import jax, jax.numpy as jnp, optax, dos_jax
+    >>> params = {'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)}
+    >>> params = jax.device_put(params, jax.devices()[0])  # committed: compiles once
+    >>> opt = dos_jax.adamw(1e-1, offload=dos_jax.Offload(subgroup_size=8))
+    >>> state = opt.init(params)
+    >>> 'pinned_host' in {x.sharding.memory_kind for x in jax.tree.leaves(state)}
+    True
+    >>> grads = {'w': jnp.full((4, 3), 0.5), 'b': jnp.ones(3)}
+    >>> updates, state = opt.update(grads, state, params)
+    >>> ref = optax.adamw(1e-1)
+    >>> want, _ = ref.update(grads, ref.init(params), params)
+    >>> jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, rtol=1e-6, atol=0)), updates, want)
+    {'b': True, 'w': True}
+    >>> params = optax.apply_updates(params, updates)
   """
   validate_lib.check_offload(offload, 'dos_jax.adamw')
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)

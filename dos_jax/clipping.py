@@ -39,6 +39,30 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
   Alone, or in `optax.chain`, it is optax's transform. As a leading member of
   `dos_jax.chain` it becomes a `grad_scale` of the offloaded transform (see the module
   docstring): same math, in fp32, without holding gradients on the device.
+
+  Args:
+    max_norm: the largest global norm the gradients keep; larger ones are scaled down
+      to it.
+
+  Returns:
+    A `GradientTransformationExtraArgs` with optax's state and math.
+
+  Example:
+    Alone it is optax's transform: a gradient tree of norm 4 comes out with norm 1.
+
+    >>> import jax.numpy as jnp, optax, dos_jax
+    >>> grads = {'w': jnp.full((2, 2), 2.0)}
+    >>> clip = dos_jax.clip_by_global_norm(1.0)
+    >>> clipped, _ = clip.update(grads, clip.init(grads))
+    >>> clipped['w'].tolist()
+    [[0.5, 0.5], [0.5, 0.5]]
+    >>> float(optax.tree.norm(clipped))
+    1.0
+
+    As the first member of `dos_jax.chain`, the factor reaches the offloaded update
+    (see `dos_jax.chain`'s example):
+
+    >>> opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(1e-3))
   """
   base = optax.clip_by_global_norm(max_norm)
 

@@ -5,7 +5,7 @@ the preset's parameter count (within 4%; 7b is Llama's 6.74B) for this Llama-sty
 untied embeddings, no grouped-query attention); `tiny` is the CPU default. The `llama3-*`
 presets are Meta's published Llama 3 shapes (grouped-query attention with 8 KV heads, the
 128256-token vocabulary; 3.2's 1B and 3B tie their embeddings): 8.03B, 1.24B, 3.21B. 7b and 13b
-are the Deep Optimizer States paper's shapes (PAPER.md); its 20b, 30b and 70b shapes
+are the Deep Optimizer States paper's shapes (docs/planner.md); its 20b, 30b and 70b shapes
 count 17.1B, 32.5B and 78.4B here (the paper's models differ in MLP or attention), so
 those presets keep the paper's widths, depths and heads and narrow the MLP until the
 count matches the name. 125m and 1.3b keep GPT-2's 50304-token vocabulary, whose untied

@@ -58,7 +58,7 @@ def _zero_rows(x: jax.Array, keep: int | None) -> jax.Array:
   """`(R, K, S)` -> zeros except row `keep` of the middle axis, built where `x` is.
 
   `lax.pad` with a scalar fill, not a zeros array: a zeros array would be made in
-  device memory, even inside a host computation (JAX_NOTES).
+  device memory, even inside a host computation (docs/design.md, "JAX facts").
   """
   k_all = x.shape[1]
   zero = jnp.zeros((), x.dtype)

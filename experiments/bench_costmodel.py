@@ -93,7 +93,7 @@ def step_runner(params, tx) -> callable:
   return run
 
 
-# PAPER.md: update throughput, 1e9 params/s per 4-GPU node, by stride (0 = CPU only).
+# The paper's update throughput (docs/planner.md), 1e9 params/s per 4-GPU node, by stride (0 = CPU only).
 PAPER_THROUGHPUT = {
     ('20b', 'h100-pcie5'): {0: 8.6, 2: 15.3, 3: 14.9, 4: 14.2, 10: 12.7},
     ('20b', 'a100-pcie4'): {0: 3.8, 2: 5.7, 3: 5.6, 4: 5.3, 10: 5.1},

@@ -5,7 +5,7 @@ A data x tensor mesh of virtual CPU devices, params sharded over 'tensor', the s
 over 'data' (ZeRO-1); `Offload(platform='gpu')` builds the accelerator program (host
 regions, pinned_host state), which the CPU backend runs. One jitted, donated step
 (update + apply_updates) per configuration, timed round-robin, medians reported.
-CPU timings cannot rank GPU policies (JAX_NOTES); they do compare two host updates of
+CPU timings cannot rank GPU policies (docs/design.md, "JAX facts"); they do compare two host updates of
 the same program on the same cores.
 
   python experiments/bench_mesh_host.py --params 8_000_000 --subgroup-size 1_000_000

@@ -1,5 +1,6 @@
 """Test set-up: 8 virtual CPU devices for the sharding tests, the `gpu` marker, one
-pytest-xdist worker per core, and one compilation cache for the whole run.
+pytest-xdist worker per core, one compilation cache for the whole run, and the `seed`
+fixture that every test drawing random inputs takes its seed from.
 
 Most of the suite's time is XLA compiling (on the 2-core CPU machine, about two
 thirds of a typical test file), and many tests compile the same program from fresh
@@ -16,6 +17,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import zlib
 
 # Must happen before JAX starts a backend. Tests that do not shard use device 0 only.
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
@@ -24,6 +26,7 @@ import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
 _CACHE_ENV = 'DOS_JAX_TEST_COMPILATION_CACHE'
+_SEED_ENV = 'DOS_JAX_TEST_SEED'
 
 
 def _gpu_visible() -> bool:
@@ -67,3 +70,31 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if 'gpu' in item.keywords:
       item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def seed(request) -> int:
+  """The seed of this test's random inputs, in [0, 2**30): a hash (CRC-32) of the test's
+  id (`<file>::<test>[<params>]`), so a failure reruns with the same inputs, alone
+  or in the suite, with or without xdist. `DOS_JAX_TEST_SEED=<int>` starts every hash
+  from that int instead of 0, drawing other inputs for the whole run. A failed test's
+  report shows its seed in a `seed` section."""
+  start = int(os.environ.get(_SEED_ENV, '0'))
+  value = zlib.crc32(request.node.nodeid.encode(), start) % (1 << 30)
+  request.node.user_properties.append(('seed', value))
+  return value
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+  """A failed test that took the `seed` fixture reports its seed and how to rerun it."""
+  del call
+  report = yield
+  if report.failed:
+    for name, value in item.user_properties:
+      if name == 'seed':
+        start = os.environ.get(_SEED_ENV, '0')
+        report.sections.append((
+            'seed', f'seed {value} (from the test id, {_SEED_ENV}={start}); rerun: '
+            f"{_SEED_ENV}={start} python3 -m pytest -n 0 '{item.nodeid}'"))
+  return report

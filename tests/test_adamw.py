@@ -64,8 +64,7 @@ def jit_step(opt, grad_dtype=None):
 # run on the CPU backend.
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
-def test_fp32_matches_optax_over_50_steps(policy, platform):
-  seed = np.random.randint(1 << 30)
+def test_fp32_matches_optax_over_50_steps(policy, platform, seed):
   ours, ref = make_pair(policy, platform=platform)
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)
@@ -81,7 +80,7 @@ def test_fp32_matches_optax_over_50_steps(policy, platform):
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('impl', list(dos_jax.UpdateImpl), ids=lambda i: i.value)
 @pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
-def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform):
+def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform, seed):
   """bf16 params == cast(optax.adamw on the fp32 master), with the same grads.
 
   The XLA path runs optax's own ops on the rows: bit for bit. The native kernel is bit
@@ -91,7 +90,6 @@ def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform):
   bf16 ulp. Our params, updated with optax's bf16 updates, track the cast of our own
   master (see `assert_params_track_master`).
   """
-  seed = np.random.randint(1 << 30)
   ours, ref = make_pair(policy, impl=impl, platform=platform)
   master = random_tree(seed)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
@@ -289,11 +287,10 @@ def test_inside_optax_chain_with_clipping():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math():
+def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math(seed):
   """The accelerator program stores each tier apart: a plan with another split moves
   the rows (host <-> streamed <-> resident) between the steps (`dos_jax.migrate`), and
   the math is optax's. A jitted step handed a state laid out for another plan says so."""
-  seed = np.random.randint(1 << 30)
   ours, ref = make_pair(dos_jax.AllHost(), platform='gpu')
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)

@@ -13,8 +13,8 @@ from dos_jax.planner.auto import Auto
 from dos_jax.planner.costmodel import HardwareProfile
 
 
-def test_auto_plans_the_core_and_replans_with_one_compile_per_plan():
-  rng = np.random.default_rng()
+def test_auto_plans_the_core_and_replans_with_one_compile_per_plan(seed):
+  rng = np.random.default_rng(seed)
   params = {
       'w': jnp.asarray(rng.standard_normal((37, 29)), jnp.float32),
       'b': jnp.asarray(rng.standard_normal((53,)), jnp.float32),

@@ -11,8 +11,8 @@ import dos_jax
 OFFLOAD = dos_jax.Offload(subgroup_size=64, policy=dos_jax.Stride(2))
 
 
-def params_and_state(dtype=jnp.float32):
-  rng = np.random.default_rng(np.random.randint(1 << 30))
+def params_and_state(seed, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
   params = {'w': jnp.asarray(rng.standard_normal((128, 8)), dtype),
             'b': jnp.asarray(rng.standard_normal((8,)), dtype)}
   tx = dos_jax.adamw(1e-3, offload=OFFLOAD)
@@ -27,8 +27,8 @@ def one_line(err: pytest.ExceptionInfo) -> str:
 
 @pytest.mark.parametrize('jit', [False, True], ids=['eager', 'jit'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
-def test_transposed_gradients_are_refused_naming_the_leaf(jit, dtype):
-  tx, params, state = params_and_state(dtype)
+def test_transposed_gradients_are_refused_naming_the_leaf(jit, dtype, seed):
+  tx, params, state = params_and_state(seed, dtype)
   grads = {'w': jnp.ones((8, 128), dtype), 'b': jnp.ones((8,), dtype)}
   update = jax.jit(tx.update) if jit else tx.update
   with pytest.raises(ValueError, match=r"\['w'\] has shape mismatch.*\(8, 128\).*\(128, 8\)") as err:
@@ -39,8 +39,8 @@ def test_transposed_gradients_are_refused_naming_the_leaf(jit, dtype):
     optax.adamw(1e-3).update(grads, optax.adamw(1e-3).init(params), params)
 
 
-def test_wrong_size_and_wrong_count_and_integer_gradients_are_refused():
-  tx, params, state = params_and_state()
+def test_wrong_size_and_wrong_count_and_integer_gradients_are_refused(seed):
+  tx, params, state = params_and_state(seed)
   cases = [
       ({'w': jnp.ones((128, 9)), 'b': jnp.ones(8)}, r"\['w'\] has size mismatch"),
       ({'w': jnp.ones((128, 8))}, r"have 1 leaves.*had 2: params leaf \['b'\] has no match"),
@@ -58,9 +58,9 @@ def test_wrong_size_and_wrong_count_and_integer_gradients_are_refused():
   one_line(err)
 
 
-def test_any_updates_tree_with_matching_leaves_is_accepted():
+def test_any_updates_tree_with_matching_leaves_is_accepted(seed):
   """optax's rule: the leaves, not the node types, must match (a tuple for a dict)."""
-  tx, params, state = params_and_state()
+  tx, params, state = params_and_state(seed)
   grads = jax.tree.map(jnp.ones_like, params)
   as_tuple = tuple(jax.tree.leaves(grads))
   u_dict, _ = tx.update(grads, state, params)

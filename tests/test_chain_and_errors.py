@@ -26,8 +26,7 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
-def test_chain_matches_optax_chain():
-  seed = np.random.randint(1 << 30)
+def test_chain_matches_optax_chain(seed):
   params = random_tree(seed)
   members = lambda: (optax.scale_by_adam(), optax.add_decayed_weights(0.1),
                      optax.scale_by_learning_rate(1e-3))
@@ -36,8 +35,7 @@ def test_chain_matches_optax_chain():
   assert_trees_close(ours, ref)
 
 
-def test_chain_with_leading_global_clip_and_trace():
-  seed = np.random.randint(1 << 30)
+def test_chain_with_leading_global_clip_and_trace(seed):
   params = random_tree(seed)
   members = lambda: (optax.clip_by_global_norm(0.5), optax.trace(0.9),
                      optax.scale_by_learning_rate(1e-2))
@@ -89,9 +87,8 @@ def test_bad_input_names_the_culprit():
     dos_jax.Offload(subgroup_size=7, policy=dos_jax.AllHost()),
     dos_jax.Offload(subgroup_size=64, policy=dos_jax.AllDevice()),
 ])
-def test_state_survives_a_change_of_subgroup_size_and_policy(new_offload):
+def test_state_survives_a_change_of_subgroup_size_and_policy(new_offload, seed):
   """Training continued after a re-pack equals training continued without one."""
-  seed = np.random.randint(1 << 30)
   params = random_tree(seed, jnp.bfloat16)
   opt = dos_jax.adamw(1e-2, offload=OFFLOAD)
   params, state = run(opt, params, 3, seed)

@@ -28,8 +28,7 @@ def _run(opt, params, grads_seq):
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2),
                                     dos_jax.AllDevice()], ids=repr)
-def test_clip_as_grad_scale_matches_optax_chain(policy, platform):
-  seed = np.random.randint(1 << 30)
+def test_clip_as_grad_scale_matches_optax_chain(policy, platform, seed):
   params = random_tree(seed)
   # Norms around the threshold: some steps clip, some do not.
   grads_seq = [jax.tree.map(lambda g, s=s: s * g, random_grads(params, i, seed))
@@ -43,8 +42,7 @@ def test_clip_as_grad_scale_matches_optax_chain(policy, platform):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_clip_with_element_wise_members_matches_optax_chain():
-  seed = np.random.randint(1 << 30)
+def test_clip_with_element_wise_members_matches_optax_chain(seed):
   params = random_tree(seed)
   grads_seq = [jax.tree.map(lambda g: 10 * g, random_grads(params, i, seed)) for i in range(4)]
   members = lambda: (optax.scale_by_adam(), optax.scale_by_learning_rate(1e-2))

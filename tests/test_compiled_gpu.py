@@ -137,7 +137,7 @@ _WRITE_BACK_FIRST = ("XLA's latency-hiding scheduler issues a streamed row's wri
 def test_device_update_inside_the_host_call_is_not_yet_guaranteed_per_subgroup():
   """Per-subgroup storage (Auto's default), whose device update is not yet issued inside
   the host call: every row's write-back stands on its own. Strict: a jax whose scheduler
-  puts it there fails here, and the README's guarantee and this marker are then
+  puts it there fails here, and docs/gpu.md's statement and this marker are then
   updated."""
   schedule = _runner_step('stride', 'bfloat16',
                           overrides=['offload.storage=per_subgroup']).schedule

@@ -113,10 +113,10 @@ def test_missing_and_malformed_files(tmp_path):
   assert 'expected a mapping' in _error(str(scalar))
 
 
-def test_overrides_are_yaml_values_and_create_sections(tmp_path):
+def test_overrides_are_yaml_values_and_create_sections(tmp_path, seed):
   path = tmp_path / 'empty.yaml'
   path.write_text('')
-  lr = random.uniform(1e-5, 1e-2)
+  lr = random.Random(seed).uniform(1e-5, 1e-2)
   cfg = config.load(str(path), [
       f'optim.lr={lr!r}', 'optim.clip_norm=null', 'offload.policy=stride',
       'offload.stride=3', 'train.steps=1e3', 'optim.lr=5e-4',

@@ -74,9 +74,9 @@ def test_host_throughput_by_threads():
     dataclasses.replace(p, host_threads=3)
 
 
-def test_all_host_by_hand():
+def test_all_host_by_hand(seed):
   """AllHost on an accelerator: grads out, host AdamW, params back, pipelined by subgroup."""
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   p = synthetic(host_adamw_gparams_by_threads={4: rng.uniform(0.5, 3)})
   n = int(rng.integers(3 * 10**6, 9 * 10**6))
   spec = spec_of(n, 10**6)
@@ -218,10 +218,11 @@ def test_plan_and_spec_must_agree():
 @pytest.mark.parametrize('u_host, bandwidth', [(2.0, 20.0), (1.0, 6.0), (3.0, 50.0), (0.5, 2.0)])
 @pytest.mark.parametrize('param_bytes', [0, 2])
 def test_papers_stride_rule_falls_out(u_host, bandwidth, param_bytes):
-  """PAPER.md point 6: one device subgroup in k hides behind the host work on k-1 iff
-  k >= 1 + 12 U/B. With 16-bit weights also crossing H2D for every host subgroup the
-  rule becomes k >= 1 + 12 U / (B - pb U); pb = 0 is the paper's form. The best stride
-  is the first integer past the threshold or the one before it."""
+  """The paper's rule (docs/planner.md, the method, point 6): one device subgroup in k
+  hides behind the host work on k-1 iff k >= 1 + 12 U/B. With 16-bit weights also
+  crossing H2D for every host subgroup the rule becomes k >= 1 + 12 U / (B - pb U);
+  pb = 0 is the paper's form. The best stride is the first integer past the threshold
+  or the one before it."""
   p = synthetic(
       both_gbps=bandwidth, h2d_gbps=bandwidth, d2h_gbps=bandwidth,
       host_adamw_gparams_by_threads={8: u_host}, device_adamw_gparams=1e6,

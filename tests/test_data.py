@@ -20,9 +20,9 @@ def _random_text(rng, n):
 
 
 @pytest.fixture
-def corpus(tmp_path):
+def corpus(tmp_path, seed):
   """A directory tree of small text files plus what `prepare` should read from it, in order."""
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   root = tmp_path / 'src'
   (root / 'b_dir' / 'deeper').mkdir(parents=True)
   (root / 'a_dir').mkdir()
@@ -133,8 +133,8 @@ def test_resolve_dataset_prepares_the_default_once(tmp_path, monkeypatch):
   assert data.resolve_dataset(data.DataConfig(path=str(root))) == root
 
 
-def _dataset(tmp_path, val_fraction=0.1):
-  rng = np.random.default_rng()
+def _dataset(tmp_path, seed, val_fraction=0.1):
+  rng = np.random.default_rng(seed)
   src = tmp_path / 'src.txt'
   src.write_bytes(_random_text(rng, 2000))
   data.prepare([src], tmp_path / 'ds', val_fraction=val_fraction, min_val_tokens=0,
@@ -142,8 +142,8 @@ def _dataset(tmp_path, val_fraction=0.1):
   return tmp_path / 'ds'
 
 
-def test_sampler_windows_come_from_the_split(tmp_path):
-  ds = _dataset(tmp_path)
+def test_sampler_windows_come_from_the_split(tmp_path, seed):
+  ds = _dataset(tmp_path, seed)
   for split in data.SPLITS:
     tokens = _read(ds / f'{split}.bin')
     sampler = data.BatchSampler(ds, split, batch_size=5, seq_len=16, seed=3)
@@ -167,40 +167,40 @@ def test_val_split_is_disjoint_from_train(tmp_path):
     assert (next(val) < ord('a')).all()
 
 
-def test_sampler_is_deterministic_and_resumes_exactly(tmp_path):
-  ds = _dataset(tmp_path)
-  seed = int(np.random.default_rng().integers(1000))
-  straight = data.BatchSampler(ds, 'train', 4, 8, seed)
+def test_sampler_is_deterministic_and_resumes_exactly(tmp_path, seed):
+  ds = _dataset(tmp_path, seed)
+  sampler_seed = seed % 1000
+  straight = data.BatchSampler(ds, 'train', 4, 8, sampler_seed)
   expected = [next(straight) for _ in range(10)]
 
-  first = data.BatchSampler(ds, 'train', 4, 8, seed)
+  first = data.BatchSampler(ds, 'train', 4, 8, sampler_seed)
   got = [next(first) for _ in range(4)]
   saved = json.loads(json.dumps(first.state()))
-  assert saved == {'step': 4, 'seed': seed}
-  resumed = data.BatchSampler(ds, 'train', 4, 8, seed=seed + 1)
+  assert saved == {'step': 4, 'seed': sampler_seed}
+  resumed = data.BatchSampler(ds, 'train', 4, 8, seed=sampler_seed + 1)
   resumed.restore(saved)
   got += [next(resumed) for _ in range(6)]
   for a, b in zip(got, expected):
     np.testing.assert_array_equal(a, b)
-  other = data.BatchSampler(ds, 'train', 4, 8, seed + 1)
+  other = data.BatchSampler(ds, 'train', 4, 8, sampler_seed + 1)
   assert not all(np.array_equal(next(other), e) for e in expected[:3])
   # Different steps give different windows.
   assert not np.array_equal(expected[0], expected[1])
 
 
 @pytest.mark.parametrize('state', [{'step': 1}, {'step': -1, 'seed': 0}, [1, 2]])
-def test_bad_sampler_state_is_refused(tmp_path, state):
-  sampler = data.BatchSampler(_dataset(tmp_path), 'train', 2, 4, 0)
+def test_bad_sampler_state_is_refused(tmp_path, state, seed):
+  sampler = data.BatchSampler(_dataset(tmp_path, seed), 'train', 2, 4, 0)
   with pytest.raises(ValueError, match='sampler state'):
     sampler.restore(state)
 
 
-def test_dataset_errors_name_the_file(tmp_path):
+def test_dataset_errors_name_the_file(tmp_path, seed):
   with pytest.raises(ValueError, match='does not exist'):
     data.load_meta(tmp_path / 'nowhere')
   with pytest.raises(ValueError, match='meta.json not found'):
     data.load_meta(tmp_path)
-  ds = _dataset(tmp_path)
+  ds = _dataset(tmp_path, seed)
   meta_text = (ds / 'meta.json').read_text()
   (ds / 'meta.json').write_text('{"vocab_size": 256,')
   with pytest.raises(ValueError, match='meta.json is not valid JSON'):
@@ -218,16 +218,16 @@ def test_dataset_errors_name_the_file(tmp_path):
     data.load_meta(ds)
 
 
-def test_split_too_small_for_a_window(tmp_path):
-  ds = _dataset(tmp_path, val_fraction=0.001)
+def test_split_too_small_for_a_window(tmp_path, seed):
+  ds = _dataset(tmp_path, seed, val_fraction=0.001)
   with pytest.raises(ValueError, match='val.bin holds .* fewer than seq_len'):
     data.BatchSampler(ds, 'val', 2, 64, 0)
 
 
-def test_the_validation_split_is_raised_to_its_minimum_with_a_warning(tmp_path, capsys):
+def test_the_validation_split_is_raised_to_its_minimum_with_a_warning(tmp_path, capsys, seed):
   """1% of 3000 tokens is 30, too few for any useful window: the split is raised to
   `min_val_tokens` (the tail of the stream still), and prepare says so."""
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   src = tmp_path / 'src.txt'
   text = bytes(rng.integers(32, 127, 3000, dtype=np.uint8))
   src.write_bytes(text)

@@ -72,8 +72,7 @@ def _nnx_run(make_tx, dtype, seed, steps):
 
 
 @pytest.mark.parametrize('which', ['adamw', 'chain'])
-def test_nnx_optimizer_fp32_equals_optax(which):
-  seed = np.random.randint(1 << 30)
+def test_nnx_optimizer_fp32_equals_optax(which, seed):
   if which == 'adamw':
     ours = lambda: dos_jax.adamw(LR, weight_decay=0.05, offload=OFFLOAD)
     ref = lambda: optax.adamw(LR, weight_decay=0.05)
@@ -88,8 +87,7 @@ def test_nnx_optimizer_fp32_equals_optax(which):
   assert memory_kinds(nnx.state(optimizer)) == {'pinned_host'}
 
 
-def test_nnx_optimizer_bf16_tracks_optax_on_an_fp32_master():
-  seed = np.random.randint(1 << 30)
+def test_nnx_optimizer_bf16_tracks_optax_on_an_fp32_master(seed):
   model, optimizer, fed = _nnx_run(
       lambda: dos_jax.adamw(LR, weight_decay=0.05, offload=OFFLOAD), jnp.bfloat16, seed, 6)
   # Reference: optax.adamw on fp32 copies of the initial bf16 params, fed the same grads.
@@ -113,9 +111,8 @@ def test_nnx_optimizer_bf16_tracks_optax_on_an_fp32_master():
   assert memory_kinds(opt_state) == {'pinned_host'}
 
 
-def test_linen_train_state_apply_gradients_equals_optax():
+def test_linen_train_state_apply_gradients_equals_optax(seed):
   from flax.training import train_state  # pylint: disable=import-outside-toplevel
-  seed = np.random.randint(1 << 30)
   params = random_tree(seed)
 
   def run(tx):
@@ -143,8 +140,7 @@ def _train(tx, params, seed, steps, nan_at=()):
   return params, state
 
 
-def test_multi_transform_equals_optax():
-  seed = np.random.randint(1 << 30)
+def test_multi_transform_equals_optax(seed):
   params = random_tree(seed)
   labels = {k: 'sgd' if k in ('b', 'scale') else 'adamw' for k in params}
   make = lambda adamw: optax.multi_transform(
@@ -160,10 +156,9 @@ def _welford(acc, grads, n):
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
-def test_multi_steps_accumulates_like_optax(dtype):
+def test_multi_steps_accumulates_like_optax(dtype, seed):
   """k=3 MultiSteps: fp32 equals optax; bf16 (where optax's own math is bf16) equals
   dos_jax.adamw fed the mean of each k gradients."""
-  seed = np.random.randint(1 << 30)
   params = random_tree(seed, dtype)
   ours, state = _train(optax.MultiSteps(dos_jax.adamw(LR, offload=OFFLOAD), 3), params,
                        seed, 9)
@@ -191,8 +186,7 @@ def test_multi_steps_accumulates_like_optax(dtype):
 
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'], ids=['cpu-program', 'gpu-program'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
-def test_apply_if_finite_skips_a_nan_step_and_keeps_the_state(dtype, platform):
-  seed = np.random.randint(1 << 30)
+def test_apply_if_finite_skips_a_nan_step_and_keeps_the_state(dtype, platform, seed):
   params = random_tree(seed, dtype)
   offload = dos_jax.Offload(subgroup_size=97, policy=dos_jax.Stride(2), platform=platform)
   make = lambda: optax.apply_if_finite(dos_jax.adamw(LR, offload=offload), 5)
@@ -227,9 +221,8 @@ def test_apply_if_finite_skips_a_nan_step_and_keeps_the_state(dtype, platform):
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
-def test_orbax_saves_and_restores_the_state_into_pinned_host(tmp_path, dtype):
+def test_orbax_saves_and_restores_the_state_into_pinned_host(tmp_path, dtype, seed):
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  seed = np.random.randint(1 << 30)
   params = random_tree(seed, dtype)
   tx = dos_jax.adamw(LR, offload=OFFLOAD)
   params, state = _train(tx, params, seed, 3)
@@ -250,8 +243,7 @@ def test_orbax_saves_and_restores_the_state_into_pinned_host(tmp_path, dtype):
   assert_close(step(params, restored, g), step(params, state, g), rtol=0, atol=0)
 
 
-def test_optax_tree_utils_find_the_count_and_map_params():
-  seed = np.random.randint(1 << 30)
+def test_optax_tree_utils_find_the_count_and_map_params(seed):
   params = random_tree(seed, jnp.bfloat16)
   tx = dos_jax.chain(optax.clip_by_global_norm(1.0), dos_jax.adamw(LR, offload=OFFLOAD))
   params, state = _train(tx, params, seed, 4)
@@ -266,9 +258,8 @@ def test_optax_tree_utils_find_the_count_and_map_params():
   assert flagged[1] == 'other'
 
 
-def test_flax_serialization_round_trips_and_places_like_the_target():
+def test_flax_serialization_round_trips_and_places_like_the_target(seed):
   from flax import serialization  # pylint: disable=import-outside-toplevel
-  seed = np.random.randint(1 << 30)
   params = random_tree(seed, jnp.bfloat16)
   tx = dos_jax.adamw(LR, offload=OFFLOAD)
   params, state = _train(tx, params, seed, 3)

@@ -41,8 +41,7 @@ def _step_fn(tx):
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', list(POLICIES), ids=list(POLICIES))
-def test_jitted_step_compiles_once_with_committed_params(policy, dtype):
-  seed = np.random.randint(1 << 30)
+def test_jitted_step_compiles_once_with_committed_params(policy, dtype, seed):
   tx = dos_jax.adamw(LR, offload=dos_jax.Offload(subgroup_size=64, policy=POLICIES[policy]))
   params = jax.device_put(random_tree(seed, dtype), jax.devices()[0])  # README's one line
   state = tx.init(params)
@@ -56,10 +55,10 @@ def test_jitted_step_compiles_once_with_committed_params(policy, dtype):
   assert step._cache_size() == 1  # pylint: disable=protected-access
 
 
-def test_uncommitted_params_warn_once_with_the_one_line_fix(monkeypatch):
+def test_uncommitted_params_warn_once_with_the_one_line_fix(monkeypatch, seed):
   monkeypatch.setattr(validate, '_uncommitted_warned', False)
   tx = dos_jax.adamw(LR, offload=dos_jax.Offload(subgroup_size=64))
-  params = random_tree(np.random.randint(1 << 30))
+  params = random_tree(seed)
   assert not any(x.committed for x in jax.tree.leaves(params))
   with pytest.warns(UserWarning, match=r'jax\.device_put\(params, jax\.devices\(\)\[0\]\)'):
     tx.init(params)
@@ -83,8 +82,7 @@ def test_jax_commits_outputs_of_a_program_that_moves_memory_kinds():
 
 @pytest.mark.parametrize('mu_dtype', [None, jnp.bfloat16], ids=['mu_fp32', 'mu_bf16'])
 @pytest.mark.parametrize('policy', ['all_host', 'stride2', 'all_device'])
-def test_tree_get_reads_the_moments_as_optax_computes_them(policy, mu_dtype):
-  seed = np.random.randint(1 << 30)
+def test_tree_get_reads_the_moments_as_optax_computes_them(policy, mu_dtype, seed):
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   tx = dos_jax.adamw(LR, mu_dtype=mu_dtype,
                      offload=dos_jax.Offload(subgroup_size=29, policy=POLICIES[policy]))
@@ -121,8 +119,8 @@ def test_tree_get_reads_the_moments_as_optax_computes_them(policy, mu_dtype):
   assert int(optax.tree.get(optax.tree.set(state, count=jnp.int32(9)), 'count')) == 9
 
 
-def test_tree_get_sees_the_moments_inside_jit():
-  params = jax.device_put(random_tree(np.random.randint(1 << 30)), jax.devices()[0])
+def test_tree_get_sees_the_moments_inside_jit(seed):
+  params = jax.device_put(random_tree(seed), jax.devices()[0])
   tx = dos_jax.adamw(LR, offload=dos_jax.Offload(subgroup_size=64, policy=dos_jax.Stride(2)))
   state = tx.init(params)
   norm = jax.jit(lambda s: optax.tree.norm(optax.tree.get(s, 'nu')))(state)

@@ -43,8 +43,7 @@ def _plans(layout_spec):
 @pytest.mark.parametrize('policy, impl', [
     *((p, dos_jax.UpdateImpl.KERNEL) for p in ALL),
     *((p, dos_jax.UpdateImpl.XLA) for p in ALL[:2])], ids=repr)
-def test_every_mix_matches_optax_fp32(policy, impl):
-  seed = np.random.randint(1 << 30)
+def test_every_mix_matches_optax_fp32(policy, impl, seed):
   ours, ref = make_pair(policy, impl=impl, platform='gpu', storage=PER_SUBGROUP)
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)
@@ -74,11 +73,11 @@ def test_storage_default_follows_the_policy_and_the_cpu_program_stays_stacked():
   assert not ours.init(random_tree(0)).partition.per_subgroup
 
 
-def test_migration_is_exact_moves_only_the_rows_that_change_memory():
+def test_migration_is_exact_moves_only_the_rows_that_change_memory(seed):
   """`dos_jax.migrate` copies a row only when it changes memory (host <-> device), bit
   for bit; every other row is handed to its new tier as the same array, so a plan
   change holds no tier twice."""
-  state, rows = distinct_state(PER_SUBGROUP)
+  state, rows = distinct_state(seed, PER_SUBGROUP)
   groups = len(state.slots.groups)
   for plan in _plans(state.layout.spec()):
     wanted = dos_jax.partition.for_plan(plan, split=True, per_subgroup=True)
@@ -97,10 +96,9 @@ def test_migration_is_exact_moves_only_the_rows_that_change_memory():
 
 
 @pytest.mark.parametrize('storage', list(dos_jax.Storage), ids=lambda s: s.value)
-def test_donated_steps_across_plan_changes_keep_optax_math_and_compile_once_per_plan(storage):
+def test_donated_steps_across_plan_changes_keep_optax_math_and_compile_once_per_plan(storage, seed):
   """The runner's way: params and state donated, `dos_jax.migrate` between steps when
   the plan changes (host <-> device included), one program per plan."""
-  seed = np.random.randint(1 << 30)
   ours, ref = make_pair(dos_jax.AllHost(), platform='gpu', storage=storage)
   params = jax.device_put(random_tree(seed), jax.devices()[0])  # committed, as outputs are
   ref_params = jax.tree.map(jnp.copy, params)  # ours are donated
@@ -208,12 +206,11 @@ def test_the_trainer_moves_the_state_when_the_plan_changes(dataset, storage, mon
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def test_checkpoint_forms_and_state_tools_work_per_subgroup():
+def test_checkpoint_forms_and_state_tools_work_per_subgroup(seed):
   """Portable pytrees (what the runner's checkpoints hold) cross between the storages
   and plans exactly; flax serialization round-trips; reset_moments keeps the master; the pytree
   keys name each subgroup."""
   from flax import serialization  # pylint: disable=import-outside-toplevel
-  seed = np.random.randint(1 << 30)
   master = random_tree(seed)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
   ours, _ = make_pair(MIXES[0], platform='gpu', storage=PER_SUBGROUP)

@@ -160,7 +160,7 @@ def test_train_refuses_a_model_that_cannot_fit_within_5s_writing_nothing(tmp_pat
   assert list(tmp_path.iterdir()) == []
 
 
-def test_runner_gives_auto_the_device_budget_of_its_run():
+def test_runner_gives_auto_the_device_budget_of_its_run(seed):
   """`dos-jax train` with `offload.policy=auto` hands Auto the same budget as the memory
   check (device memory less margin, params and grads) and the activations, so a run
   whose state fits keeps subgroups resident; on the CPU backend Auto gets none."""
@@ -173,7 +173,7 @@ def test_runner_gives_auto_the_device_budget_of_its_run():
   assert cfg.offload.placement.budget_bytes is None  # CPU: the device is the host.
 
   cfg = config.load(None, ['offload.policy=auto', 'model.preset=125m'])
-  device_bytes = float(np.random.default_rng().uniform(8, 80)) * 2**30
+  device_bytes = float(np.random.default_rng(seed).uniform(8, 80)) * 2**30
   trainer.budget_auto(cfg, devices, device_bytes)
   auto_policy = cfg.offload.placement
   size = memory._run_sizing(cfg, 1)  # pylint: disable=protected-access

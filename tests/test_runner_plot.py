@@ -35,9 +35,9 @@ def _write_run(root, name, rng):
   return losses
 
 
-def test_series_and_bars_are_read_from_the_files(tmp_path):
+def test_series_and_bars_are_read_from_the_files(tmp_path, seed):
   plot = _module()
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   losses = _write_run(tmp_path / 'runs', 'a', rng)
   runs = plot.load_runs(str(tmp_path / 'runs' / '*'))
   assert list(runs) == ['a']
@@ -56,9 +56,9 @@ def test_series_and_bars_are_read_from_the_files(tmp_path):
     plot.load_update_times([str(tmp_path / 'x.json')])
 
 
-def test_two_runs_named_apart_are_overlaid_in_the_order_given(tmp_path):
+def test_two_runs_named_apart_are_overlaid_in_the_order_given(tmp_path, seed):
   plot = _module()
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   b = _write_run(tmp_path / 'x', 'tiny-none', rng)
   a = _write_run(tmp_path / 'y', 'tiny-all_device', rng)
   runs = plot.load_runs([str(tmp_path / 'x' / 'tiny-none'), str(tmp_path / 'y' / 'tiny-*'),
@@ -68,9 +68,9 @@ def test_two_runs_named_apart_are_overlaid_in_the_order_given(tmp_path):
   assert runs['tiny-all_device']['loss'] == sorted(a.items())
 
 
-def test_pngs_are_written(tmp_path):
+def test_pngs_are_written(tmp_path, seed):
   pytest.importorskip('matplotlib')
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   _write_run(tmp_path / 'runs', 'a', rng)
   _write_run(tmp_path / 'runs', 'b', rng)
   (tmp_path / 'u.json').write_text(json.dumps({'rows': [{'name': 'AllHost', 'median_s': 0.004}]}))

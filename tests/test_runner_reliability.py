@@ -117,8 +117,8 @@ def _write_dataset(path, train, val, vocab_size=256):
     (None, 512, 'model.vocab_size: 256 is smaller than the vocabulary of the dataset (512'),
 ])
 def test_out_of_range_token_ids_are_refused_at_load(tmp_path, capsys, where, vocab_size,
-                                                    culprit):
-  rng = np.random.default_rng()
+                                                    culprit, seed):
+  rng = np.random.default_rng(seed)
   train, val = rng.integers(0, 256, 5000), rng.integers(0, 256, 500)
   if where is not None:
     (train if where == 'train' else val)[rng.integers(0, 500)] = 300
@@ -131,18 +131,18 @@ def test_out_of_range_token_ids_are_refused_at_load(tmp_path, capsys, where, voc
   assert not out.exists()
 
 
-def _flip_a_bit(step_dir):
+def _flip_a_bit(step_dir, rng):
   # pylint: disable-next=protected-access
   files = sorted(p for p in integrity._files(str(step_dir)) if '/d/' in p)
-  target = os.path.join(step_dir, files[np.random.default_rng().integers(len(files))])
+  target = os.path.join(step_dir, files[rng.integers(len(files))])
   raw = bytearray(open(target, 'rb').read())
-  raw[np.random.default_rng().integers(len(raw))] ^= 1 << int(np.random.default_rng().integers(8))
+  raw[rng.integers(len(raw))] ^= 1 << int(rng.integers(8))
   open(target, 'wb').write(bytes(raw))
 
 
 @pytest.mark.parametrize('damage', ['flipped_bit', 'truncated', 'no_manifest'])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
-    dataset, tmp_path, capsys, damage
+    dataset, tmp_path, capsys, damage, seed
 ):
   """Checkpoints at 3 and 6; the one at 6 is damaged. Resuming says so in one line,
   moves it aside, resumes from 3 and replays steps 4-6 with the same losses; the
@@ -152,7 +152,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(
   first = {r['step']: r['loss'] for r in read_metrics(str(out / 'metrics.jsonl')) if 'loss' in r}
   newest = out / 'checkpoints' / '6'
   if damage == 'flipped_bit':
-    _flip_a_bit(newest)
+    _flip_a_bit(newest, np.random.default_rng(seed))
   elif damage == 'truncated':
     biggest = max(integrity._files(str(newest)),  # pylint: disable=protected-access
                   key=lambda p: os.path.getsize(newest / p))

@@ -20,8 +20,7 @@ PER_SUBGROUP = dict(platform='gpu', storage=dos_jax.Storage.PER_SUBGROUP)
     (dos_jax.AllHost(), {}), (dos_jax.Stride(2), {}),
     # The accelerator program stored per subgroup, moved to AllHost after two steps.
     (dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(2)), PER_SUBGROUP)], ids=repr)
-def test_sharded_matches_unsharded(policy, extra):
-  seed = np.random.randint(1 << 30)
+def test_sharded_matches_unsharded(policy, extra, seed):
   rng = np.random.default_rng(seed)
   params = {'w1': jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
             'w2': jnp.asarray(rng.standard_normal((24, 16)), jnp.float32),
@@ -83,13 +82,12 @@ def test_explicit_axes_mesh_is_accepted(extra):
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2), dos_jax.AllDevice()],
                          ids=repr)
-def test_sharded_state_runs_the_native_kernel_per_shard(policy, dtype):
+def test_sharded_state_runs_the_native_kernel_per_shard(policy, dtype, seed):
   """data=2 x tensor=2: every data shard of the state is updated by the native host
   AdamW under shard_map (not XLA's row loop), and the result is optax's."""
   from dos_jax.kernels import host_adamw_rows  # pylint: disable=import-outside-toplevel
   if not host_adamw_rows.rows_kernel_available():
     pytest.skip(host_adamw_rows.rows_kernel_unavailable_reason())
-  seed = np.random.randint(1 << 30)
   rng = np.random.default_rng(seed)
   master = {'w1': jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
             'w2': jnp.asarray(rng.standard_normal((24, 16)), jnp.float32),
@@ -139,7 +137,7 @@ def test_sharded_state_runs_the_native_kernel_per_shard(policy, dtype):
                          ids=['stacked', 'per-subgroup'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
-def test_sharded_accelerator_program_runs_the_native_kernel_per_shard(policy, dtype, storage):
+def test_sharded_accelerator_program_runs_the_native_kernel_per_shard(policy, dtype, storage, seed):
   """The accelerator program (platform='gpu', run on the CPU backend) on data=2 x
   tensor=2: the host tier's data shards are updated by the native host AdamW, one call
   per shard inside a host region; the result is optax's, and the host tier is bit for
@@ -151,7 +149,6 @@ def test_sharded_accelerator_program_runs_the_native_kernel_per_shard(policy, dt
   from dos_jax.kernels import host_adamw_rows  # pylint: disable=import-outside-toplevel
   if not host_adamw_rows.rows_kernel_available():
     pytest.skip(host_adamw_rows.rows_kernel_unavailable_reason())
-  seed = np.random.randint(1 << 30)
   rng = np.random.default_rng(seed)
   params = {'w1': jnp.asarray(rng.standard_normal((16, 24)), dtype),
             'w2': jnp.asarray(rng.standard_normal((24, 16)), dtype),

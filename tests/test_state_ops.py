@@ -27,8 +27,7 @@ def jit_step(tx):
 
 
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'], ids=['cpu-program', 'gpu-program'])
-def test_reset_moments_keeps_the_master_where_zeros_like_loses_it(platform):
-  seed = np.random.randint(1 << 30)
+def test_reset_moments_keeps_the_master_where_zeros_like_loses_it(platform, seed):
   params = random_tree(seed, jnp.bfloat16)
   tx = dos_jax.adamw(LR, offload=dos_jax.Offload(subgroup_size=97, policy=dos_jax.Stride(2),
                                                  platform=platform))
@@ -107,10 +106,9 @@ def test_jitted_init_places_the_state_like_eager_init(axis_type, dtype, platform
 @pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 (virtual) devices')
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'], ids=['cpu-program', 'gpu-program'])
 @pytest.mark.parametrize('axis_type', AXIS_TYPES, ids=str)
-def test_sharded_training_from_a_jitted_init_equals_optax(axis_type, platform):
+def test_sharded_training_from_a_jitted_init_equals_optax(axis_type, platform, seed):
   """A fresh transform (nothing seen eagerly) inits under jit, then trains: optax's
   numbers, params keep their shardings, the state stays split over 'data'."""
-  seed = np.random.randint(1 << 30)
   mesh = _mesh(axis_type)
   params = _sharded_params(mesh, seed=seed)
   offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform=platform)

@@ -59,8 +59,7 @@ def test_bad_policies_and_plans_are_refused(bad, error):
 
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('policy', MIXES, ids=repr)
-def test_every_mix_matches_optax_fp32(policy, platform):
-  seed = np.random.randint(1 << 30)
+def test_every_mix_matches_optax_fp32(policy, platform, seed):
   ours, ref = make_pair(policy, platform=platform)
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)
@@ -80,10 +79,9 @@ def test_every_mix_matches_optax_fp32(policy, platform):
 
 @pytest.mark.parametrize('policy, storage', [
     (MIXES[0], None), (MIXES[1], None), (MIXES[0], dos_jax.Storage.PER_SUBGROUP)], ids=repr)
-def test_every_mix_matches_optax_bf16_on_the_fp32_master(policy, storage):
+def test_every_mix_matches_optax_bf16_on_the_fp32_master(policy, storage, seed):
   """As test_adamw's bf16 test: bf16 params track the cast of our fp32 master, which
   matches optax's fp32 master to the last bit or so (XLA may contract differently)."""
-  seed = np.random.randint(1 << 30)
   ours, ref = make_pair(policy, impl=dos_jax.UpdateImpl.XLA, platform='gpu', storage=storage)
   master = random_tree(seed)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
@@ -108,11 +106,11 @@ def _plans(layout_spec):
       dos_jax.ResidentFraction(0.6), dos_jax.Stride(3))]
 
 
-def distinct_state(storage=None):
+def distinct_state(seed, storage=None):
   """An AllHost state of the accelerator program whose every element differs (the
   moments start as zeros), and its rows in subgroup order."""
   ours, _ = make_pair(dos_jax.AllHost(), platform='gpu', storage=storage)
-  state = ours.init(random_tree(np.random.randint(1 << 30)))
+  state = ours.init(random_tree(seed))
   rows = tuple(jnp.asarray(np.random.default_rng(0).standard_normal(x.shape), x.dtype)
                for x in state.rows())
   tiers = dos_jax.partition.split_tiers(rows, state.partition)
@@ -123,11 +121,11 @@ def distinct_state(storage=None):
   return state, rows
 
 
-def test_migration_is_exact_and_lands_in_the_right_memory():
+def test_migration_is_exact_and_lands_in_the_right_memory(seed):
   """Moving rows between tiers copies them bit for bit: the whole state read back in
   subgroup order is unchanged, each tier is in its memory, and a tier whose subgroups
   stay put is handed over as it is (the same arrays)."""
-  state, rows = distinct_state()
+  state, rows = distinct_state(seed)
   for plan in _plans(state.layout.spec()):
     wanted = dos_jax.partition.for_plan(plan, split=True)
     old, state = state, dos_jax.migrate(state, plan)

@@ -30,8 +30,8 @@ def _cfg(dataset, *overrides):
   return config.load(None, [f'data.path={dataset}', *SMALL, *overrides])
 
 
-def test_clip_matches_optax_and_reports_the_unclipped_norm():
-  rng = np.random.default_rng()
+def test_clip_matches_optax_and_reports_the_unclipped_norm(seed):
+  rng = np.random.default_rng(seed)
   grads = {
       'a': jnp.asarray(rng.normal(size=(7, 5)), jnp.float32),
       'b': {'c': jnp.asarray(rng.normal(size=(3,)), jnp.float32)},

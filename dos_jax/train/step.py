@@ -7,7 +7,7 @@ with params and optimizer state donated (updated in place) and the placement `Pl
 static (each plan compiles once; output shardings are pinned to the inputs', so step
 t's outputs are step t+1's inputs without a recompile). One program lets XLA start a
 host-bound gradient's copy as soon as the backward pass makes it, instead of after
-the whole backward pass (the paper's "gradient flush", DESIGN.md's second rule).
+the whole backward pass (the paper's "gradient flush", docs/design.md's second rule).
 
 Clipping never holds the gradients back. The clip factor (`optax.clip_by_global_norm`'s
 `min(1, max_norm / norm)`) needs every gradient; scaling the gradient tree by it would

@@ -1,0 +1,17 @@
+"""The docstring examples of the public entry points (`dos_jax.adamw`, `dos_jax.chain`,
+`dos_jax.clip_by_global_norm`) run as doctests, on the CPU backend, as CI runs them.
+Each example compares with optax (stated tolerance) or prints exact values."""
+
+import doctest
+
+import pytest
+
+from dos_jax import alias
+from dos_jax import clipping
+
+
+@pytest.mark.parametrize('module', [alias, clipping], ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+  result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0, f'{module.__name__} has no docstring example'
+  assert result.failed == 0, f'{result.failed} of {result.attempted} examples failed (above)'
