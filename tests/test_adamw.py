@@ -83,12 +83,13 @@ def test_fp32_matches_optax_over_50_steps(policy, platform, seed):
 def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform, seed):
   """bf16 params == cast(optax.adamw on the fp32 master), with the same grads.
 
-  The XLA path runs optax's own ops on the rows: bit for bit. The native kernel is bit
-  for bit with jit(optax.adamw) on flat data, but optax compiled over a multi-leaf tree
-  contracts its final add into an FMA differently, so the two fp32 masters may differ
-  in the last bit; where that straddles a bf16 rounding boundary the casts differ by one
-  bf16 ulp. Our params, updated with optax's bf16 updates, track the cast of our own
-  master (see `assert_params_track_master`).
+  Both paths are bit for bit with jit(optax.adamw) on flat data, but optax compiled over
+  a multi-leaf tree contracts its final add into an FMA differently, so the two fp32
+  masters may differ in the last bit: the XLA path runs optax's own ops on the rows and
+  still differs at 30-66 of these 284 elements after 50 steps (seeded inputs showed it;
+  drawn seeds hid it, as the gap rarely straddles a bf16 rounding boundary). Where it
+  does, the casts differ by one bf16 ulp. Our params, updated with optax's bf16
+  updates, track the cast of our own master (see `assert_params_track_master`).
   """
   ours, ref = make_pair(policy, impl=impl, platform=platform)
   master = random_tree(seed)
@@ -109,9 +110,6 @@ def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform, seed):
   ref_cast = [np.asarray(b.astype(jnp.bfloat16)) for b in jax.tree.leaves(ref_master)]
   differ = [np.asarray(a) != b for a, b in zip(ours_leaves, ref_cast)]
   mismatches, total = sum(int(d.sum()) for d in differ), sum(a.size for a in ours_leaves)
-  if impl == dos_jax.UpdateImpl.XLA:
-    assert mismatches == 0, f'{mismatches}/{total} bf16 params differ from the cast master'
-    return
   for m, b in zip(master_leaves, jax.tree.leaves(ref_master)):
     np.testing.assert_allclose(np.asarray(m), np.asarray(b), rtol=1e-6, atol=1e-7)
   assert mismatches <= max(1, total // 100), f'{mismatches}/{total} bf16 params differ'

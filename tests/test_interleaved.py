@@ -36,8 +36,7 @@ def _run(policy, size, storage, impl, seed, steps=3):
 @pytest.mark.parametrize('buffers', [2, 3])
 @pytest.mark.parametrize('size', SIZES)
 @pytest.mark.parametrize('stride', [1, 2])
-def test_interleaved_blocks_equal_per_subgroup_storage_and_optax(stride, size, buffers):
-  seed = 1000 * stride + 10 * size + buffers  # reported in the test id
+def test_interleaved_blocks_equal_per_subgroup_storage_and_optax(stride, size, buffers, seed):
   policy = dos_jax.Stride(stride, buffers=buffers)
   xla = dos_jax.UpdateImpl.XLA
   params, state, ref_params = _run(policy, size, dos_jax.Storage.STACKED, xla, seed)
@@ -56,9 +55,9 @@ def test_interleaved_blocks_equal_per_subgroup_storage_and_optax(stride, size, b
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_interleaved_blocks_with_the_pallas_kernel_match_optax():
+def test_interleaved_blocks_with_the_pallas_kernel_match_optax(seed):
   """The Pallas row kernel (interpret mode on CPU) inside the interleaved loop."""
-  size = seed = 41
+  size = 41
   params, _, ref_params = _run(dos_jax.Stride(1), size, dos_jax.Storage.STACKED,
                                dos_jax.UpdateImpl.KERNEL, seed)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
