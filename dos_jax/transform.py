@@ -356,7 +356,7 @@ def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,
 
   Master case: `new_lowp - p`, computed in the state dtype. With fp32 updates,
   `optax.apply_updates` adds in fp32 and casts, which reproduces `new_lowp` exactly
-  (JAX_NOTES). With bf16 updates (bf16 params and gradients, optax's convention) it
+  (docs/design.md, JAX facts). With bf16 updates (bf16 params and gradients, optax's convention) it
   does too whenever `new_lowp - p` is a bf16 number, i.e. unless a value changes by a
   large factor or crosses zero in one step; there the param lands within one bf16 ulp
   of `max(|p|, |new_lowp|)` of it. The master is exact either way, and the next

@@ -42,7 +42,7 @@ def test_profile_json_round_trip(profile, tmp_path):
 
 def test_presets_cite_sources():
   for profile in costmodel.PROFILE_PRESETS.values():
-    assert 'PAPER.md' in profile.source or 'paper' in profile.source
+    assert 'paper' in profile.source
     assert 'PCIe' in profile.source
 
 

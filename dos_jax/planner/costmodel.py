@@ -46,7 +46,7 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
   and nothing is copied, so every plan costs the host AdamW over all elements.
 
 With a fast device and the state copies hidden, this reduces to the paper's rule
-(PAPER.md, the method, point 6): one device subgroup in every k hides behind the host
+(docs/planner.md, the paper's method, point 6): one device subgroup in every k hides behind the host
 work on the other k-1 when (k-1)/U_host >= 12/B, i.e. k >= 1 + 12 U_host / B.
 """
 

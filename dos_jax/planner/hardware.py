@@ -189,7 +189,7 @@ H100_PCIE_GEN5_NODE = HardwareProfile(
         'One GPU of a 4x H100 80GB node on PCIe Gen5 x16. h2d/d2h: Gen5 x16 is 64 GB/s'
         ' per direction in theory, ~50-55 GB/s measured with pinned memory; both: the'
         ' per-direction rate implied by the paper\'s 20B k=2 update (2.5e9 params/GPU x 12 B'
-        ' each way plus 5 GB of bf16 weights in 1.30 s, ~23-27 GB/s; PAPER.md also reports'
+        ' each way plus 5 GB of bf16 weights in 1.30 s, ~23-27 GB/s; the paper also reports'
         ' 19.4/19.1 GB/s averaged over the phase): 4 GPUs and the CPU Adam share the host'
         ' memory bandwidth. host AdamW: the paper\'s CPU-only update throughput, 8.6 Gparam/s'
         ' per node (20B), / 4 GPUs; 24 threads per GPU assumed (a 96-core node). device'
