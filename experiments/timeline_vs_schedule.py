@@ -35,7 +35,10 @@ def schedule_events(schedule) -> list[tuple[int, str]]:
     events.append((p, 'device update'))
   copies = schedule.gradient_copies()
   if copies:
-    events.append((min(c.start for c in copies), 'first gradient copy to host'))
+    overlapping = sum(c.gemms_between > 0 for c in copies)
+    events.append((min(c.start for c in copies),
+                   f'first of {len(copies)} gradient copies to host ({overlapping} with gemms'
+                   ' in flight)'))
     events.append((max(c.start for c in copies), 'last gradient copy to host'))
   return sorted(events)
 
