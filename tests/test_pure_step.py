@@ -153,3 +153,34 @@ def test_multi_steps_keeps_the_state_split():
                    [mean(grads[i], grads[i + 1]) for i in range(0, len(grads), 2)])
   zeros = jax.tree.map(jnp.zeros_like, want[0])
   assert_same_updates(got, [u for w in want for u in (zeros, w)])
+
+
+def test_a_state_restored_by_orbax_steps_like_the_saved_one(tmp_path):
+  """A restart: the state is saved, restored into a target another transform describes
+  (`dos_jax.abstract_state`), and stepped by a third; it stays split, step for step as
+  the saved state goes on under the transform that made it."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  mesh = _mesh()
+  params, offload = _params(mesh), _offload(None)
+  grads = _grads(params, mesh, steps=2 * 2)
+  tx = dos_jax.adamw(LR, offload=offload)
+  state, step, p = tx.init(params), _update_step(tx), params
+  for g in grads[:2]:
+    _, p, state = step(p, state, g)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / 'state', state)
+  ckpt.wait_until_finished()
+  restored = ckpt.restore(tmp_path / 'state',
+                          dos_jax.abstract_state(dos_jax.adamw(LR, offload=offload), p))
+  ckpt.close()
+  assert_split_over_data(restored, 'restored')
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  fresh_step, fresh_p, want, got = _update_step(dos_jax.adamw(LR, offload=offload)), p, [], []
+  for i, g in enumerate(grads[2:]):
+    u, p, state = step(p, state, g)
+    want.append(u)
+    u, fresh_p, restored = fresh_step(fresh_p, restored, g)
+    got.append(u)
+    assert_split_over_data(restored, f'step {i} after the restore')
+  assert_same_updates(got, want)
