@@ -61,7 +61,8 @@ def state_specs(state: OffloadedState, mesh, data_axis: str) -> OffloadedState:
   return OffloadedState(
       host=tuple(rows for _ in state.host), streamed=tuple(rows for _ in state.streamed),
       resident=tuple(rows for _ in state.resident), scalars=tuple(P() for _ in state.scalars),
-      layout=state.layout, slots=state.slots, partition=state.partition)
+      layout=state.layout, slots=state.slots, partition=state.partition,
+      sharded=state.sharded)
 
 
 def is_explicit(mesh) -> bool:

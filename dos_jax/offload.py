@@ -80,7 +80,8 @@ class Offload:
     host_impl: implementation of the host-path update.
     host_threads: threads for the native host update (None: the cores available).
     platform: which program to build (`Platform`, or its value 'cpu' / 'gpu'); None
-      follows the backend the step is traced on (`jax.default_backend()`).
+      follows the backend `init` runs on (`jax.default_backend()`). The state keeps
+      the choice (`Partition.split`): every step of it builds that program.
     storage: how the accelerator program stores each tier (`Storage`); None:
       per subgroup when the policy re-plans as it runs (`Auto`), so that its plan
       changes move only the rows that change tier, else stacked. The CPU program keeps
@@ -151,7 +152,7 @@ class Offload:
     return isinstance(self.policy, Auto)
 
   def target(self) -> Platform:
-    """The program to build now: `platform`, or the default backend's."""
+    """The program a state built now is for: `platform`, or the default backend's."""
     if self.platform is not None:
       return self.platform
     return Platform.of_backend(jax.default_backend())

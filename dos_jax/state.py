@@ -34,6 +34,21 @@ _ARRAY_FIELDS = ('host', 'streamed', 'resident')
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardedOver:
+  """The mesh a state is split over (ZeRO-1, along the data axis) and the shardings of
+  the params it was built for.
+
+  Static metadata of the state, so the step reads it from the state and not from the
+  transform that made it: a fresh transform after a restart, or the one
+  `optax.inject_hyperparams` builds at every step, keeps the layout. Hashable (it is
+  part of the pytree structure, which jit compares between steps).
+  """
+
+  mesh: Any  # a jax.sharding.Mesh; an AbstractMesh when init was traced
+  param_shardings: tuple[Any, ...]  # per params leaf, in layout order; None where traced
+
+
+@dataclasses.dataclass(frozen=True)
 class OffloadedState:
   """State of an offloaded transform.
 
@@ -45,8 +60,8 @@ class OffloadedState:
   its subgroups, `(1, K, S)` each, block after block, and an empty tier holds none.
 
   As a pytree its children are `host`, `streamed`, `resident` and the scalars keyed
-  by their field names (see the module docstring); `layout`, `slots` and `partition`
-  are static.
+  by their field names (see the module docstring); `layout`, `slots`, `partition` and
+  `sharded` are static.
 
   Attributes:
     host: the host-updated subgroups' state, in `pinned_host` memory.
@@ -56,7 +71,10 @@ class OffloadedState:
       subgroup since all subgroups take every step together; in device memory.
     layout: how parameters map onto subgroups (static metadata).
     slots: where each state leaf is stored (static metadata).
-    partition: which subgroups each tier holds (static metadata).
+    partition: which subgroups each tier holds, and for which program
+      (`Partition.split`) (static metadata).
+    sharded: the mesh the state is split over and the params' shardings, or None for
+      a state on one device (static metadata).
   """
 
   host: tuple[jax.Array, ...]
@@ -66,6 +84,7 @@ class OffloadedState:
   layout: layout_lib.Layout
   slots: slots_lib.Slots
   partition: partition_lib.Partition
+  sharded: ShardedOver | None = None
   # What a pytree round trip brought at the children that hold no array (empty tiers,
   # the scalars when there are none), given back as they came: tools that treat empty
   # nodes as leaves (orbax) put their own values there and expect them back.
@@ -83,7 +102,8 @@ class OffloadedState:
     """This state with other tier arrays, laid out as `partition` says."""
     return OffloadedState(
         host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
-        scalars=self.scalars, layout=self.layout, slots=self.slots, partition=partition)
+        scalars=self.scalars, layout=self.layout, slots=self.slots, partition=partition,
+        sharded=self.sharded)
 
   def by_subgroup(self) -> tuple[tuple[jax.Array, ...], ...]:
     """Per-subgroup storage: each subgroup's arrays (one per dtype), in subgroup order."""
@@ -303,17 +323,22 @@ def empty_tier(layout: layout_lib.Layout, slots: slots_lib.Slots,
                  for g, k in zip(slots.groups, slots.group_sizes))
 
 
+def _static(state: OffloadedState) -> tuple:
+  """The pytree's aux data: what the step needs besides the arrays."""
+  return state.layout, state.slots, state.partition, state.sharded
+
+
 def _flatten_with_keys(state: OffloadedState):
   keys = [jax.tree_util.GetAttrKey(n) for n in _child_names(state.partition)]
-  return tuple(zip(keys, _children(state))), (state.layout, state.slots, state.partition)
+  return tuple(zip(keys, _children(state))), _static(state)
 
 
 def _flatten(state: OffloadedState):
-  return _children(state), (state.layout, state.slots, state.partition)
+  return _children(state), _static(state)
 
 
 def _unflatten(aux, children) -> OffloadedState:
-  layout, slots, partition = aux
+  layout, slots, partition, sharded = aux
   if partition.per_subgroup:
     rows, view = children
     tiers = [tuple(x for g in partition.ids(t) for x in rows[g]) for t in TIERS]
@@ -327,7 +352,7 @@ def _unflatten(aux, children) -> OffloadedState:
     raw += (None if scalars else children[3],)
   return OffloadedState(host=tiers[0], streamed=tiers[1], resident=tiers[2],
                         scalars=scalars, layout=layout, slots=slots, partition=partition,
-                        empty_children=raw)
+                        sharded=sharded, empty_children=raw)
 
 
 jax.tree_util.register_pytree_with_keys(OffloadedState, _flatten_with_keys, _unflatten,
@@ -358,7 +383,7 @@ def _register_flax_serialization() -> None:
       restored = serialization.from_state_dict(child, state_dict[name], name=name)
       restored = jax.tree.unflatten(jax.tree.structure(child), jax.tree.leaves(restored))
       children.append(jax.tree.map(_placed_like, child, restored))
-    return _unflatten((target.layout, target.slots, target.partition), children)
+    return _unflatten(_static(target), children)
 
   serialization.register_serialization_state(OffloadedState, to_state_dict, from_state_dict,
                                              override=True)

@@ -37,6 +37,7 @@ from dos_jax.offload import Platform
 from dos_jax.offload import UpdateImpl
 from dos_jax.policies import Plan
 from dos_jax.state import OffloadedState
+from dos_jax.state import ShardedOver
 
 PyTree = Any
 
@@ -109,7 +110,6 @@ def offloaded(
   """
   validate_lib.check_offload(offload, 'dos_jax.offloaded')
   offload = Offload() if offload is None else offload
-  shardings_by_layout: dict[layout_lib.Layout, tuple[Any, tuple[Any, ...]]] = {}
 
   def row_update(grad, state, param, decayed):
     return inner.update(grad, state, param, row_decayed=decayed)
@@ -130,13 +130,8 @@ def offloaded(
         decay_flags=layout_lib.resolve_mask(mask, params),
         shard_multiple=shard_multiple,
     )
-    if mesh is not None:
-      param_shardings = tuple(
-          meshes.leaf_sharding(leaf) for leaf in layout.treedef.flatten_up_to(params))
-      if all(s is None for s in param_shardings):  # traced: keep what a concrete init saw
-        shardings_by_layout.setdefault(layout, (mesh, param_shardings))
-      else:
-        shardings_by_layout[layout] = (mesh, param_shardings)
+    sharded = None if mesh is None else ShardedOver(mesh, tuple(
+        meshes.leaf_sharding(leaf) for leaf in layout.treedef.flatten_up_to(params)))
     split = offload.target() is Platform.GPU
     part = partition_lib.for_plan(offload.policy.plan(layout.spec()), split,
                                   per_subgroup=offload.per_subgroup())
@@ -223,7 +218,7 @@ def offloaded(
     tiers, scalars = run(params) if traced else jax.jit(run)(params)
     return OffloadedState(
         host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
-        scalars=scalars, layout=layout, slots=slots, partition=part)
+        scalars=scalars, layout=layout, slots=slots, partition=part, sharded=sharded)
 
   def update_fn(updates, state: OffloadedState, params=None, *, plan: Plan | None = None,
                 grad_scale: jax.Array | float | None = None, **extra_args):
@@ -240,8 +235,11 @@ def offloaded(
       )
     grad_leaves = validate_lib.leaves_like(updates, layout, 'updates')
     param_leaves = None if params is None else validate_lib.leaves_like(params, layout, 'params')
-    mesh_info = shardings_by_layout.get(layout)
-    placement = _placement(None if mesh_info is None else mesh_info[0], offload)
+    # What the state was built for (mesh, params' shardings, program) comes with it: any
+    # transform built alike steps it the same (a fresh one after a restart, or the one
+    # `optax.inject_hyperparams` builds at every update).
+    sharded = state.sharded
+    placement = _placement(None if sharded is None else sharded.mesh, offload)
     if migration_lib.partition_for(plan, state) != state.partition:
       if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
         raise ValueError(
@@ -254,7 +252,7 @@ def offloaded(
     explicit = meshes.explicit_mesh(grad_leaves + (param_leaves or []))
     if explicit is None:
       new_leaves, new_state = step_body(grad_leaves, param_leaves, state, grad_scale,
-                                        plan, mesh_info, placement)
+                                        plan, sharded, placement)
     else:
       # Sharding in types: the packing concatenates leaves sharded unlike each other,
       # which Explicit axes refuse; inside `auto_axes` XLA chooses, as with Auto axes.
@@ -263,7 +261,7 @@ def offloaded(
 
       out_specs = ([spec(x) for x in (param_leaves or grad_leaves)],
                    meshes.state_specs(state, explicit, offload.data_axis))
-      body = functools.partial(step_body, plan=plan, mesh_info=mesh_info, placement=placement)
+      body = functools.partial(step_body, plan=plan, sharded=sharded, placement=placement)
       with jax.sharding.use_abstract_mesh(explicit):
         new_leaves, new_state = jax.sharding.auto_axes(body, out_sharding=out_specs)(
             grad_leaves, param_leaves, state, grad_scale)
@@ -271,15 +269,19 @@ def offloaded(
     # the init-time one: node types may differ (nnx.Param at init, arrays here).
     return jax.tree.structure(updates).unflatten(new_leaves), new_state
 
-  def step_body(grad_leaves, param_leaves, state, grad_scale, plan, mesh_info, placement):
-    """The step proper, on checked leaves and a state already in the plan's partition."""
-    if mesh_info is not None and meshes.is_explicit(mesh_info[0]):
+  def step_body(grad_leaves, param_leaves, state, grad_scale, plan, sharded, placement):
+    """The step proper, on checked leaves and a state already in the plan's partition.
+    `sharded` is the state's, or, inside `auto_axes`, its Auto-axes view."""
+    if sharded is not None and meshes.is_explicit(sharded.mesh):
       # Inside `auto_axes`: the context mesh has the same axes, as Auto axes; the
       # outputs' shardings are `auto_axes`'s to set.
-      mesh_info = (jax.sharding.get_abstract_mesh(), (None,) * len(mesh_info[1]))
-      placement = _placement(mesh_info[0], offload)
+      sharded = ShardedOver(jax.sharding.get_abstract_mesh(),
+                            (None,) * len(sharded.param_shardings))
+      placement = _placement(sharded.mesh, offload)
+    mesh = None if sharded is None else sharded.mesh
     layout, part = state.layout, state.partition
-    program = offload.target()  # the one place a step asks which program it builds
+    # The program the state was built for (init chose it: `Offload.target`).
+    program = Platform.GPU if part.split else Platform.CPU
     split = program is Platform.GPU
     grad_dtype = _common_dtype(grad_leaves, layout.state_dtype)
     state_dtype = jnp.dtype(layout.state_dtype)
@@ -295,15 +297,15 @@ def offloaded(
       # runs instead. On the CPU backend they run in jaxlib's XLA, which has it.
       native = host_adamw_rows.host_kernel_in_accelerator_programs()[0]
     chunks = offload.chunks if native and offload.host_impl is UpdateImpl.KERNEL else 0
-    run_chunked = (split and bool(chunks) and part.per_subgroup and mesh_info is None
+    run_chunked = (split and bool(chunks) and part.per_subgroup and mesh is None
                    and bool(part.ids(Tier.HOST)) and bool(part.ids(Tier.STREAMED)))
     host_grad_pieces = {}
     if split and not run_chunked:
       # A sharded state's native host path takes its gradients as rows split over the
       # data axis (see `tier_updates.host_rows`).
       rows = None
-      if native and offload.host_impl is UpdateImpl.KERNEL and mesh_info is not None:
-        rows = (grad_dtype, NamedSharding(mesh_info[0], P(None, offload.data_axis)))
+      if native and offload.host_impl is UpdateImpl.KERNEL and mesh is not None:
+        rows = (grad_dtype, NamedSharding(mesh, P(None, offload.data_axis)))
       host_grad_pieces, grad_leaves = tier_updates.gate_device_update(
           layout, part, grad_leaves, rows=rows)
     # The scalar state's update (step counts) and the kernels' AdamW scalars: once per
@@ -315,7 +317,7 @@ def offloaded(
         grad_dtype=grad_dtype, scalars=state.scalars, new_scalars=scalar_update[2],
         adam_scalars=None if fused is None else fused_lib.step_scalars(
             fused, base_step, scalar_update),
-        mesh=None if mesh_info is None else mesh_info[0], host_grad_pieces=host_grad_pieces)
+        mesh=mesh, host_grad_pieces=host_grad_pieces)
     new_tiers, outs = dict(state.tiers), []
     if run_chunked:
       chunked_tiers, outs = chunked_lib.update(
@@ -335,15 +337,15 @@ def offloaded(
     new_leaves = _updates_from_leaves(
         partition_lib.leaves_from_blocks(outs, layout), layout, param_leaves,
         validate_lib.update_dtypes(layout, grad_leaves))
-    if mesh_info is not None:
+    if sharded is not None:
       # Inside jit a device_put to the same memory kind is a no-op that sharding
       # propagation may override; a constraint pins the ZeRO-1 layout.
       new_tiers, scalars = _place(new_tiers, scalars, placement, constrain=True)
-      new_leaves = _constrain_like(new_leaves, mesh_info[1])
+      new_leaves = _constrain_like(new_leaves, sharded.param_shardings)
     return new_leaves, OffloadedState(
         host=new_tiers[Tier.HOST], streamed=new_tiers[Tier.STREAMED],
         resident=new_tiers[Tier.RESIDENT], scalars=scalars, layout=layout,
-        slots=state.slots, partition=part)
+        slots=state.slots, partition=part, sharded=state.sharded)
 
   return clipping.mark_offloaded(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
