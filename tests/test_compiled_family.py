@@ -17,6 +17,8 @@ update loop inside the host call's window (guarded here over the family). Not ye
 device update inside a host call's window.
 """
 
+import pathlib
+
 import pytest
 
 from dos_jax import dataflow
@@ -77,4 +79,21 @@ def test_chunked_per_subgroup_steps_issue_every_device_update_inside_a_host_call
   assert len(schedule.host_calls) == 2, schedule.host_calls
   assert not schedule.device_updates_outside_host_calls(), schedule.host_calls
   assert schedule.stream_full_duplex(), schedule.streamed_rows
+  assert not schedule.large_host_copies(), schedule.host_copies
+
+
+def test_the_runner_125m_step_streams_full_duplex():
+  """The runner's 125m preset at batch 1 (12 layers x 640, 14 subgroups of 1e7, 7
+  streamed in two interleaved blocks): one host call, a full-duplex stream, no
+  host->host copy of the state. Where its loop lands is the scheduler's choice: just
+  before the host call's start (experiments/timeline_vs_schedule.py, RESULTS.md)."""
+  from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load(str(pathlib.Path(__file__).parents[1] / 'configs' / '125m.yaml'),
+                        ['data.batch_size=1'])
+  schedule = gpu_program.compile_step(cfg, 'h100_sxm').schedule
+  assert len(schedule.host_calls) == 1, schedule.host_calls
+  assert len(schedule.device_updates()) == 1, schedule.update_positions
+  assert len(schedule.streamed_rows) >= 2 and schedule.stream_full_duplex(), \
+      schedule.streamed_rows
   assert not schedule.large_host_copies(), schedule.host_copies
