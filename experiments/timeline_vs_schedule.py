@@ -50,6 +50,8 @@ def main(argv=None) -> int:
   parser.add_argument('--target', default='h100_sxm')
   args = parser.parse_args(argv)
 
+  import jax  # pylint: disable=import-outside-toplevel
+
   import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax.planner import costmodel, timeline  # pylint: disable=import-outside-toplevel
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -58,7 +60,8 @@ def main(argv=None) -> int:
   profile = costmodel.PROFILE_PRESETS['h100-pcie5']
   for path in args.config:
     cfg = config_lib.load(path, args.overrides)
-    built = gpu_program.build_step(cfg)
+    devices = jax.devices()[:1]  # abstract arguments: a 1.3b state needs no memory here
+    built = gpu_program.build_sharded_step(cfg, devices)
     state = built.offloaded_state
     spec = state.layout.spec()
     part = state.partition
@@ -66,7 +69,7 @@ def main(argv=None) -> int:
     params = spec.num_elements
     tokens = cfg.data.seq_len * cfg.data.batch_size
     forward = 2 * params * tokens / (_TFLOPS * 1e12)
-    program = gpu_program.compile_step(cfg, args.target)
+    program = gpu_program.compile_sharded_step(cfg, devices, args.target)
     print(f'== {path} {" ".join(args.overrides)}: {params:,} params, {spec.num_subgroups}'
           f' subgroups ({len(plan.device)} streamed, {len(plan.host)} host),'
           f' {part.stacks if not part.per_subgroup else "per-subgroup"} stream block(s),'
