@@ -61,7 +61,7 @@ class Partition:
   rather than one stacked array per tier (see the module docstring). `split`: the
   accelerator program's partition (see `for_plan`), so that a plan change can be
   applied to a state alone. `stacks`: stacked storage keeps the streamed tier in this
-  many interleaved blocks (see `blocks`).
+  many interleaved blocks, by position in `stream`, the stream's order (see `blocks`).
   """
 
   host: tuple[int, ...]
@@ -70,6 +70,7 @@ class Partition:
   per_subgroup: bool = False
   split: bool = True
   stacks: int = 1
+  stream: tuple[int, ...] = ()
 
   def __post_init__(self):
     for tier in TIERS:
@@ -98,17 +99,25 @@ class Partition:
     have no row).
 
     Stacked storage with `stacks` > 1 keeps the streamed tier's subgroups in `stacks`
-    interleaved blocks instead: block k holds the k-th, (k + stacks)-th, ... streamed
-    subgroup, so consecutive rows of the stream sit in different arrays and a row's
-    fetch never reads the array the row before it is written back into
-    (`paths.interleaved_loop`)."""
+    interleaved blocks instead: block k holds the k-th, (k + stacks)-th, ... subgroup
+    of the stream (`stream`), ascending, so consecutive rows of the stream sit in
+    different arrays and a row's fetch never reads the array the row before it is
+    written back into (`paths.interleaved_loop`)."""
     ids = self.ids(tier)
     if self.per_subgroup:
       return tuple((g,) for g in ids)
     if tier is Tier.STREAMED and self.stacks > 1 and len(ids) > 1:
       count = min(self.stacks, len(ids))
-      return tuple(ids[k::count] for k in range(count))
+      return tuple(tuple(sorted(self.stream[k::count])) for k in range(count))
     return (ids,)
+
+  def stream_rows(self) -> tuple[tuple[int, ...], ...]:
+    """Interleaved streamed blocks: for each block, the row the stream reaches at each
+    of its positions (`blocks`)."""
+    blocks = self.blocks(Tier.STREAMED)
+    count = len(blocks)
+    return tuple(tuple(ids.index(g) for g in self.stream[k::count])
+                 for k, ids in enumerate(blocks))
 
   def locate(self, subgroup: int) -> tuple[Tier, int, int]:
     """`(tier, block, row)`: where `subgroup`'s state is stored."""
@@ -141,13 +150,12 @@ def for_plan(plan: Plan, split: bool, per_subgroup: bool = False) -> Partition:
     return Partition(host=(), resident=everything, per_subgroup=per_subgroup, split=split)
   if not split:
     return Partition(host=everything, split=False)
-  # Stacked, a stream in ascending order is stored as `buffers` interleaved blocks:
-  # full duplex (see `Partition.blocks`). Another order keeps one block.
-  streamed = tuple(sorted(plan.device))
-  stacks = plan.buffers if not per_subgroup and plan.device == streamed else 1
-  return Partition(host=tuple(sorted(plan.host)), streamed=streamed,
+  # Stacked, the stream is stored as `buffers` interleaved blocks: full duplex (see
+  # `Partition.blocks`).
+  stacks = 1 if per_subgroup or len(plan.device) < 2 else max(1, plan.buffers)
+  return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.device)),
                    resident=tuple(sorted(plan.resident)), per_subgroup=per_subgroup,
-                   stacks=max(1, stacks))
+                   stacks=stacks, stream=tuple(plan.device) if stacks > 1 else ())
 
 
 def blocks_of(arrays: Sequence[jax.Array], count: int) -> list[tuple[jax.Array, ...]]:

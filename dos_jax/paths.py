@@ -210,7 +210,7 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
                   out, buffers: int = 2):
   """Updates the rows `order` of the streamed tier, whose state stays in host memory:
   each row is copied host -> device, updated, and copied back; returns (stacked, out).
-  For a stacked tier of one block (a stream out of ascending order); in order, the
+  For a stacked tier of one block (one streamed row, or one buffer); with more, the
   tier is interleaved blocks and `interleaved_loop` streams it full duplex.
 
   Software-pipelined `buffers` deep (the paper's double buffering at 2): the loop
@@ -265,9 +265,11 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
   return stacked, out
 
 
-def interleaved_loop(steps: Sequence[RowStep], *, stacks, scalars, grads, params, outs):
+def interleaved_loop(steps: Sequence[RowStep], *, stacks, scalars, grads, params, outs,
+                     orders: Sequence[Sequence[int]] | None = None):
   """Updates a streamed tier stored as B interleaved blocks (`Partition.blocks`):
-  stream position p is row p // B of block p % B. Returns (stacks, outs), per block.
+  stream position p is in block p % B, at row `orders[p % B][p // B]` (by default
+  p // B). Returns (stacks, outs), per block.
 
   `steps`, `stacks`, `grads`, `params` (None or per block) and `outs` are per block;
   blocks are in position order and block 0 is the longest. Like `streamed_loop`,
@@ -289,9 +291,15 @@ def interleaved_loop(steps: Sequence[RowStep], *, stacks, scalars, grads, params
   if count < 2 or sorted(lengths, reverse=True) != lengths or lengths[-1] < lengths[0] - 1:
     raise ValueError(f'interleaved_loop needs >= 2 interleaved blocks, got rows {lengths}')
   params = (None,) * count if params is None else tuple(params)
+  orders = [tuple(range(n)) for n in lengths] if orders is None else [tuple(o) for o in orders]
+  if sorted(len(o) for o in orders) != sorted(lengths):
+    raise ValueError(f'interleaved_loop: orders {orders} do not match rows {lengths}')
 
-  def fetch(stacks, k, r):
-    r = jnp.minimum(r, lengths[k] - 1)
+  def row(k, j):
+    return _row_index(orders[k], jnp.minimum(j, lengths[k] - 1))
+
+  def fetch(stacks, k, j):
+    r = row(k, j)
     return put(tuple(_row(x, r) for x in stacks[k]), DEVICE)
 
   def body(i, carry):
@@ -300,7 +308,7 @@ def interleaved_loop(steps: Sequence[RowStep], *, stacks, scalars, grads, params
       ahead = k + count - 1  # the position fetched now, relative to this iteration's first
       fetched.append(fetch(stacks, ahead % count, i + ahead // count))
       blocks = fetched.pop(0)
-      r = jnp.minimum(i, lengths[k] - 1)
+      r = row(k, i)
       param = None if params[k] is None else _row(params[k], r)
       new_blocks, _, out_row = steps[k](blocks, scalars, _row(grads[k], r), param, r)
       if lengths[k] < lengths[0]:  # the last iteration has no row for this block

@@ -248,7 +248,8 @@ class StepContext:
       all_runs.append(runs)
     new, outs = paths.interleaved_loop(
         steps, stacks=given, scalars=self.scalars, grads=grads,
-        params=None if params[0] is None else params, outs=outs)
+        params=None if params[0] is None else params, outs=outs,
+        orders=self.part.stream_rows())
     return (tuple(x for block in new for x in block),
             [(out, runs) for out, runs in zip(outs, all_runs)])
 

@@ -117,32 +117,25 @@ def test_more_buffers_pipeline_the_copies():
   np.testing.assert_allclose(three.device_stream_seconds, 20 * 12e6 / 15e9, rtol=0.1)
 
 
-def test_a_stacked_stream_is_full_duplex_in_stream_order_and_alternates_otherwise():
-  """Stacked storage. A stream in ascending order is stored as `buffers` interleaved
-  blocks (`paths.interleaved_loop`): the per-subgroup full-duplex period, plus
-  `buffers - 1` extra fetches of the last row and a masked round trip per position
-  `buffers` leaves over. In another order it is one array (`paths.streamed_loop`): each
-  row's write-back waits for the next row's fetch, the fetch after it for the
-  write-back, so the link carries one direction at a time (lone-direction rates, period
-  h + d per row when the device is faster), plus the same extra fetches."""
+def test_a_stacked_stream_is_full_duplex_in_any_order():
+  """Stacked storage keeps the stream in `buffers` interleaved blocks
+  (`paths.interleaved_loop`): the per-subgroup full-duplex period, plus `buffers - 1`
+  extra fetches of the last row and a masked round trip per position `buffers` leaves
+  over, whatever the stream's order."""
   p = synthetic()
   size = 10**6
-  h, d, c = 12e6 / 20e9, 12e6 / 18e9, size / 50e9
   for n, buffers in ((20, 2), (20, 3), (21, 2)):
     spec = spec_of(n * size, size)
     plan = Stride(1, buffers=buffers).plan(spec)
-    stacked = costmodel.predict(p, spec, plan, stacked=True)
     per_subgroup = costmodel.predict(p, spec, plan)
     extra = (buffers - 1) * 12e6 / (p.both_gbps * 1e9)
     masked = -n % buffers * 12e6 / (p.both_gbps * 1e9)
-    np.testing.assert_allclose(stacked.device_stream_seconds,
-                               per_subgroup.device_stream_seconds + extra + masked,
-                               rtol=1e-12)
     backwards = Plan(device=plan.device[::-1], host=(), buffers=buffers)
-    alternating = costmodel.predict(p, spec, backwards, stacked=True)
-    want = n * (h + d) + c + (buffers - 1) * h  # fill: h + c + d less one period
-    np.testing.assert_allclose(alternating.device_stream_seconds, want, rtol=1e-12)
-    assert stacked.device_stream_seconds < alternating.device_stream_seconds
+    for stream in (plan, backwards):
+      stacked = costmodel.predict(p, spec, stream, stacked=True)
+      np.testing.assert_allclose(stacked.device_stream_seconds,
+                                 per_subgroup.device_stream_seconds + extra + masked,
+                                 rtol=1e-12)
   spec = spec_of(20 * size, size)
   one = Stride(1, buffers=1).plan(spec)
   assert (costmodel.predict(p, spec, one, stacked=True).device_stream_seconds

@@ -1,8 +1,11 @@
-"""Stacked storage keeps the streamed tier in `buffers` interleaved blocks
+"""Stacked storage keeps the streamed tier in `buffers` interleaved blocks, by position
+in the stream
 (`Partition.blocks`, `paths.interleaved_loop`): the numbers are the per-subgroup
 storage's to the last bit or so (XLA on CPU fuses a row's update differently by loop
 shape: 1e-6 relative) and optax's within the suite's tolerance, for odd and even
 streamed row counts and 2 or 3 buffers."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -64,10 +67,33 @@ def test_interleaved_blocks_with_the_pallas_kernel_match_optax(seed):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_stream_out_of_ascending_order_keeps_one_block():
-  """Only a stream in ascending order alternates blocks row by row."""
-  plan = dos_jax.Plan(device=(3, 1), host=(0, 2))
-  part = dos_jax.partition.for_plan(plan, split=True)
-  assert part.stacks == 1 and part.blocks(Tier.STREAMED) == ((1, 3),)
-  assert dos_jax.partition.for_plan(dos_jax.Plan(device=(1, 3), host=(0, 2)),
-                                    split=True).blocks(Tier.STREAMED) == ((1,), (3,))
+@dataclasses.dataclass(frozen=True)
+class Backwards:
+  """Every other subgroup streamed, last first (the backward pass's order); the rest on
+  the host."""
+
+  buffers: int = 2
+
+  def plan(self, spec):
+    n = spec.num_subgroups
+    return dos_jax.Plan(device=tuple(range(n - 1, -1, -2)),
+                        host=tuple(range(n - 2, -1, -2)), buffers=self.buffers)
+
+
+@pytest.mark.parametrize('buffers', [2, 3])
+def test_a_stream_in_any_order_is_interleaved_by_position(buffers, seed):
+  """A stream out of ascending order: block k holds positions k, k + B, ... (each block
+  stored ascending) and the numbers are the per-subgroup storage's and optax's."""
+  policy = Backwards(buffers)
+  xla = dos_jax.UpdateImpl.XLA
+  params, state, ref_params = _run(policy, 41, dos_jax.Storage.STACKED, xla, seed)
+  part = state.partition
+  stream = policy.plan(state.layout.spec()).device
+  count = min(buffers, len(stream))
+  assert part.blocks(Tier.STREAMED) == tuple(tuple(sorted(stream[k::count]))
+                                             for k in range(count))
+  per_params, _, _ = _run(policy, 41, dos_jax.Storage.PER_SUBGROUP, xla, seed)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(per_params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

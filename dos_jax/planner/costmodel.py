@@ -12,15 +12,11 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
   write-back (`paths.streamed_loop`; checked on the program compiled for an H100).
   Stored per subgroup, each subgroup holds a buffer from the start of its H2D to the
   end of its D2H and the two directions run at once, so the steady-state period per
-  subgroup is `max(h, c, d, (h + c + d) / buffers)`. Stacked (`stacked=True`), a
-  stream in ascending order is stored as `buffers` interleaved blocks
-  (`paths.interleaved_loop`): the same full-duplex period, plus the `buffers - 1` extra
-  fetches of the last row the loop makes and, where `buffers` does not divide the row
-  count, one masked round trip per missing position. A stream in another order is one
-  array, whose write-backs wait for the next row's fetch and fetches for the write-back
-  before: the link carries one direction at a time and the period is `max(h + d, c)`,
-  plus the same extra fetches. Either way, one first subgroup's latency fills the
-  pipeline;
+  subgroup is `max(h, c, d, (h + c + d) / buffers)`. Stacked (`stacked=True`), the
+  stream is stored as `buffers` interleaved blocks (`paths.interleaved_loop`): the
+  same full-duplex period, plus the `buffers - 1` extra fetches of the last row the
+  loop makes and, where `buffers` does not divide the row count, one masked round trip
+  per missing position. Either way, one first subgroup's latency fills the pipeline;
 * host subgroups need their gradients D2H, the host AdamW, and their new low-precision
   params H2D. The gradients leave the device piece by piece as the backward pass makes
   them (per leaf, never after a concatenation of all gradients, and never behind the
@@ -187,21 +183,16 @@ def stream_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
   # A single buffer cannot overlap its own copies: those run at the lone-direction rate.
   in_bw = h2d_bw if plan.buffers >= 2 else profile.h2d_gbps * _GB
   out_bw = d2h_bw if plan.buffers >= 2 else profile.d2h_gbps * _GB
-  interleaved = (stacked and plan.buffers >= 2 and len(dev_sizes) > 1
-                 and list(plan.device) == sorted(plan.device))
-  alternating = stacked and plan.buffers >= 2 and not interleaved
-  if alternating:
-    # One direction at a time: the lone-direction rates.
-    in_bw, out_bw = profile.h2d_gbps * _GB, profile.d2h_gbps * _GB
+  interleaved = stacked and plan.buffers >= 2 and len(dev_sizes) > 1
   latencies = []
   for s in dev_sizes:
     h, c, d = sb * s / in_bw, s / u_dev, sb * s / out_bw
-    period = max(h + d, c) if alternating else max(h, c, d, (h + c + d) / plan.buffers)
+    period = max(h, c, d, (h + c + d) / plan.buffers)
     stream += period
     latencies.append((h + c + d) - period)
   if latencies:
     stream += max(latencies[0], 0.0)  # filling the pipeline: the first subgroup's latency
-  if stacked and plan.buffers >= 2:
+  if interleaved:
     # The loop fetches the last row again `buffers - 1` times (clamped index).
     stream += (min(plan.buffers, len(dev_sizes)) - 1) * sb * dev_sizes[-1] / in_bw
   if interleaved:
@@ -351,6 +342,12 @@ def _placement_of(plan: Plan) -> dict[int, str]:
   return out
 
 
+def _stream_blocks(plan: Plan) -> dict[int, int]:
+  """Stacked storage: the interleaved block of each streamed subgroup."""
+  count = max(1, min(plan.buffers, len(plan.device))) if len(plan.device) > 1 else 1
+  return {g: i % count for i, g in enumerate(plan.device)}
+
+
 def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan, *,
               per_subgroup: bool = False) -> Migration:
   """The one-off cost of moving the state's rows from `old`'s tiers to `new`'s.
@@ -359,13 +356,17 @@ def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan
   and rows moving between the two host tiers are copied in host memory (read + write,
   at the host AdamW's memory rate: 28 bytes per param it streams), except with
   `per_subgroup` storage (`dos_jax.Storage`), where such a row keeps its buffer and
-  costs nothing. The order within a tier does not matter: only the tier of each
-  subgroup does.
+  costs nothing. Stacked, a streamed row whose interleaved block changes (its
+  position in the stream modulo `buffers`, `Partition.blocks`) is copied in host
+  memory too; otherwise the order within a tier does not matter.
   """
   before, after = _placement_of(old), _placement_of(new)
   sizes = subgroup_sizes(spec)
   sb = spec.state_bytes_per_element
   moved = [g for g in after if before.get(g) != after[g]]
+  if not per_subgroup:
+    old_block, new_block = _stream_blocks(old), _stream_blocks(new)
+    moved += [g for g in new_block if g in old_block and old_block[g] != new_block[g]]
   h2d = float(sum(sb * sizes[g] for g in moved if after[g] == 'resident'))
   d2h = float(sum(sb * sizes[g] for g in moved if before[g] == 'resident'))
   host = 0.0 if per_subgroup else float(sum(sb * sizes[g] for g in moved
