@@ -102,8 +102,7 @@ def _rebuild_concrete(state: OffloadedState, wanted: partition_lib.Partition) ->
   changed = tuple(t for t in TIERS if wanted.blocks(t) != old.blocks(t))
   template = next(x.sharding for x in jax.tree.leaves(state.tiers) if x.ndim == 3)
   width = len(state.slots.groups)
-  shardings = tuple((t, tuple(template.with_memory_kind(
-      'device' if t is Tier.RESIDENT else 'pinned_host')
+  shardings = tuple((t, tuple(template.with_memory_kind(t.memory_kind)
                               for _ in range(width * len(wanted.blocks(t)))))
                     for t in changed)
   new = _rebuild_program(wanted, shardings)(state)

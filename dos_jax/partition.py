@@ -44,6 +44,11 @@ class Tier(enum.Enum):
   STREAMED = 'streamed'
   RESIDENT = 'resident'
 
+  @property
+  def memory_kind(self) -> str:
+    """The memory kind its arrays live in: 'device' (resident) or 'pinned_host'."""
+    return 'device' if self is Tier.RESIDENT else 'pinned_host'
+
   def __lt__(self, other: 'Tier') -> bool:
     # Ordered, so that dicts keyed by tier are pytrees (JAX sorts dict keys).
     return self.value < other.value

@@ -144,7 +144,7 @@ def to_memory(x: jax.Array, tier: Tier) -> jax.Array:
   resident = tier is Tier.RESIDENT
   if isinstance(x, jax.core.Tracer):
     return jax.device_put(x, paths.DEVICE if resident else paths.HOST)
-  return jax.device_put(x, x.sharding.with_memory_kind('device' if resident else 'pinned_host'))
+  return jax.device_put(x, x.sharding.with_memory_kind(tier.memory_kind))
 
 
 def _key_name(key: Any) -> str:
@@ -316,9 +316,9 @@ def empty_tier(layout: layout_lib.Layout, slots: slots_lib.Slots,
   """The `(0, K, S)` arrays of a tier without subgroups, in the tier's memory kind on
   the first device: made once per layout, eagerly even inside a trace (they hold no
   data, so a concrete array is a fine constant there)."""
-  kind = 'device' if tier is Tier.RESIDENT else 'pinned_host'
   with jax.ensure_compile_time_eval():
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0],
+                                                 memory_kind=tier.memory_kind)
     return tuple(jax.device_put(np.zeros((0, k, layout.subgroup_size), jnp.dtype(g)), sharding)
                  for g, k in zip(slots.groups, slots.group_sizes))
 

@@ -120,7 +120,7 @@ class StepContext:
     tier's loop (`paths.streamed_loop`) does.
     """
     path = choose_path(self.program, tier, native, self.mesh is not None)
-    update = getattr(self, f'_{path.value}')
+    update = self._path_update(path)
     blocks = self.part.blocks(tier)
     given = partition_lib.blocks_of(arrays, len(blocks))
     if path is Path.STREAMED and not self.part.per_subgroup and len(blocks) > 1:
@@ -141,6 +141,25 @@ class StepContext:
       outs[b] = (out, runs)
       done.append(b)
     return tuple(x for block in new for x in block), outs
+
+  def _path_update(self, path: Path):
+    """The method that updates a block on `path`."""
+    match path:
+      case Path.ONE_MEMORY_NATIVE:
+        return self._one_memory_native
+      case Path.ONE_MEMORY_XLA:
+        return self._one_memory_xla
+      case Path.HOST_NATIVE:
+        return self._host_native
+      case Path.HOST_NATIVE_SHARDED:
+        return self._host_native_sharded
+      case Path.HOST_XLA:
+        return self._host_xla
+      case Path.STREAMED:
+        return self.streamed
+      case Path.RESIDENT:
+        return self._resident
+    raise AssertionError(path)  # every Path is a case above
 
   # The paths, one method each: (step, the block's arrays, its subgroups, their pieces)
   # -> (new arrays, out rows on the device).
@@ -217,9 +236,6 @@ class StepContext:
         param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
         inputs_sink=self.host_inputs)
     return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
-
-  def _streamed(self, step, arrays, ids, runs):
-    return self.streamed(step, arrays, ids, runs)
 
   def streamed(self, step, arrays, ids, runs):
     """The streamed block through the device, in stream order; returns (arrays, out

@@ -49,10 +49,6 @@ class _Placement(NamedTuple):
   scalars: Any
 
 
-def _memory_kind(tier: Tier) -> str:
-  return 'device' if tier is Tier.RESIDENT else 'pinned_host'
-
-
 def _placement(mesh, offload: Offload) -> _Placement:
   if mesh is None:
     return _Placement(
@@ -60,7 +56,7 @@ def _placement(mesh, offload: Offload) -> _Placement:
         scalars=paths.DEVICE)
   return _Placement(
       rows={t: NamedSharding(mesh, P(None, None, offload.data_axis),
-                             memory_kind=_memory_kind(t)) for t in TIERS},
+                             memory_kind=t.memory_kind) for t in TIERS},
       scalars=NamedSharding(mesh, P(), memory_kind='device'),
   )
 
