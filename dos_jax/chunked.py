@@ -83,10 +83,6 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], chunks: 
   hosts, streams = host_blocks(part), stream_blocks(part, plan)
   outs, link, done = [], None, []
 
-  def step_for(ids):
-    return dataclasses.replace(
-        base_step, decayed_rows=sum(1 for g in ids if g < layout.decayed_rows))
-
   for host_chunk, stream_chunk in zip(np.array_split(hosts, count),
                                       np.array_split(streams, count)):
     inputs, tokens = [], []
@@ -95,7 +91,7 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], chunks: 
       runs = partition_lib.pieces_of(layout, ids)
       grad_pieces, param_pieces = context.host_pieces(runs)
       arrays, out, token = fused_lib.host_region_update(
-          step_for(ids), context.fused, stacked=new[Tier.HOST][b],
+          context.block_step(base_step, ids), context.fused, stacked=new[Tier.HOST][b],
           adam_scalars=context.adam_scalars, grad_pieces=grad_pieces,
           param_pieces=param_pieces, runs=runs, num_threads=context.offload.host_threads,
           inputs_sink=inputs, link=link)
@@ -110,7 +106,8 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], chunks: 
       if len(done) >= plan.buffers:  # at most `buffers` rows in flight, as unchunked
         block, _ = lax.optimization_barrier((block, new[Tier.STREAMED][done[-plan.buffers]]))
       runs = partition_lib.pieces_of(layout, ids)
-      new[Tier.STREAMED][b], out = gated.streamed(step_for(ids), block, ids, runs)
+      step = context.block_step(base_step, ids)
+      new[Tier.STREAMED][b], out = gated.streamed(step, block, ids, runs)
       outs.append((out, runs))
       tokens.append(out)
       done.append(b)

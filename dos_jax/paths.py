@@ -9,9 +9,10 @@ wrapped optax transforms' *row update*
 
 and writes the new block back in place. The paths differ in where that happens:
 
-* `streamed_loop`: the streamed tier's rows are copied host -> device, updated, and
-  copied back; the new low-precision parameter rows stay on the device. The loop is
-  software-pipelined: the next `buffers - 1` rows are fetched while a row is updated.
+* `interleaved_loop` (stacked storage) and `streamed_loop` (a block at a time): the
+  streamed tier's rows are copied host -> device, updated, and copied back; the new
+  low-precision parameter rows stay on the device. The stream is software-pipelined:
+  the next `buffers - 1` rows are fetched while a row is updated.
 * `host_region_update`: the host tier's gradients arrive in host memory piece by piece
   (each piece leaves the device as soon as the backward pass has made it), the rows are
   assembled there and the loop runs in a `compute_on('device_host')` region; only the
@@ -207,62 +208,25 @@ def resident_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
 
 
 def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grads, params,
-                  out, buffers: int = 2):
-  """Updates the rows `order` of the streamed tier, whose state stays in host memory:
-  each row is copied host -> device, updated, and copied back; returns (stacked, out).
-  For a stacked tier of one block (one streamed row, or one buffer); with more, the
-  tier is interleaved blocks and `interleaved_loop` streams it full duplex.
+                  out):
+  """Updates the rows `order` of a streamed block, whose state stays in host memory:
+  each row is copied host -> device, updated, and copied back, one after the other;
+  returns (stacked, out).
 
-  Software-pipelined `buffers` deep (the paper's double buffering at 2): the loop
-  carries the next `buffers - 1` rows already on the device, and each iteration issues
-  the fetch of the row `buffers - 1` ahead *before* it writes its own row back. Row
-  `j + 1`'s host -> device copy reads the tier as it was before row `j`'s write-back,
-  so it runs while row `j` is updated; it waits only for the write-back of row
-  `j + 1 - buffers`. A barrier makes row `j`'s write-back wait for that fetch instead:
-  XLA would otherwise keep the two accesses to the tier's buffer apart by copying the
-  whole tier. So on the link the fetches and write-backs alternate, and each row's
-  update overlaps them. At most `buffers` rows' state blocks are on the device.
-
-  The last `buffers - 1` iterations fetch the last row again (the fetch index is
-  clamped) and drop it: one loop with no peeled epilogue, which XLA's latency-hiding
-  scheduler keeps inside the host call's window as one piece (a peeled epilogue was
-  scheduled before the host call in the runner's step compiled for an H100), at the
-  price of `buffers - 1` extra row fetches per step. The loop is unrolled `buffers`
-  times so that the rows in flight take turns in `buffers` device buffers; otherwise
-  each fetch lands in the loop carry's buffer while the row it replaces is still being
-  updated there, and XLA copies the block. Where `buffers` does not divide the row
-  count, `fori_loop` would peel the last rows after the unrolled loop, and a peeled
-  row's write-back to host memory, which the scheduler issues as early as it can, pulls
-  the device update before the host call (the 2-layer runner step compiled for an
-  H100). Such a loop is not unrolled: each iteration then copies its block on the device
-  (device-memory traffic, small beside the row's two link transfers) and the loop stays
-  one piece.
+  For a block of one row (per-subgroup storage, whose blocks `tier_updates` chains
+  `buffers` deep) or a stacked tier with one buffer. A stacked tier with more rows and
+  buffers is interleaved blocks, streamed full duplex by `interleaved_loop`.
   """
   order = tuple(order)
-  count = len(order)
-  ahead = max(0, min(buffers, count) - 1)
-
-  def fetch(stacked, j):
-    i = _row_index(order, j)
-    return put(tuple(_row(x, i) for x in stacked), DEVICE)
 
   def body(j, carry):
-    stacked, out, fetched = carry
-    if ahead:
-      following = fetch(stacked, jnp.minimum(j + ahead, count - 1))
-      stacked, following = lax.optimization_barrier((stacked, following))
-      blocks, following = fetched[0], (following,)
-    else:
-      blocks, following = fetch(stacked, j), ()
-    stacked, out = _update_row(step, _row_index(order, j), blocks, stacked=stacked,
-                               scalars=scalars, grads=grads, params=params, out=out,
-                               to_space=HOST)
-    return stacked, out, fetched[1:] + following
+    stacked, out = carry
+    i = _row_index(order, j)
+    blocks = put(tuple(_row(x, i) for x in stacked), DEVICE)
+    return _update_row(step, i, blocks, stacked=stacked, scalars=scalars, grads=grads,
+                       params=params, out=out, to_space=HOST)
 
-  fetched = tuple(fetch(stacked, j) for j in range(ahead))
-  unroll = ahead + 1 if count % (ahead + 1) == 0 else 1  # never a peeled row
-  stacked, out, _ = lax.fori_loop(0, count, body, (stacked, out, fetched), unroll=unroll)
-  return stacked, out
+  return lax.fori_loop(0, len(order), body, (stacked, out))
 
 
 def interleaved_loop(steps: Sequence[RowStep], *, stacks, scalars, grads, params, outs,

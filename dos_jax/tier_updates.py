@@ -117,7 +117,7 @@ class StepContext:
     Per-subgroup streamed blocks go in the plan's stream order, each one's state let
     into the program only once the block `buffers` before it is back in host memory
     (an optimization barrier), so that at most `buffers` are in flight, as the stacked
-    tier's loop (`paths.streamed_loop`) does.
+    tier's loop (`paths.interleaved_loop`) does.
     """
     path = choose_path(self.program, tier, native, self.mesh is not None)
     update = self._path_update(path)
@@ -134,13 +134,17 @@ class StepContext:
       ids, block = blocks[b], given[b]
       if tier is Tier.STREAMED and len(done) >= self.plan.buffers:
         block, _ = lax.optimization_barrier((block, new[done[-self.plan.buffers]]))
-      step = dataclasses.replace(
-          base_step, decayed_rows=sum(1 for g in ids if g < self.layout.decayed_rows))
+      step = self.block_step(base_step, ids)
       runs = partition_lib.pieces_of(self.layout, ids)
       new[b], out = update(step, block, ids, runs)
       outs[b] = (out, runs)
       done.append(b)
     return tuple(x for block in new for x in block), outs
+
+  def block_step(self, base_step: paths.RowStep, ids) -> paths.RowStep:
+    """The row update of the block holding subgroups `ids` (its weight-decayed rows)."""
+    return dataclasses.replace(
+        base_step, decayed_rows=sum(1 for g in ids if g < self.layout.decayed_rows))
 
   def _path_update(self, path: Path):
     """The method that updates a block on `path`."""
@@ -245,16 +249,14 @@ class StepContext:
     order = tuple(local[g] for g in self.plan.device if g in local)
     out = jnp.zeros(grads.shape, step.out_dtype)
     return paths.streamed_loop(order, self._device_step(step, arrays), stacked=arrays,
-                               scalars=self.scalars, grads=grads, params=params, out=out,
-                               buffers=self.plan.buffers)
+                               scalars=self.scalars, grads=grads, params=params, out=out)
 
   def _interleaved(self, base_step, blocks, given):
     """The stacked streamed tier's interleaved blocks through one loop
     (`paths.interleaved_loop`); returns what `update_tier` does."""
     steps, grads, params, outs, all_runs = [], [], [], [], []
     for ids, block in zip(blocks, given):
-      step = dataclasses.replace(
-          base_step, decayed_rows=sum(1 for g in ids if g < self.layout.decayed_rows))
+      step = self.block_step(base_step, ids)
       runs = partition_lib.pieces_of(self.layout, ids)
       g, p = self._rows(step, block, runs)
       steps.append(self._device_step(step, block))
@@ -298,15 +300,18 @@ class StepContext:
     grad_pieces = self.host_grad_pieces.get(tuple(ids))
     if grad_pieces is None:
       return self.host_pieces(runs)
-    return grad_pieces, self.host_pieces(runs)[1]
+    return grad_pieces, self._host_param_pieces(runs)
 
   def host_pieces(self, runs):
     """The gradient (and fp32 param) pieces of `runs`, sent to host memory."""
-    grad_pieces = paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs))
-    param_pieces = None
-    if self.param_leaves is not None:
-      param_pieces = paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs))
-    return grad_pieces, param_pieces
+    return (paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs)),
+            self._host_param_pieces(runs))
+
+  def _host_param_pieces(self, runs):
+    """The fp32 param pieces of `runs` in host memory (None: the state keeps a master)."""
+    if self.param_leaves is None:
+      return None
+    return paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs))
 
   def _device_step(self, step, arrays):
     """The row update of a device tier: the Pallas AdamW where it applies, else XLA's."""
