@@ -17,6 +17,13 @@ They are XLA:GPU options: the CPU backend rejects them, so pass them only on a G
 from typing import Any, Mapping
 import types
 
+PARALLEL_ASYNC_COMPUTE_LIMIT = 3
+
 GPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType({
     'xla_gpu_enable_latency_hiding_scheduler': True,
+    # The device tiers' stream region and the host call are asynchronous computations
+    # in flight together (`Offload.device_stream`); the scheduler refuses to overlap
+    # them below 3 (it then stops with "kExceedsOverlapLimit"); 4 moves two gradient
+    # copies of the runner's AllHost step after the backward pass.
+    'xla_gpu_experimental_parallel_async_compute_limit': PARALLEL_ASYNC_COMPUTE_LIMIT,
 })

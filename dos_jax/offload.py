@@ -93,6 +93,11 @@ class Offload:
       per-subgroup storage (stacked rows would chain every chunk's stream through one
       tier array); applies with the native host kernel, an unsharded state, and both
       host and streamed subgroups (experiments/RESULTS.md).
+    device_stream: the accelerator program's device tiers updated in one region on a
+      GPU stream of their own, in one scheduling group with the host call, so that
+      the two run concurrently in every schedule (`dos_jax.device_stream`). Applies to
+      per-subgroup storage, unchunked, with an unsharded state; compile with
+      `GPU_COMPILER_OPTIONS`. False: the device update is left to XLA's scheduler.
   """
 
   subgroup_size: int = 100_000_000
@@ -105,6 +110,7 @@ class Offload:
   platform: Platform | None = None
   storage: Storage | None = None
   chunks: int = 0
+  device_stream: bool = True
 
   def __post_init__(self):
     if self.platform is not None and not isinstance(self.platform, Platform):
@@ -139,6 +145,8 @@ class Offload:
       raise ValueError(
           f'Offload.chunks={self.chunks} needs per-subgroup storage: pass'
           ' storage=dos_jax.Storage.PER_SUBGROUP (an Auto policy uses it by default)')
+    if not isinstance(self.device_stream, bool):
+      raise TypeError(f'Offload.device_stream must be True or False, got {self.device_stream!r}')
     if self.host_threads is not None and (
         not isinstance(self.host_threads, int) or self.host_threads < 1
     ):

@@ -9,6 +9,7 @@ optax's, op for op.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from dos_jax import chunked as chunked_lib
 from dos_jax import clipping
+from dos_jax import device_stream
 from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
 from dos_jax import meshes
@@ -320,15 +322,20 @@ def offloaded(
           context, base_step, {t: state.tier(t) for t in (Tier.HOST, Tier.STREAMED)},
           chunks)
       new_tiers.update(chunked_tiers)
-    for tier in TIERS:
-      if not part.ids(tier) or (run_chunked and tier is not Tier.RESIDENT):
-        continue
-      impl = offload.host_impl if tier is Tier.HOST else offload.device_impl
-      if tier is not Tier.HOST:
-        context = context.gate()  # the device update waits for the host call's inputs
-      new_tiers[tier], tier_outs = context.update_tier(
-          tier, base_step, state.tier(tier), native=native and impl is UpdateImpl.KERNEL)
-      outs.extend(tier_outs)
+    if (split and not run_chunked and offload.device_stream and device_stream.available()
+        and part.per_subgroup and mesh is None and bool(part.ids(Tier.HOST))
+        and bool(part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT))):
+      new_tiers, outs = _update_on_two_streams(context, base_step, state, native, offload)
+    else:
+      for tier in TIERS:
+        if not part.ids(tier) or (run_chunked and tier is not Tier.RESIDENT):
+          continue
+        impl = offload.host_impl if tier is Tier.HOST else offload.device_impl
+        if tier is not Tier.HOST:
+          context = context.gate()  # the device update waits for the host call's inputs
+        new_tiers[tier], tier_outs = context.update_tier(
+            tier, base_step, state.tier(tier), native=native and impl is UpdateImpl.KERNEL)
+        outs.extend(tier_outs)
     scalars = tuple(jax.device_put(x, paths.DEVICE) for x in scalar_update[2])
     new_leaves = _updates_from_leaves(
         partition_lib.leaves_from_blocks(outs, layout), layout, param_leaves,
@@ -344,6 +351,40 @@ def offloaded(
         slots=state.slots, partition=part, sharded=state.sharded)
 
   return clipping.mark_offloaded(optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+def _update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
+                           state: OffloadedState, native: bool, offload: Offload):
+  """The accelerator program's tiers, host and device halves concurrent by construction:
+  the host tier in host regions and the device tiers (streamed, resident) in one region
+  on a GPU stream of its own, both in one scheduling group (`device_stream`). Returns
+  (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop does."""
+  group = device_stream.next_group()
+  with device_stream.in_group(group):
+    host, outs = context.update_tier(
+        Tier.HOST, base_step, state.tier(Tier.HOST),
+        native=native and offload.host_impl is UpdateImpl.KERNEL)
+  tiers = [t for t in (Tier.STREAMED, Tier.RESIDENT) if context.part.ids(t)]
+  pieces = []
+
+  def device_tiers(grad_leaves, arrays_by_tier):
+    local = dataclasses.replace(context, grad_leaves=list(grad_leaves))
+    new, rows = [], []
+    pieces.clear()
+    for tier, arrays in zip(tiers, arrays_by_tier):
+      arrays, tier_outs = local.update_tier(
+          tier, base_step, arrays, native=native and offload.device_impl is UpdateImpl.KERNEL)
+      new.append(arrays)
+      rows.extend(out for out, _ in tier_outs)
+      pieces.extend(runs for _, runs in tier_outs)
+    return new, rows
+
+  new, rows = device_stream.on_stream(device_tiers, group)(
+      context.grad_leaves, [state.tier(t) for t in tiers])
+  new_tiers = dict(state.tiers)
+  new_tiers[Tier.HOST] = host
+  new_tiers.update({t: tuple(arrays) for t, arrays in zip(tiers, new)})
+  return new_tiers, list(outs) + list(zip(rows, pieces))
 
 
 def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,

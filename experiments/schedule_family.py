@@ -5,7 +5,8 @@ one subgroup per layer, Stride(2), clipping; both storages; bf16 and fp32) it pr
 one JSON line: host calls and their windows, device updates and how many are issued
 outside every host call's window, whether the stream is full duplex (no row's
 write-back waits for the next row's fetch, no fetch for the previous row's write-back),
-gradient copies overlapping compute, host->host copies. No GPU needed: the CUDA
+the device tiers' stream calls (`Offload.device_stream`), gradient copies overlapping
+compute, host->host copies. No GPU needed: the CUDA
 plugin compiles (Python 3.12, `jax[cuda13]`).
 
   JAX_PLATFORMS=cpu python3.12 experiments/schedule_family.py [--quick] > family.jsonl
@@ -40,6 +41,7 @@ def facts(num_layers: int, width: int, storage: str, dtype: str, chunks: int = 0
       host_calls=[[c.start, c.done] for c in s.host_calls],
       device_updates=len(s.device_updates()),
       outside_host_calls=len(s.device_updates_outside_host_calls()),
+      stream_calls=[[c.start, c.done] for c in s.stream_calls if c.updates],
       streamed_rows=len(s.streamed_rows),
       full_duplex=s.stream_full_duplex(),
       write_backs_after_next_fetch=sum(r.write_back_after_next_fetch for r in s.streamed_rows),

@@ -2,7 +2,8 @@
 
 For each config it compiles the runner's step with the CUDA plugin (no GPU needed) and
 prints the schedule's order of the events that matter, by instruction position: the
-last backward gemm, each host call's start and done, each device update (Pallas call or
+last backward gemm, each host call's start and done, each device update (a stream call's
+start and done, a Pallas call or
 update loop), and the first and last weight-gradient copy to host. Beside it,
 `dos_jax.planner.timeline` for the same plan and state on the `h100-pcie5` profile (the
 forward and backward times at its default achieved TFLOP/s, as `dos-jax plan`).
@@ -33,6 +34,10 @@ def schedule_events(schedule) -> list[tuple[int, str]]:
     events.append((call.done, f'host call {k} done'))
   for p in schedule.update_positions:
     events.append((p, 'device update'))
+  for call in schedule.stream_calls:  # the device tiers on their own stream
+    if call.updates:
+      events.append((call.start, 'device update on its stream: start'))
+      events.append((call.done, 'device update on its stream: done'))
   copies = schedule.gradient_copies()
   if copies:
     overlapping = sum(c.gemms_between > 0 for c in copies)

@@ -11,6 +11,11 @@ Read off the scheduled HLO (`hlo.Module`) of a step compiled for a GPU target:
   between a host call's start and done runs while the host computes; *device update*
   work there (a Pallas AdamW, or a loop streaming state through the device) is the
   paper's concurrent host and device update.
+* **stream calls**: asynchronous calls on a GPU stream of their own (`call-start` with
+  `_xla_stream_annotation`, `dos_jax.device_stream`). One that runs device update work
+  counts as concurrent with a host call when their windows overlap: the stream's work
+  is launched before the host call's done blocks the launch thread, and the host call
+  does not wait for it (it waits for XLA's compute stream only).
 * **host->host copies**: `copy` instructions from host memory to host memory, in the
   entry computation or any computation it calls. A donated state updated in place has
   none; each one is a pass over host memory every step.
@@ -34,7 +39,7 @@ from dos_jax.dataflow import hlo
 _PALLAS_TARGETS = ('__gpu$xla.gpu.triton', 'mosaic_gpu', 'mosaic_gpu_v2')
 _GEMM_TARGETS = ('__cublas$gemm', '__cublas$lt$matmul', '__cudnn$')
 # Instructions that issue no device work of their own.
-_FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast',
+_FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'call-done',
          'copy-start', 'copy-done', 'custom-call-start', 'custom-call-done',
          'async-start', 'async-done', 'after-all', 'add-dependency', 'opt-barrier',
          'partition-id', 'replica-id'}
@@ -71,6 +76,20 @@ class HostCall:
 
 
 @dataclasses.dataclass(frozen=True)
+class StreamCall:
+  """One asynchronous call on another GPU stream, in the entry computation."""
+
+  name: str
+  start: int
+  done: int
+  updates: bool  # it runs device update work (a Pallas AdamW, a state fetch or write-back)
+
+  def overlaps(self, call: HostCall) -> bool:
+    """Whether this call's window and `call`'s overlap."""
+    return self.start < call.done and call.start < self.done
+
+
+@dataclasses.dataclass(frozen=True)
 class HostCopy:
   """A host->host copy (`copy` with host memory on both sides)."""
 
@@ -104,6 +123,7 @@ class Schedule:
   streamed_rows: tuple[StreamedRow, ...] = ()
   update_positions: tuple[int, ...] = ()  # entry positions of Pallas calls and update loops
   gemm_positions: tuple[int, ...] = ()  # entry positions of matrix multiplications
+  stream_calls: tuple[StreamCall, ...] = ()
 
   @classmethod
   def from_text(cls, text: str) -> 'Schedule':
@@ -123,7 +143,8 @@ class Schedule:
                update_positions=tuple(i.position for i in entry.instructions
                                       if kinds[i.position] in ('pallas', 'update_loop')),
                gemm_positions=tuple(i.position for i in entry.instructions
-                                    if kinds[i.position] == 'gemm'))
+                                    if kinds[i.position] == 'gemm'),
+               stream_calls=tuple(_stream_calls(module, entry)))
 
   def gradient_copies(self, min_bytes: int = 64 * 1024) -> tuple[Copy, ...]:
     """Device->host copies of at least `min_bytes` of values computed from a matrix
@@ -136,18 +157,30 @@ class Schedule:
     return tuple(c for c in self.host_copies if c.nbytes >= min_bytes)
 
   def device_update_inside_host_call(self) -> bool:
-    """Whether device update work is issued while some host call runs."""
-    return any(call.device_update_between for call in self.host_calls)
+    """Whether device update work is issued while some host call runs (in its window,
+    or on a stream call whose window overlaps it)."""
+    return any(call.device_update_between for call in self.host_calls) or any(
+        c.updates and any(c.overlaps(h) for h in self.host_calls) for c in self.stream_calls)
 
   def device_updates(self) -> tuple[int, ...]:
-    """Schedule positions of the entry's device update work: Pallas AdamW calls and
-    loops that stream state through the device."""
-    return self.update_positions
+    """Schedule positions of the entry's device update work: Pallas AdamW calls, loops
+    that stream state through the device, and the starts of stream calls running such
+    work."""
+    return tuple(sorted(self.update_positions + tuple(
+        c.start for c in self.stream_calls if c.updates)))
 
   def device_updates_outside_host_calls(self) -> tuple[int, ...]:
-    """The device updates issued outside every host call's window."""
-    return tuple(p for p in self.update_positions
-                 if not any(c.start < p < c.done for c in self.host_calls))
+    """The device updates that no host call runs beside: issued outside every host
+    call's window, or, on a stream call, in a window that overlaps none."""
+    inside = [p for p in self.update_positions
+              if not any(c.start < p < c.done for c in self.host_calls)]
+    streams = [c.start for c in self.stream_calls
+               if c.updates and not any(c.overlaps(h) for h in self.host_calls)]
+    return tuple(sorted(inside + streams))
+
+  def device_updates_on_streams(self) -> int:
+    """How many stream calls run device update work."""
+    return sum(c.updates for c in self.stream_calls)
 
   def stream_full_duplex(self) -> bool:
     """Whether consecutive streamed rows' transfers are independent both ways: no fetch
@@ -187,6 +220,7 @@ class Schedule:
             r.write_back_after_next_fetch for r in self.streamed_rows),
         'device_updates': len(self.update_positions),
         'device_updates_outside_host_calls': len(self.device_updates_outside_host_calls()),
+        'device_updates_on_streams': self.device_updates_on_streams(),
         'host_to_host_copies': [dataclasses.asdict(c) for c in self.host_copies],
     }
 
@@ -308,6 +342,20 @@ def _host_calls(module: hlo.Module, entry: hlo.Computation,
     found.append(HostCall(name=start.name, start=start.position, done=done.position,
                           device_between=tuple(i.name for i in device),
                           device_update_between=tuple(i.name for i in update)))
+  return found
+
+
+def _stream_calls(module: hlo.Module, entry: hlo.Computation) -> list[StreamCall]:
+  found = []
+  for start in entry.instructions:
+    if start.opcode != 'call-start' or '_xla_stream_annotation' not in start.attributes:
+      continue
+    done = _done_of(entry.instructions[start.position:], start, 'call-done')
+    if done is None:
+      continue
+    updates = any(_updates_state(module, name) for name in start.called)
+    found.append(StreamCall(name=start.name, start=start.position, done=done.position,
+                            updates=updates))
   return found
 
 

@@ -1,0 +1,129 @@
+"""`dos_jax.device_stream`: a function staged out as one call for a GPU stream of its own,
+in a scheduling group with the host call (`Offload.device_stream`).
+
+On the CPU the call is a call: the region's results are the function's, and the
+accelerator program's step with the device tiers on their stream is the step without,
+bit for bit (against optax too, in test_per_subgroup.py, where it is on by default).
+Its lowering is checked here; where the GPU compiler places it, in
+test_compiled_family.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dos_jax
+from dos_jax import device_stream
+from tests.test_adamw import decay_mask
+from tests.test_adamw import random_grads
+from tests.test_adamw import random_tree
+
+PER_SUBGROUP = dos_jax.Storage.PER_SUBGROUP
+
+
+def _ops_with(text: str, attribute: str) -> list[str]:
+  return [line.strip() for line in text.splitlines() if attribute in line]
+
+
+def test_the_region_returns_what_the_function_does(seed):
+  rng = np.random.default_rng(seed)
+  a, b, c = (jnp.asarray(rng.standard_normal((3, 5)), jnp.float32) for _ in range(3))
+
+  def fn(x, pair):  # closes over `c`, returns a pytree
+    return {'sum': x + pair[0], 'prod': pair[1] * c}, x.sum()
+
+  region = device_stream.on_stream(fn, device_stream.next_group())
+  want = fn(a, (b, c))
+  for got in (region(a, (b, c)), jax.jit(region)(a, (b, c))):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_only_the_call_carries_the_stream_and_the_group():
+  """One call returning one tuple, with the stream, the group and no inlining; the
+  get-tuple-elements that unpack it carry nothing (else XLA would make each of them a
+  stream pair of its own)."""
+  group = device_stream.next_group()
+  region = device_stream.on_stream(lambda x, y: (x + y, x * y), group)
+  x = jax.ShapeDtypeStruct((4,), jnp.float32)
+  text = jax.jit(region).trace(x, x).lower(lowering_platforms=('cuda',)).as_text()
+  annotated = _ops_with(text, '_xla_stream_annotation')
+  assert len(annotated) == 1, annotated
+  call = annotated[0]
+  assert call.split(' = ')[1].startswith('call @'), call
+  assert f'_scheduling_group_id = "{group}"' in call and 'inlineable = "false"' in call
+  assert '-> tuple<' in call, call
+  assert len(_ops_with(text, 'stablehlo.get_tuple_element')) == 2
+
+
+def test_groups_are_distinct_and_a_region_with_effects_is_refused():
+  assert device_stream.next_group() != device_stream.next_group()
+
+  def effectful(x):
+    jax.debug.print('{}', x)
+    return x
+
+  with pytest.raises(ValueError, match='cannot have effects'):
+    jax.jit(device_stream.on_stream(effectful, 1))(jnp.ones(2))
+
+
+def _pair(stream: bool, storage=PER_SUBGROUP, policy=None):
+  offload = dos_jax.Offload(subgroup_size=23, policy=policy or dos_jax.Stride(2),
+                            platform='gpu', storage=storage, device_stream=stream)
+  return dos_jax.chain(dos_jax.clip_by_global_norm(0.5), dos_jax.adamw(
+      3e-2, weight_decay=0.05, mask=decay_mask, offload=offload))
+
+
+def _step(opt):
+  def step(p, s, g):
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return step
+
+
+def _uses_stream(opt, params, state, grads) -> bool:
+  jaxpr = jax.make_jaxpr(_step(opt))(params, state, grads)
+  return 'dos_jax_stream_region' in str(jaxpr)
+
+
+@pytest.mark.parametrize('policy', [dos_jax.Stride(2), dos_jax.ResidentFraction(
+    0.3, then=dos_jax.Stride(3))], ids=repr)
+def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, seed):
+  """The accelerator program (run on the CPU backend), per-subgroup storage, clipping
+  that fires: 4 steps with the device tiers on their stream and without."""
+  params = jax.device_put(random_tree(seed), jax.devices()[0])
+  results = []
+  for stream in (True, False):
+    opt = _pair(stream, policy=policy)
+    p, s = params, opt.init(params)
+    assert _uses_stream(opt, p, s, random_grads(p, 0, seed)) is (
+        stream and device_stream.available())
+    step = jax.jit(_step(opt))
+    for i in range(4):
+      p, s = step(p, s, jax.tree.map(lambda g: 3 * g, random_grads(p, i, seed)))
+    results.append((p, s))
+  (p1, s1), (p0, s0) = results
+  for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p0, s0))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
+def test_it_applies_to_per_subgroup_storage_with_host_and_device_tiers(seed):
+  params = jax.device_put(random_tree(seed), jax.devices()[0])
+  grads = random_grads(params, 0, seed)
+
+  def uses(**kwargs):
+    opt = _pair(True, **kwargs)
+    return _uses_stream(opt, params, opt.init(params), grads)
+
+  assert uses()
+  assert not uses(storage=dos_jax.Storage.STACKED)  # see device_stream / docs/design.md
+  assert not uses(policy=dos_jax.AllHost())  # nothing to run beside the host call
+  assert not uses(policy=dos_jax.AllDevice())
+
+
+def test_device_stream_must_be_a_bool():
+  with pytest.raises(TypeError, match='Offload.device_stream must be True or False'):
+    dos_jax.Offload(device_stream='yes')
