@@ -215,3 +215,13 @@ def _instruction(line: str, position: int) -> Instruction | None:
   attributes = rest[close:].lstrip(', ')
   return Instruction(name=name.lstrip('%'), shape=shape, opcode=opcode, operands=operands,
                      attributes=attributes, position=position)
+
+
+def operand_arrays(computation: Computation, instruction: Instruction) -> tuple[Array, ...]:
+  """The arrays of `instruction`'s operands (those defined in `computation`)."""
+  by_name = computation.by_name()
+  arrays = []
+  for name in instruction.operands:
+    if name in by_name:
+      arrays.extend(by_name[name].arrays)
+  return tuple(arrays)

@@ -34,6 +34,8 @@ import dataclasses
 from typing import Iterable
 
 from dos_jax.dataflow import hlo
+from dos_jax.dataflow.streamed_rows import StreamedRow
+from dos_jax.dataflow.streamed_rows import streamed_rows
 
 # Custom-call targets of device kernels: Pallas (Triton, Mosaic GPU).
 _PALLAS_TARGETS = ('__gpu$xla.gpu.triton', 'mosaic_gpu', 'mosaic_gpu_v2')
@@ -99,20 +101,6 @@ class HostCopy:
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamedRow:
-  """One state block fetched host->device, and its write-back, in one computation."""
-
-  computation: str
-  fetch: str  # the fetch's start
-  nbytes: int
-  write_back: str | None  # the first device->host write computed from the fetched block
-  after_previous_write_back: bool  # the fetch depends on the previous row's write-back
-  # This row's write-back depends on the next row's fetch: the two cannot be in flight
-  # together, so the link carries one direction at a time.
-  write_back_after_next_fetch: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
 class Schedule:
   """The schedule facts of one compiled program (see the module docstring)."""
 
@@ -139,7 +127,7 @@ class Schedule:
                host_calls=tuple(_host_calls(module, entry, kinds)),
                host_copies=tuple(_host_copies(module)),
                gemms=sum(1 for k in kinds if k == 'gemm'),
-               streamed_rows=tuple(_streamed_rows(module)),
+               streamed_rows=tuple(streamed_rows(module)),
                update_positions=tuple(i.position for i in entry.instructions
                                       if kinds[i.position] in ('pallas', 'update_loop')),
                gemm_positions=tuple(i.position for i in entry.instructions
@@ -264,22 +252,12 @@ def _updates_state(module: hlo.Module, body: str) -> bool:
         return True
       if instruction.opcode in ('fusion-start', 'copy-start', 'dynamic-slice',
                                 'dynamic-update-slice'):
-        operands = _operand_arrays(computation, instruction)
+        operands = hlo.operand_arrays(computation, instruction)
         if any(a.on_host for a in operands) != any(a.on_host for a in instruction.arrays[-1:]):
           return True
         if any(a.on_host for a in instruction.arrays) and instruction.opcode != 'fusion-start':
           return True
   return False
-
-
-def _operand_arrays(computation: hlo.Computation,
-                    instruction: hlo.Instruction) -> tuple[hlo.Array, ...]:
-  by_name = computation.by_name()
-  arrays = []
-  for name in instruction.operands:
-    if name in by_name:
-      arrays.extend(by_name[name].arrays)
-  return tuple(arrays)
 
 
 def _done_of(instructions: Iterable[hlo.Instruction], start: hlo.Instruction,
@@ -372,113 +350,11 @@ def _host_copies(module: hlo.Module) -> list[HostCopy]:
       if instruction.opcode != 'copy':
         continue
       result = instruction.arrays
-      source = _operand_arrays(computation, instruction)
+      source = hlo.operand_arrays(computation, instruction)
       if not result:
         continue
       if on_host_thread or (all(a.on_host for a in result) and source
                             and all(a.on_host for a in source)):
         found.append(HostCopy(name=instruction.name, computation=computation.name,
                               nbytes=sum(a.nbytes for a in result)))
-  return found
-
-
-def _async_move(computation: hlo.Computation, start: hlo.Instruction) -> tuple[str, int] | None:
-  """('fetch' | 'write_back', bytes) for an asynchronous copy or slice between host and
-  device memory (`copy-start`, or a `fusion-start` of a dynamic (update-)slice), else
-  None. A fetch reads host memory into device memory; a write-back writes device data
-  into host memory."""
-  if start.opcode not in ('copy-start', 'fusion-start'):
-    return None
-  operands = _operand_arrays(computation, start)
-  if not operands or not start.arrays:
-    return None
-  if start.opcode == 'fusion-start':
-    calls = start.attribute('calls') or ''
-    if 'dynamic_update_slice' in calls or 'dynamic-update-slice' in calls:
-      # (into, update, indices...): a device update written into a host array.
-      if len(operands) > 1 and operands[0].on_host and not operands[1].on_host:
-        return 'write_back', operands[1].nbytes
-      return None
-    if 'dynamic_slice' not in calls and 'dynamic-slice' not in calls:
-      return None
-  source = operands[0]
-  # A copy-start's shape is (result, operand, context); a fusion-start's is
-  # ((operands...), result, context).
-  index = 0 if start.opcode == 'copy-start' else len(operands)
-  if len(start.arrays) <= index:
-    return None
-  result = start.arrays[index]
-  if source.on_host and not result.on_host:
-    return 'fetch', result.nbytes
-  if not source.on_host and result.on_host and start.opcode == 'copy-start':
-    return 'write_back', result.nbytes
-  return None
-
-
-def _data_operand(start: hlo.Instruction) -> str | None:
-  """The operand a write-back moves: a copy's only one, a dynamic-update-slice's update."""
-  index = 0 if start.opcode == 'copy-start' else 1
-  return start.operands[index] if len(start.operands) > index else None
-
-
-def _streamed_rows(module: hlo.Module, min_bytes: int = 64 * 1024) -> list[StreamedRow]:
-  """The streamed rows of every main-thread computation (see the module docstring)."""
-  found = []
-  for computation in module.reachable(module.entry):
-    if computation.execution_thread == 'host':
-      continue
-    moves = {}
-    for instruction in computation.instructions:
-      move = _async_move(computation, instruction)
-      if move is not None:
-        moves[instruction.name] = move
-    fetches = [n for n, (kind, size) in moves.items() if kind == 'fetch' and size >= min_bytes]
-    if not fetches:
-      continue
-    users: dict[str, list[str]] = {}
-    for instruction in computation.instructions:
-      for operand in instruction.operands:
-        users.setdefault(operand, []).append(instruction.name)
-
-    def descendants(name: str) -> set[str]:
-      seen, stack = set(), [name]
-      while stack:
-        for user in users.get(stack.pop(), ()):
-          if user not in seen:
-            seen.add(user)
-            stack.append(user)
-      return seen
-
-    position = {i.name: i.position for i in computation.instructions}
-    by_name = computation.by_name()
-    rows, own = [], set()
-    for fetch in fetches:
-      downstream = descendants(fetch)
-      # The row's own write-back carries data computed from the fetched block: its
-      # update operand (a copy's only operand) descends from the fetch. (The tier it
-      # is written into may descend from later fetches: they read it first.)
-      write_backs = sorted((n for n in downstream if moves.get(n, ('',))[0] == 'write_back'
-                            and _data_operand(by_name[n]) in downstream), key=position.get)
-      rows.append((fetch, write_backs[0] if write_backs else None))
-      own.update(write_backs[:1])
-    # The rows in the order they are updated: first those fetched before this
-    # computation (a loop body's carried blocks: a write-back from no fetch here), then
-    # the fetched ones by write-back (a fetch may be issued before the fetch of the row
-    # updated before it), then those written back after it (carried out of a loop body).
-    carried = [(None, n) for n, (kind, size) in moves.items()
-               if kind == 'write_back' and size >= min_bytes and n not in own]
-    rows.sort(key=lambda row: (row[1] is None, position.get(row[1] or row[0])))
-    rows = sorted(carried, key=lambda row: position[row[1]]) + rows
-    previous_write_back = None
-    for j, (fetch, write_back) in enumerate(rows):
-      next_fetch = next((f for f, _ in rows[j + 1:] if f is not None), None)
-      waits = (write_back is not None and next_fetch is not None
-               and write_back in descendants(next_fetch))
-      if fetch is not None:
-        after = previous_write_back is not None and fetch in descendants(previous_write_back)
-        found.append(StreamedRow(computation=computation.name, fetch=fetch,
-                                 nbytes=moves[fetch][1], write_back=write_back,
-                                 after_previous_write_back=after,
-                                 write_back_after_next_fetch=waits))
-      previous_write_back = write_back
   return found
