@@ -10,7 +10,8 @@ data only:
   it and XLA keeps the region its own host call (`tests/test_compiled_host_chunks.py`);
 * device part k is let through an optimization barrier with exactly host chunk k's
   inputs (its gradient pieces in host memory, its scalars, the link), so it cannot be
-  issued before host call k can start;
+  issued before host call k can start (on the device tiers' stream, its scheduling
+  group does that);
 * the link of chunk k is computed *on the device* from a token of host chunk k's out
   rows (returned in device memory) and one of device part k's out rows: host chunk k+1
   and device part k+1 come after both halves of chunk k.
@@ -18,12 +19,12 @@ data only:
 What this forces, whatever the schedule: chunk k's host call and device part both lie
 between the end of chunk k-1 and the start of chunk k+1, so no device part can drift to
 another chunk's call (or after the last one) and no host call waits for all device work.
-What it leaves to XLA's latency-hiding scheduler: inside a chunk, whether the device part
-is issued between the host call's start and done. Working back from the end, the
-scheduler places a done as late as its users allow and then fills the call's estimated
-latency with ready work before it places the start; a device part that fits there lands
-inside the window, one that does not spills before the start (experiments/RESULTS.md;
-`tests/test_compiled_family.py` checks the shapes where it fits).
+Inside a chunk, with `Offload.device_stream` (and a jax that builds it), the device part
+is one call on the device tiers' stream in one scheduling group with host call k
+(`dos_jax.device_stream`): the two windows overlap in every schedule. Without it, whether
+the device part is issued between the host call's start and done is the latency-hiding
+scheduler's choice (it fills the call's estimated latency with ready work before it
+places the start; experiments/RESULTS.md).
 
 The link is exactly zero (`where(isfinite(t), t, 0) * 0`): the host kernel's row
 indices, and so its results, are the unchunked step's bit for bit.
@@ -31,6 +32,7 @@ indices, and so its results, are the unchunked step's bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dos_jax import device_stream
 from dos_jax import fused as fused_lib
 from dos_jax import partition as partition_lib
 from dos_jax import paths
@@ -82,33 +85,51 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], chunks: 
   new = {t: list(partition_lib.blocks_of(tiers[t], len(blocks[t]))) for t in blocks}
   hosts, streams = host_blocks(part), stream_blocks(part, plan)
   outs, link, done = [], None, []
+  on_stream = context.offload.device_stream and device_stream.available()
 
   for host_chunk, stream_chunk in zip(np.array_split(hosts, count),
                                       np.array_split(streams, count)):
     inputs, tokens = [], []
-    for b in host_chunk:
-      ids = blocks[Tier.HOST][b]
-      runs = partition_lib.pieces_of(layout, ids)
-      grad_pieces, param_pieces = context.host_pieces(runs)
-      arrays, out, token = fused_lib.host_region_update(
-          context.block_step(base_step, ids), context.fused, stacked=new[Tier.HOST][b],
-          adam_scalars=context.adam_scalars, grad_pieces=grad_pieces,
-          param_pieces=param_pieces, runs=runs, num_threads=context.offload.host_threads,
-          inputs_sink=inputs, link=link)
-      new[Tier.HOST][b] = paths.put(arrays, paths.HOST)
-      outs.append((out, runs))
-      tokens.append(token)
-    # The device part waits for exactly what host call k needs (see the module docstring).
-    _, leaves = lax.optimization_barrier((inputs, list(context.grad_leaves)))
-    gated = dataclasses.replace(context, grad_leaves=list(leaves))
-    for b in stream_chunk:
-      ids, block = blocks[Tier.STREAMED][b], new[Tier.STREAMED][b]
-      if len(done) >= plan.buffers:  # at most `buffers` rows in flight, as unchunked
-        block, _ = lax.optimization_barrier((block, new[Tier.STREAMED][done[-plan.buffers]]))
-      runs = partition_lib.pieces_of(layout, ids)
-      step = context.block_step(base_step, ids)
-      new[Tier.STREAMED][b], out = gated.streamed(step, block, ids, runs)
-      outs.append((out, runs))
+    group = device_stream.next_group() if on_stream else None
+    with device_stream.in_group(group) if on_stream else contextlib.nullcontext():
+      for b in host_chunk:
+        ids = blocks[Tier.HOST][b]
+        runs = partition_lib.pieces_of(layout, ids)
+        grad_pieces, param_pieces = context.host_pieces(runs)
+        arrays, out, token = fused_lib.host_region_update(
+            context.block_step(base_step, ids), context.fused, stacked=new[Tier.HOST][b],
+            adam_scalars=context.adam_scalars, grad_pieces=grad_pieces,
+            param_pieces=param_pieces, runs=runs, num_threads=context.offload.host_threads,
+            inputs_sink=inputs, link=link)
+        new[Tier.HOST][b] = paths.put(arrays, paths.HOST)
+        outs.append((out, runs))
+        tokens.append(token)
+    # The device part waits for exactly what host call k needs (see the module docstring);
+    # on its stream, grouped with host call k, it needs no gate.
+    leaves = list(context.grad_leaves)
+    if not on_stream:
+      _, leaves = lax.optimization_barrier((inputs, leaves))
+    earlier = {b: new[Tier.STREAMED][b] for b in done[-plan.buffers:]}
+
+    def device_part(leaves, chunk_blocks, earlier):
+      gated = dataclasses.replace(context, grad_leaves=list(leaves))
+      fresh, order, rows = dict(earlier), list(done), []
+      for b, block in zip(stream_chunk, chunk_blocks):
+        ids = blocks[Tier.STREAMED][b]
+        if len(order) >= plan.buffers:  # at most `buffers` rows in flight, as unchunked
+          block, _ = lax.optimization_barrier((block, fresh[order[-plan.buffers]]))
+        runs = partition_lib.pieces_of(layout, ids)
+        fresh[b], out = gated.streamed(context.block_step(base_step, ids), block, ids, runs)
+        rows.append((fresh[b], out))
+        order.append(b)
+      return rows
+
+    if on_stream:  # the device part on its stream, grouped with host call k
+      device_part = device_stream.on_stream(device_part, group)
+    rows = device_part(leaves, [new[Tier.STREAMED][b] for b in stream_chunk], earlier)
+    for b, (block, out) in zip(stream_chunk, rows):
+      new[Tier.STREAMED][b] = tuple(block)
+      outs.append((out, partition_lib.pieces_of(layout, blocks[Tier.STREAMED][b])))
       tokens.append(out)
       done.append(b)
     link = paths.to_host(sum(_zero(t) for t in tokens))

@@ -95,9 +95,10 @@ class Offload:
       host and streamed subgroups (experiments/RESULTS.md).
     device_stream: the accelerator program's device tiers updated in one region on a
       GPU stream of their own, in one scheduling group with the host call, so that
-      the two run concurrently in every schedule (`dos_jax.device_stream`). Applies to
-      per-subgroup storage, unchunked, with an unsharded state; compile with
-      `GPU_COMPILER_OPTIONS`. False: the device update is left to XLA's scheduler.
+      the two run concurrently in every schedule (`dos_jax.device_stream`; with
+      `chunks`, each chunk's device part with its host call). Applies to per-subgroup
+      storage with an unsharded state; compile with `GPU_COMPILER_OPTIONS`. False: the
+      device update is left to XLA's scheduler.
   """
 
   subgroup_size: int = 100_000_000

@@ -111,15 +111,18 @@ def test_a_scheduling_group_is_placed_in_one_go_dones_after_starts():
   assert any(stream.start < g < stream.done for g in gemms), (stream, gemms)
 
 
-@pytest.mark.parametrize('layers, width', [(5, 512), (8, 1024)])
-def test_chunked_per_subgroup_steps_issue_every_device_update_inside_a_host_call(layers, width):
-  """`Offload(chunks=2)`, per-subgroup storage: two host calls linked through the
-  device, each with its device part inside its window (unchunked, 2 of 3 and 2 of 4
-  device updates of these programs are outside). Where a device part is larger than
-  what the scheduler puts in one window it is not (RESULTS.md: 16 layers)."""
-  fn, args, jit_kwargs = probes.mlp_step(layers, width, storage='per_subgroup', chunks=2)
+@pytest.mark.parametrize('layers, width, chunks', [(5, 512, 2), (16, 1024, 4)])
+def test_chunked_per_subgroup_steps_run_each_device_part_beside_its_host_call(
+    layers, width, chunks):
+  """`Offload(chunks=K)`, per-subgroup storage: K host calls linked through the device,
+  each grouped with its device part on the device tiers' stream, so that host call k
+  and device part k overlap, chunk after chunk."""
+  fn, args, jit_kwargs = probes.mlp_step(layers, width, storage='per_subgroup', chunks=chunks)
   schedule = dataflow.compile_for_gpu(fn, *args, **jit_kwargs).schedule
-  assert len(schedule.host_calls) == 2, schedule.host_calls
+  calls, streams = schedule.host_calls, schedule.stream_calls
+  assert len(calls) == len(streams) == chunks, (calls, streams)
+  assert all(s.updates and s.overlaps(c) for c, s in zip(calls, streams)), (calls, streams)
+  assert all(a.done < b.start for a, b in zip(calls, calls[1:])), calls
   assert not schedule.device_updates_outside_host_calls(), schedule.host_calls
   assert schedule.stream_full_duplex(), schedule.streamed_rows
   assert not schedule.large_host_copies(), schedule.host_copies

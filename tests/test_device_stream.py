@@ -69,9 +69,10 @@ def test_groups_are_distinct_and_a_region_with_effects_is_refused():
     jax.jit(device_stream.on_stream(effectful, 1))(jnp.ones(2))
 
 
-def _pair(stream: bool, storage=PER_SUBGROUP, policy=None):
+def _pair(stream: bool, storage=PER_SUBGROUP, policy=None, chunks=0):
   offload = dos_jax.Offload(subgroup_size=23, policy=policy or dos_jax.Stride(2),
-                            platform='gpu', storage=storage, device_stream=stream)
+                            platform='gpu', storage=storage, device_stream=stream,
+                            chunks=chunks)
   return dos_jax.chain(dos_jax.clip_by_global_norm(0.5), dos_jax.adamw(
       3e-2, weight_decay=0.05, mask=decay_mask, offload=offload))
 
@@ -88,15 +89,17 @@ def _uses_stream(opt, params, state, grads) -> bool:
   return 'dos_jax_stream_region' in str(jaxpr)
 
 
-@pytest.mark.parametrize('policy', [dos_jax.Stride(2), dos_jax.ResidentFraction(
-    0.3, then=dos_jax.Stride(3))], ids=repr)
-def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, seed):
+@pytest.mark.parametrize('policy, chunks', [
+    (dos_jax.Stride(2), 0), (dos_jax.ResidentFraction(0.3, then=dos_jax.Stride(3)), 0),
+    (dos_jax.Stride(2), 3)], ids=repr)
+def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, chunks, seed):
   """The accelerator program (run on the CPU backend), per-subgroup storage, clipping
-  that fires: 4 steps with the device tiers on their stream and without."""
+  that fires: 4 steps with the device tiers on their stream and without, unchunked and
+  in 3 chunks (each chunk's device part its own stream call)."""
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   results = []
   for stream in (True, False):
-    opt = _pair(stream, policy=policy)
+    opt = _pair(stream, policy=policy, chunks=chunks)
     p, s = params, opt.init(params)
     assert _uses_stream(opt, p, s, random_grads(p, 0, seed)) is (
         stream and device_stream.available())
