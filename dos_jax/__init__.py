@@ -5,6 +5,8 @@ that are updated partly on the device (streamed through free device memory) and
 partly on the host, in one jitted step.
 """
 
+import warnings as _warnings
+
 from dos_jax.alias import adamw as adamw
 from dos_jax.planner.auto import Auto as Auto
 from dos_jax.planner.hardware import HardwareProfile as HardwareProfile
@@ -18,7 +20,8 @@ from dos_jax.layout import Layout as Layout
 from dos_jax.layout import spec_for as spec_for
 from dos_jax.migration import migrate as migrate
 from dos_jax.offload import Offload as Offload
-from dos_jax.offload import Platform as Platform
+from dos_jax.offload import PLATFORM_RENAMED as _PLATFORM_RENAMED
+from dos_jax.offload import Program as Program
 from dos_jax.offload import Storage as Storage
 from dos_jax.offload import UpdateImpl as UpdateImpl
 from dos_jax.partition import Partition as Partition
@@ -41,3 +44,11 @@ from dos_jax.transform import OffloadedState as OffloadedState
 from dos_jax.transform import offloaded as offloaded
 
 __version__ = '0.1.0'
+
+
+def __getattr__(name: str):
+  """`Platform`, the deprecated name of `Program`, for one release."""
+  if name == 'Platform':
+    _warnings.warn(_PLATFORM_RENAMED, DeprecationWarning, stacklevel=2)
+    return Program
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

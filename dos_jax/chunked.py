@@ -56,13 +56,13 @@ def host_blocks(part: partition_lib.Partition) -> list[int]:
 def stream_blocks(part: partition_lib.Partition, plan) -> list[int]:
   """The streamed blocks (one per subgroup) in the plan's stream order."""
   first_row = {ids[0]: b for b, ids in enumerate(part.blocks(Tier.STREAMED))}
-  return [first_row[g] for g in plan.device if g in first_row]
+  return [first_row[g] for g in plan.streamed if g in first_row]
 
 
 def chunk_count(part: partition_lib.Partition, plan, chunks: int) -> int:
   """How many chunks a step runs: at most `chunks`, each with a host and a streamed
   subgroup at least."""
-  return max(1, min(chunks, len(part.ids(Tier.HOST)), len(plan.device)))
+  return max(1, min(chunks, len(part.ids(Tier.HOST)), len(plan.streamed)))
 
 
 def _zero(x: jax.Array) -> jax.Array:

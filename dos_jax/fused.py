@@ -31,7 +31,7 @@ from dos_jax import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.offload import Offload
-from dos_jax.offload import Platform
+from dos_jax.offload import Program
 from dos_jax.offload import UpdateImpl
 
 
@@ -342,15 +342,15 @@ def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacke
   return (new_state,), out_h
 
 
-def device_usable(fused: FusedAdamW | None, offload: Offload, program: Platform,
+def device_usable(fused: FusedAdamW | None, offload: Offload, program: Program,
                   step: paths.RowStep, stacked) -> bool:
   """Whether the device path can run the Pallas AdamW: in the accelerator program (in
-  the CPU program every row takes the native host call instead), with AdamW's state
-  laid out as one f32 group."""
+  the one-memory program every row takes the native host call instead), with AdamW's
+  state laid out as one f32 group."""
   return (
       fused is not None
       and offload.device_impl == UpdateImpl.KERNEL
-      and program is Platform.GPU
+      and program is Program.TWO_MEMORIES
       and slot_rows(step.slots, step.has_master) is not None
       and jnp.dtype(stacked[0].dtype) == jnp.float32
   )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 from typing import Any
 
 import jax
@@ -12,27 +13,35 @@ from dos_jax.policies import Policy
 from dos_jax.policies import Stride
 
 
-class Platform(enum.Enum):
+class Program(enum.Enum):
   """Which program the update builds, whatever backend it is traced on.
 
-  CPU: host and device memory are one. Every subgroup, whatever the plan says, takes the
-    same host update in one call (a loop that copies a row to where it already is would
-    only cost time), and the state is one array per dtype.
-  GPU: the accelerator program. The state is split by the plan into separately stored
-    tiers; streamed subgroups go host -> device -> host through the Pallas AdamW, host
-    subgroups are updated in a `compute_on('device_host')` region, and the two have no
-    data dependency, so XLA can run them at the same time. It can be lowered for 'cuda'
-    on a machine without a GPU, and it also runs on the CPU backend (Pallas in interpret
-    mode there), which is how CI checks its numbers.
+  ONE_MEMORY: host and device memory are one. Every subgroup, whatever the plan says,
+    takes the same host update in one call (a loop that copies a row to where it
+    already is would only cost time), and the state is one array per dtype.
+  TWO_MEMORIES: the accelerator program, host and device memory apart. The state is
+    split by the plan into separately stored tiers; streamed subgroups go host ->
+    device -> host through the Pallas AdamW, host subgroups are updated in a
+    `compute_on('device_host')` region, and the two have no data dependency, so XLA can
+    run them at the same time. It can be lowered for 'cuda' on a machine without a GPU,
+    and it also runs on the CPU backend (Pallas in interpret mode there), which is how
+    CI checks its numbers.
+
+  The values are the strings `Offload(platform=...)` and run configs take: 'cpu' and
+  'gpu'. `CPU` and `GPU` are the deprecated names of the members (of the deprecated
+  `Platform`), kept for one release.
   """
 
-  CPU = 'cpu'
-  GPU = 'gpu'
+  ONE_MEMORY = 'cpu'
+  TWO_MEMORIES = 'gpu'
+  CPU = 'cpu'  # Deprecated alias of ONE_MEMORY.
+  GPU = 'gpu'  # Deprecated alias of TWO_MEMORIES.
 
   @classmethod
-  def of_backend(cls, backend: str) -> 'Platform':
-    """The program for a JAX backend name: CPU for 'cpu', GPU for every accelerator."""
-    return cls.CPU if backend == 'cpu' else cls.GPU
+  def of_backend(cls, backend: str) -> Program:
+    """The program for a JAX backend name: ONE_MEMORY for 'cpu', TWO_MEMORIES for every
+    accelerator."""
+    return cls.ONE_MEMORY if backend == 'cpu' else cls.TWO_MEMORIES
 
 
 class UpdateImpl(enum.Enum):
@@ -79,13 +88,13 @@ class Offload:
     device_impl: implementation of the device-path update.
     host_impl: implementation of the host-path update.
     host_threads: threads for the native host update (None: the cores available).
-    platform: which program to build (`Platform`, or its value 'cpu' / 'gpu'); None
+    platform: which program to build (`Program`, or its value 'cpu' / 'gpu'); None
       follows the backend `init` runs on (`jax.default_backend()`). The state keeps
       the choice (`Partition.split`): every step of it builds that program.
     storage: how the accelerator program stores each tier (`Storage`); None:
       per subgroup when the policy re-plans as it runs (`Auto`), so that its plan
-      changes move only the rows that change tier, else stacked. The CPU program keeps
-      one stacked array.
+      changes move only the rows that change tier, else stacked. The one-memory
+      program keeps one stacked array.
     chunks: the accelerator program's host tier updated in this many host calls, each
       linked through the device to a part of the streamed tier (`dos_jax.chunked`):
       host and device work then interleave chunk by chunk, and each host call can
@@ -108,18 +117,19 @@ class Offload:
   device_impl: UpdateImpl = UpdateImpl.KERNEL
   host_impl: UpdateImpl = UpdateImpl.KERNEL
   host_threads: int | None = None
-  platform: Platform | None = None
+  platform: Program | None = None
   storage: Storage | None = None
   chunks: int = 0
   device_stream: bool = True
 
   def __post_init__(self):
-    if self.platform is not None and not isinstance(self.platform, Platform):
+    if self.platform is not None and not isinstance(self.platform, Program):
       try:
-        object.__setattr__(self, 'platform', Platform(self.platform))
+        object.__setattr__(self, 'platform', Program(self.platform))
       except ValueError:
         raise ValueError(
-            f"Offload.platform must be None, 'cpu' or 'gpu', got {self.platform!r}"
+            "Offload.platform must be None, a dos_jax.Program, 'cpu' or 'gpu',"
+            f' got {self.platform!r}'
         ) from None
     size = self.subgroup_size
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
@@ -160,8 +170,20 @@ class Offload:
     from dos_jax.planner.auto import Auto  # pylint: disable=import-outside-toplevel
     return isinstance(self.policy, Auto)
 
-  def target(self) -> Platform:
+  def target(self) -> Program:
     """The program a state built now is for: `platform`, or the default backend's."""
     if self.platform is not None:
       return self.platform
-    return Platform.of_backend(jax.default_backend())
+    return Program.of_backend(jax.default_backend())
+
+
+PLATFORM_RENAMED = ('dos_jax.Platform is deprecated: use dos_jax.Program'
+                    ' (Platform.GPU is Program.TWO_MEMORIES, Platform.CPU is Program.ONE_MEMORY)')
+
+
+def __getattr__(name: str) -> Any:
+  """`Platform`, the deprecated name of `Program`, for one release."""
+  if name == 'Platform':
+    warnings.warn(PLATFORM_RENAMED, DeprecationWarning, stacklevel=2)
+    return Program
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

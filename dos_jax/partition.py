@@ -157,10 +157,10 @@ def for_plan(plan: Plan, split: bool, per_subgroup: bool = False) -> Partition:
     return Partition(host=everything, split=False)
   # Stacked, the stream is stored as `buffers` interleaved blocks: full duplex (see
   # `Partition.blocks`).
-  stacks = 1 if per_subgroup or len(plan.device) < 2 else max(1, plan.buffers)
-  return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.device)),
+  stacks = 1 if per_subgroup or len(plan.streamed) < 2 else max(1, plan.buffers)
+  return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.streamed)),
                    resident=tuple(sorted(plan.resident)), per_subgroup=per_subgroup,
-                   stacks=stacks, stream=tuple(plan.device) if stacks > 1 else ())
+                   stacks=stacks, stream=tuple(plan.streamed) if stacks > 1 else ())
 
 
 def blocks_of(arrays: Sequence[jax.Array], count: int) -> list[tuple[jax.Array, ...]]:

@@ -110,7 +110,7 @@ def state_pinned_bytes(params: Any, offload: Offload, mask: Any = None,
   spec = layout.spec()  # The spec `init` plans from (the same policy call, cached).
   plan = offload.policy.plan(spec)
   state_bytes = spec.state_bytes_per_element - 4 + mu_bytes
-  pinned = (len(plan.device) + len(plan.host)) * spec.subgroup_size * state_bytes / shards
+  pinned = (len(plan.streamed) + len(plan.host)) * spec.subgroup_size * state_bytes / shards
   local = 1
   if mesh is not None:
     devices = getattr(mesh, 'devices', None)

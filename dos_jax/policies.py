@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Protocol, runtime_checkable
+
+_DEVICE_RENAMED = 'Plan.device is deprecated: use Plan.streamed (the same subgroups)'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,48 +40,77 @@ class SubgroupSpec:
   grad_bytes_per_element: int = 4
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Plan:
   """Where each subgroup's state lives and is updated in one step: three placements.
 
   Attributes:
-    device: subgroup indices *streamed*: state in pinned host memory, copied host ->
-      device, updated there and copied back, in this order.
+    streamed: subgroup indices of the streamed tier: state in pinned host memory,
+      copied host -> device, updated there and copied back, in this order.
     host: subgroup indices updated in host memory by the host path, in this order.
     resident: subgroup indices whose state stays in device memory and is updated
       there, with no copies at all (every subgroup: the `AllDevice` baseline).
     buffers: streamed subgroups in flight at once (double buffering = 2); bounds the
       device memory the streamed path needs to `buffers` subgroups of state.
+
+  `device` is the deprecated name of `streamed` (as a keyword and an attribute), kept
+  for one release.
   """
 
-  device: tuple[int, ...]
+  streamed: tuple[int, ...]
   host: tuple[int, ...]
   resident: tuple[int, ...] = ()
   buffers: int = 2
 
-  def __post_init__(self):
-    for name in ('device', 'host', 'resident'):
+  # Written out rather than generated (`init=False`) only to take the deprecated
+  # `device=`; back to the dataclass's own once that is gone.
+  def __init__(self, streamed: tuple[int, ...] | None = None,
+               host: tuple[int, ...] | None = None, resident: tuple[int, ...] = (),
+               buffers: int = 2, *, device: tuple[int, ...] | None = None):
+    if device is not None:
+      if streamed is not None:
+        raise TypeError('Plan: pass streamed= only (device= is its deprecated name)')
+      warnings.warn(_DEVICE_RENAMED, DeprecationWarning, stacklevel=2)
+      streamed = device
+    if streamed is None or host is None:
+      raise TypeError('Plan needs streamed= and host=, tuples of subgroup indices')
+    for name, value in (('streamed', streamed), ('host', host), ('resident', resident),
+                        ('buffers', buffers)):
+      object.__setattr__(self, name, value)
+    self._check()
+
+  def _check(self):
+    for name in ('streamed', 'host', 'resident'):
       value = getattr(self, name)
       if not isinstance(value, tuple) or not all(
           isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise TypeError(f'Plan.{name} must be a tuple of subgroup indices, got {value!r}')
-    everything = sorted(self.device + self.host + self.resident)
+    everything = sorted(self.streamed + self.host + self.resident)
     if everything != list(range(len(everything))):
       raise ValueError(
           f'Plan must name every subgroup exactly once; got resident={self.resident},'
-          f' device={self.device}, host={self.host}'
+          f' streamed={self.streamed}, host={self.host}'
       )
     if self.buffers < 1:
       raise ValueError(f'Plan.buffers must be >= 1, got {self.buffers}')
 
+  def __setstate__(self, state: dict):
+    """Unpickles a plan, also one pickled when `streamed` was called `device`."""
+    state = dict(state)
+    if 'device' in state:
+      state['streamed'] = state.pop('device')
+    for name, value in state.items():
+      object.__setattr__(self, name, value)
+
   @property
-  def streamed(self) -> tuple[int, ...]:
-    """The streamed subgroups (`device`), by the name of their tier."""
-    return self.device
+  def device(self) -> tuple[int, ...]:
+    """Deprecated: `streamed`."""
+    warnings.warn(_DEVICE_RENAMED, DeprecationWarning, stacklevel=2)
+    return self.streamed
 
   @property
   def num_subgroups(self) -> int:
-    return len(self.device) + len(self.host) + len(self.resident)
+    return len(self.streamed) + len(self.host) + len(self.resident)
 
   @property
   def all_resident(self) -> bool:
@@ -90,7 +122,7 @@ class Plan:
     n = self.num_subgroups
     if self.all_resident:
       return f'{n} subgroups resident on device'
-    streamed = (f'{len(self.device)}/{n} subgroups streamed to device'
+    streamed = (f'{len(self.streamed)}/{n} subgroups streamed to device'
                 f' ({self.buffers} in flight), {len(self.host)} updated on host')
     if not self.resident:
       return streamed
@@ -116,7 +148,7 @@ class AllHost:
   """Every subgroup updated on the host: the ZeRO-Offload baseline."""
 
   def plan(self, spec: SubgroupSpec) -> Plan:
-    return Plan(device=(), host=tuple(range(_checked_count(spec))))
+    return Plan(streamed=(), host=tuple(range(_checked_count(spec))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +156,7 @@ class AllDevice:
   """State kept in device memory and updated there: the no-offload baseline."""
 
   def plan(self, spec: SubgroupSpec) -> Plan:
-    return Plan(device=(), host=(), resident=tuple(range(_checked_count(spec))))
+    return Plan(streamed=(), host=(), resident=tuple(range(_checked_count(spec))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +175,9 @@ class Stride:
 
   def plan(self, spec: SubgroupSpec) -> Plan:
     n = _checked_count(spec)
-    device = tuple(i for i in range(n) if i % self.k == 0)
+    streamed = tuple(i for i in range(n) if i % self.k == 0)
     host = tuple(i for i in range(n) if i % self.k != 0)
-    return Plan(device=device, host=host, buffers=self.buffers)
+    return Plan(streamed=streamed, host=host, buffers=self.buffers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +194,13 @@ class DeviceFraction:
   def plan(self, spec: SubgroupSpec) -> Plan:
     n = _checked_count(spec)
     count = int(round(self.f * n))
-    # Spread the device subgroups evenly: subgroup i goes to the device when the
+    # Spread the streamed subgroups evenly: subgroup i is streamed when the
     # running share floor((i+1)*count/n) steps up.
-    device = tuple(
+    streamed = tuple(
         i for i in range(n) if math.floor((i + 1) * count / n) > math.floor(i * count / n)
     )
-    host = tuple(i for i in range(n) if i not in set(device))
-    return Plan(device=device, host=host, buffers=self.buffers)
+    host = tuple(i for i in range(n) if i not in set(streamed))
+    return Plan(streamed=streamed, host=host, buffers=self.buffers)
 
 
 def _then_plan(then: 'Policy', spec: SubgroupSpec, resident: int) -> Plan:
@@ -176,7 +208,7 @@ def _then_plan(then: 'Policy', spec: SubgroupSpec, resident: int) -> Plan:
   n = _checked_count(spec)
   head = tuple(range(resident))
   if resident == n:
-    return Plan(device=(), host=(), resident=head)
+    return Plan(streamed=(), host=(), resident=head)
   rest = dataclasses.replace(
       spec, num_subgroups=n - resident,
       num_elements=min(spec.num_elements, (n - resident) * spec.subgroup_size))
@@ -184,7 +216,7 @@ def _then_plan(then: 'Policy', spec: SubgroupSpec, resident: int) -> Plan:
   if sub.resident:
     raise ValueError(f'{then!r} keeps subgroups resident: combine resident counts in one policy')
   shift = lambda ids: tuple(resident + i for i in ids)
-  return Plan(device=shift(sub.device), host=shift(sub.host), resident=head,
+  return Plan(streamed=shift(sub.streamed), host=shift(sub.host), resident=head,
               buffers=sub.buffers)
 
 

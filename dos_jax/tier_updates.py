@@ -3,7 +3,7 @@ one place that chooses the path a tier takes, and the small function of each pat
 
 `transform.step_body` builds one `StepContext` per traced step and asks it for each
 tier's new arrays and output rows (`update_tier`). The path of a tier is chosen once,
-by `choose_path`, from the program (`Platform`: one memory, or the accelerator program
+by `choose_path`, from the program (`Program`: one memory, or the accelerator program
 with its host and device memories), the tier and the implementation asked for; each
 `Path` has one method here, which calls the loops of `paths` or the kernels of `fused`.
 The step's AdamW scalars are computed once (`StepContext.adam_scalars`) and handed to
@@ -28,7 +28,7 @@ from dos_jax import partition as partition_lib
 from dos_jax import paths
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.offload import Offload
-from dos_jax.offload import Platform
+from dos_jax.offload import Program
 from dos_jax.partition import Tier
 from dos_jax.policies import Plan
 
@@ -54,10 +54,10 @@ class Path(enum.Enum):
   RESIDENT = 'resident'
 
 
-def choose_path(program: Platform, tier: Tier, native: bool, sharded: bool) -> Path:
+def choose_path(program: Program, tier: Tier, native: bool, sharded: bool) -> Path:
   """The path of `tier` in `program`; `native`: the fused kernel is asked for and usable
   for this tier; `sharded`: the state is sharded over a mesh."""
-  if program is Platform.CPU:
+  if program is Program.ONE_MEMORY:
     return Path.ONE_MEMORY_NATIVE if native else Path.ONE_MEMORY_XLA
   if tier is Tier.HOST:
     if not native:
@@ -74,7 +74,7 @@ class StepContext:
   part: partition_lib.Partition
   plan: Plan
   offload: Offload
-  program: Platform
+  program: Program
   fused: fused_lib.FusedAdamW | None
   grad_leaves: list[Any]
   param_leaves: list[Any] | None  # only for fp32 params (no master)
@@ -93,7 +93,7 @@ class StepContext:
   @property
   def split(self) -> bool:
     """The accelerator program: host and device memories apart."""
-    return self.program is Platform.GPU
+    return self.program is Program.TWO_MEMORIES
 
   def gate(self) -> 'StepContext':
     """This context with the device tiers' gradients let through an optimization barrier
@@ -128,7 +128,7 @@ class StepContext:
     order = list(range(len(blocks)))
     if tier is Tier.STREAMED and len(blocks) > 1:
       first_row = {ids[0]: b for b, ids in enumerate(blocks)}
-      order = [first_row[g] for g in self.plan.device if g in first_row]
+      order = [first_row[g] for g in self.plan.streamed if g in first_row]
     new, outs, done = [None] * len(blocks), [None] * len(blocks), []
     for b in order:
       ids, block = blocks[b], given[b]
@@ -246,7 +246,7 @@ class StepContext:
     rows)."""
     grads, params = self._rows(step, arrays, runs)
     local = {g: i for i, g in enumerate(ids)}
-    order = tuple(local[g] for g in self.plan.device if g in local)
+    order = tuple(local[g] for g in self.plan.streamed if g in local)
     out = jnp.zeros(grads.shape, step.out_dtype)
     return paths.streamed_loop(order, self._device_step(step, arrays), stacked=arrays,
                                scalars=self.scalars, grads=grads, params=params, out=out)

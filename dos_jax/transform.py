@@ -35,7 +35,7 @@ from dos_jax.partition import Tier
 from dos_jax.partition import TIERS
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.offload import Offload
-from dos_jax.offload import Platform
+from dos_jax.offload import Program
 from dos_jax.offload import UpdateImpl
 from dos_jax.policies import Plan
 from dos_jax.state import OffloadedState
@@ -130,7 +130,7 @@ def offloaded(
     )
     sharded = None if mesh is None else ShardedOver(mesh, tuple(
         meshes.leaf_sharding(leaf) for leaf in layout.treedef.flatten_up_to(params)))
-    split = offload.target() is Platform.GPU
+    split = offload.target() is Program.TWO_MEMORIES
     part = partition_lib.for_plan(offload.policy.plan(layout.spec()), split,
                                   per_subgroup=offload.per_subgroup())
     placement = _placement(mesh, offload)
@@ -279,8 +279,8 @@ def offloaded(
     mesh = None if sharded is None else sharded.mesh
     layout, part = state.layout, state.partition
     # The program the state was built for (init chose it: `Offload.target`).
-    program = Platform.GPU if part.split else Platform.CPU
-    split = program is Platform.GPU
+    program = Program.TWO_MEMORIES if part.split else Program.ONE_MEMORY
+    split = program is Program.TWO_MEMORIES
     grad_dtype = _common_dtype(grad_leaves, layout.state_dtype)
     state_dtype = jnp.dtype(layout.state_dtype)
     out_dtype = layout.lowp_dtype if layout.needs_master else state_dtype

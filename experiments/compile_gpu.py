@@ -158,7 +158,7 @@ def _update_program(cfg, target, options):
   dtype = jnp.dtype(cfg.model.param_dtype)
   params = {f'layer{i}': {'w': jnp.asarray(rng.standard_normal((512, 512)) / 23, dtype),
                           'b': jnp.zeros((512,), dtype)} for i in range(8)}
-  offload = step_lib.make_offload(cfg.offload, dos_jax.Platform.GPU)
+  offload = step_lib.make_offload(cfg.offload, dos_jax.Program.TWO_MEMORIES)
   opt = dos_jax.adamw(1e-3, weight_decay=0.1, offload=offload)
   if cfg.optim.clip_norm is not None:
     opt = dos_jax.chain(dos_jax.clip_by_global_norm(cfg.optim.clip_norm), opt)

@@ -70,13 +70,13 @@ def main(argv=None) -> int:
     state = built.offloaded_state
     spec = state.layout.spec()
     part = state.partition
-    plan = dos_jax.Plan(device=part.streamed, host=part.host, resident=part.resident)
+    plan = dos_jax.Plan(streamed=part.streamed, host=part.host, resident=part.resident)
     params = spec.num_elements
     tokens = cfg.data.seq_len * cfg.data.batch_size
     forward = 2 * params * tokens / (_TFLOPS * 1e12)
     program = gpu_program.compile_sharded_step(cfg, devices, args.target)
     print(f'== {path} {" ".join(args.overrides)}: {params:,} params, {spec.num_subgroups}'
-          f' subgroups ({len(plan.device)} streamed, {len(plan.host)} host),'
+          f' subgroups ({len(plan.streamed)} streamed, {len(plan.host)} host),'
           f' {part.stacks if not part.per_subgroup else "per-subgroup"} stream block(s),'
           f' compiled in {program.compile_s:.0f} s')
     print('-- compiled schedule (instruction positions of the entry computation):')

@@ -310,7 +310,7 @@ def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math(seed):
     state = dos_jax.migrate(state, plan)
     params, state = step(params, state, grads, plan=plan)
     ref_params, ref_state = ref_step(ref_params, ref_state, grads)
-    assert state.partition.streamed == tuple(sorted(plan.device))
+    assert state.partition.streamed == tuple(sorted(plan.streamed))
     assert state.partition.resident == tuple(sorted(plan.resident))
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -43,14 +43,14 @@ def test_infinite_pcie_and_fast_device_put_everything_on_device():
   p = profile(u_host=1.0, u_dev=100.0, bw=1e9)
   spec = spec_of(37 * 10**6)
   plan = Auto(p).plan(spec)
-  assert plan.host == () and len(plan.device) == spec.num_subgroups
+  assert plan.host == () and len(plan.streamed) == spec.num_subgroups
 
 
 def test_near_zero_pcie_puts_everything_on_host():
   p = profile(u_host=1.0, u_dev=100.0, bw=1e-3)
   spec = spec_of(37 * 10**6 + 123)
   plan = Auto(p).plan(spec)
-  assert plan.device == () and len(plan.host) == spec.num_subgroups
+  assert plan.streamed == () and len(plan.host) == spec.num_subgroups
 
 
 def test_budget_bounds_the_buffers():
@@ -59,7 +59,7 @@ def test_budget_bounds_the_buffers():
   plan, pred = auto.choose(p, spec, budget_bytes=12e6 * 1.5)
   assert plan.buffers == 1 and pred.device_peak_bytes <= 12e6 * 1.5
   plan, _ = auto.choose(p, spec, budget_bytes=0.0)
-  assert plan.device == ()
+  assert plan.streamed == ()
 
 
 def test_candidate_set_is_bounded_and_has_no_duplicates():
@@ -113,7 +113,7 @@ def test_h100_preset_chooses_about_half_on_device(model):
   n = math.ceil(model_shapes.preset(model).num_params() / 4)  # per GPU of a 4-GPU node
   spec = SubgroupSpec(math.ceil(n / 10**8), 10**8, n, 12, 2, 2)
   plan = auto.rank(costmodel.H100_PCIE_GEN5_NODE, spec, 10e9, resident=False)[0].plan
-  fraction = len(plan.device) / spec.num_subgroups
+  fraction = len(plan.streamed) / spec.num_subgroups
   assert 0.4 <= fraction <= 0.6, (plan.describe(), fraction)
 
 
@@ -133,8 +133,8 @@ def test_replans_after_patience_departing_steps():
   plans = [policy.observe(first, measure(first)) for _ in range(4)]  # 1 warm-up + 3
   assert plans[:3] == [first] * 3 and plans[3] != first and policy.replans == 1
   best_true, _ = auto.choose(true, spec)
-  assert len(plans[3].device) > len(first.device)  # a slower host: more to the device
-  assert abs(len(plans[3].device) - len(best_true.device)) <= 0.05 * spec.num_subgroups + 1
+  assert len(plans[3].streamed) > len(first.streamed)  # a slower host: more to the device
+  assert abs(len(plans[3].streamed) - len(best_true.streamed)) <= 0.05 * spec.num_subgroups + 1
   # The corrected profile now predicts the machine within the tolerance: no more re-plans.
   new = plans[3]
   for _ in range(10):
@@ -201,7 +201,7 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match='tolerance'):
     Auto(profile(), tolerance=0)
   with pytest.raises(ValueError, match='before Auto.plan'):
-    Auto(profile()).observe(Plan(device=(), host=(0,)), 1.0)
+    Auto(profile()).observe(Plan(streamed=(), host=(0,)), 1.0)
   policy = Auto(profile())
   plan = policy.plan(spec_of(10**6))
   with pytest.raises(ValueError, match='positive'):

@@ -130,7 +130,7 @@ def test_a_stacked_stream_is_full_duplex_in_any_order():
     per_subgroup = costmodel.predict(p, spec, plan)
     extra = (buffers - 1) * 12e6 / (p.both_gbps * 1e9)
     masked = -n % buffers * 12e6 / (p.both_gbps * 1e9)
-    backwards = Plan(device=plan.device[::-1], host=(), buffers=buffers)
+    backwards = Plan(streamed=plan.streamed[::-1], host=(), buffers=buffers)
     for stream in (plan, backwards):
       stacked = costmodel.predict(p, spec, stream, stacked=True)
       np.testing.assert_allclose(stacked.device_stream_seconds,
@@ -205,7 +205,7 @@ def test_fp32_params_are_their_own_master():
 def test_plan_and_spec_must_agree():
   spec = spec_of(4 * 10**6, 10**6)
   with pytest.raises(ValueError, match='3 subgroups but the spec has 4'):
-    costmodel.predict(synthetic(), spec, Plan(device=(0,), host=(1, 2)))
+    costmodel.predict(synthetic(), spec, Plan(streamed=(0,), host=(1, 2)))
 
 
 @pytest.mark.parametrize('u_host, bandwidth', [(2.0, 20.0), (1.0, 6.0), (3.0, 50.0), (0.5, 2.0)])

@@ -44,6 +44,7 @@ def test_auto_records_its_current_plan():
   plan = policy.plan(spec)
   rec = policy.record(3, 0.5)
   assert rec.step == 3 and rec.measured_s == 0.5
-  assert rec.n_device == len(plan.device) + len(plan.resident) and rec.n_resident == len(plan.resident)
+  assert rec.n_device == len(plan.streamed) + len(plan.resident)
+  assert rec.n_resident == len(plan.resident)
   assert rec.migrated_subgroups == 0 and rec.migration_s == 0.0
   assert rec.predicted_s == costmodel.predict(policy.profile, spec, plan).update_seconds

@@ -76,7 +76,7 @@ class Backwards:
 
   def plan(self, spec):
     n = spec.num_subgroups
-    return dos_jax.Plan(device=tuple(range(n - 1, -1, -2)),
+    return dos_jax.Plan(streamed=tuple(range(n - 1, -1, -2)),
                         host=tuple(range(n - 2, -1, -2)), buffers=self.buffers)
 
 
@@ -88,7 +88,7 @@ def test_a_stream_in_any_order_is_interleaved_by_position(buffers, seed):
   xla = dos_jax.UpdateImpl.XLA
   params, state, ref_params = _run(policy, 41, dos_jax.Storage.STACKED, xla, seed)
   part = state.partition
-  stream = policy.plan(state.layout.spec()).device
+  stream = policy.plan(state.layout.spec()).streamed
   count = min(buffers, len(stream))
   assert part.blocks(Tier.STREAMED) == tuple(tuple(sorted(stream[k::count]))
                                              for k in range(count))

@@ -134,7 +134,7 @@ def test_a_traced_step_refuses_a_state_laid_out_for_another_plan():
     update(random_grads(params, 0, 0), state, params)
   # Eagerly, the update moves the rows itself.
   _, new = ours.update(random_grads(params, 0, 0), state, params, plan=plan)
-  assert new.partition.streamed == tuple(sorted(plan.device))
+  assert new.partition.streamed == tuple(sorted(plan.streamed))
 
 
 def test_a_plan_change_keeps_the_storage():
@@ -184,7 +184,7 @@ def test_the_trainer_moves_the_state_when_the_plan_changes(dataset, storage, mon
   make_offload = step_lib.make_offload
   monkeypatch.setattr(step_lib, 'make_offload', lambda c, platform=None, data_axis='data':
                       dataclasses.replace(make_offload(c, data_axis=data_axis),
-                                          platform=dos_jax.Platform.GPU, storage=storage))
+                                          platform=dos_jax.Program.TWO_MEMORIES, storage=storage))
   run = trainer.build(cfg, devices=jax.devices()[:1])
   ref = trainer.build(cfg, devices=jax.devices()[:1],
                       tx=step_lib.make_optimizer(cfg.optim, None, cfg.train.steps))

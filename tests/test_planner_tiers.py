@@ -80,8 +80,8 @@ def test_migration_cost_counts_each_moved_row_once_on_its_link():
   old = dos_jax.Stride(2).plan(SPEC)
   new = dos_jax.Resident(4, then=dos_jax.Stride(2)).plan(SPEC)
   m = costmodel.migration(p, SPEC, old, new)
-  before = {g: t for t, ids in (('s', old.device), ('h', old.host)) for g in ids}
-  after = {g: t for t, ids in (('s', new.device), ('h', new.host), ('r', new.resident))
+  before = {g: t for t, ids in (('s', old.streamed), ('h', old.host)) for g in ids}
+  after = {g: t for t, ids in (('s', new.streamed), ('h', new.host), ('r', new.resident))
            for g in ids}
   moved = [g for g in range(SPEC.num_subgroups) if before[g] != after[g]]
   assert m.subgroups == len(moved)

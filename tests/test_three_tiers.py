@@ -33,7 +33,7 @@ def spec(n):
 def test_resident_policies_place_the_first_subgroups_and_delegate_the_rest():
   plan = dos_jax.ResidentFraction(0.3, then=dos_jax.Stride(2)).plan(spec(10))
   assert plan.resident == (0, 1, 2)
-  assert plan.device == (3, 5, 7, 9) and plan.host == (4, 6, 8)
+  assert plan.streamed == (3, 5, 7, 9) and plan.host == (4, 6, 8)
   assert dos_jax.Resident(10).plan(spec(10)) == dos_jax.AllDevice().plan(spec(10))
   assert dos_jax.Resident(0).plan(spec(4)) == dos_jax.AllHost().plan(spec(4))
   assert dos_jax.Resident(3, then=dos_jax.Stride(1, buffers=3)).plan(spec(5)).buffers == 3
@@ -49,8 +49,8 @@ def test_resident_policies_place_the_first_subgroups_and_delegate_the_rest():
     (lambda: dos_jax.ResidentFraction(0.3, then=dos_jax.Stride), TypeError),
     (lambda: dos_jax.Resident(11).plan(spec(10)), ValueError),
     (lambda: dos_jax.Resident(1, then=dos_jax.AllDevice()).plan(spec(3)), ValueError),
-    (lambda: dos_jax.Plan(device=(0,), host=(1,), resident=(1,)), ValueError),
-    (lambda: dos_jax.Plan(device=(0,), host=(1,), resident=True), TypeError),
+    (lambda: dos_jax.Plan(streamed=(0,), host=(1,), resident=(1,)), ValueError),
+    (lambda: dos_jax.Plan(streamed=(0,), host=(1,), resident=True), TypeError),
 ])
 def test_bad_policies_and_plans_are_refused(bad, error):
   with pytest.raises(error):
@@ -66,7 +66,7 @@ def test_every_mix_matches_optax_fp32(policy, platform, seed):
   if platform == 'gpu':  # the split program stores each placement as its own tier
     plan = policy.plan(state.layout.spec())
     assert state.partition.resident == plan.resident
-    assert state.partition.streamed == tuple(sorted(plan.device))
+    assert state.partition.streamed == tuple(sorted(plan.streamed))
     assert {x.sharding.memory_kind for x in state.resident} == {'device'}
   step, ref_step = jit_step(ours), jit_step(ref)
   for i in range(6):

@@ -49,7 +49,7 @@ BUFFER_CHOICES: tuple[int, ...] = (1, 2, 3)
 
 def _first(count: int, n: int, buffers: int) -> Plan:
   """The first `count` subgroups streamed to the device, the rest on the host."""
-  return Plan(device=tuple(range(count)), host=tuple(range(count, n)), buffers=buffers)
+  return Plan(streamed=tuple(range(count)), host=tuple(range(count, n)), buffers=buffers)
 
 
 def resident_counts(spec: SubgroupSpec, budget_bytes: float,
@@ -69,7 +69,7 @@ def resident_counts(spec: SubgroupSpec, budget_bytes: float,
 def _shifted(plan: Plan, resident: int) -> Plan:
   """`plan` over the subgroups after the first `resident`, which stay resident."""
   shift = lambda ids: tuple(resident + i for i in ids)
-  return Plan(device=shift(plan.device), host=shift(plan.host),
+  return Plan(streamed=shift(plan.streamed), host=shift(plan.host),
               resident=tuple(range(resident)), buffers=plan.buffers)
 
 
@@ -94,7 +94,7 @@ def candidates(
     if not 0 <= r <= n:
       raise ValueError(f'resident count {r} outside 0..{n}')
     if r == n:
-      out.append(Plan(device=(), host=(), resident=tuple(range(n))))
+      out.append(Plan(streamed=(), host=(), resident=tuple(range(n))))
       continue
     rest = spec if r == 0 else dataclasses.replace(
         spec, num_subgroups=n - r, num_elements=min(spec.num_elements, (n - r) * spec.subgroup_size))
@@ -113,13 +113,13 @@ def _streamed_candidates(spec: SubgroupSpec, *, fractions, strides, buffers) -> 
     for f in fractions:
       spread = DeviceFraction(f, buffers=b).plan(spec)
       seen.setdefault(spread, None)
-      seen.setdefault(_first(len(spread.device), n, b), None)
+      seen.setdefault(_first(len(spread.streamed), n, b), None)
     for k in strides:
       stride = Stride(k, buffers=b).plan(spec)
       seen.setdefault(stride, None)
-      seen.setdefault(_first(len(stride.device), n, b), None)
+      seen.setdefault(_first(len(stride.streamed), n, b), None)
   # With nothing on the device, the buffer count is meaningless: keep one AllHost plan.
-  return [p for p in seen if p.device or p.buffers == buffers[0]]
+  return [p for p in seen if p.streamed or p.buffers == buffers[0]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -247,7 +247,7 @@ def predict(
         bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
         device_peak_bytes=0.0, bound='serialized', layout_seconds=layout,
     )
-  on_device = plan.device + plan.resident
+  on_device = plan.streamed + plan.resident
   device_fraction = sum(sizes[i] for i in on_device) / max(1, sum(sizes))
   layout = (spec.num_elements * layout_bytes(spec, device_fraction)
             / (profile.device_memory_gbps * _GB))
@@ -264,7 +264,7 @@ def predict(
         resident_bytes=resident_bytes,
     )
 
-  dev_sizes = [sizes[i] for i in plan.device]
+  dev_sizes = [sizes[i] for i in plan.streamed]
   host_elements = sum(sizes[i] for i in plan.host)
   serial = False  # device_is_host returned above
   # Both directions carry traffic at once only when the device stream overlaps.
@@ -337,15 +337,15 @@ class Migration:
 
 def _placement_of(plan: Plan) -> dict[int, str]:
   out = {g: 'host' for g in plan.host}
-  out.update({g: 'streamed' for g in plan.device})
+  out.update({g: 'streamed' for g in plan.streamed})
   out.update({g: 'resident' for g in plan.resident})
   return out
 
 
 def _stream_blocks(plan: Plan) -> dict[int, int]:
   """Stacked storage: the interleaved block of each streamed subgroup."""
-  count = max(1, min(plan.buffers, len(plan.device))) if len(plan.device) > 1 else 1
-  return {g: i % count for i, g in enumerate(plan.device)}
+  count = max(1, min(plan.buffers, len(plan.streamed))) if len(plan.streamed) > 1 else 1
+  return {g: i % count for i, g in enumerate(plan.streamed)}
 
 
 def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan, *,

@@ -73,7 +73,7 @@ def corrections(
     ).update_seconds
 
   options = []
-  for which, used in (('host', plan.host), ('stream', plan.device)):
+  for which, used in (('host', plan.host), ('stream', plan.streamed)):
     x = solve_scale(at(which), measured_seconds) if used else None
     if x is not None:
       options.append((which != _SUSPECT.get(pred.bound), abs(math.log(x)), which, x))

@@ -330,7 +330,7 @@ def handler(args) -> int:
         f' ~{_gib(acts)} (fwd/bwd), resident state {_gib(pred.resident_bytes)}, update'
         f' buffers {_gib(pred.buffer_bytes)} -> peak {_gib(base + pred.device_bytes_beside(acts))}'
         f' of {_gib(device_mem)} ({memory.MARGIN:.0%} kept free)')
-  on_host = sb * subgroup * (len(chosen.plan.device) + len(chosen.plan.host)) * devices
+  on_host = sb * subgroup * (len(chosen.plan.streamed) + len(chosen.plan.host)) * devices
   print(f'  pinned host (node): optimizer state {_gib(on_host)} of {_gib(host_state)}'
         f' ({state_bytes} B/param) in {_gib(host_mem) if host_mem else "unknown"}')
   # Every subgroup on the host pins the most: the state, gradients in, new params out.
@@ -347,8 +347,9 @@ def handler(args) -> int:
     return 1
 
   plan = chosen.plan
-  print(f'\nchosen plan: {plan.describe()} ({len(plan.resident) / spec.num_subgroups:.0%}'
-        f' resident, {len(plan.device) / spec.num_subgroups:.0%} streamed), order: {_order(plan)}')
+  n = spec.num_subgroups
+  print(f'\nchosen plan: {plan.describe()} ({len(plan.resident) / n:.0%} resident,'
+        f' {len(plan.streamed) / n:.0%} streamed), order: {_order(plan)}')
   statics = [('AllHost', AllHost().plan(spec)), ('Stride(2)', Stride(2).plan(spec)),
              ('DeviceFraction(0.5)', DeviceFraction(0.5).plan(spec))]
   best_resident = _best_resident_only(profile, spec, budget, acts, bwd, last)
@@ -364,13 +365,13 @@ def handler(args) -> int:
   for row in rows:
     u = row.iteration.update
     iteration = _ms(row.iteration.iteration_seconds) if tflops else '-'
-    host = sb * subgroup * (len(row.plan.device) + len(row.plan.host)) * devices
+    host = sb * subgroup * (len(row.plan.streamed) + len(row.plan.host)) * devices
     name = row.name if row.fits else row.name + ' (no fit)'
     print(f'  {name:40} {_ms(u.update_seconds):>9} {iteration:>10}  {_gib(u.resident_bytes):>9}'
           f' {_gib(u.buffer_bytes):>9} {_gib(host):>10}  {u.bound}')
   if tflops:
     print(f'\n(forward {_ms(fwd)} + backward {_ms(bwd)} estimated at {tflops:g} TFLOP/s per device)')
-    shown = [(n, p) for n, p in [('Auto (chosen)', plan)] + statics if p.host and p.device]
+    shown = [(n, p) for n, p in [('Auto (chosen)', plan)] + statics if p.host and p.streamed]
     if shown:
       print(_chunk_line(profile, spec, *shown[0], fwd, bwd))
   for line in _why(rows, budget, acts):
@@ -415,6 +416,7 @@ def _why(rows: list[_Row], budget: float, acts: float) -> list[str]:
 
 
 def _order(plan) -> str:
-  if not plan.device or not plan.host:
+  if not plan.streamed or not plan.host:
     return 'all in one place'
-  return 'device subgroups first' if max(plan.device) < min(plan.host) else 'device subgroups spread'
+  first = max(plan.streamed) < min(plan.host)
+  return 'streamed subgroups first' if first else 'streamed subgroups spread'

@@ -62,7 +62,7 @@ class StepRecord:
                    migration_bytes=migration.bytes_h2d + migration.bytes_d2h + migration.bytes_host)
     return cls(
         step=step, plan=plan.describe(), n_host=len(plan.host),
-        n_device=len(plan.device) + len(plan.resident), n_resident=len(plan.resident),
+        n_device=len(plan.streamed) + len(plan.resident), n_resident=len(plan.resident),
         bytes_h2d=prediction.bytes_h2d, bytes_d2h=prediction.bytes_d2h,
         predicted_s=prediction.update_seconds, measured_s=measured_s, **moved,
     )

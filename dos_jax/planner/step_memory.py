@@ -150,14 +150,14 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
     acts += matrices // fsdp * compute_bytes
   if fsdp > 1:  # one layer gathered, and its gradient before the reduce-scatter
     acts += 2 * matrices // shape.n_layers * compute_bytes
-  dev_rows = (len(plan.device) + len(plan.resident)) * size
+  dev_rows = (len(plan.streamed) + len(plan.resident)) * size
   own_master = 0 if pb < 4 else pb  # fp32 params are packed with their gradients
   # Packing the device-bound gradients: the leaves, the flat concatenation and its rows
   # (with no device subgroup nothing is packed, and each leaf dies once copied out).
   packing = (n * gb + 2 * dev_rows * gb) if dev_rows else 0
   packing += dev_rows * own_master + len(plan.host) * size * pb
   # The device loop: its rows, `buffers` rows of state, every subgroup's new params.
-  streamed = min(plan.buffers, len(plan.device)) * sb * size
+  streamed = min(plan.buffers, len(plan.streamed)) * sb * size
   loop = dev_rows * (gb + own_master) + streamed + spec.num_subgroups * size * pb
   update = max(packing, loop)
 

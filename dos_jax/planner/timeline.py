@@ -108,11 +108,11 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
     arrived[g] = link_free
   if plan.host:
     spans.append(Span('d2h', 'host-bound gradients', forward_seconds, link_free))
-  count = max(1, min(chunks, len(plan.host) or 1, len(plan.device) or 1))
+  count = max(1, min(chunks, len(plan.host) or 1, len(plan.streamed) or 1))
   host_chunks = np.array_split(np.asarray(sorted(plan.host, reverse=True), int), count)
-  stream_chunks = np.array_split(np.asarray(plan.device, int), count)
+  stream_chunks = np.array_split(np.asarray(plan.streamed, int), count)
   u_host = profile.host_adamw_gparams() * _GB
-  both = bool(plan.device) and (plan.buffers >= 2 or bool(plan.host))
+  both = bool(plan.streamed) and (plan.buffers >= 2 or bool(plan.host))
   device, host_done, part_done, params_free = backward_end, 0.0, 0.0, 0.0
   for k, (hosts, streams) in enumerate(zip(host_chunks, stream_chunks), 1):
     rows = [sizes[g] for g in streams]

@@ -2,10 +2,10 @@
 
 `compile_step` builds the runner's one-program step (`step.make_train_step`: forward,
 backward, global norm, the dos_jax update with the clip factor as `grad_scale`, apply)
-from a `RunConfig` exactly as `trainer.build` does, except that the optimizer builds
-the accelerator program (`Platform.GPU`) and no dataset is read (the batch is a token
-array of the configured shape). It is then compiled for a GPU target with the options
-the runner uses on a GPU (`step.compiler_options_for('gpu')`), via
+from a `RunConfig` exactly as `trainer.build` does, except that the optimizer builds the
+accelerator program (`Program.TWO_MEMORIES`) and no dataset is read (the batch is a
+token array of the configured shape). It is then compiled for a GPU target with the
+options the runner uses on a GPU (`step.compiler_options_for('gpu')`), via
 `dos_jax.dataflow.compile_for_gpu`: the scheduled program, its memory and the schedule
 facts, with no GPU present.
 
@@ -60,7 +60,7 @@ def build_step(cfg: RunConfig, compiler_options: Any = None) -> StepProgram:
   model_cfg = dataclasses.replace(cfg.model, attention=cfg.model.attention_impl('gpu'))
   apply, params = model_lib.build_model(model_cfg, cfg.train.seed)
   tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
-                               platform=dos_jax.Platform.GPU)
+                               platform=dos_jax.Program.TWO_MEMORIES)
   opt_state = tx.init(params)
   step = step_lib.make_train_step(
       apply, model_lib.loss_fn, tx, clip_norm=cfg.optim.clip_norm,
@@ -102,7 +102,7 @@ def build_sharded_step(cfg: RunConfig, devices, compiler_options: Any = None) ->
   params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                         shapes, param_shardings)
   tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
-                               platform=dos_jax.Platform.GPU,
+                               platform=dos_jax.Program.TWO_MEMORIES,
                                data_axis=mesh_lib.state_axis(mesh))
   opt_state = dos_jax.abstract_state(tx, params)
   state_shardings = step_lib.state_shardings(opt_state, mesh)

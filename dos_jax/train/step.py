@@ -82,7 +82,7 @@ def make_optimizer(
   """AdamW from the config: dos_jax's offloaded one, or plain `optax.adamw` when
   `offload` is None or its policy is 'none' (the baseline: state in device memory).
   `mask` (default `decay_mask`) says which leaves get weight decay. `platform` (a
-  `dos_jax.Platform`, default the backend's) picks the program dos_jax builds.
+  `dos_jax.Program`, default the backend's) picks the program dos_jax builds.
   `data_axis` is the params' mesh axis that shards the state ('fsdp' for ZeRO-3).
 
   Clipping is not part of the optimizer: the step computes the global norm once (it is

@@ -1,0 +1,92 @@
+"""Renamed public names (issue 30): the new names are what `dos_jax` exports, and the old
+ones keep working for one release with a `DeprecationWarning` naming the new one.
+
+- `Plan.device` -> `Plan.streamed` (the streamed tier's subgroups; `Tier.STREAMED`).
+- `dos_jax.Platform` (`CPU`, `GPU`) -> `dos_jax.Program` (`ONE_MEMORY`, `TWO_MEMORIES`):
+  what it picks is the program, with one memory or with host and device memory apart.
+"""
+
+import dataclasses
+import pickle
+import warnings
+
+import pytest
+
+import dos_jax
+from dos_jax import offload as offload_lib
+
+# Pickled (protocol 2) by the release before the renames: `pickle.dumps(dos_jax.Plan(
+# device=(0, 2), host=(1, 3), buffers=3), protocol=2)` and `pickle.dumps(
+# dos_jax.Platform.GPU, protocol=2)`.
+OLD_PLAN_PICKLE = (
+    b'\x80\x02cdos_jax.policies\nPlan\nq\x00)\x81q\x01}q\x02(X\x06\x00\x00\x00deviceq\x03K'
+    b'\x00K\x02\x86q\x04X\x04\x00\x00\x00hostq\x05K\x01K\x03\x86q\x06X\x08\x00\x00\x00resid'
+    b'entq\x07)X\x07\x00\x00\x00buffersq\x08K\x03ub.')
+OLD_PLATFORM_PICKLE = (
+    b'\x80\x02cdos_jax.offload\nPlatform\nq\x00X\x03\x00\x00\x00gpuq\x01\x85q\x02Rq\x03.')
+
+
+def test_dos_jax_exports_the_new_names():
+  assert dos_jax.Program is offload_lib.Program
+  assert 'Program' in dir(dos_jax) and 'Platform' not in vars(dos_jax)
+  assert list(dos_jax.Program) == [dos_jax.Program.ONE_MEMORY, dos_jax.Program.TWO_MEMORIES]
+  assert [f.name for f in dataclasses.fields(dos_jax.Plan)] == [
+      'streamed', 'host', 'resident', 'buffers']
+  with pytest.raises(AttributeError, match='NoSuchName'):
+    dos_jax.NoSuchName  # pylint: disable=pointless-statement
+
+
+def test_the_new_names_do_not_warn():
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    plan = dos_jax.Plan(streamed=(0, 2), host=(1,), resident=(3,))
+    assert plan.streamed == (0, 2) and dos_jax.Plan((0, 2), (1,), (3,)) == plan
+    assert dos_jax.Stride(2).plan(dos_jax.SubgroupSpec(4, 10, 40)).streamed == (0, 2)
+    assert dos_jax.Offload(platform='gpu').platform is dos_jax.Program.TWO_MEMORIES
+    assert dos_jax.Offload(platform='cpu').platform is dos_jax.Program.ONE_MEMORY
+    assert dos_jax.Program.of_backend('cpu') is dos_jax.Program.ONE_MEMORY
+    assert dos_jax.Program.of_backend('cuda') is dos_jax.Program.TWO_MEMORIES
+
+
+def test_plan_device_keyword_and_attribute_warn_and_mean_streamed():
+  with pytest.warns(DeprecationWarning, match='Plan.streamed'):
+    old = dos_jax.Plan(device=(0, 2), host=(1,), buffers=3)
+  assert old == dos_jax.Plan(streamed=(0, 2), host=(1,), buffers=3)
+  with pytest.warns(DeprecationWarning, match='Plan.streamed'):
+    assert old.device == (0, 2)
+  with pytest.raises(TypeError, match='streamed= only'):
+    dos_jax.Plan(streamed=(0,), device=(0,), host=())
+  with pytest.raises(TypeError, match='streamed= and host='):
+    dos_jax.Plan(host=(0,))
+
+
+def test_a_plan_pickled_before_the_rename_loads_and_a_new_one_writes_streamed():
+  plan = pickle.loads(OLD_PLAN_PICKLE)
+  assert plan == dos_jax.Plan(streamed=(0, 2), host=(1, 3), buffers=3)
+  assert plan.streamed == (0, 2) and hash(plan) == hash(dos_jax.Plan((0, 2), (1, 3), (), 3))
+  new = pickle.dumps(plan, protocol=2)
+  assert b'streamed' in new and b'device' not in new
+  assert pickle.loads(new) == plan
+
+
+def test_platform_warns_and_is_program():
+  with pytest.warns(DeprecationWarning, match='dos_jax.Program'):
+    platform = dos_jax.Platform
+  assert platform.GPU is dos_jax.Program.TWO_MEMORIES
+  assert platform.CPU is dos_jax.Program.ONE_MEMORY
+  assert platform('gpu') is dos_jax.Program.TWO_MEMORIES
+  assert dos_jax.Offload(platform=platform.GPU).platform is dos_jax.Program.TWO_MEMORIES
+  assert dos_jax.Offload(platform=platform.CPU).target() is platform.CPU
+  with pytest.warns(DeprecationWarning, match='dos_jax.Program'):
+    from dos_jax.offload import Platform  # pylint: disable=import-outside-toplevel
+  assert Platform is dos_jax.Program
+
+
+def test_a_platform_pickled_before_the_rename_loads_as_its_program():
+  with pytest.warns(DeprecationWarning, match='dos_jax.Program'):
+    assert pickle.loads(OLD_PLATFORM_PICKLE) is dos_jax.Program.TWO_MEMORIES
+
+
+def test_offload_platform_refuses_other_strings():
+  with pytest.raises(ValueError, match="dos_jax.Program, 'cpu' or 'gpu'"):
+    dos_jax.Offload(platform='tpu')
