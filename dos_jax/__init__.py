@@ -29,6 +29,7 @@ from dos_jax.pinned_pool import PinnedPoolError as PinnedPoolError
 from dos_jax.partition import Tier as Tier
 from dos_jax.portable import state_from_pytrees as state_from_pytrees
 from dos_jax.portable import state_to_pytrees as state_to_pytrees
+from dos_jax.policies import AdaptivePolicy as AdaptivePolicy
 from dos_jax.policies import AllDevice as AllDevice
 from dos_jax.policies import AllHost as AllHost
 from dos_jax.policies import DeviceFraction as DeviceFraction

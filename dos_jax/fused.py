@@ -30,9 +30,6 @@ from dos_jax import paths
 from dos_jax import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
-from dos_jax.offload import Offload
-from dos_jax.offload import Program
-from dos_jax.offload import UpdateImpl
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -84,27 +81,6 @@ def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] 
   return (master[1] if has_master else -1, mu[1], nu[1])
 
 
-def usable(fused: FusedAdamW | None, step: paths.RowStep, grad_leaves) -> bool:
-  """Whether this step's rows can go through the native kernel (the caller checks the
-  implementation each tier asks for)."""
-  grad_dtypes = {jnp.dtype(g.dtype) for g in grad_leaves}
-  return (
-      fused is not None
-      # The kernel rounds Nesterov's sum an ulp apart from XLA's program in a few
-      # elements; the fused path promises bit-identical results, so XLA keeps it.
-      and not fused.nesterov
-      and host_adamw_rows.rows_kernel_available()
-      and slot_rows(step.slots, step.has_master) is not None
-      and jnp.dtype(step.slots.groups[0]) == jnp.float32
-      # One gradient dtype: XLA rounds a moment's FMA by whether the gradient arrives as
-      # bf16 or f32 (see host_adamw_rows.cc); packed rows of mixed leaves blur that.
-      and len(grad_dtypes) == 1
-      and grad_dtypes.pop() in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-      and jnp.dtype(step.out_dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                                        jnp.dtype(jnp.float16))
-  )
-
-
 def step_scalars(fused: FusedAdamW, step: paths.RowStep,
                  scalar_update: tuple[Any, Any, tuple]) -> AdamWScalars:
   """The step's `AdamWScalars`, read from the wrapped transforms' scalar update
@@ -126,11 +102,6 @@ class Leaves:
   grads: list[Any]
   params: list[Any] | None
   offsets: tuple[int, ...]
-
-  def usable(self, has_master: bool) -> bool:
-    """Gradient leaves of one dtype (checked by `usable`), f32 params if no master."""
-    return has_master or (self.params is not None and all(
-        jnp.dtype(p.dtype) == jnp.float32 for p in self.params))
 
 
 def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
@@ -340,20 +311,6 @@ def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacke
       out_specs=(state_spec, rows_spec), check_vma=False,
   )(stacked[0], list(grad_rows), arrays_h, *extra)
   return (new_state,), out_h
-
-
-def device_usable(fused: FusedAdamW | None, offload: Offload, program: Program,
-                  step: paths.RowStep, stacked) -> bool:
-  """Whether the device path can run the Pallas AdamW: in the accelerator program (in
-  the one-memory program every row takes the native host call instead), with AdamW's
-  state laid out as one f32 group."""
-  return (
-      fused is not None
-      and offload.device_impl == UpdateImpl.KERNEL
-      and program is Program.TWO_MEMORIES
-      and slot_rows(step.slots, step.has_master) is not None
-      and jnp.dtype(stacked[0].dtype) == jnp.float32
-  )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from dos_jax.policies import AdaptivePolicy
 from dos_jax.policies import Policy
 from dos_jax.policies import Stride
 
@@ -92,9 +93,9 @@ class Offload:
       follows the backend `init` runs on (`jax.default_backend()`). The state keeps
       the choice (`Partition.split`): every step of it builds that program.
     storage: how the accelerator program stores each tier (`Storage`); None:
-      per subgroup when the policy re-plans as it runs (`Auto`), so that its plan
-      changes move only the rows that change tier, else stacked. The one-memory
-      program keeps one stacked array.
+      per subgroup when the policy re-plans as it runs (an `AdaptivePolicy`, such as
+      `Auto`), so that its plan changes move only the rows that change tier, else
+      stacked. The one-memory program keeps one stacked array.
     chunks: the accelerator program's host tier updated in this many host calls, each
       linked through the device to a part of the streamed tier (`dos_jax.chunked`):
       host and device work then interleave chunk by chunk, and each host call can
@@ -167,8 +168,7 @@ class Offload:
     """Whether tiers are stored per subgroup (see `storage`)."""
     if self.storage is not None:
       return self.storage is Storage.PER_SUBGROUP
-    from dos_jax.planner.auto import Auto  # pylint: disable=import-outside-toplevel
-    return isinstance(self.policy, Auto)
+    return isinstance(self.policy, AdaptivePolicy)
 
   def target(self) -> Program:
     """The program a state built now is for: `platform`, or the default backend's."""

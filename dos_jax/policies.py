@@ -137,6 +137,23 @@ class Policy(Protocol):
     ...
 
 
+@runtime_checkable
+class AdaptivePolicy(Protocol):
+  """A policy that re-plans as it runs, from measured update times (`dos_jax.Auto`).
+
+  A runner passes each step's plan to the step as a static argument and reports the
+  measured update time to `observe`, which returns the plan for the next step. The
+  state of such a policy is stored per subgroup by default (`Offload.storage`), so
+  that a change of plan moves only the rows that change tier.
+  """
+
+  def plan(self, spec: SubgroupSpec) -> Plan:
+    ...
+
+  def observe(self, plan: Plan, measured_update_seconds: float) -> Plan:
+    ...
+
+
 def _checked_count(spec: SubgroupSpec) -> int:
   if spec.num_subgroups < 1:
     raise ValueError(f'num_subgroups must be >= 1, got {spec.num_subgroups}')

@@ -22,13 +22,16 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dos_jax import capability as capability_lib
 from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
 from dos_jax import partition as partition_lib
 from dos_jax import paths
+from dos_jax.capability import Kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.offload import Offload
 from dos_jax.offload import Program
+from dos_jax.offload import UpdateImpl
 from dos_jax.partition import Tier
 from dos_jax.policies import Plan
 
@@ -248,7 +251,7 @@ class StepContext:
     local = {g: i for i, g in enumerate(ids)}
     order = tuple(local[g] for g in self.plan.streamed if g in local)
     out = jnp.zeros(grads.shape, step.out_dtype)
-    return paths.streamed_loop(order, self._device_step(step, arrays), stacked=arrays,
+    return paths.streamed_loop(order, self._device_step(step), stacked=arrays,
                                scalars=self.scalars, grads=grads, params=params, out=out)
 
   def _interleaved(self, base_step, blocks, given):
@@ -259,7 +262,7 @@ class StepContext:
       step = self.block_step(base_step, ids)
       runs = partition_lib.pieces_of(self.layout, ids)
       g, p = self._rows(step, block, runs)
-      steps.append(self._device_step(step, block))
+      steps.append(self._device_step(step))
       grads.append(g)
       params.append(p)
       outs.append(jnp.zeros(g.shape, step.out_dtype))
@@ -275,7 +278,7 @@ class StepContext:
     del ids
     grads, params = self._rows(step, arrays, runs)
     out = jnp.zeros(grads.shape, step.out_dtype)
-    return paths.resident_loop(range(arrays[0].shape[0]), self._device_step(step, arrays),
+    return paths.resident_loop(range(arrays[0].shape[0]), self._device_step(step),
                                stacked=arrays, scalars=self.scalars, grads=grads,
                                params=params, out=out)
 
@@ -313,10 +316,11 @@ class StepContext:
       return None
     return paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs))
 
-  def _device_step(self, step, arrays):
-    """The row update of a device tier: the Pallas AdamW where it applies, else XLA's."""
-    if self.adam_scalars is not None and fused_lib.device_usable(
-        self.fused, self.offload, self.program, step, arrays):
+  def _device_step(self, step):
+    """The row update of a device tier: the Pallas AdamW where it is asked for
+    (`Offload.device_impl`) and usable (`capability`), else XLA's."""
+    if (self.offload.device_impl is UpdateImpl.KERNEL
+        and capability_lib.capability(Kernel.PALLAS, self.fused, step, self.program).usable):
       return fused_lib.device_step(self.fused, step, self.adam_scalars, self.new_scalars)
     return step
 

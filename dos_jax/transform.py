@@ -19,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dos_jax import capability as capability_lib
 from dos_jax import chunked as chunked_lib
 from dos_jax import clipping
 from dos_jax import device_stream
@@ -31,9 +32,9 @@ from dos_jax import paths
 from dos_jax import slots as slots_lib
 from dos_jax import tier_updates
 from dos_jax import validate as validate_lib
+from dos_jax.capability import Kernel
 from dos_jax.partition import Tier
 from dos_jax.partition import TIERS
-from dos_jax.kernels import host_adamw_rows
 from dos_jax.offload import Offload
 from dos_jax.offload import Program
 from dos_jax.offload import UpdateImpl
@@ -98,7 +99,7 @@ def offloaded(
     mask: weight-decay mask (pytree or callable) used to group decayed leaves.
     validate: called with the params at `init`, to reject unsupported transforms early.
     fused: set when `inner` is AdamW's chain (see `fused.FusedAdamW`): the host path
-      may then run as one native call (`offload.host_impl`, see `fused.usable`).
+      may then run as one native call (`offload.host_impl`, see `capability`).
 
   Returns:
     A transform whose update also accepts `plan=` (a `Plan`, static under jit) to
@@ -288,12 +289,8 @@ def offloaded(
         row_update=row_update, slots=state.slots, has_master=layout.needs_master,
         decayed_rows=layout.decayed_rows, state_dtype=state_dtype, out_dtype=out_dtype,
         grad_scale=grad_scale)
-    native = fused_lib.usable(fused, base_step, grad_leaves)
-    if native and split:
-      # For a GPU the host regions run in the CUDA plugin's own XLA: the native kernel
-      # must be registered and proven there too, else (one warning) XLA's host loop
-      # runs instead. On the CPU backend they run in jaxlib's XLA, which has it.
-      native = host_adamw_rows.host_kernel_in_accelerator_programs()[0]
+    native = capability_lib.capability(
+        Kernel.NATIVE_HOST, fused, base_step, program, grad_leaves).usable
     chunks = offload.chunks if native and offload.host_impl is UpdateImpl.KERNEL else 0
     run_chunked = (split and bool(chunks) and part.per_subgroup and mesh is None
                    and bool(part.ids(Tier.HOST)) and bool(part.ids(Tier.STREAMED)))

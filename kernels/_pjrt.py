@@ -18,13 +18,13 @@ ignores its registry's answer, so a handler of an FFI API version the plugin doe
 accept (a library built against newer headers) or a second handler under a taken name
 is dropped while the call reports success; and a host region calling a handler the
 plugin lacks is not a Python error but an abort inside its compiler. `probe_in_plugin`
-therefore compiles, in a child process, a tiny GPU program whose host region calls every
-target, with the plugin's compile-only client (no GPU needed, as `dos_jax.dataflow.
-compile` does); the child registers the same handlers of the same library in the same
-plugin library first, so its verdict is this process's. The verdict is cached on disk
-(`dos_jax.cache.cache_dir('kernel_probe')`), keyed by the plugin library (path, size,
-mtime), the native library's sha256, the targets and the jax / jaxlib versions: a few
-seconds once per installation, a file read afterwards.
+therefore compiles, in a child process (`dos_jax.dataflow.kernel_probe`), a tiny GPU
+program whose host region calls every target, with the plugin's compile-only client (no
+GPU needed, as `dos_jax.dataflow.compile` does); the child registers the same handlers
+of the same library in the same plugin library first, so its verdict is this process's.
+The verdict is cached on disk (`dos_jax.cache.cache_dir('kernel_probe')`), keyed by the
+plugin library (path, size, mtime), the native library's sha256, the targets and the
+jax / jaxlib versions: a few seconds once per installation, a file read afterwards.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import ctypes
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import json
 import os
 import signal
@@ -249,10 +248,17 @@ def _write_verdict(path: str, key: Mapping[str, Any], ok: bool, why: str,
     pass
 
 
+def verdict_line(ok: bool, why: str) -> str:
+  """The line by which the child reports its verdict on stdout (read by `run_probe`)."""
+  return _VERDICT_MARKER + json.dumps({'ok': ok, 'why': why})
+
+
 def _probe_command(spec: Mapping[str, Any]) -> list[str]:
-  """The child's command line (tests replace it)."""
+  """The child's command line (tests replace it): `dos_jax.dataflow.kernel_probe`, a
+  program of its own, run where the compile-only client lives. A command line, not an
+  import: nothing of the dataflow layer is loaded in this process."""
   return [sys.executable, '-c',
-          'import sys; from dos_jax.kernels import _pjrt; _pjrt._probe_main(sys.argv[1])',
+          'import sys; from dos_jax.dataflow import kernel_probe; kernel_probe.main(sys.argv[1])',
           json.dumps(spec)]
 
 
@@ -332,58 +338,3 @@ def probe_in_plugin(native: Any, targets: Mapping[str, str],
   if definitive:
     _write_verdict(cached, key, ok, why, time.perf_counter() - start)
   return ok, why
-
-
-def _compute_on_function() -> Any:
-  """jax >= 0.11's `compute_on(f, *, compute_type, out_memory_spaces)`, or 0.10's
-  `compute_on2` (same signature; 0.10's `compute_on` is a context manager)."""
-  from jax.experimental import compute_on as module  # pylint: disable=g-import-not-at-top
-  for name in ('compute_on', 'compute_on2'):
-    fn = getattr(module, name, None)
-    if fn is not None and 'out_memory_spaces' in inspect.signature(fn).parameters:
-      return fn
-  raise RuntimeError('no function form of compute_on in this jax')
-
-
-def _probe_program(targets: Mapping[str, str]) -> Any:
-  """A program lowered for CUDA whose host region calls every target once (the
-  operands need not fit the handlers: the program is compiled, never run)."""
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
-  def body(x):
-    outs = [jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
-            for name in targets]
-    return sum(outs[1:], outs[0])
-
-  region = _compute_on_function()(body, compute_type='device_host',
-                                  out_memory_spaces=jax.memory.Space.Host)
-  pinned = jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0], memory_kind='pinned_host')
-  x = jax.device_put(jnp.ones((8,), jnp.float32), pinned)
-  return jax.jit(region).trace(x).lower(lowering_platforms=('cuda',))
-
-
-def _probe_main(spec_json: str) -> None:
-  """The child (run by `run_probe`): register, then compile; print the verdict.
-
-  A handler missing from the plugin aborts this process inside the plugin's compiler,
-  which the parent reads from the exit status and stderr.
-  """
-  ok, why = False, ''
-  try:
-    spec = json.loads(spec_json)
-    targets = dict(spec['targets'])
-    # Imported here: the child needs the compile-only client, the library does not.
-    from dos_jax.dataflow import compile as compile_lib  # pylint: disable=g-import-not-at-top
-    compile_lib._topology(compile_lib.gpu_target.DEFAULT_TARGET)  # pylint: disable=protected-access
-    api, why = plugin_c_api('cuda')
-    if api is not None:
-      native = importlib.import_module(spec['module'])
-      why = register(native, targets, 'cuda', api)
-      if not why:
-        compile_lib.compile_lowered(_probe_program(targets), compiler_options={})
-        ok = True
-  except Exception as e:  # pylint: disable=broad-except
-    ok, why = False, f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
-  print(_VERDICT_MARKER + json.dumps({'ok': ok, 'why': why}), flush=True)
-  sys.stdout.flush()
-  os._exit(0 if ok else 1)  # pylint: disable=protected-access  # skip JAX's teardown

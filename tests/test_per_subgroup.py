@@ -73,6 +73,28 @@ def test_storage_default_follows_the_policy_and_the_cpu_program_stays_stacked():
   assert not ours.init(random_tree(0)).partition.per_subgroup
 
 
+class _Alternating:
+  """An adaptive policy of the user's own: `plan` and `observe`, nothing of `Auto`."""
+
+  def plan(self, spec):
+    return dos_jax.Stride(2).plan(spec)
+
+  def observe(self, plan, measured_update_seconds):
+    del measured_update_seconds
+    return plan
+
+
+def test_any_policy_that_re_plans_as_it_runs_is_stored_per_subgroup():
+  """The storage default asks the policy (`AdaptivePolicy`: it has `observe`), not
+  whether it is the planner's `Auto`."""
+  assert isinstance(_Alternating(), dos_jax.AdaptivePolicy)
+  assert isinstance(dos_jax.Auto(dos_jax.planner.costmodel.H100_PCIE_GEN5_NODE),
+                    dos_jax.AdaptivePolicy)
+  assert not isinstance(dos_jax.Stride(2), dos_jax.AdaptivePolicy)
+  assert dos_jax.Offload(policy=_Alternating()).per_subgroup()
+  assert dos_jax.Offload(policy=_Alternating(), chunks=2).chunks == 2
+
+
 def test_migration_is_exact_moves_only_the_rows_that_change_memory(seed):
   """`dos_jax.migrate` copies a row only when it changes memory (host <-> device), bit
   for bit; every other row is handed to its new tier as the same array, so a plan

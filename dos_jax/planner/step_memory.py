@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from dos_jax.offload import Offload
 from dos_jax.planner import memory
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
@@ -96,8 +97,7 @@ def run_spec(cfg, devices: int = 1) -> SubgroupSpec:
 def _subgroup_size(cfg) -> int:
   if cfg.offload.subgroup_size is not None:
     return cfg.offload.subgroup_size
-  import dos_jax  # pylint: disable=import-outside-toplevel
-  return dos_jax.Offload().subgroup_size
+  return Offload().subgroup_size
 
 
 def _mesh_sizes(cfg, devices: int) -> tuple[int, int, int]:

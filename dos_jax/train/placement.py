@@ -14,22 +14,11 @@ policy says when it needs a time through an optional `wants_measurement() -> boo
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from dos_jax.planner import report
+from dos_jax.policies import AdaptivePolicy
 from dos_jax.policies import Plan
-from dos_jax.policies import SubgroupSpec
-
-
-@runtime_checkable
-class AdaptivePolicy(Protocol):
-  """A placement policy that re-plans from measured update times."""
-
-  def plan(self, spec: SubgroupSpec) -> Plan:
-    ...
-
-  def observe(self, plan: Plan, measured_update_seconds: float) -> Plan:
-    ...
 
 
 class PlanDriver:
