@@ -27,6 +27,7 @@ import pathlib
 import pytest
 
 from dos_jax import dataflow
+from dos_jax import device_stream
 from dos_jax.dataflow import probes
 from tests import compiled
 
@@ -40,6 +41,16 @@ SHAPES = ((2, 4096, 'bfloat16'), (5, 512, 'float32'), (8, 1024, 'bfloat16'),
 _CACHE = {}
 
 
+def _needs_stream_regions():
+  if not device_stream.available():
+    pytest.skip(f'jax {jax_version()} builds no stream region (device_stream.available())')
+
+
+def jax_version() -> str:
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.__version__
+
+
 def _schedule(layers, width, dtype, storage):
   key = (layers, width, dtype, storage)
   if key not in _CACHE:
@@ -51,6 +62,8 @@ def _schedule(layers, width, dtype, storage):
 @pytest.mark.parametrize('storage', ['stacked', 'per_subgroup'])
 @pytest.mark.parametrize('layers, width, dtype', SHAPES, ids=lambda v: str(v))
 def test_family_step_holds_what_its_construction_guarantees(layers, width, dtype, storage):
+  if storage == 'per_subgroup':
+    _needs_stream_regions()
   schedule = _schedule(layers, width, dtype, storage)
   assert len(schedule.host_calls) == 1, schedule.host_calls
   copies = schedule.gradient_copies()
@@ -117,6 +130,7 @@ def test_chunked_per_subgroup_steps_run_each_device_part_beside_its_host_call(
   """`Offload(chunks=K)`, per-subgroup storage: K host calls linked through the device,
   each grouped with its device part on the device tiers' stream, so that host call k
   and device part k overlap, chunk after chunk."""
+  _needs_stream_regions()
   fn, args, jit_kwargs = probes.mlp_step(layers, width, storage='per_subgroup', chunks=chunks)
   schedule = dataflow.compile_for_gpu(fn, *args, **jit_kwargs).schedule
   calls, streams = schedule.host_calls, schedule.stream_calls
@@ -135,6 +149,8 @@ def test_the_runner_125m_step_streams_full_duplex(storage):
   Per subgroup the device tiers run on their stream beside the host call; stacked (two
   interleaved blocks) where the loop lands is the scheduler's choice
   (experiments/timeline_vs_schedule.py, RESULTS.md)."""
+  if storage == 'per_subgroup':
+    _needs_stream_regions()
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
   from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(str(pathlib.Path(__file__).parents[1] / 'configs' / '125m.yaml'),
