@@ -362,18 +362,18 @@ def _update_on_two_streams(context: tier_updates.StepContext, base_step: paths.R
         Tier.HOST, base_step, state.tier(Tier.HOST),
         native=native and offload.host_impl is UpdateImpl.KERNEL)
   tiers = [t for t in (Tier.STREAMED, Tier.RESIDENT) if context.part.ids(t)]
-  pieces = []
+  # `update_tier` gives each block's out rows in block order (static pieces).
+  pieces = [partition_lib.pieces_of(context.layout, ids)
+            for t in tiers for ids in context.part.blocks(t)]
 
   def device_tiers(grad_leaves, arrays_by_tier):
     local = dataclasses.replace(context, grad_leaves=list(grad_leaves))
     new, rows = [], []
-    pieces.clear()
     for tier, arrays in zip(tiers, arrays_by_tier):
       arrays, tier_outs = local.update_tier(
           tier, base_step, arrays, native=native and offload.device_impl is UpdateImpl.KERNEL)
       new.append(arrays)
       rows.extend(out for out, _ in tier_outs)
-      pieces.extend(runs for _, runs in tier_outs)
     return new, rows
 
   new, rows = device_stream.on_stream(device_tiers, group)(

@@ -43,12 +43,7 @@ _CACHE = {}
 
 def _needs_stream_regions():
   if not device_stream.available():
-    pytest.skip(f'jax {jax_version()} builds no stream region (device_stream.available())')
-
-
-def jax_version() -> str:
-  import jax  # pylint: disable=import-outside-toplevel
-  return jax.__version__
+    pytest.skip('this jax builds no stream region (device_stream.available())')
 
 
 def _schedule(layers, width, dtype, storage):
