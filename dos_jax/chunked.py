@@ -65,7 +65,7 @@ def chunk_count(part: partition_lib.Partition, plan, chunks: int) -> int:
   return max(1, min(chunks, len(part.ids(Tier.HOST)), len(plan.streamed)))
 
 
-def _zero(x: jax.Array) -> jax.Array:
+def zero_of(x: jax.Array) -> jax.Array:
   """An exact float32 zero computed from `x` (finite or not)."""
   x = x.reshape(-1)[:1].astype(jnp.float32)
   return jnp.where(jnp.isfinite(x), x, 0) * 0
@@ -132,5 +132,5 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], chunks: 
       outs.append((out, partition_lib.pieces_of(layout, blocks[Tier.STREAMED][b])))
       tokens.append(out)
       done.append(b)
-    link = paths.to_host(sum(_zero(t) for t in tokens))
+    link = paths.to_host(sum(zero_of(t) for t in tokens))
   return {t: tuple(x for block in new[t] for x in block) for t in new}, outs

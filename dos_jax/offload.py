@@ -103,6 +103,13 @@ class Offload:
       per-subgroup storage (stacked rows would chain every chunk's stream through one
       tier array); applies with the native host kernel, an unsharded state, and both
       host and streamed subgroups (experiments/RESULTS.md).
+    early_chunks: the accelerator program's host tier in this many host calls, the last
+      subgroups first, each starting as soon as its gradients are in host memory:
+      all but the last during the backward pass (`dos_jax.early_chunks`). Under
+      `dos_jax.clip_by_global_norm` those speculate on a clip factor of 1 and are redone
+      after the backward pass when the factor is not 1, exactly. 0 or 1: one host call
+      after the backward pass. Needs per-subgroup storage; applies with the native host
+      kernel and an unsharded state; not with `chunks`.
     device_stream: the accelerator program's device tiers updated in one region on a
       GPU stream of their own, in one scheduling group with the host call, so that
       the two run concurrently in every schedule (`dos_jax.device_stream`; with
@@ -122,6 +129,7 @@ class Offload:
   storage: Storage | None = None
   chunks: int = 0
   device_stream: bool = True
+  early_chunks: int = 0
 
   def __post_init__(self):
     if self.platform is not None and not isinstance(self.platform, Program):
@@ -156,6 +164,16 @@ class Offload:
     if self.chunks and not self.per_subgroup():
       raise ValueError(
           f'Offload.chunks={self.chunks} needs per-subgroup storage: pass'
+          ' storage=dos_jax.Storage.PER_SUBGROUP (an Auto policy uses it by default)')
+    early = self.early_chunks
+    if isinstance(early, bool) or not isinstance(early, int) or early < 0:
+      raise ValueError(f'Offload.early_chunks must be an integer >= 0, got {early!r}')
+    if early > 1 and self.chunks:
+      raise ValueError(f'Offload.early_chunks={early} and Offload.chunks={self.chunks} do not'
+                       ' combine: pass one of them')
+    if early > 1 and not self.per_subgroup():
+      raise ValueError(
+          f'Offload.early_chunks={early} needs per-subgroup storage: pass'
           ' storage=dos_jax.Storage.PER_SUBGROUP (an Auto policy uses it by default)')
     if not isinstance(self.device_stream, bool):
       raise TypeError(f'Offload.device_stream must be True or False, got {self.device_stream!r}')

@@ -23,6 +23,7 @@ from dos_jax import capability as capability_lib
 from dos_jax import chunked as chunked_lib
 from dos_jax import clipping
 from dos_jax import device_stream
+from dos_jax import early_chunks
 from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
 from dos_jax import meshes
@@ -294,8 +295,11 @@ def offloaded(
     chunks = offload.chunks if native and offload.host_impl is UpdateImpl.KERNEL else 0
     run_chunked = (split and bool(chunks) and part.per_subgroup and mesh is None
                    and bool(part.ids(Tier.HOST)) and bool(part.ids(Tier.STREAMED)))
+    early = offload.early_chunks if native and offload.host_impl is UpdateImpl.KERNEL else 0
+    run_early = (split and early > 1 and part.per_subgroup and mesh is None
+                 and len(part.blocks(Tier.HOST)) > 1)
     host_grad_pieces = {}
-    if split and not run_chunked:
+    if split and not run_chunked and not run_early:
       # A sharded state's native host path takes its gradients as rows split over the
       # data axis (see `tier_updates.host_rows`).
       rows = None
@@ -319,13 +323,24 @@ def offloaded(
           context, base_step, {t: state.tier(t) for t in (Tier.HOST, Tier.STREAMED)},
           chunks)
       new_tiers.update(chunked_tiers)
-    if (split and not run_chunked and offload.device_stream and device_stream.available()
-        and part.per_subgroup and mesh is None and bool(part.ids(Tier.HOST))
-        and bool(part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT))):
-      new_tiers, outs = _update_on_two_streams(context, base_step, state, native, offload)
+    on_two_streams = (split and not run_chunked and offload.device_stream
+                      and device_stream.available() and part.per_subgroup and mesh is None
+                      and bool(part.ids(Tier.HOST))
+                      and bool(part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)))
+    host_update = None
+    if run_early:  # the host tier in early chunks (`dos_jax.early_chunks`)
+      host_update = functools.partial(early_chunks.update_host, context, base_step,
+                                      state.tier(Tier.HOST), early)
+    if on_two_streams:
+      new_tiers, outs = _update_on_two_streams(context, base_step, state, native, offload,
+                                               host_update)
     else:
+      if run_early:
+        new_tiers[Tier.HOST], outs = host_update()
       for tier in TIERS:
         if not part.ids(tier) or (run_chunked and tier is not Tier.RESIDENT):
+          continue
+        if run_early and tier is Tier.HOST:
           continue
         impl = offload.host_impl if tier is Tier.HOST else offload.device_impl
         if tier is not Tier.HOST:
@@ -351,16 +366,22 @@ def offloaded(
 
 
 def _update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
-                           state: OffloadedState, native: bool, offload: Offload):
+                           state: OffloadedState, native: bool, offload: Offload,
+                           host_update=None):
   """The accelerator program's tiers, host and device halves concurrent by construction:
   the host tier in host regions and the device tiers (streamed, resident) in one region
   on a GPU stream of its own, both in one scheduling group (`device_stream`). Returns
-  (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop does."""
+  (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop does.
+  `host_update(group)`, if given, builds the host tier and puts in the group what
+  should run beside the device tiers (early chunks: the last chunk and the redo)."""
   group = device_stream.next_group()
-  with device_stream.in_group(group):
-    host, outs = context.update_tier(
-        Tier.HOST, base_step, state.tier(Tier.HOST),
-        native=native and offload.host_impl is UpdateImpl.KERNEL)
+  if host_update is not None:
+    host, outs = host_update(group)
+  else:
+    with device_stream.in_group(group):
+      host, outs = context.update_tier(
+          Tier.HOST, base_step, state.tier(Tier.HOST),
+          native=native and offload.host_impl is UpdateImpl.KERNEL)
   tiers = [t for t in (Tier.STREAMED, Tier.RESIDENT) if context.part.ids(t)]
   # `update_tier` gives each block's out rows in block order (static pieces).
   pieces = [partition_lib.pieces_of(context.layout, ids)

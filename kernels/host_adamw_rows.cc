@@ -307,7 +307,8 @@ ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& r
                         ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> sizes,
                         size_t extra_args, int64_t master_k, int64_t mu_k, int64_t nu_k,
                         int64_t decayed_rows, int64_t num_threads, bool nesterov,
-                        int64_t isa) {
+                        int64_t isa, float* undo = nullptr,
+                        const float* restore = nullptr) {
   const size_t n = offsets.size();
   const size_t sources = master_k >= 0 ? n : 2 * n;  // grad leaves, then param leaves
   if (n == 0 || sizes.size() != n || leaves.size() != sources + extra_args ||
@@ -361,6 +362,19 @@ ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& r
       const int64_t a = std::max(f0, offsets[i]), b = std::min(f1, ends[i]);
       if (a >= b) continue;
       if (!in_place) {
+        if (undo != nullptr || restore != nullptr) {
+          // The segment's state slots before the update (undo), or put back from a
+          // copy taken before an earlier update of it (restore).
+          for (int64_t k : {su.has_master ? su.master_k : int64_t{-1}, su.mu_k, su.nu_k}) {
+            if (k < 0) continue;
+            const int64_t at = (g * su.K + k) * su.S + (a - row);
+            if (restore != nullptr) {
+              std::memcpy(su.state + at, restore + at, (b - a) * sizeof(float));
+            } else {
+              std::memcpy(undo + at, su.state + at, (b - a) * sizeof(float));
+            }
+          }
+        }
         RowPointers p = StateAt(su, g, a - row);
         p.grad = grad[i] + (a - offsets[i]) * grad_bytes;
         p.param = su.has_master ? nullptr : param[i] + (a - offsets[i]);
@@ -460,6 +474,66 @@ ffi::Error LeavesStateArgImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S3
                       nesterov, isa);
 }
 
+// The state-argument form keeping what it needs to undo: before a segment of the state
+// is updated, its slots are copied into `undo` (a (G, K, S) result; elements of rows
+// not updated are left unwritten). For an update made before its clip factor is known
+// (dos_jax.speculative): LeavesRedoImpl puts the copy back and updates again.
+ffi::Error LeavesStateArgUndoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
+                                  ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
+                                  ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::ResultBuffer<ffi::F32> undo,
+                                  ffi::Span<const int64_t> offsets,
+                                  ffi::Span<const int64_t> sizes, int64_t master_k,
+                                  int64_t mu_k, int64_t nu_k, int64_t decayed_rows,
+                                  int64_t num_threads, bool nesterov, int64_t isa) {
+  const auto dims = stacked.dimensions();
+  if (dims.size() == 3 && static_cast<int64_t>(out->element_count()) != dims[0] * dims[2]) {
+    return Invalid("out is not (G, S)");
+  }
+  if (undo->element_count() != stacked.element_count()) return Invalid("undo is not (G, K, S)");
+  AdviseHugePages(out->untyped_data(), out->size_bytes());
+  return LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
+                      out->element_type(), static_cast<char*>(out->untyped_data()), {},
+                      offsets, sizes, 0, master_k, mu_k, nu_k, decayed_rows, num_threads,
+                      nesterov, isa, undo->typed_data());
+}
+
+// Redoes an update made by LeavesStateArgUndoImpl when `redo` (an s32[1] argument after
+// the leaves, then `undo` and `out`) is non-zero: each segment's state is put back from
+// `undo` and updated with these coefficients, the state in its argument's buffer and the
+// out rows in the `out` argument's (both the caller's to overwrite, read only after this
+// call). With `redo` zero it touches nothing. The result is a token, zero.
+ffi::Error LeavesRedoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
+                          ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
+                          ffi::ResultBuffer<ffi::F32> token,
+                          ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> sizes,
+                          int64_t master_k, int64_t mu_k, int64_t nu_k,
+                          int64_t decayed_rows, int64_t num_threads, bool nesterov,
+                          int64_t isa) {
+  if (token->element_count() != 1) return Invalid("token is not (1,)");
+  token->typed_data()[0] = 0.0f;
+  const size_t n = offsets.size();
+  const size_t sources = master_k >= 0 ? n : 2 * n;
+  if (leaves.size() != sources + 3) return Invalid("leaves, redo, undo and out do not match");
+  auto redo = leaves.get<ffi::Buffer<ffi::S32>>(sources);
+  auto undo = leaves.get<ffi::Buffer<ffi::F32>>(sources + 1);
+  auto out = leaves.get<ffi::AnyBuffer>(sources + 2);
+  if (!redo.has_value()) return redo.error();
+  if (!undo.has_value()) return undo.error();
+  if (!out.has_value()) return out.error();
+  if (redo->element_count() != 1) return Invalid("redo is not (1,)");
+  if (undo->element_count() != stacked.element_count()) return Invalid("undo is not (G, K, S)");
+  const auto dims = stacked.dimensions();
+  if (dims.size() == 3 && static_cast<int64_t>(out->element_count()) != dims[0] * dims[2]) {
+    return Invalid("out is not (G, S)");
+  }
+  if (redo->typed_data()[0] == 0) return ffi::Error::Success();
+  return LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
+                      out->element_type(), static_cast<char*>(out->untyped_data()), {},
+                      offsets, sizes, 3, master_k, mu_k, nu_k, decayed_rows, num_threads,
+                      nesterov, isa, nullptr, undo->typed_data());
+}
+
 }  // namespace
 
 // `out_in` (the second handler) is a buffer XLA aliases to `out`: rows of `out` that
@@ -545,11 +619,50 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesStateArg, LeavesStateArgImpl,
                                   .Attr<bool>("nesterov")
                                   .Attr<int64_t>("isa"));
 
+// Leaves form updating the state in its argument and keeping an undo copy, and its redo
+// (see LeavesStateArgUndoImpl, LeavesRedoImpl).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesStateArgUndo, LeavesStateArgUndoImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
+                                  .Attr<int64_t>("master_k")
+                                  .Attr<int64_t>("mu_k")
+                                  .Attr<int64_t>("nu_k")
+                                  .Attr<int64_t>("decayed_rows")
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<int64_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesRedo, LeavesRedoImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .Attr<ffi::Span<const int64_t>>("sizes")
+                                  .Attr<int64_t>("master_k")
+                                  .Attr<int64_t>("mu_k")
+                                  .Attr<int64_t>("nu_k")
+                                  .Attr<int64_t>("decayed_rows")
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<int64_t>("isa"));
+
 DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWHostRows)
 DOS_HANDLER_CAPSULE(HandlerOutIn, DosJaxAdamWHostRowsOutIn)
 DOS_HANDLER_CAPSULE(HandlerLeaves, DosJaxAdamWHostLeaves)
 DOS_HANDLER_CAPSULE(HandlerLeavesInPlace, DosJaxAdamWHostLeavesInPlace)
 DOS_HANDLER_CAPSULE(HandlerLeavesStateArg, DosJaxAdamWHostLeavesStateArg)
+DOS_HANDLER_CAPSULE(HandlerLeavesStateArgUndo, DosJaxAdamWHostLeavesStateArgUndo)
+DOS_HANDLER_CAPSULE(HandlerLeavesRedo, DosJaxAdamWHostLeavesRedo)
 
 // pjrt_register.cc: registers handlers inside a PJRT plugin (GPU programs' host regions).
 PyObject* DosJaxRegisterWithPjrt(PyObject* self, PyObject* args);
@@ -566,6 +679,10 @@ static PyMethodDef kMethods[] = {
      "The leaves form, writing each out leaf over its gradient leaf."},
     {"handler_leaves_state_arg", HandlerLeavesStateArg, METH_NOARGS,
      "The leaves form, updating the state in its argument's buffer (no state result)."},
+    {"handler_leaves_state_arg_undo", HandlerLeavesStateArgUndo, METH_NOARGS,
+     "The same, copying each segment's state into an undo result before updating it."},
+    {"handler_leaves_redo", HandlerLeavesRedo, METH_NOARGS,
+     "Puts an undo copy back and updates again, in the arguments' buffers, when asked."},
     {"register_with_pjrt", DosJaxRegisterWithPjrt, METH_VARARGS,
      "register_with_pjrt(api, platform, targets) -> '' or why not: registers the "
      "(name, handler) targets in the FFI registry of the PJRT plugin `api` for `platform`."},

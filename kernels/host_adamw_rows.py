@@ -32,10 +32,15 @@ _TARGET_OUT_IN = 'dos_jax_adamw_host_rows_out_in'  # also takes a buffer to alia
 _TARGET_LEAVES = 'dos_jax_adamw_host_leaves'  # gradients read from the tree's leaves
 _TARGET_IN_PLACE = 'dos_jax_adamw_host_leaves_in_place'  # out leaves over the gradients
 _TARGET_STATE_ARG = 'dos_jax_adamw_host_leaves_state_arg'  # state updated in its argument
+# The same, keeping an undo copy of what it overwrites; and the redo that uses it.
+_TARGET_STATE_ARG_UNDO = 'dos_jax_adamw_host_leaves_state_arg_undo'
+_TARGET_REDO = 'dos_jax_adamw_host_leaves_redo'
 # FFI target -> the native module's function returning its handler.
 _HANDLERS = {_TARGET: 'handler', _TARGET_OUT_IN: 'handler_out_in',
              _TARGET_LEAVES: 'handler_leaves', _TARGET_IN_PLACE: 'handler_leaves_in_place',
-             _TARGET_STATE_ARG: 'handler_leaves_state_arg'}
+             _TARGET_STATE_ARG: 'handler_leaves_state_arg',
+             _TARGET_STATE_ARG_UNDO: 'handler_leaves_state_arg_undo',
+             _TARGET_REDO: 'handler_leaves_redo'}
 
 _GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -282,7 +287,8 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
                       offsets, slots: tuple[int, int, int], decayed_rows: int,
                       lowp_dtype: Any, out=None, nesterov: bool = False,
                       num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO,
-                      into_grads: bool = False, state_in_arg: bool = False):
+                      into_grads: bool = False, state_in_arg: bool = False,
+                      keep_undo: bool = False):
   """`adamw_host_rows` reading gradients (and params) from the parameter tree's leaves.
 
   The packed `(G, S)` gradient (and param) rows are never built: leaf i supplies the
@@ -310,11 +316,15 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
       state on every step (see `dos_jax.fused.host_region_update`). The caller owns the
       ordering: `stacked` must be a buffer it may overwrite (the donated state), read
       only after the call. Not with `into_grads` or `out`.
+    keep_undo: with `state_in_arg`, also return `undo`, a `(G, K, S)` copy of every
+      state element the call overwrites, taken just before (other elements are not
+      written): what `adamw_host_leaves_redo` needs to put the state back.
     Others as `adamw_host_rows`.
 
   Returns:
     `(new_stacked, new_out)`: new_out is `(G, S)`, or with `into_grads` a list of out
-    leaves in the order of `grad_leaves`; with `state_in_arg` only new_out.
+    leaves in the order of `grad_leaves`; with `state_in_arg` only new_out, and with
+    `keep_undo` `(new_out, undo)`.
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())
@@ -385,9 +395,18 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
       sizes=np.asarray([sizes[i] for i in order], np.int64), master_k=np.int64(master_k),
       mu_k=np.int64(mu_k), nu_k=np.int64(nu_k), decayed_rows=np.int64(decayed_rows),
       num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa)))
+  if keep_undo and not state_in_arg:
+    raise ValueError('keep_undo needs state_in_arg')
   if state_in_arg:
     if out is not None:
       raise ValueError('state_in_arg takes no out buffer')
+    if keep_undo:
+      call = jax.ffi.ffi_call(
+          _TARGET_STATE_ARG_UNDO,
+          (jax.ShapeDtypeStruct((num_groups, size), jnp.dtype(lowp_dtype)),
+           jax.ShapeDtypeStruct(stacked.shape, stacked.dtype)),
+          has_side_effect=True)
+      return tuple(call(stacked, rows.astype(jnp.int32), packed, *sources, **common))
     call = jax.ffi.ffi_call(
         _TARGET_STATE_ARG, jax.ShapeDtypeStruct((num_groups, size), jnp.dtype(lowp_dtype)),
         has_side_effect=True)
@@ -401,3 +420,43 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
   )
   args = (stacked, rows.astype(jnp.int32), packed, *sources) + ((out,) if reuse else ())
   return tuple(call(*args, out_in=reuse, **common))
+
+
+def adamw_host_leaves_redo(stacked, grad_leaves, param_leaves, rows, scalars: AdamWScalars,
+                           *, redo, undo, out, offsets, slots: tuple[int, int, int],
+                           decayed_rows: int, nesterov: bool = False,
+                           num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO):
+  """Redoes an `adamw_host_leaves(..., state_in_arg=True, keep_undo=True)` call when
+  `redo` is true: every element it updated is put back from `undo` and updated again
+  with `scalars`, the state in the buffer of `stacked` and the out rows in the buffer of
+  `out` (both arguments: the caller's to overwrite, read only after this call). With
+  `redo` false nothing is touched. Returns a `(1,)` float32 zero: the token to order
+  the caller's reads after the call. Same leaves, offsets, rows and slots as the call it
+  redoes (for a host region of the accelerator program only, like `state_in_arg`).
+  """
+  if not rows_kernel_available():
+    raise RuntimeError(rows_kernel_unavailable_reason())
+  host_kernel_in_gpu_programs()
+  num_groups, _, size = stacked.shape
+  grad_leaves = [jnp.ravel(g) for g in grad_leaves]
+  sizes = [int(g.shape[0]) for g in grad_leaves]
+  offsets = [int(o) for o in offsets]
+  order = sorted(range(len(offsets)), key=offsets.__getitem__)
+  if undo.shape != stacked.shape or out.shape != (num_groups, size):
+    raise ValueError(f'undo must be {stacked.shape} and out ({num_groups}, {size}), got '
+                     f'{undo.shape} and {out.shape}')
+  master_k, mu_k, nu_k = (int(s) for s in slots)
+  sources = [grad_leaves[i] for i in order]
+  if master_k < 0:
+    sources += [jnp.ravel(param_leaves[i]) for i in order]
+  threads, isa = check_threads_and_isa(num_threads, isa)
+  packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
+  call = jax.ffi.ffi_call(_TARGET_REDO, jax.ShapeDtypeStruct((1,), jnp.float32),
+                          has_side_effect=True)
+  flag = jnp.reshape(jnp.asarray(redo).astype(jnp.int32), (1,))
+  return call(
+      stacked, jnp.asarray(rows).astype(jnp.int32), packed, *sources, flag, undo, out,
+      offsets=np.asarray([offsets[i] for i in order], np.int64),
+      sizes=np.asarray([sizes[i] for i in order], np.int64), master_k=np.int64(master_k),
+      mu_k=np.int64(mu_k), nu_k=np.int64(nu_k), decayed_rows=np.int64(decayed_rows),
+      num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa)))

@@ -1,0 +1,189 @@
+"""The host tier in early chunks (`Offload.early_chunks`, `dos_jax.early_chunks`) on the
+CPU backend (the accelerator program's numbers; Pallas in interpret mode), per-subgroup
+storage, fp32 and bf16 params.
+
+Under `dos_jax.clip_by_global_norm` the early chunks speculate on a clip factor of 1 and
+are redone when it is not: the step must equal the unspeculated one (`early_chunks=0`)
+bit for bit, on steps where the clip fires, where it does not, and on steps with a NaN
+gradient (alone, and under `optax.apply_if_finite`, which skips them). The gradients of
+each step are scaled so that the clip fires on chosen steps (`FIRES`). Against optax the
+suite's tolerance holds (tests/test_adamw.py).
+
+Seeds: each test derives its seed from its name (`zlib.crc32`), printed on failure.
+"""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dos_jax
+from dos_jax import early_chunks
+from dos_jax import fused
+from tests.test_adamw import SCHEDULE
+from tests.test_adamw import decay_mask
+from tests.test_adamw import random_grads
+from tests.test_adamw import random_tree
+
+MAX_NORM = 1.0
+FIRES = (1, 2, 5)  # steps whose gradients are scaled past MAX_NORM (norm ~17 vs ~0.2)
+
+
+def _seed(request) -> int:
+  return zlib.crc32(request.node.name.encode()) % (1 << 30)
+
+
+def _offload(early: int, **kwargs):
+  return dos_jax.Offload(subgroup_size=23, policy=dos_jax.Stride(2), platform='gpu',
+                         storage=dos_jax.Storage.PER_SUBGROUP, early_chunks=early, **kwargs)
+
+
+def _opt(early: int, clip: bool = True, **kwargs):
+  adamw = dos_jax.adamw(learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask,
+                        offload=_offload(early, **kwargs))
+  return dos_jax.chain(dos_jax.clip_by_global_norm(MAX_NORM), adamw) if clip else adamw
+
+
+def _grads(params, t, seed, nan_at):
+  scale = 1.0 if t in FIRES else 0.01
+  grads = jax.tree.map(lambda g: (g.astype(jnp.float32) * scale).astype(g.dtype),
+                       random_grads(params, t, seed))
+  if t in nan_at:
+    grads['w'] = grads['w'].at[1, 2, 3].set(jnp.nan)
+  return grads
+
+
+def _run(opt, params, seed, steps, nan_at=(), lowered=None):
+  """`steps` jitted steps, the state donated as a train step does; the lowered step's
+  text goes to `lowered` (a list) if given."""
+  params = jax.device_put(params, jax.devices()[0])
+  state = opt.init(params)
+
+  def step(p, s, g):
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(step, donate_argnums=(1,))
+  for t in range(steps):
+    grads = _grads(params, t, seed, nan_at)
+    if lowered is not None and t == 0:
+      lowered.append(step.lower(params, state, grads).as_text())
+    params, state = step(params, state, grads)
+  return params, state
+
+
+def _assert_identical(want, got, message):
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=message)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_speculated_steps_are_the_unspeculated_steps_bit_for_bit(dtype, request):
+  seed = _seed(request)
+  params = random_tree(seed, jnp.dtype(dtype))
+  want = _run(_opt(0), params, seed, steps=7)
+  for early in (2, 3, 7):
+    got = _run(_opt(early), params, seed, steps=7)
+    _assert_identical(want, got, f'seed {seed}, early_chunks {early}, clip fires at {FIRES}')
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_the_accelerator_form_speculates_in_place_and_redoes(dtype, request, monkeypatch):
+  """The GPU program's form (the early kernels update the donated state in its buffer
+  and keep an undo; the redo kernel puts it back and updates again, in place), run on
+  the CPU backend: the host state is bit for bit the unspeculated step's after a step
+  without clipping and one where it fires (step 1).
+
+  Only the state: the redo also rewrites the early blocks' out rows in their buffer,
+  read after it through an optimization barrier, which XLA:GPU keeps until after
+  scheduling and XLA:CPU drops before; on a CPU backend the step runs the functional
+  form (the other tests here). The GPU order is checked on the compiled program
+  (tests/test_compiled_early_chunks.py)."""
+  seed = _seed(request)
+  params = random_tree(seed, jnp.dtype(dtype))
+  want = _run(_opt(0), params, seed, steps=2)
+  monkeypatch.setattr(fused, 'STATE_RESULT_PLATFORMS', ())
+  texts = []
+  got = _run(_opt(3), params, seed, steps=2, lowered=texts)
+  assert 'dos_jax_adamw_host_leaves_state_arg_undo' in texts[0]
+  assert 'dos_jax_adamw_host_leaves_redo' in texts[0]
+  _assert_identical(want[1][-1].host, got[1][-1].host, f'seed {seed}, clip fires at step 1')
+
+
+def test_each_early_block_is_redone_on_the_cpu_backend(request):
+  """On a CPU backend the speculated blocks are updated again, from the state before
+  the step, in a kernel call of their own: one more call per early block."""
+  seed = _seed(request)
+  params = random_tree(seed)
+  counts = []
+  for early in (0, 3):
+    texts = []
+    _run(_opt(early), params, seed, steps=1, lowered=texts)
+    counts.append(texts[0].count('dos_jax_adamw_host_leaves'))
+  state = _opt(0).init(jax.device_put(params, jax.devices()[0]))[-1]
+  blocks = len(state.partition.blocks(dos_jax.Tier.HOST))
+  early_blocks = blocks - len(np.array_split(np.arange(blocks), 3)[-1])
+  assert counts[1] == counts[0] + early_blocks, (counts, blocks)
+
+
+def test_a_nan_step_is_the_unspeculated_nan_step(request):
+  seed = _seed(request)
+  params = random_tree(seed)
+  want = _run(_opt(0), params, seed, steps=4, nan_at=(2,))
+  got = _run(_opt(3), params, seed, steps=4, nan_at=(2,))
+  assert np.isnan(np.asarray(jax.tree.leaves(got[0])[0])).any(), f'seed {seed}'
+  _assert_identical(want, got, f'seed {seed}, NaN at step 2')
+
+
+def test_apply_if_finite_skips_a_nan_step_as_unspeculated(request):
+  seed = _seed(request)
+  params = random_tree(seed)
+  make = lambda early: optax.apply_if_finite(_opt(early), 5)
+  want = _run(make(0), params, seed, steps=5, nan_at=(1, 3))
+  got = _run(make(3), params, seed, steps=5, nan_at=(1, 3))
+  assert np.isfinite(np.asarray(jax.tree.leaves(got[0])[0])).all(), f'seed {seed}'
+  _assert_identical(want, got, f'seed {seed}, NaN at steps 1 and 3')
+
+
+def test_early_chunks_without_clipping_are_the_one_call_step(request):
+  seed = _seed(request)
+  params = random_tree(seed, jnp.bfloat16)
+  want = _run(_opt(0, clip=False), params, seed, steps=4)
+  got = _run(_opt(3, clip=False), params, seed, steps=4)
+  _assert_identical(want, got, f'seed {seed}')
+
+
+def test_early_chunks_under_clipping_match_optax(request):
+  seed = _seed(request)
+  params = random_tree(seed)
+  got, _ = _run(_opt(3), params, seed, steps=7)
+  ref = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(
+      learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask))
+  want, _ = _run(ref, params, seed, steps=7)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7,
+                               err_msg=f'seed {seed}')
+
+
+def test_the_redo_flag_is_the_clip_factor_not_one():
+  scalars = dos_jax.kernels.AdamWScalars(
+      lr=1.0, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0, bc1=0.1, bc2=0.1)
+  assert early_chunks.redo_flag(scalars) is None  # no clip: nothing speculates
+  for factor, want in ((1.0, False), (0.5, True), (0.0, True), (np.nan, True)):
+    flag = early_chunks.redo_flag(
+        scalars.__class__(**{**scalars.__dict__, 'grad_scale': jnp.float32(factor)}))
+    assert bool(flag) is want, factor
+
+
+@pytest.mark.parametrize('kwargs, culprit', [
+    (dict(early_chunks=-1), 'Offload.early_chunks must be an integer >= 0'),
+    (dict(early_chunks=2, chunks=2), 'do not combine'),
+    (dict(early_chunks=2, storage=dos_jax.Storage.STACKED), 'needs per-subgroup storage'),
+])
+def test_bad_early_chunks_name_the_setting(kwargs, culprit):
+  with pytest.raises(ValueError, match=culprit):
+    dos_jax.Offload(policy=dos_jax.Stride(2), **{'storage': dos_jax.Storage.PER_SUBGROUP,
+                                                 **kwargs})
