@@ -22,6 +22,7 @@ from dos_jax.migration import migrate as migrate
 from dos_jax.offload import Offload as Offload
 from dos_jax.offload import PLATFORM_RENAMED as _PLATFORM_RENAMED
 from dos_jax.offload import Program as Program
+from dos_jax.offload import EarlyChunks as EarlyChunks
 from dos_jax.offload import Storage as Storage
 from dos_jax.offload import UpdateImpl as UpdateImpl
 from dos_jax.partition import Partition as Partition

@@ -1,8 +1,10 @@
 """The host tier in K host calls that start during the backward pass.
 
-With per-subgroup storage and `Offload(early_chunks=K)`, the host subgroups are split
-into K chunks in backward order (the last subgroups first: the backward pass makes their
-gradients first). Chunks 1..K-1 are *early*: each is its own host call whose inputs are
+With per-subgroup storage and `Offload(early_chunks=...)`, the host subgroups are split
+into chunks in backward order (the last subgroups first: the backward pass makes their
+gradients first): K near-equal ones for an int K, or early chunks of the given sizes and
+a last one with the rest (`split`; what `dos_jax.planner.timeline.choose_early_chunks`
+gives). All chunks but the last are *early*: each is its own host call whose inputs are
 its gradient pieces in host memory, the step's AdamW scalars and the link of the chunk
 before it, so it can start as soon as its gradients have crossed, while the backward
 pass still runs. Chunk K, the last (its gradients come last), runs after the backward
@@ -48,10 +50,22 @@ from dos_jax.kernels import host_adamw_rows
 from dos_jax.partition import Tier
 
 
-def chunk_count(part: partition_lib.Partition, chunks: int) -> int:
-  """How many host calls the host tier takes: at most `chunks`, one subgroup each at
-  least."""
-  return max(1, min(chunks, len(part.blocks(Tier.HOST))))
+def split(items, early) -> list[list]:
+  """`items` (host blocks or subgroups, in backward order) as the host calls take them:
+  `early` an int K, K calls of near-equal size; a tuple of sizes, one early call of
+  each size in turn and a last call with the rest. The last call is never empty (a
+  tuple covering every item makes its last call the last)."""
+  items = list(items)
+  if isinstance(early, int):
+    count = max(1, min(early, len(items)))
+    return [list(a) for a in np.array_split(np.asarray(items, dtype=object), count)]
+  parts, at = [], 0
+  for size in early:
+    if at + size >= len(items):
+      break
+    parts.append(items[at:at + size])
+    at += size
+  return parts + [items[at:]]
 
 
 def redo_flag(adam_scalars) -> jax.Array | None:
@@ -171,10 +185,9 @@ def redo_region(step: paths.RowStep, fused, *, state, out_h, undo, redo, adam_sc
   return (state,), paths.put(out_h, paths.DEVICE)
 
 
-def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks: int,
-                group=None):
-  """The host tier of a per-subgroup state in `chunks` host calls (see the module
-  docstring); returns (its new arrays, `(out rows on the device, pieces)` per block).
+def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, group=None):
+  """The host tier of a per-subgroup state in host calls as `split(..., chunks)` gives
+  them (see the module docstring); returns (its new arrays, `(out rows on the device, pieces)` per block).
 
   The last chunk and the redo calls are built inside `device_stream.in_group(group)`
   (when `group` is not None), for the caller's device tiers to join.
@@ -182,7 +195,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks: int
   part, layout = context.part, context.layout
   blocks = part.blocks(Tier.HOST)
   new = list(partition_lib.blocks_of(host_tier, len(blocks)))
-  parts = np.array_split(chunked_lib.host_blocks(part), chunk_count(part, chunks))
+  parts = split(chunked_lib.host_blocks(part), chunks)
   redo = redo_flag(context.adam_scalars)
   common = dict(adam_scalars=context.adam_scalars, num_threads=context.offload.host_threads)
   outs, pending, link = [], [], None

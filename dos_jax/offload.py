@@ -74,6 +74,22 @@ class Storage(enum.Enum):
   PER_SUBGROUP = 'per_subgroup'
 
 
+class EarlyChunks(enum.Enum):
+  """`Offload.early_chunks` left to the placement policy."""
+
+  # The policy's `early_chunks(spec, plan)` (`dos_jax.Auto` weighs the backward pass
+  # against the host work and the clip rate); none for a policy without one.
+  AUTO = 'auto'
+
+
+def early_calls(early: int | tuple[int, ...] | EarlyChunks) -> int:
+  """How many host calls an `Offload.early_chunks` value asks for at most (1: one call;
+  2 for `EarlyChunks.AUTO`, which may ask for several)."""
+  if isinstance(early, EarlyChunks):
+    return 2
+  return len(early) + 1 if isinstance(early, tuple) else max(1, early)
+
+
 @dataclasses.dataclass(frozen=True)
 class Offload:
   """Configuration of the offloaded optimizer state.
@@ -103,9 +119,13 @@ class Offload:
       per-subgroup storage (stacked rows would chain every chunk's stream through one
       tier array); applies with the native host kernel, an unsharded state, and both
       host and streamed subgroups (experiments/RESULTS.md).
-    early_chunks: the accelerator program's host tier in this many host calls, the last
+    early_chunks: the accelerator program's host tier in several host calls, the last
       subgroups first, each starting as soon as its gradients are in host memory:
-      all but the last during the backward pass (`dos_jax.early_chunks`). Under
+      all but the last during the backward pass (`dos_jax.early_chunks`). An int K: K
+      calls of near-equal size; a tuple of sizes (subgroups per early call, what
+      `dos_jax.planner.timeline.choose_early_chunks` gives): those, and a last call
+      with the rest. `EarlyChunks.AUTO`: what the policy chooses for the plan
+      (`dos_jax.Auto.early_chunks`), none for a policy that does not choose. Under
       `dos_jax.clip_by_global_norm` those speculate on a clip factor of 1 and are redone
       after the backward pass when the factor is not 1, exactly. 0 or 1: one host call
       after the backward pass. Needs per-subgroup storage; applies with the native host
@@ -129,7 +149,7 @@ class Offload:
   storage: Storage | None = None
   chunks: int = 0
   device_stream: bool = True
-  early_chunks: int = 0
+  early_chunks: int | tuple[int, ...] | EarlyChunks = 0
 
   def __post_init__(self):
     if self.platform is not None and not isinstance(self.platform, Program):
@@ -166,12 +186,23 @@ class Offload:
           f'Offload.chunks={self.chunks} needs per-subgroup storage: pass'
           ' storage=dos_jax.Storage.PER_SUBGROUP (an Auto policy uses it by default)')
     early = self.early_chunks
-    if isinstance(early, bool) or not isinstance(early, int) or early < 0:
-      raise ValueError(f'Offload.early_chunks must be an integer >= 0, got {early!r}')
-    if early > 1 and self.chunks:
+    if isinstance(early, list):
+      object.__setattr__(self, 'early_chunks', early := tuple(early))
+    if isinstance(early, EarlyChunks):
+      pass
+    elif isinstance(early, tuple):
+      if not early or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0
+                              for k in early):
+        raise ValueError('Offload.early_chunks as a tuple must hold subgroup counts > 0,'
+                         f' got {early!r}')
+    elif isinstance(early, bool) or not isinstance(early, int) or early < 0:
+      raise ValueError('Offload.early_chunks must be an integer >= 0 or a tuple of'
+                       f' subgroup counts, got {early!r}')
+    if self.early_calls() > 1 and self.chunks:
       raise ValueError(f'Offload.early_chunks={early} and Offload.chunks={self.chunks} do not'
                        ' combine: pass one of them')
-    if early > 1 and not self.per_subgroup():
+    if (self.early_calls() > 1 and not self.per_subgroup()
+        and not isinstance(early, EarlyChunks)):
       raise ValueError(
           f'Offload.early_chunks={early} needs per-subgroup storage: pass'
           ' storage=dos_jax.Storage.PER_SUBGROUP (an Auto policy uses it by default)')
@@ -181,6 +212,18 @@ class Offload:
         not isinstance(self.host_threads, int) or self.host_threads < 1
     ):
       raise ValueError(f'Offload.host_threads must be >= 1, got {self.host_threads!r}')
+
+  def early_calls(self) -> int:
+    """How many host calls `early_chunks` asks for at most (`early_calls`)."""
+    return early_calls(self.early_chunks)
+
+  def early_for(self, spec, plan) -> int | tuple[int, ...]:
+    """`early_chunks` for a state of `spec` placed by `plan`: the policy's choice for
+    `EarlyChunks.AUTO` (0 where it offers none)."""
+    if not isinstance(self.early_chunks, EarlyChunks):
+      return self.early_chunks
+    choose = getattr(self.policy, 'early_chunks', None)
+    return 0 if choose is None else choose(spec, plan)
 
   def per_subgroup(self) -> bool:
     """Whether tiers are stored per subgroup (see `storage`)."""

@@ -27,6 +27,7 @@ from dos_jax import early_chunks
 from dos_jax import fused as fused_lib
 from dos_jax import layout as layout_lib
 from dos_jax import meshes
+from dos_jax import offload as offload_lib
 from dos_jax import migration as migration_lib
 from dos_jax import partition as partition_lib
 from dos_jax import paths
@@ -295,9 +296,10 @@ def offloaded(
     chunks = offload.chunks if native and offload.host_impl is UpdateImpl.KERNEL else 0
     run_chunked = (split and bool(chunks) and part.per_subgroup and mesh is None
                    and bool(part.ids(Tier.HOST)) and bool(part.ids(Tier.STREAMED)))
-    early = offload.early_chunks if native and offload.host_impl is UpdateImpl.KERNEL else 0
-    run_early = (split and early > 1 and part.per_subgroup and mesh is None
-                 and len(part.blocks(Tier.HOST)) > 1)
+    early = offload.early_for(layout.spec(), plan) if split and part.per_subgroup else 0
+    run_early = (split and offload_lib.early_calls(early) > 1 and native
+                 and offload.host_impl is UpdateImpl.KERNEL and part.per_subgroup
+                 and mesh is None and len(part.blocks(Tier.HOST)) > 1)
     host_grad_pieces = {}
     if split and not run_chunked and not run_early:
       # A sharded state's native host path takes its gradients as rows split over the

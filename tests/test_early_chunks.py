@@ -12,6 +12,7 @@ suite's tolerance holds (tests/test_adamw.py).
 Seeds: each test derives its seed from its name (`zlib.crc32`), printed on failure.
 """
 
+import dataclasses
 import zlib
 
 import jax
@@ -187,3 +188,30 @@ def test_bad_early_chunks_name_the_setting(kwargs, culprit):
   with pytest.raises(ValueError, match=culprit):
     dos_jax.Offload(policy=dos_jax.Stride(2), **{'storage': dos_jax.Storage.PER_SUBGROUP,
                                                  **kwargs})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chooses(dos_jax.Stride):
+  """Stride(2) that asks for early calls of 1 and 2 subgroups, as `dos_jax.Auto` would."""
+
+  def early_chunks(self, spec, plan):
+    del spec
+    return (1, 2) if len(plan.host) > 3 else ()
+
+
+def test_early_chunks_auto_takes_the_policys_choice(request, monkeypatch):
+  seed = _seed(request)
+  params = random_tree(seed)
+  want = _run(_opt(0), params, seed, steps=3)
+  monkeypatch.setattr(fused, 'STATE_RESULT_PLATFORMS', ())
+  offload = dos_jax.Offload(subgroup_size=23, policy=_Chooses(2), platform='gpu',
+                            storage=dos_jax.Storage.PER_SUBGROUP,
+                            early_chunks=dos_jax.EarlyChunks.AUTO)
+  adamw = dos_jax.adamw(learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask,
+                        offload=offload)
+  texts = []
+  got = _run(dos_jax.chain(dos_jax.clip_by_global_norm(MAX_NORM), adamw), params, seed,
+             steps=3, lowered=texts)
+  # Three early blocks (1 + 2), each redone in place.
+  assert texts[0].count('dos_jax_adamw_host_leaves_redo') == 3, seed
+  _assert_identical(want[1][-1].host, got[1][-1].host, f'seed {seed}')

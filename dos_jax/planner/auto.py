@@ -29,6 +29,7 @@ import statistics
 
 from dos_jax.planner import costmodel
 from dos_jax.planner import fitting
+from dos_jax.planner import timeline
 from dos_jax.planner.costmodel import HardwareProfile
 from dos_jax.planner.costmodel import Prediction
 from dos_jax.policies import DeviceFraction
@@ -199,6 +200,7 @@ class Auto:
       budget_bytes: float | None = None,
       activation_bytes: float = 0.0,
       backward_seconds: float = 0.0,
+      clip_rate: float = 0.1,
       tolerance: float = 0.15,
       patience: int = 3,
       warmup: int = 1,
@@ -213,7 +215,9 @@ class Auto:
       activation_bytes: device memory the forward and backward passes need beside
         params and grads; a resident tier must leave room for it.
       backward_seconds: the backward pass's length, behind which host gradient
-        copies hide.
+        copies hide (and early host chunks run: `early_chunks`).
+      clip_rate: the fraction of steps whose clip factor is not 1, which early host
+        chunks redo; `observe_rollbacks` replaces it with the measured one.
       tolerance: relative departure of a measurement from its prediction that counts.
       patience: consecutive departing steps before re-planning.
       warmup: observations ignored after each change of plan (they include compiling).
@@ -229,6 +233,9 @@ class Auto:
     self.activation_bytes = activation_bytes
     self.last_migration: costmodel.Migration | None = None
     self.backward_seconds = backward_seconds
+    if not 0.0 <= clip_rate <= 1.0:
+      raise ValueError(f'Auto.clip_rate must be in [0, 1], got {clip_rate!r}')
+    self.clip_rate = clip_rate
     self.tolerance = tolerance
     self.patience = patience
     self.warmup = warmup
@@ -281,6 +288,24 @@ class Auto:
     self._departures = []
     self._confirmed = False
     return new
+
+  def early_chunks(self, spec: SubgroupSpec, plan: Plan) -> tuple[int, ...]:
+    """The early host calls of `plan` (`Offload(early_chunks=EarlyChunks.AUTO)`): what
+    `timeline.choose_early_chunks` finds shortest on average at `clip_rate`, with the
+    forward pass taken as half the backward; `()` (one host call) when nothing helps or
+    `backward_seconds` is not known."""
+    if self.backward_seconds <= 0 or len(plan.host) < 2:
+      return ()
+    early, _ = timeline.choose_early_chunks(
+        self.profile, spec, plan, forward_seconds=self.backward_seconds / 2,
+        backward_seconds=self.backward_seconds, clip_rate=self.clip_rate)
+    return early
+
+  def observe_rollbacks(self, rollbacks: int, steps: int) -> None:
+    """Takes the clip rate measured over `steps` steps (`rollbacks` of them had a clip
+    factor other than 1) for the next choice of `early_chunks`."""
+    if steps > 0 and 0 <= rollbacks <= steps:
+      self.clip_rate = rollbacks / steps
 
   def plan(self, spec: SubgroupSpec) -> Plan:
     if spec != self.spec or self.current is None:

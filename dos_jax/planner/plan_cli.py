@@ -71,6 +71,16 @@ def _positive_int(text: str) -> int:
   return int(value)
 
 
+def _fraction(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'not a number: {text!r}') from None
+  if not 0.0 <= value <= 1.0:
+    raise argparse.ArgumentTypeError(f'must be in [0, 1], got {text!r}')
+  return value
+
+
 def _positive_float(text: str) -> float:
   try:
     value = float(text)
@@ -143,6 +153,9 @@ def register(subparsers,
   p.add_argument('--achieved-tflops', type=_positive_float, help='training TFLOP/s per device,'
                  ' for the forward/backward estimate (default: 200 on h100-pcie5, 100 on'
                  ' a100-pcie4; otherwise no iteration time)')
+  p.add_argument('--clip-rate', type=_fraction, default=0.1, metavar='R',
+                 help='fraction of steps whose gradients reach the clip norm (a run logs it'
+                 ' as offload/rollbacks): what early host chunks pay to redo (default: 0.1)')
   p.add_argument('--pipeline', type=_positive_int, default=1, metavar='S',
                  help='pipeline stages: report the GPipe bubble and each stage\'s memory')
   p.add_argument('--microbatches', type=_positive_int, default=1, metavar='M',
@@ -372,22 +385,31 @@ def handler(args) -> int:
   if tflops:
     print(f'\n(forward {_ms(fwd)} + backward {_ms(bwd)} estimated at {tflops:g} TFLOP/s per device)')
     shown = [(n, p) for n, p in [('Auto (chosen)', plan)] + statics if p.host and p.streamed]
-    if shown:
-      print(_chunk_line(profile, spec, *shown[0], fwd, bwd))
+    shown += [(n, p) for n, p in statics if p.host and not p.streamed][:1]  # AllHost
+    for name, shown_plan in shown[:1] + shown[-1:] if len(shown) > 1 else shown:
+      print(_chunk_line(profile, spec, name, shown_plan, fwd, bwd, args.clip_rate))
   for line in _why(rows, budget, acts):
     print(line)
   return 0
 
 
-def _chunk_line(profile, spec, name, plan, fwd, bwd, chunks: int = 4) -> str:
-  """A plan's step as the program runs it (`timeline`), its host update in one host
-  call and in `chunks` early ones (`Offload(chunks=...)`)."""
-  def step(k, clipped):
-    return _ms(timeline.timeline(profile, spec, plan, forward_seconds=fwd, backward_seconds=bwd,
-                                 chunks=k, clipped=clipped).seconds)
-  return (f'{name} as the step runs it (dos_jax.planner.timeline): one host call'
-          f' {step(1, True)}; {chunks} early host chunks {step(chunks, True)} with clipping'
-          f' (each waits for the clip factor), {step(chunks, False)} without')
+def _chunk_line(profile, spec, name, plan, fwd, bwd, clip_rate: float) -> str:
+  """A plan's step as the program runs it (`timeline`): its host update in one host call,
+  and in the early host chunks `choose_early_chunks` picks at `clip_rate`."""
+  times = dict(forward_seconds=fwd, backward_seconds=bwd)
+  one = timeline.timeline(profile, spec, plan, chunks=1, **times).seconds
+  early, mean = timeline.choose_early_chunks(profile, spec, plan, clip_rate=clip_rate, **times)
+  line = (f'{name} as the step runs it (dos_jax.planner.timeline): one host call after the'
+          f' backward pass {_ms(one)}')
+  if not early:
+    return line + f'; early host chunks do not help at a clip rate of {clip_rate:g}'
+  calm, fired = (timeline.early_timeline(profile, spec, plan, chunks=early, rollback=r,
+                                         **times).seconds for r in (False, True))
+  calls = f'{len(early)} early host call' + ('s' if len(early) > 1 else '')
+  return (line + f'; {calls} of {early[0]} subgroup{"s" if early[0] > 1 else ""}'
+          f' during the backward pass (offload.early_chunks: [{early[0]}] x {len(early)}),'
+          f' speculating on the clip factor: {_ms(calm)}, {_ms(fired)} on a step that rolls'
+          f' back, mean {_ms(mean)} at a clip rate of {clip_rate:g} ({one / mean:.2f}x)')
 
 
 def _this_is_a_gpu() -> bool:

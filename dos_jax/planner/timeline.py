@@ -29,6 +29,7 @@ import dataclasses
 
 import numpy as np
 
+from dos_jax import early_chunks
 from dos_jax.planner import costmodel
 from dos_jax.planner.hardware import HardwareProfile
 from dos_jax.policies import Plan
@@ -139,3 +140,133 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
   end = max(device, params_free)
   spans.append(Span('device', 'layout and apply', end, end + pred.layout_seconds))
   return Timeline(tuple(sorted(spans, key=lambda s: (s.start, s.end))))
+
+
+def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
+                   forward_seconds: float, backward_seconds: float, chunks,
+                   clipped: bool = True, rollback: bool = False,
+                   stacked: bool = False) -> Timeline:
+  """The step of `plan` with its host tier in the host calls of
+  `Offload(early_chunks=chunks)` (an int K or a tuple of early call sizes; see
+  `dos_jax.early_chunks`):
+
+  * early call k (all but the last) starts once its gradients are in host memory and
+    call k-1 is done, during the backward pass; its done comes before the next call's
+    start, so a call longer than the backward compute it overlaps stalls the device
+    (the done blocks the thread that launches GPU work) and delays what follows;
+  * the last call (the last chunk, plus, on a `rollback` step, the early chunks again)
+    starts after the backward pass, in one group with the device tiers' stream;
+  * every host block's params go back over H2D after the last call.
+
+  `clipped` only names what the early calls speculate on; `rollback`: this step's clip
+  factor is not 1, so the early chunks are redone.
+
+  Example:
+    >>> from dos_jax.planner import costmodel, timeline
+    >>> from dos_jax.policies import Stride, SubgroupSpec
+    >>> spec = SubgroupSpec(num_subgroups=8, subgroup_size=10**7, num_elements=8 * 10**7)
+    >>> profile = costmodel.PROFILE_PRESETS['h100-pcie5']
+    >>> t = timeline.early_timeline(profile, spec, Stride(2).plan(spec), forward_seconds=0.1,
+    ...                             backward_seconds=0.2, chunks=4)
+    >>> t.span('early call 1').start < 0.3  # during the backward pass
+    True
+  """
+  del clipped  # the early calls never wait for the clip factor
+  sizes = costmodel.subgroup_sizes(spec)
+  n = spec.num_subgroups
+  pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds,
+                           stacked=stacked)
+  gb = costmodel.host_pull_bytes(spec)
+  arrived, link_free = {}, 0.0
+  for g in sorted(plan.host, reverse=True):
+    made = forward_seconds + backward_seconds * (n - g) / n
+    link_free = max(made, link_free) + gb * sizes[g] / (profile.d2h_gbps * _GB)
+    arrived[g] = link_free
+  parts = early_chunks.split(sorted(plan.host, reverse=True), chunks)
+  count = len(parts)
+  u_host = profile.host_adamw_gparams() * _GB
+  slowdown = profile.host_copy_slowdown
+  spans, delay, host_done = [], 0.0, 0.0
+  early_work = 0.0
+  for k, hosts in enumerate(parts[:-1], 1):
+    ready = max(arrived[g] for g in hosts) + delay
+    start = max(ready, host_done)
+    work = sum(sizes[g] for g in hosts) / u_host
+    early_work += work
+    host_done = start + costmodel._slowed(work, max(0.0, link_free + delay - start), slowdown)  # pylint: disable=protected-access
+    spans.append(Span('host', f'early call {k}', start, host_done))
+    following = parts[k] if k < len(parts) - 1 else None
+    next_ready = (max(arrived[g] for g in following) if following is not None
+                  else forward_seconds + backward_seconds) + delay
+    delay += max(0.0, host_done - next_ready)  # the done holds the launch thread
+  backward_end = forward_seconds + backward_seconds + delay
+  spans += [Span('device', 'forward', 0.0, forward_seconds),
+            Span('device', 'backward', forward_seconds, backward_end)]
+  if plan.host:
+    spans.append(Span('d2h', 'host-bound gradients', forward_seconds, link_free + delay))
+  both = bool(plan.streamed) and (plan.buffers >= 2 or bool(plan.host))
+  stream = costmodel.stream_seconds(profile, spec, plan, [sizes[g] for g in plan.streamed],
+                                    stacked=stacked, both=both)
+  last = parts[-1]
+  ready = max([arrived[g] + delay for g in last] + [backward_end])
+  start = max(ready, host_done)
+  device = backward_end
+  if len(last) or rollback:
+    work = sum(sizes[g] for g in last) / u_host + (early_work if rollback else 0.0)
+    host_done = start + costmodel._slowed(work, stream, slowdown)  # pylint: disable=protected-access
+    name = 'last call' + (' and redo' if rollback and count > 1 else '')
+    spans.append(Span('host', name, start, host_done))
+  if plan.streamed or plan.resident:
+    spans.append(Span('device', 'device tiers', start, start + stream))
+    device = start + stream
+  device = max(device, host_done)
+  params_free = host_done
+  if plan.host:
+    params_free = host_done + spec.param_bytes_per_element * sum(
+        sizes[g] for g in plan.host) / (profile.h2d_gbps * _GB)
+    spans.append(Span('h2d', 'params', host_done, params_free))
+  end = max(device, params_free)
+  spans.append(Span('device', 'layout and apply', end, end + pred.layout_seconds))
+  return Timeline(tuple(sorted(spans, key=lambda s: (s.start, s.end))))
+
+
+def expected_early_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
+                           forward_seconds: float, backward_seconds: float, chunks,
+                           clip_rate: float, stacked: bool = False) -> float:
+  """The mean step with the host calls of `early_chunks=chunks` when a fraction `clip_rate` of steps
+  roll back (their clip factor is not 1)."""
+  if not 0.0 <= clip_rate <= 1.0:
+    raise ValueError(f'clip_rate must be in [0, 1], got {clip_rate}')
+  kwargs = dict(forward_seconds=forward_seconds, backward_seconds=backward_seconds,
+                chunks=chunks, stacked=stacked)
+  calm = early_timeline(profile, spec, plan, rollback=False, **kwargs).seconds
+  if len(early_chunks.split(plan.host, chunks)) <= 1 or clip_rate == 0.0:
+    return calm
+  fired = early_timeline(profile, spec, plan, rollback=True, **kwargs).seconds
+  return (1.0 - clip_rate) * calm + clip_rate * fired
+
+
+def choose_early_chunks(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
+                        forward_seconds: float, backward_seconds: float, clip_rate: float,
+                        sizes: tuple[int, ...] = (1, 2, 4, 8), stacked: bool = False
+                        ) -> tuple[tuple[int, ...], float]:
+  """`(early_chunks, mean step seconds)`: early calls of one size from `sizes`, as many
+  as make the mean step (at this clip rate) shortest, the rest in the last call. `()`
+  when no early call helps (one host call after the backward pass). Ties go to fewer
+  early subgroups.
+
+  A call fits when it ends before the backward compute its window overlaps; one that
+  does not holds the launch thread (`early_timeline`), so the best plan speculates only
+  on what the backward pass can hide.
+  """
+  kwargs = dict(forward_seconds=forward_seconds, backward_seconds=backward_seconds,
+                clip_rate=clip_rate, stacked=stacked)
+  best = ((), expected_early_seconds(profile, spec, plan, chunks=1, **kwargs))
+  hosts = len(plan.host)
+  for size in sizes:
+    for calls in range(1, (hosts - 1) // size + 1):
+      early = (size,) * calls
+      seconds = expected_early_seconds(profile, spec, plan, chunks=early, **kwargs)
+      if seconds < best[1] * (1 - 1e-9):
+        best = (early, seconds)
+  return best

@@ -89,6 +89,12 @@ class OffloadConfig:
     storage: 'stacked' or 'per_subgroup' (see dos_jax.Storage); null takes dos_jax's
       default (per subgroup for 'auto', whose plan changes then move only the rows that
       change memory; stacked otherwise).
+    early_chunks: the host tier's host calls that start during the backward pass
+      (dos_jax.Offload.early_chunks; the accelerator program with per-subgroup
+      storage): 'auto' (the placement policy chooses: `auto` weighs the backward pass
+      against the host work and the measured clip rate, logged as offload/rollbacks;
+      other policies run one host call), 0 (off), K (K calls of near-equal size) or a
+      list of early call sizes in subgroups.
     keep_freed_host_memory: keep freed host memory in the process for the next step's
       buffers instead of faulting in and zeroing fresh pages every step (glibc only;
       see dos_jax.host_memory).
@@ -101,10 +107,16 @@ class OffloadConfig:
   fraction: float = field(0.5, check=UNIT_INTERVAL)
   subgroup_size: int | None = field(None, check=POSITIVE)
   storage: Literal['stacked', 'per_subgroup'] | None = None
+  early_chunks: Literal['auto'] | int | tuple[int, ...] = 'auto'
   keep_freed_host_memory: bool = True
   placement: Policy | None = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
+    early = self.early_chunks
+    if early != 'auto' and (early < 0 if isinstance(early, int) else
+                            not early or min(early) < 1):
+      raise ConfigError(f'offload.early_chunks: expected auto, an integer >= 0 or a list of'
+                        f' subgroup counts >= 1, got {early!r}')
     object.__setattr__(self, 'placement', _placement(self))
 
 

@@ -236,6 +236,12 @@ def train(
   loss, eval_loss, bad = math.nan, None, None
   timed_steps, timed_total, timed_updates, timed_update, split_steps = 0, 0.0, 0, 0.0, 0
   last_update_s = math.nan  # The latest measured update phase, for the progress line.
+  # Steps whose clip factor was not 1: early host chunks (offload.early_chunks) redo
+  # their speculated update on those (dos_jax.early_chunks).
+  clip_norm = cfg.optim.clip_norm
+  speculating = (clip_norm is not None and cfg.offload.placement is not None
+                 and cfg.offload.early_chunks != 0 and jax.default_backend() == 'gpu')
+  rollbacks = 0
   started = time.perf_counter()
   signum = None
   succeeded = False
@@ -263,6 +269,13 @@ def train(
             step_s=result.step_s, update_s=last_update_s, compiled=result.compiled,
         )
         finite = math.isfinite(loss) and math.isfinite(result.grad_norm)
+        speculation = {}
+        if speculating:
+          rollbacks += not result.grad_norm < clip_norm
+          speculation = {'offload/rollbacks': rollbacks}
+          observe = getattr(cfg.offload.placement, 'observe_rollbacks', None)
+          if observe is not None:  # Auto's next early_chunks choice takes the rate
+            observe(rollbacks, step - start_step)
         moved = {'migrate_s': result.migrate_s} if result.migrate_s else {}
         if moved:  # A plan change: rare, so always on record.
           progress.message(f'step {step}: state moved to the new plan in'
@@ -274,7 +287,7 @@ def train(
               'lr': float(schedule(step - 1)), 'tokens_per_s': tokens_per_step / result.step_s,
               'step_s': result.step_s, 'split': result.split, 'grad_s': result.grad_s,
               'update_s': result.update_s, 'time': time.time(), **placement_metrics,
-              **moved,
+              **speculation, **moved,
           })
         if not finite:  # The params now hold the bad update: never save them.
           bad = _NonFinite(step, f'loss {loss}, grad_norm {result.grad_norm}')

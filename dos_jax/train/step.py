@@ -46,7 +46,7 @@ import optax
 
 import dos_jax
 from dos_jax import clipping
-from dos_jax.train.config import OffloadConfig, OptimConfig
+from dos_jax.train.config import ConfigError, OffloadConfig, OptimConfig
 
 Params = Any
 OptState = Any
@@ -108,8 +108,14 @@ def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'dat
   `platform` and `data_axis` as in `make_optimizer`."""
   kwargs = {} if cfg.subgroup_size is None else {'subgroup_size': cfg.subgroup_size}
   storage = None if cfg.storage is None else dos_jax.Storage(cfg.storage)
-  return dos_jax.Offload(policy=cfg.placement, storage=storage, platform=platform,
-                         data_axis=data_axis, **kwargs)
+  early = dos_jax.EarlyChunks.AUTO if cfg.early_chunks == 'auto' else cfg.early_chunks
+  try:
+    return dos_jax.Offload(policy=cfg.placement, storage=storage, platform=platform,
+                           data_axis=data_axis, early_chunks=early, **kwargs)
+  except ValueError as e:
+    if 'early_chunks' not in str(e):
+      raise
+    raise ConfigError(f'offload.early_chunks: {e}') from None
 
 
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:

@@ -177,6 +177,22 @@ def budget_auto(cfg: RunConfig, devices: Sequence[jax.Device],
   budget = memory.run_budget(cfg, devices, device_bytes)
   if budget is not None:
     auto.budget_bytes, auto.activation_bytes = budget
+    if not auto.backward_seconds:  # what early host chunks can hide behind
+      auto.backward_seconds = backward_seconds(cfg, len(devices))
+
+
+# Training TFLOP/s per device that `backward_seconds` assumes: what `dos-jax plan`
+# assumes for an H100 (`--achieved-tflops`).
+ACHIEVED_TFLOPS = 200.0
+
+
+def backward_seconds(cfg: RunConfig, num_devices: int) -> float:
+  """The backward pass of one step per device, estimated as 4 FLOPs per param and token
+  at `ACHIEVED_TFLOPS`."""
+  abstract = jax.eval_shape(lambda: model_lib.init_params(cfg.model, 0))
+  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
+  tokens = cfg.data.batch_size * cfg.data.seq_len / max(1, num_devices)
+  return 4 * params * tokens / (ACHIEVED_TFLOPS * 1e12)
 
 
 def hf_params(cfg: RunConfig, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:

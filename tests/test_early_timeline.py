@@ -1,0 +1,105 @@
+"""Early host chunks in the planner: `timeline.early_timeline`, `choose_early_chunks`,
+`Auto.early_chunks`, `dos-jax plan`'s line, and the runner's `offload.early_chunks`.
+
+The model's inputs are presets and round numbers (no randomness): a 70-subgroup model on
+the h100-pcie5 profile, whose AllHost step is host-bound and whose Stride(2) step is
+bound by the stream.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+import dos_jax
+from dos_jax import early_chunks
+from dos_jax.planner import costmodel
+from dos_jax.planner import timeline
+from dos_jax.policies import AllHost
+from dos_jax.policies import SubgroupSpec
+from dos_jax.train import config as config_lib
+from dos_jax.train import configlib
+from dos_jax.train import step as step_lib
+
+PROFILE = costmodel.PROFILE_PRESETS['h100-pcie5']
+SPEC = SubgroupSpec(num_subgroups=70, subgroup_size=10**8, num_elements=70 * 10**8)
+TIMES = dict(forward_seconds=1.0, backward_seconds=2.0)
+
+
+def test_split_takes_sizes_in_backward_order_and_keeps_a_last_call():
+  assert early_chunks.split([9, 7, 5, 3, 1], 2) == [[9, 7, 5], [3, 1]]
+  assert early_chunks.split([9, 7, 5, 3, 1], (1, 2)) == [[9], [7, 5], [3, 1]]
+  assert early_chunks.split([9, 7, 5], (1, 2)) == [[9], [7, 5]]  # the last call is 7, 5
+  assert early_chunks.split([9, 7, 5], (5,)) == [[9, 7, 5]]
+
+
+def test_early_calls_start_during_the_backward_pass_and_one_call_is_the_timeline():
+  plan = AllHost().plan(SPEC)
+  one = timeline.early_timeline(PROFILE, SPEC, plan, chunks=1, **TIMES)
+  assert one.span('last call').start >= 3.0  # after forward + backward
+  early = timeline.early_timeline(PROFILE, SPEC, plan, chunks=(1,) * 4, **TIMES)
+  assert all(early.span(f'early call {k}').start < 3.0 for k in range(1, 5))
+  assert early.seconds < one.seconds
+  redo = timeline.early_timeline(PROFILE, SPEC, plan, chunks=(1,) * 4, rollback=True, **TIMES)
+  assert redo.seconds >= early.seconds
+  assert redo.span('last call and redo').end > early.span('last call').end
+
+
+def test_the_choice_weighs_the_clip_rate():
+  plan = AllHost().plan(SPEC)
+  calm, seconds = timeline.choose_early_chunks(PROFILE, SPEC, plan, clip_rate=0.0, **TIMES)
+  one = timeline.timeline(PROFILE, SPEC, plan, chunks=1, **TIMES).seconds
+  assert calm and seconds < one
+  mean = timeline.expected_early_seconds(PROFILE, SPEC, plan, chunks=calm, clip_rate=0.5,
+                                         **TIMES)
+  fired = timeline.early_timeline(PROFILE, SPEC, plan, chunks=calm, rollback=True,
+                                  **TIMES).seconds
+  assert mean == pytest.approx(0.5 * seconds + 0.5 * fired)
+  always, _ = timeline.choose_early_chunks(PROFILE, SPEC, plan, clip_rate=1.0, **TIMES)
+  assert sum(always) <= sum(calm)
+  with pytest.raises(ValueError, match='clip_rate'):
+    timeline.expected_early_seconds(PROFILE, SPEC, plan, chunks=2, clip_rate=2.0, **TIMES)
+
+
+def test_auto_chooses_early_chunks_from_its_backward_pass_and_measured_clip_rate():
+  plan = AllHost().plan(SPEC)
+  auto = dos_jax.Auto(PROFILE, backward_seconds=2.0, clip_rate=0.0)
+  assert auto.early_chunks(SPEC, plan)
+  assert dos_jax.Auto(PROFILE).early_chunks(SPEC, plan) == ()  # no backward pass known
+  auto.observe_rollbacks(10, 10)
+  assert auto.clip_rate == 1.0
+  assert sum(auto.early_chunks(SPEC, plan)) <= sum(
+      dos_jax.Auto(PROFILE, backward_seconds=2.0, clip_rate=0.0).early_chunks(SPEC, plan))
+  with pytest.raises(ValueError, match='clip_rate'):
+    dos_jax.Auto(PROFILE, clip_rate=1.5)
+
+
+def test_plan_prints_the_gain_of_early_host_chunks():
+  out = subprocess.run([sys.executable, '-m', 'dos_jax.cli', 'plan', '--model', '7b'],
+                       capture_output=True, text=True, check=True).stdout
+  line = next(l for l in out.splitlines() if l.startswith('AllHost as the step runs it'))
+  assert 'early host calls' in line and 'rolls back' in line and 'x)' in line, line
+  bad = subprocess.run([sys.executable, '-m', 'dos_jax.cli', 'plan', '--model', '7b',
+                        '--clip-rate', '2'], capture_output=True, text=True)
+  assert bad.returncode == 2 and '--clip-rate' in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize('value, want', [
+    ('auto', dos_jax.EarlyChunks.AUTO), (0, 0), (3, 3), ([1, 2], (1, 2))])
+def test_the_runner_key_becomes_the_offload_value(value, want):
+  cfg = configlib.from_dict(config_lib.OffloadConfig, {
+      'policy': 'stride', 'storage': 'per_subgroup', 'early_chunks': value})
+  assert step_lib.make_offload(cfg).early_chunks == want
+
+
+@pytest.mark.parametrize('value', [-1, [0], 'soon'])
+def test_a_bad_runner_key_names_itself(value):
+  with pytest.raises(configlib.ConfigError, match='offload.early_chunks'):
+    configlib.from_dict(config_lib.OffloadConfig, {'early_chunks': value}, key='offload')
+
+
+def test_explicit_early_chunks_with_stacked_storage_is_refused_in_one_line():
+  cfg = configlib.from_dict(config_lib.OffloadConfig, {
+      'policy': 'stride', 'storage': 'stacked', 'early_chunks': 3})
+  with pytest.raises(configlib.ConfigError, match='offload.early_chunks: .*per-subgroup'):
+    step_lib.make_offload(cfg)
