@@ -228,6 +228,20 @@ part storage "10. bench_update, per-subgroup storage, device tiers on their stre
   --dtype bf16 --storage per_subgroup --policies 'Stride(2),ResidentFraction(0.3)' \
   --device-stream both \
   "${UPDATE_ARGS[@]}" --json "$OUT/storage.json"
+early_runs() {  # the runner's step with one host call and with early host chunks
+  local rc=0 policy early
+  for policy in all_host stride; do
+    for early in 0 4; do
+      python3 experiments/compile_gpu.py --run "$STEP_RUNS" --policy "$policy" \
+        --storage per_subgroup --set "offload.early_chunks=$early" $STEP_ARGS_STR \
+        --json "$OUT/early_${policy}_$early.json" || rc=1
+    done
+  done
+  return $rc
+}
+export -f early_runs
+part early "11. the runner's step, per-subgroup storage, early host chunks off (0) and on (4)" 240 \
+  bash -c 'early_runs'
 
 {
   echo; echo "## Summary"; echo
