@@ -13,7 +13,10 @@ from dos_jax.planner.hardware import HardwareProfile as HardwareProfile
 from dos_jax.planner.report import StepRecord as StepRecord
 from dos_jax.planner.report import explain as explain
 from dos_jax.alias import chain as chain
+from dos_jax.cache import cache_dir as cache_dir
 from dos_jax.clipping import clip_by_global_norm as clip_by_global_norm
+from dos_jax.clipping import clip_factor as clip_factor
+from dos_jax.clipping import is_offloaded as is_offloaded
 from dos_jax.compiler_options import GPU_COMPILER_OPTIONS as GPU_COMPILER_OPTIONS
 from dos_jax.host_memory import keep_freed_host_memory as keep_freed_host_memory
 from dos_jax.layout import Layout as Layout
@@ -25,7 +28,9 @@ from dos_jax.offload import Program as Program
 from dos_jax.offload import Storage as Storage
 from dos_jax.offload import UpdateImpl as UpdateImpl
 from dos_jax.partition import Partition as Partition
+from dos_jax.pinned_pool import check_pinned_pool as check_pinned_pool
 from dos_jax.pinned_pool import PinnedPoolError as PinnedPoolError
+from dos_jax.pinned_pool import size_pinned_pool as size_pinned_pool
 from dos_jax.partition import Tier as Tier
 from dos_jax.portable import state_from_pytrees as state_from_pytrees
 from dos_jax.portable import state_to_pytrees as state_to_pytrees
