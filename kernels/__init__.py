@@ -1,4 +1,4 @@
-"""Update kernels: a Pallas fused AdamW for the device path, a native AdamW for the host path.
+"""The AdamW kernels: the Pallas AdamW for the device path, the native host AdamW for the host path.
 
 Both update a subgroup's AdamW state in place, from the step's `AdamWScalars`, a
 weight-decay boundary and a low-precision dtype. `adamw_pallas_rows` takes one

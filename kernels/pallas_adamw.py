@@ -1,4 +1,4 @@
-"""Fused AdamW for one subgroup's `(K, S)` state block as a Pallas (Triton backend) kernel.
+"""The Pallas AdamW: one subgroup's `(K, S)` state block in one pass (Triton backend).
 
 One pass reads the block's fp32 master weights, m, v and the gradient (bf16 or fp32), and
 writes the new master, m, v in place plus the low-precision parameter copy. XLA already fuses an
