@@ -1,9 +1,10 @@
-"""Builds the native host AdamW libraries (kernels/host_adamw*.cc) of dos_jax.kernels.
+"""Builds the native host AdamW library (kernels/host_adamw_rows.cc) of dos_jax.kernels,
+and the probe of the instruction sets its loop can use here (kernels/host_isa.cc).
 
 Everything else about the package lives in pyproject.toml. The XLA FFI headers come from
 the jaxlib installed in the build environment (a build requirement), located without
 importing it. The extension is optional: where it cannot be compiled the package still
-installs and `dos_jax.kernels.host_kernel_available()` says why it is missing.
+installs and `dos_jax.kernels.rows_kernel_available()` says why it is missing.
 
 Which headers, and why. A handler reports the XLA FFI API version of the headers it was
 compiled with, and an XLA runtime accepts only versions it knows: jaxlib 0.10.2 accepts
@@ -115,7 +116,7 @@ class CachedBuildExt(build_ext):
   """build_ext that reuses an up-to-date library instead of compiling it again.
 
   `pip install -e .` builds in a fresh temporary directory every time, so plain
-  build_ext recompiled both libraries (~48 s) on every reinstall. After a build, a
+  build_ext recompiled every library (~48 s) on every reinstall. After a build, a
   stamp next to the in-place library (kernels/<lib>.so.sha256, which an editable
   install also writes there) records the digest of its inputs and of the library; a
   later build whose inputs have the same digest copies that library instead. Any edit
@@ -158,9 +159,10 @@ class CachedBuildExt(build_ext):
 setup(
     cmdclass={'build_ext': CachedBuildExt},
     ext_modules=[
-        _native_extension('_host_adamw', 'host_adamw.cc'),
-        # The same loop rules over rows of the stacked state (the core's host path), and
-        # its registration inside a GPU PJRT plugin, for GPU programs' host regions.
+        # The loop over rows of the stacked state (the core's host path), and its
+        # registration inside a GPU PJRT plugin, for GPU programs' host regions.
         _native_extension('_host_adamw_rows', 'host_adamw_rows.cc', 'pjrt_register.cc'),
+        # Which instruction sets that loop can use on this CPU (adamw_common.h's answer).
+        _native_extension('_host_isa', 'host_isa.cc'),
     ],
 )

@@ -5,6 +5,7 @@ that are updated partly on the device (streamed through free device memory) and
 partly on the host, in one jitted step.
 """
 
+import importlib as _importlib
 import warnings as _warnings
 
 from dos_jax.alias import adamw as adamw
@@ -13,11 +14,12 @@ from dos_jax.planner.hardware import HardwareProfile as HardwareProfile
 from dos_jax.planner.report import StepRecord as StepRecord
 from dos_jax.planner.report import explain as explain
 from dos_jax.alias import chain as chain
+from dos_jax.cache import cache_dir as cache_dir
 from dos_jax.clipping import clip_by_global_norm as clip_by_global_norm
+from dos_jax.clipping import clip_factor as clip_factor
+from dos_jax.clipping import is_offloaded as is_offloaded
 from dos_jax.compiler_options import GPU_COMPILER_OPTIONS as GPU_COMPILER_OPTIONS
 from dos_jax.host_memory import keep_freed_host_memory as keep_freed_host_memory
-from dos_jax.layout import Layout as Layout
-from dos_jax.layout import spec_for as spec_for
 from dos_jax.migration import migrate as migrate
 from dos_jax.offload import Offload as Offload
 from dos_jax.offload import PLATFORM_RENAMED as _PLATFORM_RENAMED
@@ -25,9 +27,9 @@ from dos_jax.offload import Program as Program
 from dos_jax.offload import EarlyChunks as EarlyChunks
 from dos_jax.offload import Storage as Storage
 from dos_jax.offload import UpdateImpl as UpdateImpl
-from dos_jax.partition import Partition as Partition
+from dos_jax.pinned_pool import check_pinned_pool as check_pinned_pool
 from dos_jax.pinned_pool import PinnedPoolError as PinnedPoolError
-from dos_jax.partition import Tier as Tier
+from dos_jax.pinned_pool import size_pinned_pool as size_pinned_pool
 from dos_jax.portable import state_from_pytrees as state_from_pytrees
 from dos_jax.portable import state_to_pytrees as state_to_pytrees
 from dos_jax.policies import AdaptivePolicy as AdaptivePolicy
@@ -48,9 +50,24 @@ from dos_jax.transform import offloaded as offloaded
 __version__ = '0.1.0'
 
 
+# The state's internals, exported here until issue 30: each now only from its module.
+_MOVED = {
+    'Layout': ('dos_jax.layout', 'Layout'),
+    'spec_for': ('dos_jax.layout', 'spec_for'),
+    'Partition': ('dos_jax.partition', 'Partition'),
+    'Tier': ('dos_jax.partition', 'Tier'),
+}
+
+
 def __getattr__(name: str):
-  """`Platform`, the deprecated name of `Program`, for one release."""
+  """Deprecated names, for one release: `Platform` (now `Program`), and the state's
+  internals that moved to their modules (`_MOVED`)."""
   if name == 'Platform':
     _warnings.warn(_PLATFORM_RENAMED, DeprecationWarning, stacklevel=2)
     return Program
+  if name in _MOVED:
+    module, attr = _MOVED[name]
+    _warnings.warn(f'dos_jax.{name} is deprecated: use {module}.{attr} (not a public '
+                   'name of dos_jax from the next release)', DeprecationWarning, stacklevel=2)
+    return getattr(_importlib.import_module(module), attr)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -1,9 +1,9 @@
-"""Whether a fused AdamW kernel can run a step's rows: one decision, with its reason.
+"""Whether an AdamW kernel can run a step's rows: one decision, with its reason.
 
 A step of `dos_jax.adamw` may hand its rows to one of two kernels in place of XLA's
-element-wise ops (`Kernel`). Whether it can is decided here only, from the transform,
-the state's layout, the gradients and the program, and comes back as one `Capability`:
-usable or not, and why not. The implementation the user asked for
+element-wise ops (`Kernel`): the native host AdamW or the Pallas AdamW. Whether it can
+is decided here only, from the transform, the state's layout, the gradients and the
+program, and comes back as one `Capability`: usable or not, and why not. The implementation the user asked for
 (`Offload.host_impl`, `Offload.device_impl`) is the caller's to combine with it: a
 kernel is used where it is asked for and usable.
 
@@ -28,7 +28,7 @@ from dos_jax.offload import Program
 
 
 class Kernel(enum.Enum):
-  """The fused AdamW kernels a step may use."""
+  """The AdamW kernels a step may use (`UpdateImpl.KERNEL` asks for them)."""
 
   # `kernels.host_adamw_rows`: host rows in one native call, every row of the CPU
   # program, and the accelerator program's host tier inside a host region.
@@ -66,7 +66,8 @@ def capability(kernel: Kernel, fused: FusedAdamW | None, step: paths.RowStep,
     `Capability(True, '')`, or `Capability(False, why)`.
   """
   if fused is None:
-    return Capability(False, 'the transform is not dos_jax.adamw (no FusedAdamW)')
+    return Capability(False, 'the transform is not dos_jax.adamw (the kernels compute AdamW '
+                      'only)')
   if kernel is Kernel.PALLAS:
     return _pallas(step, program)
   return _native_host(fused, step, program, grad_leaves)
@@ -89,7 +90,7 @@ def _native_host(fused: FusedAdamW, step: paths.RowStep, program: Program,
                  grad_leaves: Sequence[Any]) -> Capability:
   if fused.nesterov:
     # The kernel rounds Nesterov's sum an ulp apart from XLA's program in a few
-    # elements; the fused path promises bit-identical results, so XLA keeps it.
+    # elements; the native path promises bit-identical results, so XLA keeps it.
     return Capability(False, 'Nesterov momentum (the kernel is not bit-identical to XLA there)')
   if not host_adamw_rows.rows_kernel_available():
     return Capability(False, host_adamw_rows.rows_kernel_unavailable_reason())

@@ -28,7 +28,19 @@ _OFFLOADED = 'dos_jax_offloaded'  # attribute on an offloaded transform's update
 
 
 def clip_factor(grads: Any, max_norm: float | jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`(factor, norm)`: optax.clip_by_global_norm's scale and the norm before clipping."""
+  """`(factor, norm)`: optax.clip_by_global_norm's scale and the norm before clipping.
+
+  For a training step of its own: pass `factor` as the offloaded update's `grad_scale`
+  (`tx.update(grads, state, params, grad_scale=factor)`, where `is_offloaded(tx)`), and
+  the gradients are scaled where they are updated, after their transfer.
+
+  Args:
+    grads: the gradient tree.
+    max_norm: the largest global L2 norm the gradients keep.
+
+  Returns:
+    `(min(1, max_norm / norm), norm)`, both f32 scalars.
+  """
   norm = optax.tree.norm(grads)
   return jnp.where(norm < max_norm, 1.0, max_norm / norm), norm
 
@@ -86,6 +98,9 @@ def mark_offloaded(transform: optax.GradientTransformationExtraArgs):
 
 
 def is_offloaded(transform: optax.GradientTransformation) -> bool:
+  """Whether `transform` is one of dos_jax's offloaded transforms (`dos_jax.adamw`,
+  `dos_jax.offloaded`): its update takes `grad_scale` (and `plan`) keyword arguments,
+  which optax's transforms do not."""
   return bool(getattr(transform.update, _OFFLOADED, False))
 
 

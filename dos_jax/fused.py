@@ -112,9 +112,8 @@ def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
 
   The kernel reads the gradient (and param) leaves directly, so the packed `(G, S)`
   rows are never built, and writes a fresh out buffer (every row of it; the kernel
-  asks for huge pages for it, see adamw_common.h). Writing the out leaves over the
-  gradients instead (`into_grads`) saves that buffer's memory but was not faster: XLA
-  copies gradients that are arguments of the step first (experiments/RESULTS.md).
+  asks for huge pages for it, see adamw_common.h; why not over the gradients:
+  docs/design.md).
   """
   num_rows = stacked[0].shape[0]
   new_state, out = host_adamw_rows.adamw_host_leaves(

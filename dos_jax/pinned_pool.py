@@ -8,9 +8,10 @@ an allocator error deep in XLA ("Out of host memory ... xla_gpu_host_bfc"), e.g.
 7B model's 76 GiB of fp32 Adam state on one GPU.
 
 Two users:
-- `dos-jax train` sets the variable, before JAX starts a backend, to what its plan
-  puts in pinned host memory per process (`set_default`, `required_gib`), and on a GPU
-  refuses a smaller value the user set (`check_limit`).
+- `dos-jax train` (or a user's script: `dos_jax.size_pinned_pool`) sets the variable,
+  before JAX starts a backend, to what its plan puts in pinned host memory per process
+  (`set_default`, `required_gib`), and on a GPU refuses a smaller value the user set
+  (`dos_jax.check_pinned_pool`).
 - The offloaded transforms' `init` on a GPU backend compares the state's pinned bytes
   with the limit in force (`check_init`) before allocating anything.
 """
@@ -95,6 +96,34 @@ def set_default(pinned_bytes: float, environ: Any = None) -> int:
     environ[ENV_VAR] = str(needed)
     return needed
   return limit
+
+
+def size_pinned_pool(pinned_bytes: float) -> int:
+  """Makes XLA's pinned-host pool large enough for `pinned_bytes` per process.
+
+  Call it before JAX starts a backend (the GPU client reads the cap once): where
+  `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` is unset and XLA's default (64 GiB) is too small
+  for `pinned_bytes` plus a margin, it sets the variable; a value the user set is kept
+  (`check_pinned_pool` checks it once a GPU backend runs). Touches no backend.
+
+  Args:
+    pinned_bytes: pinned host bytes the process will hold (e.g. the optimizer state's
+      host and streamed tiers, `state_pinned_bytes`).
+
+  Returns:
+    The cap in force, in GiB.
+
+  Raises:
+    PinnedPoolError: the user's value is not a positive whole number.
+  """
+  return set_default(pinned_bytes)
+
+
+def check_pinned_pool(pinned_bytes: float, *, what: str = 'the optimizer state') -> None:
+  """Raises PinnedPoolError (one line: the variable, the value needed) when the pinned
+  pool cap in force is too small for `pinned_bytes`, named `what` in the message."""
+  limit, _ = limit_in_force()
+  check_limit(pinned_bytes, limit, what=what)
 
 
 def state_pinned_bytes(params: Any, offload: Offload, mask: Any = None,

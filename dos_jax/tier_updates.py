@@ -58,8 +58,8 @@ class Path(enum.Enum):
 
 
 def choose_path(program: Program, tier: Tier, native: bool, sharded: bool) -> Path:
-  """The path of `tier` in `program`; `native`: the fused kernel is asked for and usable
-  for this tier; `sharded`: the state is sharded over a mesh."""
+  """The path of `tier` in `program`; `native`: the native host AdamW is asked for and
+  usable for this tier; `sharded`: the state is sharded over a mesh."""
   if program is Program.ONE_MEMORY:
     return Path.ONE_MEMORY_NATIVE if native else Path.ONE_MEMORY_XLA
   if tier is Tier.HOST:
@@ -84,7 +84,7 @@ class StepContext:
   grad_dtype: Any
   scalars: tuple[jax.Array, ...]  # the pre-step scalar state
   new_scalars: tuple[jax.Array, ...]  # after the step (`paths.scalar_update`)
-  adam_scalars: AdamWScalars | None  # the fused kernels' scalars, once per step
+  adam_scalars: AdamWScalars | None  # the AdamW kernels' scalars, once per step
   mesh: Any  # the mesh the state is sharded over (ZeRO-1), or None
   # Accelerator program: each host block's gradient pieces, already sent to host memory
   # (see `gate_device_update`), by the block's subgroups.

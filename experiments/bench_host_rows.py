@@ -5,8 +5,9 @@ Times, on `--params` elements split into subgroups of `--subgroup-size`:
     donated): the baseline;
   * `adamw_host_rows` over every subgroup of a donated (G, K, S) state, with a master
     (16-bit params: f32 master, mu, nu; bf16 gradients and bf16 out rows) and without
-    (fp32 params: mu, nu; f32 gradients, params and update rows);
-  * the flat `adamw_host` on the same elements, for reference.
+    (fp32 params: mu, nu; f32 gradients, params and update rows).
+(A row of the flat host kernel, `adamw_host`, was measured beside these until that
+kernel left the library: results_kernels2.md.)
 Each is the median of `--reps` runs after one warm-up.
 
   python experiments/bench_host_rows.py --params 50_000_000 --subgroup-size 10_000_000
@@ -87,16 +88,6 @@ def main(argv=None) -> None:
     fn = jax.jit(functools.partial(row_step, lowp, slots), donate_argnums=(0, 1))
     t = median_time(fn, (stacked, jnp.zeros((groups, size), lowp)), (grads, params), args.reps)
     print(f'{name:<40} {t * 1e3:8.1f} ms  {n / t / 1e9:5.2f} Gparam/s  {t / base:.2f}x')
-
-  flat = jax.jit(lambda m, mu, nu, lp, g: kernels.adamw_host(
-      m, mu, nu, g, scalars, decay_limit=n, lowp_dtype=jnp.bfloat16, lowp_out=lp,
-      num_threads=args.threads), donate_argnums=(0, 1, 2, 3))
-  zeros = lambda dtype=jnp.float32: jnp.zeros((n,), dtype)
-  t = median_time(flat, (param32 + 0, zeros(), zeros(), zeros(jnp.bfloat16)),
-                  (grad32.astype(jnp.bfloat16),), args.reps)
-  print(f'{"flat adamw_host, bf16 grads + out":<40} {t * 1e3:8.1f} ms  '
-        f'{n / t / 1e9:5.2f} Gparam/s  {t / base:.2f}x')
-
 
 if __name__ == '__main__':
   main()

@@ -1,16 +1,18 @@
 """Throughput of the AdamW kernels against jitted optax and a memory-bandwidth probe.
 
-CPU (always): the native host AdamW at 1 and 2 threads, `jax.jit(optax.adamw)` (update
-+ apply, donated), DeepSpeedCPUAdam when `deepspeed` is importable, and numpy streaming
-probes that bound what any AdamW can do: an update reads and writes master, m, v and
-reads the gradient, 28 bytes per parameter with fp32 gradients and no 16-bit copy (or
-bf16 gradients plus a bf16 copy), so Gparam/s <= probe GB/s / 28.
-GPU (only where JAX sees one): the Pallas AdamW (bf16 gradients and a bf16 copy, as the
-device path runs it, and fp32 gradients without a copy) against two jitted device copies
-of the same byte count (`x + 1` and `jnp.copy` on an f32 buffer of 3.5 elements per
-parameter: 28 bytes read and written per parameter, like the AdamW) and against
-`jax.jit(optax.adamw)` (update + apply + the 16-bit copy, donated) at the same sizes
-(default 16M and 256M). The bandwidth goal is 85% of the copy's.
+CPU (always): the native host AdamW at 1 and 2 threads (the library's row-wise kernel on
+one subgroup), `jax.jit(optax.adamw)` (update + apply, donated), DeepSpeedCPUAdam when
+`deepspeed` is importable, and numpy and XLA streaming probes that bound what any AdamW
+can do: an update reads and writes master, m, v and reads the gradient, 28 bytes per
+parameter with fp32 gradients and no 16-bit copy (or bf16 gradients plus a bf16 copy),
+so Gparam/s <= probe GB/s / 28.
+GPU (only where JAX sees one): the flat Pallas AdamW (pallas_adamw_flat.py; bf16
+gradients and a bf16 copy, as the device path runs it, and fp32 gradients without a
+copy) against two jitted device copies of the same byte count (`x + 1` and `jnp.copy`
+on an f32 buffer of 3.5 elements per parameter: 28 bytes read and written per
+parameter, like the AdamW) and against `jax.jit(optax.adamw)` (update + apply + the
+16-bit copy, donated) at the same sizes (default 16M and 256M). The bandwidth goal is
+85% of the copy's.
 
   python experiments/bench_kernels.py                      # 64M params, prints a table
   python experiments/bench_kernels.py --out experiments/results_kernels.md
@@ -37,6 +39,7 @@ import numpy as np
 import optax
 
 from dos_jax import kernels
+import pallas_adamw_flat  # experiments/ is the script's own directory
 
 BYTES_PER_PARAM = 28  # read p, m, v, g (16) + write p, m, v (12), fp32 everywhere
 
@@ -103,14 +106,12 @@ def _timed(fn: Callable) -> float:
 
 
 def probe_cases(size: int) -> list[Case]:
-  """Memory-bandwidth probes: bounds on what any AdamW can reach here."""
-  from dos_jax.kernels import _host_adamw  # pylint: disable=g-import-not-at-top
-  cases = [
-      # The AdamW traffic (28 B/param) with no arithmetic, threaded like the kernel.
-      Case(f'native p, m, v += g in place (AdamW traffic), {t} thread(s), huge pages',
-           BYTES_PER_PARAM, functools.partial(_host_adamw.probe_seconds, size, t, 1))
-      for t in (1, 2)
-  ]
+  """Memory-bandwidth probes: bounds on what any AdamW can reach here.
+
+  (The native AdamW-traffic probe, `p, m, v += g` threaded like the kernel, was part of
+  the flat host kernel's library and went with it; results_kernels*.md show its rows.)
+  """
+  cases = []
   a, b = np.ones(size, np.float32), np.ones(size, np.float32)
   for threads in (1, 2):
     pool = concurrent.futures.ThreadPoolExecutor(threads)  # numpy frees the GIL
@@ -137,21 +138,26 @@ def _lowp_name(lowp_dtype) -> str:
 
 
 def host_cases(size: int) -> list[Case]:
-  """The native host AdamW; all variants update one shared, donated state."""
+  """The native host AdamW (`adamw_host_rows` on one subgroup: a `(1, 3, size)` state of
+  master, mu and nu, decayed); all variants update one shared, donated state. Without a
+  16-bit copy the out row is an f32 copy of the master (4 B/param more than counted)."""
   rng = np.random.default_rng(0)
-  grads = {d: jnp.asarray(rng.standard_normal(size, dtype=np.float32) * 1e-2, d)
+  grads = {d: jnp.asarray(rng.standard_normal((1, size), dtype=np.float32) * 1e-2, d)
            for d in (jnp.float32, jnp.bfloat16)}
-  state = Carry((*_state(size, rng), jnp.zeros(size, jnp.bfloat16)))
+  state = Carry((jnp.stack(_state(size, rng))[None], jnp.zeros((1, size), jnp.bfloat16)))
   scalars = _scalars()
+  row = jnp.zeros(1, jnp.int32)
 
   @functools.partial(jax.jit, static_argnames=('threads', 'lowp_dtype'),
                      donate_argnums=0)
   def update(state, grad, *, threads, lowp_dtype):
-    master, mu, nu, lowp = state
-    master, mu, nu, new_lowp = kernels.adamw_host(
-        master, mu, nu, grad, scalars, decay_limit=size // 2, lowp_dtype=lowp_dtype,
-        num_threads=threads, lowp_out=None if lowp_dtype is None else lowp)
-    return master, mu, nu, lowp if new_lowp is None else new_lowp
+    stacked, lowp = state
+    reuse = lowp_dtype == jnp.bfloat16  # the dead copy is the out buffer
+    stacked, out = kernels.adamw_host_rows(
+        stacked, grad, None, row, scalars, slots=(0, 1, 2), decayed_rows=1,
+        lowp_dtype=lowp_dtype or jnp.float32, num_threads=threads,
+        out=lowp if reuse else None)
+    return stacked, out if reuse else lowp
 
   cases = []
   for grad_dtype, lowp_dtype in ((jnp.float32, None), (jnp.bfloat16, jnp.bfloat16)):
@@ -257,7 +263,7 @@ def gpu_cases(size: int, interpret: bool = False) -> list[Case]:
   @functools.partial(jax.jit, static_argnames='lowp_dtype', donate_argnums=0)
   def update(state, grad, *, lowp_dtype):
     master, mu, nu, lowp = state
-    master, mu, nu, new_lowp = kernels.adamw_pallas(
+    master, mu, nu, new_lowp = pallas_adamw_flat.adamw_pallas(
         master, mu, nu, grad, scalars, decay_limit=size // 2, lowp_dtype=lowp_dtype,
         lowp_out=None if lowp_dtype is None else lowp, interpret=interpret)
     return master, mu, nu, lowp if new_lowp is None else new_lowp
@@ -337,13 +343,14 @@ def main():
   if args.gpu_only and not (on_gpu or args.interpret):
     raise SystemExit(f'--gpu-only: no GPU here ({jax.default_backend()}); add --interpret '
                      'for a smoke test')
-  if not args.gpu_only and not kernels.host_kernel_available():
-    raise SystemExit(f'host kernel missing: {kernels.host_kernel_unavailable_reason()}')
+  if not args.gpu_only and not kernels.rows_kernel_available():
+    raise SystemExit('host kernel missing: '
+                     f'{kernels.host_adamw_rows.rows_kernel_unavailable_reason()}')
   header = (f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, '
             f'{platform.processor() or platform.machine()}, '
             f'{kernels.default_num_threads()} cores available, jax {jax.__version__}'
             + (f', host ISA {max(kernels.supported_isas()).name}'
-               if kernels.host_kernel_available() else ''))
+               if kernels.rows_kernel_available() else ''))
   print(header)
   report, rows = [], {}
   if not args.gpu_only:

@@ -31,6 +31,8 @@ import time
 import jax
 
 import dos_jax
+from dos_jax.partition import Partition
+from dos_jax.partition import Tier
 from bench_update import parse_policy  # pylint: disable=import-error
 from bench_update import synthetic  # pylint: disable=import-error
 
@@ -58,12 +60,12 @@ def new_buffer_bytes(old, new) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(new) if x.unsafe_buffer_pointer() not in held)
 
 
-def moved_rows(old: dos_jax.Partition, new: dos_jax.Partition) -> tuple[int, int]:
+def moved_rows(old: Partition, new: Partition) -> tuple[int, int]:
   """(rows that change memory, rows that change tier within host memory)."""
   crossing = within = 0
   for g in range(old.num_subgroups):
     a, b = old.tier_of(g), new.tier_of(g)
-    if (a is dos_jax.Tier.RESIDENT) != (b is dos_jax.Tier.RESIDENT):
+    if (a is Tier.RESIDENT) != (b is Tier.RESIDENT):
       crossing += 1
     elif a is not b:
       within += 1

@@ -77,7 +77,8 @@ install_step() {  # the package importable from this tree, built if possible; ve
 import os, dos_jax.kernels as k
 assert os.path.realpath(k.__file__).startswith(os.path.realpath(os.getcwd()) + os.sep), k.__file__'
   local importable="$here"'
-assert k.rows_kernel_available(), k.host_adamw_rows.rows_kernel_unavailable_reason()'
+assert k.rows_kernel_available(), k.host_adamw_rows.rows_kernel_unavailable_reason()
+assert k.supported_isas(), "the instruction-set probe (_host_isa) is not built"'
   if [ "$REINSTALL" != 1 ] && python3 -c "$importable" 2>/dev/null; then
     echo "dos_jax imports from this tree with its native kernel: nothing to install"
   else

@@ -1,6 +1,6 @@
 """Loading a native host AdamW library and registering its XLA FFI targets.
 
-Both native modules (`_host_adamw`, `_host_adamw_rows`) are optional: compiled when
+The native modules (`_host_adamw_rows`, `_host_isa`) are optional: compiled when
 the package is installed, possibly missing or unloadable. `load` says which, with the
 reason, so that callers can fall back to XLA and report why.
 """

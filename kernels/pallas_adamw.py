@@ -1,7 +1,7 @@
-"""Fused AdamW for one flat subgroup as a Pallas (Triton backend) kernel.
+"""The Pallas AdamW: one subgroup's `(K, S)` state block in one pass (Triton backend).
 
-One pass reads the fp32 master weights, m, v and the gradient (bf16 or fp32), and writes
-the new master, m, v in place plus the low-precision parameter copy. XLA already fuses an
+One pass reads the block's fp32 master weights, m, v and the gradient (bf16 or fp32), and
+writes the new master, m, v in place plus the low-precision parameter copy. XLA already fuses an
 elementwise AdamW; what this kernel adds is the in-place update (`input_output_aliases`),
 the 16-bit weight output in the same pass and the gradient scale folded in.
 
@@ -31,7 +31,7 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
-  """How the flat subgroup is cut into Triton programs."""
+  """How a subgroup's elements are cut into Triton programs."""
 
   block_size: int = 2048  # elements per program; a power of two (Triton needs one)
   num_warps: int = 4  # 128 threads x 16 elements: enough bytes in flight per SM
@@ -83,97 +83,6 @@ def _ieee_sqrt(x):
       'sqrt.rn.f32 $0, $1;', args=[x], constraints='=f,f', pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, _F32)])
   return out
-
-
-def _adamw_kernel(
-    coeffs_ref, limit_ref, master_ref, mu_ref, nu_ref, grad_ref, *refs,
-    size: int, block_size: int, nesterov: bool, exact_ops: bool, has_lowp: bool):
-  # refs: [lowp_in_ref (only aliased, never read)], then the outputs master, mu, nu
-  # (aliased to their inputs) and, unless lowp_dtype is None, lowp.
-  master_out_ref, mu_out_ref, nu_out_ref, *lowp_ref = refs[-4:] if has_lowp else refs[-3:]
-  idx = pl.program_id(0) * block_size + jnp.arange(block_size, dtype=jnp.int32)
-  in_bounds = idx < size  # the last block may run past the end: mask, never pad
-  load = functools.partial(plgpu.load, mask=in_bounds, other=0)
-  coeffs = adamw_scalars.Coefficients(
-      *(coeffs_ref[i] for i in range(len(adamw_scalars.Coefficients._fields))))
-  new_master, new_mu, new_nu = _adam_math(
-      coeffs, load(master_ref), load(mu_ref), load(nu_ref), load(grad_ref),
-      idx < limit_ref[0], nesterov=nesterov,
-      div=_ieee_div if exact_ops else jnp.divide,
-      sqrt=_ieee_sqrt if exact_ops else jnp.sqrt)
-  store = functools.partial(plgpu.store, mask=in_bounds)
-  store(master_out_ref, new_master)
-  store(mu_out_ref, new_mu.astype(mu_out_ref.dtype))
-  store(nu_out_ref, new_nu)
-  if has_lowp:
-    store(lowp_ref[0], new_master.astype(lowp_ref[0].dtype))
-
-
-@functools.partial(
-    jax.jit, static_argnames=('lowp_dtype', 'nesterov', 'config', 'interpret'))
-def _adamw_call(packed, limit, master, mu, nu, grad, lowp_out, *, lowp_dtype, nesterov,
-                config, interpret):
-  size = master.shape[0]
-  block = config.block_size
-  kernel = functools.partial(
-      _adamw_kernel, size=size, block_size=block, nesterov=nesterov,
-      exact_ops=not interpret, has_lowp=lowp_dtype is not None)
-  state_spec = pl.BlockSpec((block,), lambda i: (i,))
-  whole = lambda n: pl.BlockSpec((n,), lambda i: (0,))
-  reuse = lowp_out is not None
-  out_shape = [
-      jax.ShapeDtypeStruct(master.shape, master.dtype),
-      jax.ShapeDtypeStruct(mu.shape, mu.dtype),
-      jax.ShapeDtypeStruct(nu.shape, nu.dtype),
-  ] + ([] if lowp_dtype is None else [jax.ShapeDtypeStruct(master.shape, lowp_dtype)])
-  out = pl.pallas_call(
-      kernel,
-      grid=(pl.cdiv(size, block),),
-      in_specs=([whole(adamw_scalars.NUM_SLOTS), whole(1)] +
-                [state_spec] * (5 if reuse else 4)),
-      out_specs=[state_spec] * len(out_shape),
-      out_shape=out_shape,
-      input_output_aliases={2: 0, 3: 1, 4: 2, **({6: 3} if reuse else {})},
-      compiler_params=plgpu.CompilerParams(
-          num_warps=config.num_warps, num_stages=config.num_stages),
-      interpret=interpret,
-      name='dos_jax_adamw',
-  )(packed, limit, master, mu, nu, grad, *([lowp_out] if reuse else []))
-  return (*out[:3], out[3] if lowp_dtype is not None else None)
-
-
-def adamw_pallas(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
-                 lowp_dtype: Any, nesterov: bool = False,
-                 config: BlockConfig = DEFAULT_CONFIG, interpret: bool = False,
-                 lowp_out=None):
-  """One AdamW step on a flat subgroup, fused into one Pallas kernel.
-
-  Args:
-    master: f32[S] master weights; updated in place (aliased to the first output).
-    mu: f32[S] or bf16[S] first moment; updated in place.
-    nu: f32[S] second moment; updated in place.
-    grad: f32[S] or bf16[S] gradient, multiplied by `scalars.grad_scale` first.
-    scalars: the step's `AdamWScalars`.
-    decay_limit: int32 scalar (may be traced); weight decay applies to indices below it.
-    lowp_dtype: dtype of the parameter copy written in the same pass (bf16, f16, f32),
-      or None for no copy (then the fourth result is None).
-    nesterov: optax's Nesterov variant (needs `scalars.bc1_next`).
-    config: block sizes.
-    interpret: run the kernel in the Pallas interpreter (any backend, CPU included).
-    lowp_out: optional dead array of shape (S,) and dtype `lowp_dtype` (e.g. last
-      step's low-precision params), aliased to the low-precision result so that a
-      donated call allocates nothing.
-
-  Returns:
-    (new_master, new_mu, new_nu, new_master.astype(lowp_dtype) or None).
-  """
-  adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype, lowp_out)
-  packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
-  limit = jnp.reshape(jnp.asarray(decay_limit, jnp.int32), (1,))
-  return _adamw_call(packed, limit, master, mu, nu, grad, lowp_out,
-                     lowp_dtype=None if lowp_dtype is None else jnp.dtype(lowp_dtype),
-                     nesterov=nesterov,
-                     config=config, interpret=interpret)
 
 
 def _adamw_rows_kernel(
@@ -252,10 +161,10 @@ def adamw_pallas_rows(state, grad, scalars: AdamWScalars, *, slots: tuple[int, i
   """One AdamW step on a subgroup's `(K, S)` state block, in place, in one Pallas kernel.
 
   The form the device path uses: a streamed or resident row's block arrives whole, and
-  slicing it into master, mu and nu for `adamw_pallas` (and stacking the results) would
-  make XLA materialize two more copies of it per row in flight. Here the kernel reads
-  and writes the block where it is (`input_output_aliases`), so a row in flight holds
-  its block, its gradient and the new low-precision row.
+  slicing it into master, mu and nu for a kernel over flat arrays (and stacking the
+  results) would make XLA materialize two more copies of it per row in flight. Here
+  the kernel reads and writes the block where it is (`input_output_aliases`), so a row
+  in flight holds its block, its gradient and the new low-precision row.
 
   Args:
     state: f32[K, S]: rows `slots` hold master (if any), mu and nu; updated in place.
@@ -266,11 +175,13 @@ def adamw_pallas_rows(state, grad, scalars: AdamWScalars, *, slots: tuple[int, i
     decay_limit: int32 scalar (may be traced); weight decay applies below it.
     lowp_dtype: dtype of the parameter copy written in the same pass, or None.
     param: f32[S], the params, when there is no master row.
-    nesterov, config, interpret: as `adamw_pallas`.
+    nesterov: optax's Nesterov variant (needs `scalars.bc1_next`).
+    config: block sizes.
+    interpret: run the kernel in the Pallas interpreter (any backend, CPU included).
 
   Returns:
     (new state block, new master f32[S] if `param` is given else None, new low-precision
-    params or None); the same values as `adamw_pallas` on the block's rows.
+    params or None); the values of `adamw_reference` on the block's rows, to an ulp.
   """
   master_k, mu_k, nu_k = slots
   if jnp.ndim(state) != 2 or state.dtype != jnp.dtype(jnp.float32):
@@ -292,7 +203,21 @@ def adamw_pallas_rows(state, grad, scalars: AdamWScalars, *, slots: tuple[int, i
 
 def adamw_reference(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
                     lowp_dtype: Any, nesterov: bool = False):
-  """Pure-jnp AdamW step with the semantics of `adamw_pallas` (same arguments)."""
+  """Pure-jnp AdamW step on one subgroup's flat rows: the semantics of `adamw_pallas_rows`.
+
+  Args:
+    master: f32[S] master weights (the block's master row, or the params).
+    mu: f32[S] or bf16[S] first moment.
+    nu: f32[S] second moment.
+    grad: f32[S] or bf16[S] gradient, multiplied by `scalars.grad_scale` first.
+    scalars: the step's `AdamWScalars`.
+    decay_limit: int32 scalar (may be traced); weight decay applies to indices below it.
+    lowp_dtype: dtype of the parameter copy (bf16, f16, f32), or None for no copy.
+    nesterov: optax's Nesterov variant (needs `scalars.bc1_next`).
+
+  Returns:
+    (new_master, new_mu, new_nu, new_master.astype(lowp_dtype) or None).
+  """
   adamw_scalars.check_inputs(master, mu, nu, grad, decay_limit, lowp_dtype)
   coeffs = adamw_scalars.coefficients(scalars, nesterov=nesterov)
   decayed = jnp.arange(master.shape[0], dtype=jnp.int32) < decay_limit

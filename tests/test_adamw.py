@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import dos_jax
+from dos_jax.partition import Tier
 
 POLICIES = [
     dos_jax.AllHost(),
@@ -157,7 +158,7 @@ def test_state_lives_in_pinned_host(policy, platform):
   # The host and streamed tiers are pinned_host even when empty; the resident tier is
   # device memory.
   for tier, arrays in state.tiers.items():
-    want = 'device' if tier is dos_jax.Tier.RESIDENT else 'pinned_host'
+    want = 'device' if tier is Tier.RESIDENT else 'pinned_host'
     assert {x.sharding.memory_kind for x in arrays} == {want}, tier
   # Step counts are scalars and stay in device memory.
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 0} == {'device'}

@@ -84,7 +84,7 @@ def test_chunked_step_matches_optax(request):
 def test_chunk_order_follows_the_backward_pass_and_the_stream():
   plan = dos_jax.Plan(streamed=(0, 2, 4, 6), host=(1, 3, 5, 7))
   part = partition_lib.for_plan(plan, split=True, per_subgroup=True)
-  assert [part.blocks(dos_jax.Tier.HOST)[b] for b in chunked.host_blocks(part)] == [
+  assert [part.blocks(partition_lib.Tier.HOST)[b] for b in chunked.host_blocks(part)] == [
       (7,), (5,), (3,), (1,)]
   assert chunked.stream_blocks(part, plan) == [0, 1, 2, 3]
   assert chunked.chunk_count(part, plan, 8) == 4

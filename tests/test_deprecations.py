@@ -4,6 +4,8 @@ ones keep working for one release with a `DeprecationWarning` naming the new one
 - `Plan.device` -> `Plan.streamed` (the streamed tier's subgroups; `Tier.STREAMED`).
 - `dos_jax.Platform` (`CPU`, `GPU`) -> `dos_jax.Program` (`ONE_MEMORY`, `TWO_MEMORIES`):
   what it picks is the program, with one memory or with host and device memory apart.
+- `dos_jax.Layout`, `dos_jax.spec_for` -> `dos_jax.layout`; `dos_jax.Partition`,
+  `dos_jax.Tier` -> `dos_jax.partition`: the state's internals, no longer exported.
 """
 
 import dataclasses
@@ -13,7 +15,9 @@ import warnings
 import pytest
 
 import dos_jax
+from dos_jax import layout as layout_lib
 from dos_jax import offload as offload_lib
+from dos_jax import partition as partition_lib
 
 # Pickled (protocol 2) by the release before the renames: `pickle.dumps(dos_jax.Plan(
 # device=(0, 2), host=(1, 3), buffers=3), protocol=2)` and `pickle.dumps(
@@ -90,3 +94,19 @@ def test_a_platform_pickled_before_the_rename_loads_as_its_program():
 def test_offload_platform_refuses_other_strings():
   with pytest.raises(ValueError, match="dos_jax.Program, 'cpu' or 'gpu'"):
     dos_jax.Offload(platform='tpu')
+
+
+@pytest.mark.parametrize('name, module', [
+    ('Layout', layout_lib), ('spec_for', layout_lib),
+    ('Partition', partition_lib), ('Tier', partition_lib)])
+def test_the_state_internals_left_the_public_names_and_warn(name, module):
+  assert name not in vars(dos_jax)
+  with pytest.warns(DeprecationWarning, match=f'use {module.__name__}.{name}'):
+    old = getattr(dos_jax, name)
+  assert old is getattr(module, name)
+
+
+def test_the_moved_names_still_import_with_a_warning():
+  with pytest.warns(DeprecationWarning, match='dos_jax.partition.Tier'):
+    from dos_jax import Tier  # pylint: disable=import-outside-toplevel
+  assert Tier.HOST is partition_lib.Tier.HOST

@@ -1,5 +1,9 @@
 """Tests of the Pallas AdamW: on a GPU (INTERPRET = False) and in the interpreter on CPU.
 
+The library's kernel is the block form, `adamw_pallas_rows`; the flat form
+(experiments/pallas_adamw_flat.py, a benchmark's) shares its math, is checked against
+optax here, and is what the block form is checked against.
+
 As in jax's tests/pallas/gpu_ops_test.py, one test class runs the compiled kernel and
 skips without a GPU, and one with INTERPRET = True runs the same tests anywhere (both
 subclass a mixin, so that the `gpu` mark of the first is not inherited by the second).
@@ -18,6 +22,8 @@ import pytest
 
 from dos_jax import kernels
 from dos_jax.dataflow import lower_for_gpu
+from dos_jax.kernels import host_adamw_rows
+from experiments.pallas_adamw_flat import adamw_pallas
 from tests.test_kernels_scalars import assert_close_to_optax
 from tests.test_kernels_scalars import check_across_decay_boundary
 from tests.test_kernels_scalars import Hyper
@@ -36,10 +42,10 @@ class PallasAdamWTests:
 
   def _pallas(self, hyper, count, state, grad, *, decay_limit, lowp_dtype=jnp.bfloat16,
               grad_scale=1.0):
-    return kernels.adamw_pallas(*state, grad, step_scalars(hyper, count, grad_scale),
-                                decay_limit=decay_limit, lowp_dtype=lowp_dtype,
-                                nesterov=hyper.nesterov, config=self.CONFIG,
-                                interpret=self.INTERPRET)
+    return adamw_pallas(*state, grad, step_scalars(hyper, count, grad_scale),
+                        decay_limit=decay_limit, lowp_dtype=lowp_dtype,
+                        nesterov=hyper.nesterov, config=self.CONFIG,
+                        interpret=self.INTERPRET)
 
   @pytest.mark.parametrize('decay', [True, False])
   def test_fp32_matches_optax(self, decay):
@@ -84,10 +90,16 @@ class PallasAdamWTests:
       assert g.dtype == w.dtype and g.shape == w.shape
     assert_close_to_optax(got[:3], want[:3], hyper.lr)
     np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(got[0].astype(lowp_dtype)))
-    if kernels.host_kernel_available():
-      host = kernels.adamw_host(*jax.device_get(state), jax.device_get(grad), scalars,
-                                decay_limit=kw['decay_limit'], lowp_dtype=lowp_dtype)
-      assert_close_to_optax(jax.device_get(got[:3]), host[:3], hyper.lr)
+    if mu_dtype == jnp.float32 and host_adamw_rows.rows_kernel_available():
+      # The native host kernel on the same subgroup (one row of a (1, 3, S) state),
+      # every element decayed or none (it decays whole subgroups): the decayed half.
+      limit = kw['decay_limit']
+      stacked = jnp.stack(jax.device_get(state))[None, :, :limit]
+      host, _ = kernels.adamw_host_rows(
+          stacked, jax.device_get(grad)[None, :limit], None, jnp.zeros(1, jnp.int32),
+          scalars, slots=(0, 1, 2), decayed_rows=1, lowp_dtype=lowp_dtype)
+      assert_close_to_optax([x[:limit] for x in jax.device_get(got[:3])], list(host[0]),
+                            hyper.lr)
 
   def test_donated_call_is_in_place_and_compiles_once(self):
     size, hyper = self.SIZES[2], Hyper()
@@ -95,9 +107,9 @@ class PallasAdamWTests:
 
     def step(state, grad, scalars):
       master, mu, nu, lowp = state
-      return kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=size,
-                                  lowp_dtype=jnp.bfloat16, config=self.CONFIG,
-                                  interpret=self.INTERPRET, lowp_out=lowp)
+      return adamw_pallas(master, mu, nu, grad, scalars, decay_limit=size,
+                          lowp_dtype=jnp.bfloat16, config=self.CONFIG,
+                          interpret=self.INTERPRET, lowp_out=lowp)
     step = jax.jit(step, donate_argnums=0)
     state = jax.jit(lambda x: tuple(a + 0 for a in x))(
         (*random_state(rng, size), jnp.zeros(size, jnp.bfloat16)))
@@ -134,9 +146,9 @@ class PallasAdamWTests:
     limits = jnp.asarray([0, size // 2], jnp.int32)
 
     def one(master, mu, nu, grad, scalars, limit):
-      return kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=limit,
-                                  lowp_dtype=jnp.bfloat16, config=self.CONFIG,
-                                  interpret=self.INTERPRET)
+      return adamw_pallas(master, mu, nu, grad, scalars, decay_limit=limit,
+                          lowp_dtype=jnp.bfloat16, config=self.CONFIG,
+                          interpret=self.INTERPRET)
     stacked = [jnp.stack(x) for x in zip(*rows)]
     got = jax.jit(jax.vmap(one))(*stacked, grads, scalars, limits)
     for i in range(2):
@@ -158,9 +170,9 @@ class PallasAdamWTests:
     block = jnp.stack([rows[k] for k in range(len(rows))])
     grad, scalars = random_grad(rng, size, jnp.bfloat16), step_scalars(hyper, 3, 0.5)
     lowp_dtype = None if param is not None else jnp.bfloat16
-    want = kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=size // 3,
-                                lowp_dtype=lowp_dtype, config=self.CONFIG,
-                                interpret=self.INTERPRET)
+    want = adamw_pallas(master, mu, nu, grad, scalars, decay_limit=size // 3,
+                        lowp_dtype=lowp_dtype, config=self.CONFIG,
+                        interpret=self.INTERPRET)
 
     def rows_step(block, grad, param):
       return kernels.adamw_pallas_rows(block, grad, scalars, slots=slots,
@@ -221,8 +233,8 @@ def test_lowers_to_triton_for_a_gpu_from_any_machine(size, grad_dtype, mu_dtype,
   scalars = step_scalars(Hyper(nesterov=nesterov), 3)
 
   def step(master, mu, nu, grad, lowp):
-    return kernels.adamw_pallas(master, mu, nu, grad, scalars, decay_limit=size // 2,
-                                lowp_dtype=lowp_dtype, nesterov=nesterov, lowp_out=lowp)
+    return adamw_pallas(master, mu, nu, grad, scalars, decay_limit=size // 2,
+                        lowp_dtype=lowp_dtype, nesterov=nesterov, lowp_out=lowp)
   args = [jax.ShapeDtypeStruct((size,), d)
           for d in (jnp.float32, mu_dtype, jnp.float32, grad_dtype, lowp_dtype)]
   text = lower_for_gpu(step, *args).as_text()  # an abstract GPU device where jax needs one

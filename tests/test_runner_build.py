@@ -1,5 +1,5 @@
 """setup.py reuses a native library whose inputs are unchanged (`pip install -e .` used
-to recompile both libraries, ~48 s, on every reinstall) and rebuilds after any change.
+to recompile every library, ~48 s, on every reinstall) and rebuilds after any change.
 
 The compiler is replaced by a stub that writes random bytes, so the test runs in a
 second and checks only the decision: which libraries would be compiled.
@@ -44,16 +44,16 @@ def test_build_ext_rebuilds_only_what_changed(tmp_path):
   for name in os.listdir(os.path.join(REPO, 'kernels')):
     if name.endswith(('.cc', '.h', '.py')):
       shutil.copy2(os.path.join(REPO, 'kernels', name), tmp_path / 'kernels' / name)
-  both = ['_host_adamw', '_host_adamw_rows']
+  both = ['_host_adamw_rows', '_host_isa']
   assert _built(tmp_path) == both  # No library yet.
   assert _built(tmp_path) == []  # Nothing changed: both reused.
   with open(tmp_path / 'kernels' / 'adamw_loop.h', 'a', encoding='utf-8') as f:
     f.write('// an edit\n')
   assert _built(tmp_path) == both  # A header both include.
   assert _built(tmp_path) == []
-  with open(tmp_path / 'kernels' / 'host_adamw.cc', 'a', encoding='utf-8') as f:
+  with open(tmp_path / 'kernels' / 'host_isa.cc', 'a', encoding='utf-8') as f:
     f.write('// an edit\n')
-  assert _built(tmp_path) == ['_host_adamw']  # One library's own source.
+  assert _built(tmp_path) == ['_host_isa']  # One library's own source.
   library = next(p for p in os.listdir(tmp_path / 'kernels')
                  if p.startswith('_host_adamw_rows') and p.endswith('.so'))
   (tmp_path / 'kernels' / library).write_bytes(b'a library from elsewhere')

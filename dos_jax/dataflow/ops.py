@@ -22,7 +22,7 @@ _KERNEL_TARGETS = frozenset({
     'mosaic_gpu', 'mosaic_gpu_v2',  # Pallas Mosaic GPU
     'tpu_custom_call',  # Pallas Mosaic TPU
 })
-_HOST_KERNEL_PREFIX = 'dos_jax_adamw_host'  # kernels/host_adamw*.py FFI targets
+_HOST_KERNEL_PREFIX = 'dos_jax_adamw_host'  # kernels/host_adamw_rows.py FFI targets
 # Ops whose regions are computations applied to elements (results: where operands are).
 _REDUCERS = frozenset({
     'stablehlo.reduce', 'stablehlo.reduce_window', 'stablehlo.scatter',

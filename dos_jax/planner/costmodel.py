@@ -8,7 +8,7 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
 (`transform`, `paths`, `partition`):
 
 * device subgroups go through a pipeline of `plan.buffers` device buffers: state in
-  (H2D), the fused AdamW, state out (D2H); row i+1's fetch never waits for row i's
+  (H2D), the device AdamW, state out (D2H); row i+1's fetch never waits for row i's
   write-back (`paths.interleaved_loop`; checked on the program compiled for an H100).
   Stored per subgroup, each subgroup holds a buffer from the start of its H2D to the
   end of its D2H and the two directions run at once, so the steady-state period per

@@ -43,7 +43,7 @@ def train_handler(args: argparse.Namespace) -> int:
   """Loads the config, trains; returns 0 when done, 1 when a step was not finite or the
   machine ran out of memory, 128 + the signal number when stopped by SIGINT (130) or
   SIGTERM (143) after saving a checkpoint."""
-  from dos_jax import host_memory, pinned_pool  # pylint: disable=import-outside-toplevel
+  import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
   from dos_jax.train import config, distributed, loop  # pylint: disable=import-outside-toplevel
 
@@ -57,16 +57,16 @@ def train_handler(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, overrides)
     if cfg.offload.keep_freed_host_memory:
       # Before JAX starts its worker threads, which would otherwise get arenas of
-      # their own (see dos_jax.host_memory).
-      host_memory.keep_freed_host_memory()
+      # their own (see dos_jax.keep_freed_host_memory).
+      dos_jax.keep_freed_host_memory()
     # XLA's GPU client reads its pinned-host cap once, when it starts: set it first.
     found = distributed.settings()
     pinned = memory.run_pinned_bytes(cfg, processes=found[1] if found else 1,
                                      local_devices=_visible_gpus())
-    pinned_pool.set_default(pinned)
+    dos_jax.size_pinned_pool(pinned)
     # A multi-process run joins its peers before any JAX backend starts.
     distributed.initialize_from_env()
-  except (ConfigError, pinned_pool.PinnedPoolError) as err:
+  except (ConfigError, dos_jax.PinnedPoolError) as err:
     return _fail(str(err))
   # Before any array or run folder exists: a run that cannot fit stops here.
   shortfall = memory.check_run(cfg)
@@ -111,14 +111,13 @@ def _pinned_shortfall(pinned_bytes: float) -> str | None:
   """On a GPU backend (now started), a pinned-host cap the user set below the plan's
   need, as one line; None elsewhere (on CPU the variable means nothing)."""
   import jax  # pylint: disable=import-outside-toplevel
-  from dos_jax import pinned_pool  # pylint: disable=import-outside-toplevel
+  import dos_jax  # pylint: disable=import-outside-toplevel
 
   if jax.default_backend() != 'gpu':
     return None
   try:
-    limit, _ = pinned_pool.limit_in_force()
-    pinned_pool.check_limit(pinned_bytes, limit, what='the planned optimizer state')
-  except pinned_pool.PinnedPoolError as err:
+    dos_jax.check_pinned_pool(pinned_bytes, what='the planned optimizer state')
+  except dos_jax.PinnedPoolError as err:
     return str(err)
   return None
 

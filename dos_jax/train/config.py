@@ -16,7 +16,7 @@ import re
 from typing import Literal, Sequence
 
 import dos_jax
-from dos_jax.policies import Policy
+from dos_jax import Policy
 from dos_jax.train.configlib import (
     NON_EMPTY,
     NON_NEGATIVE,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dos_jax import cache
+import dos_jax
 from dos_jax.train.prepare import DEFAULT_CORPUS_BYTES as DEFAULT_CORPUS_BYTES
 from dos_jax.train.prepare import DatasetMeta as DatasetMeta
 from dos_jax.train.prepare import dtype_for
@@ -115,9 +115,9 @@ class DataConfig:
 
 
 def default_cache_dir() -> Path:
-  """<dos_jax cache>/data/stdlib-bytes (see `dos_jax.cache`: $DOS_JAX_CACHE_DIR, else
+  """<dos_jax cache>/data/stdlib-bytes (see `dos_jax.cache_dir`: $DOS_JAX_CACHE_DIR, else
   $XDG_CACHE_HOME/dos_jax, else ~/.cache/dos_jax)."""
-  return cache.cache_dir('data', 'stdlib-bytes')
+  return dos_jax.cache_dir('data', 'stdlib-bytes')
 
 
 def resolve_dataset(cfg: DataConfig, *, progress: bool = True) -> Path:

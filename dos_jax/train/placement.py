@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from dos_jax import AdaptivePolicy
+from dos_jax import Plan
 from dos_jax.planner import report
-from dos_jax.policies import AdaptivePolicy
-from dos_jax.policies import Plan
 
 
 class PlanDriver:

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from dos_jax import cache
 from dos_jax.train import tokenizer as tokenizer_lib
 
 SPLITS = ('train', 'val')
@@ -175,6 +174,13 @@ def _copy(src: np.ndarray, f) -> None:
     f.write(np.asarray(src[start:start + _READ_CHUNK]).tobytes())
 
 
+def _umask_mode(mode: int = 0o666) -> int:
+  """`mode` as the process umask lets a new file have it (as `dos_jax.cache`'s files)."""
+  current = os.umask(0)
+  os.umask(current)
+  return mode & ~current
+
+
 def prepare(
     inputs: list[Path] | None,
     out_dir: Path,
@@ -238,7 +244,7 @@ def prepare(
   def temp_file(name):
     fd, path = tempfile.mkstemp(prefix=f'.{name}.', suffix='.tmp', dir=out_dir)
     temps.append(Path(path))
-    os.fchmod(fd, cache.umask_mode())  # mkstemp makes 0600; a dataset is for sharing.
+    os.fchmod(fd, _umask_mode())  # mkstemp makes 0600; a dataset is for sharing.
     return os.fdopen(fd, 'wb')
 
   counts = {'bytes': 0, 'files': 0, 'skipped': 0}

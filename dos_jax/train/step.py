@@ -45,7 +45,6 @@ import jax.numpy as jnp
 import optax
 
 import dos_jax
-from dos_jax import clipping
 from dos_jax.train.config import ConfigError, OffloadConfig, OptimConfig
 
 Params = Any
@@ -123,14 +122,14 @@ def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, 
   `optax.clip_by_global_norm`); returns them and the norm before clipping."""
   if max_norm is None:
     return grads, optax.tree.norm(grads)
-  factor, norm = clipping.clip_factor(grads, max_norm)
+  factor, norm = dos_jax.clip_factor(grads, max_norm)
   return jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads), norm
 
 
 def scales_in_update(tx: optax.GradientTransformation) -> bool:
   """Whether `tx` takes the clip factor as `grad_scale` (dos_jax's offloaded transforms
   do; optax's do not, so their gradients are scaled before the update)."""
-  return clipping.is_offloaded(tx)
+  return dos_jax.is_offloaded(tx)
 
 
 def _loss_and_grads(apply: Callable, loss_fn: Callable, params: Params,
@@ -154,7 +153,7 @@ def _clip(grads: Params, clip_norm: float | None,
   if clip_norm is None or not scale_in_update:
     grads, norm = clip_by_global_norm(grads, clip_norm)
     return grads, None, norm
-  factor, norm = clipping.clip_factor(grads, clip_norm)
+  factor, norm = dos_jax.clip_factor(grads, clip_norm)
   return grads, factor, norm
 
 
