@@ -77,6 +77,15 @@ def redo_flag(adam_scalars) -> jax.Array | None:
   return jnp.reshape(factor, ()) != 1.0
 
 
+def redo_on_host(redo) -> jax.Array:
+  """The redo flag as the redo kernel reads it: an int32 `(1,)` in host memory.
+  Computed once per step before the scheduling group (a device op inside it would
+  carry the group's annotation, and XLA keeps a group for asynchronous ops alone)."""
+  if isinstance(redo, jax.Array) and redo.dtype == jnp.int32 and redo.shape == (1,):
+    return redo
+  return paths.to_host(jnp.reshape(redo, (1,)).astype(jnp.int32))
+
+
 def _split_scalars(adam_scalars):
   leaves, tree = jax.tree.flatten(adam_scalars)
   is_array = [isinstance(x, jax.Array) for x in leaves]
@@ -103,7 +112,7 @@ def _rows_after(rows_h, link):
 def speculate_region(step: paths.RowStep, fused, *, stacked, adam_scalars, grad_pieces,
                      param_pieces, runs, num_threads=None, link=None):
   """An early block's host call with a clip factor of 1, keeping its undo; returns
-  `(state, out rows in host memory, undo, token in device memory)` for `redo_region`.
+  `(state, out rows in device memory, undo, token in device memory)` for `redo_region`.
 
   On a GPU the state is updated in its (donated) buffer, as `fused.host_region_update`
   does, and is read by the redo call; on the platforms in `fused.STATE_RESULT_PLATFORMS`
@@ -129,43 +138,50 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, adam_scalars, grad_
     out_h, undo, token = paths.host_region(
         lambda *a: run(*a, in_place=True),
         out_spaces=(paths.HOST, paths.HOST, paths.DEVICE))(*args)
-    return args[0], out_h, undo, token
+    return args[0], paths.put(out_h, paths.DEVICE), undo, token
 
   def with_result(*args):
     new_state, out_h, token = paths.host_region(
         lambda *a: run(*a, in_place=False),
         out_spaces=(paths.HOST, paths.HOST, paths.DEVICE))(*args)
-    return new_state, out_h, args[0], token
+    return new_state, paths.put(out_h, paths.DEVICE), args[0], token
 
   branches = {p: with_result for p in fused_lib.STATE_RESULT_PLATFORMS}
   return jax.lax.platform_dependent(*args, **branches, default=in_place)
 
 
-def redo_region(step: paths.RowStep, fused, *, state, out_h, undo, redo, adam_scalars,
-                grad_pieces, param_pieces, runs, num_threads=None, link=None):
+def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, adam_scalars,
+                grad_pieces, param_pieces, runs, num_threads=None, link=None,
+                redo_h=None):
   """After the backward pass: an early block's update redone with the true scalars when
-  `redo` (a device bool) is true; returns `((state,), out rows in device memory)`."""
+  `redo` (a device bool; `redo_h`, its `redo_on_host`, if already made) is true;
+  returns `((state,), out)`, `out()` giving the out rows
+  in device memory: the speculated `out` (already on the device) unless `redo`. Call it
+  outside the scheduling group the redo call is in (a conditional is no asynchronous
+  op, and a group holds only those).
+
+  The redone out rows are a result of the redo call, so whatever reads them comes after
+  it in every schedule; they cross to the device only when `redo` is true (a
+  conditional on the device), so a step that does not roll back moves nothing more.
+  """
   rows_h = paths.to_host(jnp.arange(state.shape[0], dtype=jnp.int32))
   arrays_h, join = _split_scalars(adam_scalars)
   kernel_args = _kernel_args(step, fused, runs, num_threads)
-  redo_h = paths.to_host(jnp.reshape(redo, (1,)).astype(jnp.int32))
+  redo_h = redo_on_host(redo) if redo_h is None else redo_h
 
-  def in_place(state, out_h, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h,
-               link):
-    def run(state, out_h, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
+  def in_place(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
+    def run(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
       if link is not None:
         rows_h = _rows_after(rows_h, link)
       return host_adamw_rows.adamw_host_leaves_redo(
           state, grad_pieces, param_pieces, rows_h, join(arrays_h), redo=redo_h, undo=undo,
-          out=out_h, **kernel_args)
+          lowp_dtype=step.out_dtype, **kernel_args)
 
-    token = paths.host_region(run, out_spaces=paths.HOST)(
-        state, out_h, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link)
-    state, out_h, _ = jax.lax.optimization_barrier((state, out_h, token))
-    return state, out_h
+    again = paths.host_region(run, out_spaces=paths.HOST)(
+        state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link)
+    return jax.lax.optimization_barrier((state, again))
 
-  def with_result(state, out_h, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h,
-                  link):
+  def with_result(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
     def run(undo, grad_pieces, param_pieces, rows_h, arrays_h, link):
       if link is not None:
         rows_h = _rows_after(rows_h, link)
@@ -173,16 +189,16 @@ def redo_region(step: paths.RowStep, fused, *, state, out_h, undo, redo, adam_sc
           undo, grad_pieces, param_pieces, rows_h, join(arrays_h), lowp_dtype=step.out_dtype,
           **kernel_args)
 
-    again, out_again = paths.host_region(run, out_spaces=paths.HOST)(
+    again_state, again = paths.host_region(run, out_spaces=paths.HOST)(
         undo, grad_pieces, param_pieces, rows_h, arrays_h, link)
-    flag = redo_h[0] != 0
-    return jnp.where(flag, again, state), jnp.where(flag, out_again, out_h)
+    return jnp.where(redo_h[0] != 0, again_state, state), again
 
   branches = {p: with_result for p in fused_lib.STATE_RESULT_PLATFORMS}
-  state, out_h = jax.lax.platform_dependent(
-      state, out_h, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link,
+  state, again = jax.lax.platform_dependent(
+      state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link,
       **branches, default=in_place)
-  return (state,), paths.put(out_h, paths.DEVICE)
+  return (state,), lambda: jax.lax.cond(redo, lambda: paths.put(again, paths.DEVICE),
+                                        lambda: out)
 
 
 def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, group=None):
@@ -197,6 +213,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
   new = list(partition_lib.blocks_of(host_tier, len(blocks)))
   parts = split(chunked_lib.host_blocks(part), chunks)
   redo = redo_flag(context.adam_scalars)
+  redo_h = None if redo is None else redo_on_host(redo)
   common = dict(adam_scalars=context.adam_scalars, num_threads=context.offload.host_threads)
   outs, pending, link = [], [], None
 
@@ -222,20 +239,22 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
       runs = partition_lib.pieces_of(layout, ids)
       grad_pieces, param_pieces = context.host_pieces(runs)
       piece_args = dict(grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs)
-      state, out_h, undo, token = speculate_region(
+      state, out, undo, token = speculate_region(
           context.block_step(base_step, ids), context.fused, stacked=new[b], link=link,
           **piece_args, **common)
-      pending.append((b, state, out_h, undo, piece_args))
+      pending.append((b, state, out, undo, piece_args))
       tokens.append(token)
     link = paths.to_host(sum(chunked_lib.zero_of(t) for t in tokens))
 
   with device_stream.in_group(group) if group is not None else contextlib.nullcontext():
     for b in parts[-1]:
       host_call(b, link, sink=context.host_inputs)
-    for b, state, out_h, undo, piece_args in pending:
+    redone = []
+    for b, state, out, undo, piece_args in pending:
       arrays, out = redo_region(
-          context.block_step(base_step, blocks[b]), context.fused, state=state, out_h=out_h,
-          undo=undo, redo=redo, link=link, **piece_args, **common)
+          context.block_step(base_step, blocks[b]), context.fused, state=state, out=out,
+          undo=undo, redo=redo, redo_h=redo_h, link=link, **piece_args, **common)
       new[b] = paths.put(arrays, paths.HOST)
-      outs.append((out, piece_args['runs']))
+      redone.append((out, piece_args['runs']))
+  outs += [(out(), runs) for out, runs in redone]
   return tuple(x for block in new for x in block), outs

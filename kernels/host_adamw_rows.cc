@@ -499,28 +499,26 @@ ffi::Error LeavesStateArgUndoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi
 }
 
 // Redoes an update made by LeavesStateArgUndoImpl when `redo` (an s32[1] argument after
-// the leaves, then `undo` and `out`) is non-zero: each segment's state is put back from
-// `undo` and updated with these coefficients, the state in its argument's buffer and the
-// out rows in the `out` argument's (both the caller's to overwrite, read only after this
-// call). With `redo` zero it touches nothing. The result is a token, zero.
+// the leaves, then `undo`) is non-zero: each segment's state is put back from `undo` and
+// updated with these coefficients, the state in its argument's buffer (the caller's to
+// overwrite, read only after this call) and the out rows in the `out` result. With
+// `redo` zero it touches nothing, `out` included (the caller then keeps the out rows of
+// the call it would have redone). One result: XLA names a host call after its last
+// instruction, and a second result's get-tuple-element carries no attributes.
 ffi::Error LeavesRedoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
                           ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
-                          ffi::ResultBuffer<ffi::F32> token,
+                          ffi::Result<ffi::AnyBuffer> out,
                           ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> sizes,
                           int64_t master_k, int64_t mu_k, int64_t nu_k,
                           int64_t decayed_rows, int64_t num_threads, bool nesterov,
                           int64_t isa) {
-  if (token->element_count() != 1) return Invalid("token is not (1,)");
-  token->typed_data()[0] = 0.0f;
   const size_t n = offsets.size();
   const size_t sources = master_k >= 0 ? n : 2 * n;
-  if (leaves.size() != sources + 3) return Invalid("leaves, redo, undo and out do not match");
+  if (leaves.size() != sources + 2) return Invalid("leaves, redo and undo do not match");
   auto redo = leaves.get<ffi::Buffer<ffi::S32>>(sources);
   auto undo = leaves.get<ffi::Buffer<ffi::F32>>(sources + 1);
-  auto out = leaves.get<ffi::AnyBuffer>(sources + 2);
   if (!redo.has_value()) return redo.error();
   if (!undo.has_value()) return undo.error();
-  if (!out.has_value()) return out.error();
   if (redo->element_count() != 1) return Invalid("redo is not (1,)");
   if (undo->element_count() != stacked.element_count()) return Invalid("undo is not (G, K, S)");
   const auto dims = stacked.dimensions();
@@ -530,7 +528,7 @@ ffi::Error LeavesRedoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> r
   if (redo->typed_data()[0] == 0) return ffi::Error::Success();
   return LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
                       out->element_type(), static_cast<char*>(out->untyped_data()), {},
-                      offsets, sizes, 3, master_k, mu_k, nu_k, decayed_rows, num_threads,
+                      offsets, sizes, 2, master_k, mu_k, nu_k, decayed_rows, num_threads,
                       nesterov, isa, nullptr, undo->typed_data());
 }
 
@@ -645,7 +643,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesRedo, LeavesRedoImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<ffi::Span<const int64_t>>("offsets")
                                   .Attr<ffi::Span<const int64_t>>("sizes")
                                   .Attr<int64_t>("master_k")
@@ -682,7 +680,7 @@ static PyMethodDef kMethods[] = {
     {"handler_leaves_state_arg_undo", HandlerLeavesStateArgUndo, METH_NOARGS,
      "The same, copying each segment's state into an undo result before updating it."},
     {"handler_leaves_redo", HandlerLeavesRedo, METH_NOARGS,
-     "Puts an undo copy back and updates again, in the arguments' buffers, when asked."},
+     "Puts an undo copy back and updates again (state in place, out rows a result), when asked."},
     {"register_with_pjrt", DosJaxRegisterWithPjrt, METH_VARARGS,
      "register_with_pjrt(api, platform, targets) -> '' or why not: registers the "
      "(name, handler) targets in the FFI registry of the PJRT plugin `api` for `platform`."},

@@ -423,16 +423,18 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
 
 
 def adamw_host_leaves_redo(stacked, grad_leaves, param_leaves, rows, scalars: AdamWScalars,
-                           *, redo, undo, out, offsets, slots: tuple[int, int, int],
-                           decayed_rows: int, nesterov: bool = False,
+                           *, redo, undo, offsets, slots: tuple[int, int, int],
+                           decayed_rows: int, lowp_dtype: Any, nesterov: bool = False,
                            num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO):
   """Redoes an `adamw_host_leaves(..., state_in_arg=True, keep_undo=True)` call when
   `redo` is true: every element it updated is put back from `undo` and updated again
-  with `scalars`, the state in the buffer of `stacked` and the out rows in the buffer of
-  `out` (both arguments: the caller's to overwrite, read only after this call). With
-  `redo` false nothing is touched. Returns a `(1,)` float32 zero: the token to order
-  the caller's reads after the call. Same leaves, offsets, rows and slots as the call it
-  redoes (for a host region of the accelerator program only, like `state_in_arg`).
+  with `scalars`, the state in the buffer of `stacked` (an argument: the caller's to
+  overwrite, read only after this call) and the out rows in a `(G, S)` result. With
+  `redo` false nothing is touched and the out result is not written: the caller keeps
+  the out rows of the call it would have redone. Returns the out rows; the caller
+  orders its reads of the state after the call through them. Same leaves,
+  offsets, rows and slots as the call it redoes (for a host region of the accelerator
+  program only, like `state_in_arg`).
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())
@@ -442,21 +444,21 @@ def adamw_host_leaves_redo(stacked, grad_leaves, param_leaves, rows, scalars: Ad
   sizes = [int(g.shape[0]) for g in grad_leaves]
   offsets = [int(o) for o in offsets]
   order = sorted(range(len(offsets)), key=offsets.__getitem__)
-  if undo.shape != stacked.shape or out.shape != (num_groups, size):
-    raise ValueError(f'undo must be {stacked.shape} and out ({num_groups}, {size}), got '
-                     f'{undo.shape} and {out.shape}')
+  if undo.shape != stacked.shape:
+    raise ValueError(f'undo must be {stacked.shape}, got {undo.shape}')
   master_k, mu_k, nu_k = (int(s) for s in slots)
   sources = [grad_leaves[i] for i in order]
   if master_k < 0:
     sources += [jnp.ravel(param_leaves[i]) for i in order]
   threads, isa = check_threads_and_isa(num_threads, isa)
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
-  call = jax.ffi.ffi_call(_TARGET_REDO, jax.ShapeDtypeStruct((1,), jnp.float32),
-                          has_side_effect=True)
+  call = jax.ffi.ffi_call(
+      _TARGET_REDO, jax.ShapeDtypeStruct((num_groups, size), jnp.dtype(lowp_dtype)),
+      has_side_effect=True)
   flag = jnp.reshape(jnp.asarray(redo).astype(jnp.int32), (1,))
-  return call(
-      stacked, jnp.asarray(rows).astype(jnp.int32), packed, *sources, flag, undo, out,
+  return (call(
+      stacked, jnp.asarray(rows).astype(jnp.int32), packed, *sources, flag, undo,
       offsets=np.asarray([offsets[i] for i in order], np.int64),
       sizes=np.asarray([sizes[i] for i in order], np.int64), master_k=np.int64(master_k),
       mu_k=np.int64(mu_k), nu_k=np.int64(nu_k), decayed_rows=np.int64(decayed_rows),
-      num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa)))
+      num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa))))

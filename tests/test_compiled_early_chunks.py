@@ -10,8 +10,9 @@ storage). What the construction holds in every program:
   guarded in tests/test_compiled_host_chunks.py);
 * the last call (the last chunk and the redo of the speculated ones) overlaps the device
   tiers' stream call, so no device update runs outside a host call;
-* the new params of every host block go back to the device after the last host call is
-  done: the redo may still rewrite the early blocks' out rows until then;
+* the early blocks' speculated params leave for the device as soon as their call is
+  done; the redone ones are a result of the last call, crossing only on a rollback (a
+  conditional), so no schedule can read them early;
 * the stream is full duplex, and the state is never copied host to host (the undo is
   written by the kernel, not copied by XLA).
 
@@ -51,8 +52,5 @@ def test_early_host_chunks_start_during_the_backward_pass(layers, width, dtype, 
   assert calls[0].start < last_copy, (calls[0], last_copy)
   assert stream.updates and stream.overlaps(calls[-1]), (stream, calls[-1])
   assert not schedule.device_updates_outside_host_calls(), (calls, stream)
-  params_back = [c for c in schedule.copies if not c.to_host and c.nbytes >= 64 * 1024]
-  assert params_back and all(c.start > calls[-1].done for c in params_back), (
-      params_back, calls[-1])
   assert schedule.stream_full_duplex(), schedule.streamed_rows
   assert not schedule.large_host_copies(), schedule.host_copies

@@ -13,6 +13,7 @@ Seeds: each test derives its seed from its name (`zlib.crc32`), printed on failu
 """
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -94,24 +95,18 @@ def test_speculated_steps_are_the_unspeculated_steps_bit_for_bit(dtype, request)
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_the_accelerator_form_speculates_in_place_and_redoes(dtype, request, monkeypatch):
   """The GPU program's form (the early kernels update the donated state in its buffer
-  and keep an undo; the redo kernel puts it back and updates again, in place), run on
-  the CPU backend: the host state is bit for bit the unspeculated step's after a step
-  without clipping and one where it fires (step 1).
-
-  Only the state: the redo also rewrites the early blocks' out rows in their buffer,
-  read after it through an optimization barrier, which XLA:GPU keeps until after
-  scheduling and XLA:CPU drops before; on a CPU backend the step runs the functional
-  form (the other tests here). The GPU order is checked on the compiled program
-  (tests/test_compiled_early_chunks.py)."""
+  and keep an undo; the redo kernel puts it back and updates again in place, its out
+  rows a result that crosses to the device only on a rollback), run on the CPU backend:
+  bit for bit the unspeculated step, clip firing or not."""
   seed = _seed(request)
   params = random_tree(seed, jnp.dtype(dtype))
-  want = _run(_opt(0), params, seed, steps=2)
+  want = _run(_opt(0), params, seed, steps=7)
   monkeypatch.setattr(fused, 'STATE_RESULT_PLATFORMS', ())
   texts = []
-  got = _run(_opt(3), params, seed, steps=2, lowered=texts)
+  got = _run(_opt(3), params, seed, steps=7, lowered=texts)
   assert 'dos_jax_adamw_host_leaves_state_arg_undo' in texts[0]
   assert 'dos_jax_adamw_host_leaves_redo' in texts[0]
-  _assert_identical(want[1][-1].host, got[1][-1].host, f'seed {seed}, clip fires at step 1')
+  _assert_identical(want, got, f'seed {seed}, clip fires at {FIRES}')
 
 
 def test_each_early_block_is_redone_on_the_cpu_backend(request):
@@ -215,3 +210,57 @@ def test_early_chunks_auto_takes_the_policys_choice(request, monkeypatch):
   # Three early blocks (1 + 2), each redone in place.
   assert texts[0].count('dos_jax_adamw_host_leaves_redo') == 3, seed
   _assert_identical(want[1][-1].host, got[1][-1].host, f'seed {seed}')
+
+
+def test_the_undo_and_redo_kernels_against_the_plain_kernel(request):
+  """The native kernels alone (jit, state donated): `keep_undo` returns the elements it
+  overwrote; the redo with the flag set puts them back and updates again, equal to the
+  plain kernel's update of the old state with the redo's scalars; with the flag clear
+  it leaves the state as the speculated call left it."""
+  from dos_jax.kernels import AdamWScalars  # pylint: disable=import-outside-toplevel
+  from dos_jax.kernels import host_adamw_rows  # pylint: disable=import-outside-toplevel
+  seed = _seed(request)
+  rng = np.random.default_rng(seed)
+  groups, size = 3, 1000
+  state = rng.standard_normal((groups, 3, size)).astype(np.float32)
+  state[:, 2] = np.abs(state[:, 2])
+  grads = [jnp.asarray(rng.standard_normal(n).astype(np.float32)) for n in (700, 1500)]
+  kw = dict(offsets=(0, 1000), slots=(0, 1, 2), decayed_rows=3)
+  rows = jnp.arange(groups, dtype=jnp.int32)
+  scalars = lambda f: AdamWScalars(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+                                   weight_decay=1e-4, bc1=0.1, bc2=0.001, grad_scale=f)
+
+  @jax.jit
+  def plain(s, factor):
+    return host_adamw_rows.adamw_host_leaves(s, grads, None, rows, scalars(factor),
+                                             lowp_dtype=jnp.bfloat16, **kw)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def speculate(s):
+    out, undo = host_adamw_rows.adamw_host_leaves(
+        s, grads, None, rows, scalars(1.0), lowp_dtype=jnp.bfloat16, state_in_arg=True,
+        keep_undo=True, **kw)
+    return jax.lax.optimization_barrier((s, out, undo))
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def redo(s, undo, flag):
+    again = host_adamw_rows.adamw_host_leaves_redo(
+        s, grads, None, rows, scalars(0.5), redo=flag, undo=undo, lowp_dtype=jnp.bfloat16,
+        **kw)
+    return jax.lax.optimization_barrier((s, again))
+
+  covered = np.zeros((groups, size), bool)
+  covered.reshape(-1)[:700] = covered.reshape(-1)[1000:2500] = True
+  want_spec, want_spec_out = (np.asarray(x) for x in plain(jnp.asarray(state), 1.0))
+  want_redo, want_redo_out = (np.asarray(x) for x in plain(jnp.asarray(state), 0.5))
+  s, out, undo = speculate(jnp.asarray(state))
+  np.testing.assert_array_equal(np.asarray(s), want_spec, err_msg=f'seed {seed}')
+  np.testing.assert_array_equal(np.asarray(out)[covered], want_spec_out[covered])
+  mask = np.broadcast_to(covered[:, None, :], state.shape)
+  np.testing.assert_array_equal(np.asarray(undo)[mask], state[mask], err_msg=f'seed {seed}')
+  kept, _ = redo(s, undo, jnp.int32(0))
+  np.testing.assert_array_equal(np.asarray(kept), want_spec, err_msg=f'seed {seed}')
+  s, _, undo = speculate(jnp.asarray(state))
+  again_state, again = redo(s, undo, jnp.int32(1))
+  np.testing.assert_array_equal(np.asarray(again_state), want_redo, err_msg=f'seed {seed}')
+  np.testing.assert_array_equal(np.asarray(again)[covered], want_redo_out[covered])
