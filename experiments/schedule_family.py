@@ -27,18 +27,24 @@ FAMILY = tuple(itertools.product((2, 5, 8, 16), (256, 1024, 4096)))
 QUICK = ((2, 1024), (5, 512), (8, 1024), (16, 256))
 
 
-def facts(num_layers: int, width: int, storage: str, dtype: str, chunks: int = 0) -> dict:
+def facts(num_layers: int, width: int, storage: str, dtype: str, chunks: int = 0,
+          early_chunks: int = 0) -> dict:
   from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
   from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
   dataflow.compile.prepare()
   fn, args, jit_kwargs = probes.mlp_step(num_layers, width, dtype=dtype, storage=storage,
-                                     chunks=chunks)
+                                         chunks=chunks, early_chunks=early_chunks)
   program = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
   s = program.schedule
   copies = s.gradient_copies()
   return dict(
       layers=num_layers, width=width, storage=storage, dtype=dtype, chunks=chunks,
+      early_chunks=early_chunks,
       host_calls=[[c.start, c.done] for c in s.host_calls],
+      last_gemm=max(s.gemm_positions, default=-1),
+      host_calls_before_last_gemm=s.host_calls_started_before(max(s.gemm_positions, default=-1)),
+      gemms_in_host_windows=sum(c.start < g < c.done for c in s.host_calls
+                                for g in s.gemm_positions),
       device_updates=len(s.device_updates()),
       outside_host_calls=len(s.device_updates_outside_host_calls()),
       stream_calls=[[c.start, c.done] for c in s.stream_calls if c.updates],
@@ -57,13 +63,16 @@ def main(argv=None) -> int:
   parser.add_argument('--quick', action='store_true', help=f'only {QUICK}')
   parser.add_argument('--dtypes', default='bfloat16,float32')
   parser.add_argument('--chunks', type=int, default=0, help='Offload.chunks')
+  parser.add_argument('--early-chunks', type=int, default=0, help='Offload.early_chunks')
+  parser.add_argument('--storages', default='stacked,per_subgroup')
   args = parser.parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
   print(json.dumps({'jax': jax.__version__}), flush=True)
   shapes = QUICK if args.quick else FAMILY
   for (layers, width), storage, dtype in itertools.product(
-      shapes, ('stacked', 'per_subgroup'), args.dtypes.split(',')):
-    print(json.dumps(facts(layers, width, storage, dtype, args.chunks)), flush=True)
+      shapes, args.storages.split(','), args.dtypes.split(',')):
+    print(json.dumps(facts(layers, width, storage, dtype, args.chunks, args.early_chunks)),
+          flush=True)
   return 0
 
 

@@ -30,18 +30,20 @@ pytestmark = pytest.mark.compiled_gpu
 
 compiled.skip_without_gpu_compiler()
 
-# (layers, width, dtype, chunks): 3-8 host subgroups, 256-1024 wide, both dtypes.
-SHAPES = ((7, 512, 'float32', 3), (8, 1024, 'bfloat16', 4), (16, 256, 'bfloat16', 4))
+# (layers, width, dtype, chunks): 2-8 host subgroups, 256-4096 wide, both dtypes
+# (experiments/schedule_family.py --early-chunks 4 prints the whole family).
+SHAPES = ((5, 4096, 'float32', 2), (7, 512, 'float32', 3), (8, 1024, 'bfloat16', 4),
+          (16, 256, 'bfloat16', 4), (16, 1024, 'float32', 4))
 
 
 @pytest.mark.parametrize('layers, width, dtype, chunks', SHAPES, ids=lambda v: str(v))
 def test_early_host_chunks_start_during_the_backward_pass(layers, width, dtype, chunks):
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region (device_stream.available())')
+  """Where this jax builds no stream region (`device_stream.available()` is False: jax
+  0.12) the device update is the scheduler's to place; the rest holds the same."""
   fn, args, jit_kwargs = probes.mlp_step(layers, width, dtype=dtype, storage='per_subgroup',
                                          early_chunks=chunks)
   schedule = dataflow.compile_for_gpu(fn, *args, **jit_kwargs).schedule
-  calls, (stream,) = schedule.host_calls, schedule.stream_calls
+  calls = schedule.host_calls
   assert len(calls) == chunks, calls
   assert all(a.done < b.start for a, b in zip(calls, calls[1:])), calls
   last_gemm = max(schedule.gemm_positions)
@@ -50,7 +52,9 @@ def test_early_host_chunks_start_during_the_backward_pass(layers, width, dtype, 
       calls, schedule.gemm_positions)
   last_copy = max(c.start for c in schedule.gradient_copies() if c.to_host)
   assert calls[0].start < last_copy, (calls[0], last_copy)
-  assert stream.updates and stream.overlaps(calls[-1]), (stream, calls[-1])
-  assert not schedule.device_updates_outside_host_calls(), (calls, stream)
+  if device_stream.available():
+    (stream,) = schedule.stream_calls
+    assert stream.updates and stream.overlaps(calls[-1]), (stream, calls[-1])
+    assert not schedule.device_updates_outside_host_calls(), (calls, stream)
   assert schedule.stream_full_duplex(), schedule.streamed_rows
   assert not schedule.large_host_copies(), schedule.host_copies

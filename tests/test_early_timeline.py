@@ -103,3 +103,16 @@ def test_explicit_early_chunks_with_stacked_storage_is_refused_in_one_line():
       'policy': 'stride', 'storage': 'stacked', 'early_chunks': 3})
   with pytest.raises(configlib.ConfigError, match='offload.early_chunks: .*per-subgroup'):
     step_lib.make_offload(cfg)
+
+
+def test_the_pinned_pool_counts_the_undo_where_early_chunks_may_speculate():
+  from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
+  size = lambda *sets: memory.run_pinned_bytes(config_lib.load(None, list(sets)))
+  cfg = config_lib.load(None, [])  # the packaged tiny config
+  state_bytes = 12 if str(cfg.model.param_dtype) in ('bfloat16', 'float16') else 8
+  undo = state_bytes * cfg.model.shape().num_params()
+  off = size('offload.policy=auto', 'offload.early_chunks=0')
+  assert size('offload.policy=auto') == off + undo
+  assert size('offload.policy=stride', 'offload.early_chunks=4') == off + undo
+  assert size('offload.policy=stride') == off  # auto early chunks: the policy has none
+  assert size('offload.policy=auto', 'optim.clip_norm=null') == off  # nothing to speculate

@@ -302,6 +302,8 @@ def run_pinned_bytes(cfg, processes: int = 1, local_devices: int | None = None) 
   if cfg.optim.mu_dtype == 'bfloat16':
     state_bytes -= 2
   per_element = state_bytes + 2 * param_bytes  # + gradient in, new parameter out
+  if _may_speculate(cfg):  # early host chunks' undo: at most the state once more
+    per_element += state_bytes
   mesh = cfg.mesh
   replicas = mesh.tensor * mesh.pipeline / max(processes, 1)
   if mesh.fsdp > 1:
@@ -310,6 +312,15 @@ def run_pinned_bytes(cfg, processes: int = 1, local_devices: int | None = None) 
     elif local_devices:
       replicas = max(local_devices // (mesh.fsdp * mesh.tensor), 1) * mesh.tensor
   return float(cfg.model.shape().num_params() * per_element * replicas)
+
+
+def _may_speculate(cfg) -> bool:
+  """Whether a run's early host chunks may keep an undo copy of host state (a clip norm,
+  and early chunks set or left to an `auto` policy)."""
+  early = getattr(cfg.offload, 'early_chunks', 0)
+  if cfg.optim.clip_norm is None or early == 0:
+    return False
+  return early != 'auto' or cfg.offload.policy == 'auto'
 
 
 def check_run(cfg) -> str | None:

@@ -406,10 +406,12 @@ def _chunk_line(profile, spec, name, plan, fwd, bwd, clip_rate: float) -> str:
   calm, fired = (timeline.early_timeline(profile, spec, plan, chunks=early, rollback=r,
                                          **times).seconds for r in (False, True))
   calls = f'{len(early)} early host call' + ('s' if len(early) > 1 else '')
+  undo = sum(early) * spec.subgroup_size * spec.state_bytes_per_element
   return (line + f'; {calls} of {early[0]} subgroup{"s" if early[0] > 1 else ""}'
           f' during the backward pass (offload.early_chunks: [{early[0]}] x {len(early)}),'
           f' speculating on the clip factor: {_ms(calm)}, {_ms(fired)} on a step that rolls'
-          f' back, mean {_ms(mean)} at a clip rate of {clip_rate:g} ({one / mean:.2f}x)')
+          f' back, mean {_ms(mean)} at a clip rate of {clip_rate:g} ({one / mean:.2f}x);'
+          f' their undo copy takes {_gib(undo)} of pinned host memory')
 
 
 def _this_is_a_gpu() -> bool:
