@@ -82,10 +82,16 @@ class EarlyChunks(enum.Enum):
   AUTO = 'auto'
 
 
-def early_calls(early: int | tuple[int, ...] | EarlyChunks) -> int:
+def _chooses(early: Any) -> bool:
+  """Whether an `Offload.early_chunks` value is a chooser: an object whose
+  `early_chunks(spec, plan)` gives the early call sizes (`planner.timeline.EarlyChooser`)."""
+  return callable(getattr(early, 'early_chunks', None))
+
+
+def early_calls(early: Any) -> int:
   """How many host calls an `Offload.early_chunks` value asks for at most (1: one call;
-  2 for `EarlyChunks.AUTO`, which may ask for several)."""
-  if isinstance(early, EarlyChunks):
+  2 for `EarlyChunks.AUTO` or a chooser, which may ask for several)."""
+  if isinstance(early, EarlyChunks) or _chooses(early):
     return 2
   return len(early) + 1 if isinstance(early, tuple) else max(1, early)
 
@@ -110,8 +116,9 @@ class Offload:
       the choice (`Partition.split`): every step of it builds that program.
     storage: how the accelerator program stores each tier (`Storage`); None:
       per subgroup when the policy re-plans as it runs (an `AdaptivePolicy`, such as
-      `Auto`), so that its plan changes move only the rows that change tier, else
-      stacked. The one-memory program keeps one stacked array.
+      `Auto`), so that its plan changes move only the rows that change tier, or when
+      `early_chunks` asks for early host calls, else stacked. The one-memory program
+      keeps one stacked array.
     chunks: the accelerator program's host tier updated in this many host calls, each
       linked through the device to a part of the streamed tier (`dos_jax.chunked`):
       host and device work then interleave chunk by chunk, and each host call can
@@ -125,7 +132,8 @@ class Offload:
       calls of near-equal size; a tuple of sizes (subgroups per early call, what
       `dos_jax.planner.timeline.choose_early_chunks` gives): those, and a last call
       with the rest. `EarlyChunks.AUTO`: what the policy chooses for the plan
-      (`dos_jax.Auto.early_chunks`), none for a policy that does not choose. Under
+      (`dos_jax.Auto.early_chunks`), none for a policy that does not choose. A chooser
+      (`dos_jax.planner.timeline.EarlyChooser`): what it chooses for the plan. Under
       `dos_jax.clip_by_global_norm` those speculate on a clip factor of 1 and are redone
       after the backward pass when the factor is not 1, exactly. 0 or 1: one host call
       after the backward pass. Needs per-subgroup storage; applies with the native host
@@ -149,7 +157,7 @@ class Offload:
   storage: Storage | None = None
   chunks: int = 0
   device_stream: bool = True
-  early_chunks: int | tuple[int, ...] | EarlyChunks = 0
+  early_chunks: Any = 0  # int, tuple of ints, EarlyChunks or a chooser
 
   def __post_init__(self):
     if self.platform is not None and not isinstance(self.platform, Program):
@@ -188,7 +196,7 @@ class Offload:
     early = self.early_chunks
     if isinstance(early, list):
       object.__setattr__(self, 'early_chunks', early := tuple(early))
-    if isinstance(early, EarlyChunks):
+    if isinstance(early, EarlyChunks) or _chooses(early):
       pass
     elif isinstance(early, tuple):
       if not early or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0
@@ -204,8 +212,9 @@ class Offload:
     if (self.early_calls() > 1 and not self.per_subgroup()
         and not isinstance(early, EarlyChunks)):
       raise ValueError(
-          f'Offload.early_chunks={early} needs per-subgroup storage: pass'
-          ' storage=dos_jax.Storage.PER_SUBGROUP (an Auto policy uses it by default)')
+          f'Offload.early_chunks={early} needs per-subgroup storage: leave Offload.storage'
+          f' unset (it then defaults to per subgroup) or pass'
+          f' storage=dos_jax.Storage.PER_SUBGROUP, not {self.storage}')
     if not isinstance(self.device_stream, bool):
       raise TypeError(f'Offload.device_stream must be True or False, got {self.device_stream!r}')
     if self.host_threads is not None and (
@@ -220,6 +229,8 @@ class Offload:
   def early_for(self, spec, plan) -> int | tuple[int, ...]:
     """`early_chunks` for a state of `spec` placed by `plan`: the policy's choice for
     `EarlyChunks.AUTO` (0 where it offers none)."""
+    if _chooses(self.early_chunks):
+      return self.early_chunks.early_chunks(spec, plan)
     if not isinstance(self.early_chunks, EarlyChunks):
       return self.early_chunks
     choose = getattr(self.policy, 'early_chunks', None)
@@ -229,7 +240,9 @@ class Offload:
     """Whether tiers are stored per subgroup (see `storage`)."""
     if self.storage is not None:
       return self.storage is Storage.PER_SUBGROUP
-    return isinstance(self.policy, AdaptivePolicy)
+    asks_early = (not isinstance(self.early_chunks, EarlyChunks)
+                  and early_calls(self.early_chunks) > 1)  # a chooser asks too
+    return asks_early or isinstance(self.policy, AdaptivePolicy)
 
   def target(self) -> Program:
     """The program a state built now is for: `platform`, or the default backend's."""

@@ -264,3 +264,23 @@ def test_the_undo_and_redo_kernels_against_the_plain_kernel(request):
   again_state, again = redo(s, undo, jnp.int32(1))
   np.testing.assert_array_equal(np.asarray(again_state), want_redo, err_msg=f'seed {seed}')
   np.testing.assert_array_equal(np.asarray(again)[covered], want_redo_out[covered])
+
+
+def test_early_chunks_default_to_per_subgroup_storage():
+  assert dos_jax.Offload(policy=dos_jax.AllHost(), early_chunks=3).per_subgroup()
+  assert dos_jax.Offload(policy=dos_jax.AllHost(), early_chunks=(1, 1)).per_subgroup()
+  assert not dos_jax.Offload(policy=dos_jax.AllHost()).per_subgroup()
+  assert not dos_jax.Offload(policy=dos_jax.AllHost(),
+                             early_chunks=dos_jax.EarlyChunks.AUTO).per_subgroup()
+
+
+def test_inits_pool_check_counts_the_undo(request):
+  from dos_jax import pinned_pool  # pylint: disable=import-outside-toplevel
+  params = random_tree(_seed(request))
+  plain = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(),
+                          storage=dos_jax.Storage.PER_SUBGROUP)
+  early = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(), early_chunks=3)
+  host = len(plain.policy.plan(dos_jax.layout.spec_for(params, 23)).host)
+  extra = (host - 1) * 23 * 8  # fp32 params: mu and nu, 8 B per element
+  assert pinned_pool.state_pinned_bytes(params, early) == (
+      pinned_pool.state_pinned_bytes(params, plain) + extra)

@@ -290,16 +290,12 @@ class Auto:
     return new
 
   def early_chunks(self, spec: SubgroupSpec, plan: Plan) -> tuple[int, ...]:
-    """The early host calls of `plan` (`Offload(early_chunks=EarlyChunks.AUTO)`): what
-    `timeline.choose_early_chunks` finds shortest on average at `clip_rate`, with the
-    forward pass taken as half the backward; `()` (one host call) when nothing helps or
-    `backward_seconds` is not known."""
-    if self.backward_seconds <= 0 or len(plan.host) < 2:
-      return ()
-    early, _ = timeline.choose_early_chunks(
-        self.profile, spec, plan, forward_seconds=self.backward_seconds / 2,
-        backward_seconds=self.backward_seconds, clip_rate=self.clip_rate)
-    return early
+    """The early host calls of `plan` (`Offload(early_chunks=EarlyChunks.AUTO)`): a
+    `timeline.EarlyChooser` with this profile, `backward_seconds` and `clip_rate`."""
+    return timeline.EarlyChooser(
+        self.profile if self.backward_seconds > 0 else None,
+        backward_seconds=self.backward_seconds, clip_rate=self.clip_rate,
+    ).early_chunks(spec, plan)
 
   def observe_rollbacks(self, rollbacks: int, steps: int) -> None:
     """Takes the clip rate measured over `steps` steps (`rollbacks` of them had a clip

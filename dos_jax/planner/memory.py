@@ -315,12 +315,11 @@ def run_pinned_bytes(cfg, processes: int = 1, local_devices: int | None = None) 
 
 
 def _may_speculate(cfg) -> bool:
-  """Whether a run's early host chunks may keep an undo copy of host state (a clip norm,
-  and early chunks set or left to an `auto` policy)."""
+  """Whether a run's early host chunks may keep an undo copy of host state: a clip
+  norm, and early chunks set or left to the run (`auto`: on a GPU every offloading
+  policy may get them, `dos_jax.train.trainer.early_chooser`)."""
   early = getattr(cfg.offload, 'early_chunks', 0)
-  if cfg.optim.clip_norm is None or early == 0:
-    return False
-  return early != 'auto' or cfg.offload.policy == 'auto'
+  return cfg.optim.clip_norm is not None and early != 0
 
 
 def check_run(cfg) -> str | None:

@@ -346,11 +346,14 @@ def handler(args) -> int:
   on_host = sb * subgroup * (len(chosen.plan.streamed) + len(chosen.plan.host)) * devices
   print(f'  pinned host (node): optimizer state {_gib(on_host)} of {_gib(host_state)}'
         f' ({state_bytes} B/param) in {_gib(host_mem) if host_mem else "unknown"}')
-  # Every subgroup on the host pins the most: the state, gradients in, new params out.
-  pool = size.num_elements * devices * (state_bytes + 2 * param_bytes)
+  # Every subgroup on the host pins the most: the state, gradients in, new params out,
+  # and the undo of early host chunks speculating on the clip factor (at most the state
+  # once more; `offload.early_chunks: 0` drops it).
+  pool = size.num_elements * devices * (2 * state_bytes + 2 * param_bytes)
   print(f'  pinned host pool: {pinned_pool.ENV_VAR}={pinned_pool.required_gib(pool)} per'
-        f' process, one process per node ({_gib(pool)} for any plan, + margin; XLA\'s'
-        f' default is {pinned_pool.DEFAULT_GIB}; dos-jax train sets it)')
+        f' process, one process per node ({_gib(pool)} for any plan with early host chunks'
+        f' under clipping, + margin; XLA\'s default is {pinned_pool.DEFAULT_GIB}; dos-jax'
+        f' train sets it)')
   if per_stage:
     print()
     print('\n'.join(stages.report(per_stage, microbatches=args.microbatches, gib=_gib)))

@@ -270,3 +270,57 @@ def choose_early_chunks(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan
       if seconds < best[1] * (1 - 1e-9):
         best = (early, seconds)
   return best
+
+
+class EarlyChooser:
+  """`Offload(early_chunks=EarlyChooser(...))`: early host calls chosen for the plan of
+  any policy by `choose_early_chunks`, as `dos_jax.Auto.early_chunks` does for its own.
+
+  Example:
+    >>> from dos_jax.planner import costmodel, timeline
+    >>> from dos_jax.policies import AllHost, SubgroupSpec
+    >>> spec = SubgroupSpec(num_subgroups=70, subgroup_size=10**8, num_elements=7 * 10**9)
+    >>> chooser = timeline.EarlyChooser(costmodel.PROFILE_PRESETS['h100-pcie5'],
+    ...                                 backward_seconds=2.0)
+    >>> len(chooser.early_chunks(spec, AllHost().plan(spec))) > 0
+    True
+  """
+
+  def __init__(self, profile: HardwareProfile | None = None, *, backward_seconds: float,
+               clip_rate: float = 0.1):
+    """Args:
+      profile: the machine; None calibrates this one on first use (cached, as `Auto`).
+      backward_seconds: the backward pass the early calls run beside.
+      clip_rate: the fraction of steps that roll back; `observe_rollbacks` measures it.
+    """
+    if not 0.0 <= clip_rate <= 1.0:
+      raise ValueError(f'EarlyChooser.clip_rate must be in [0, 1], got {clip_rate!r}')
+    self._profile = profile
+    self.backward_seconds = backward_seconds
+    self.clip_rate = clip_rate
+
+  def __repr__(self):
+    return (f'EarlyChooser(backward_seconds={self.backward_seconds:g},'
+            f' clip_rate={self.clip_rate:g})')
+
+  @property
+  def profile(self) -> HardwareProfile:
+    if self._profile is None:
+      from dos_jax.planner import calibrate  # pylint: disable=import-outside-toplevel
+      self._profile = calibrate.cached_profile()
+    return self._profile
+
+  def early_chunks(self, spec: SubgroupSpec, plan: Plan) -> tuple[int, ...]:
+    """The early calls of `plan`: `choose_early_chunks` with the forward pass taken as
+    half the backward; `()` when none helps or the backward pass is not known."""
+    if self.backward_seconds <= 0 or len(plan.host) < 2:
+      return ()
+    early, _ = choose_early_chunks(
+        self.profile, spec, plan, forward_seconds=self.backward_seconds / 2,
+        backward_seconds=self.backward_seconds, clip_rate=self.clip_rate)
+    return early
+
+  def observe_rollbacks(self, rollbacks: int, steps: int) -> None:
+    """Takes the clip rate measured over `steps` steps for the next choice."""
+    if steps > 0 and 0 <= rollbacks <= steps:
+      self.clip_rate = rollbacks / steps

@@ -273,9 +273,10 @@ def train(
         if speculating:
           rollbacks += not result.grad_norm < clip_norm
           speculation = {'offload/rollbacks': rollbacks}
-          observe = getattr(cfg.offload.placement, 'observe_rollbacks', None)
-          if observe is not None:  # Auto's next early_chunks choice takes the rate
-            observe(rollbacks, step - start_step)
+          for chooser in (cfg.offload.placement, getattr(trainer, 'early_chooser', None)):
+            observe = getattr(chooser, 'observe_rollbacks', None)
+            if observe is not None:  # the next choice of early chunks takes the rate
+              observe(rollbacks, step - start_step)
         moved = {'migrate_s': result.migrate_s} if result.migrate_s else {}
         if moved:  # A plan change: rare, so always on record.
           progress.message(f'step {step}: state moved to the new plan in'

@@ -77,12 +77,15 @@ def make_optimizer(
     mask: Callable[[Params], Any] | None = None,
     platform: Any = None,
     data_axis: str = 'data',
+    early_chooser: Any = None,
 ) -> optax.GradientTransformation:
   """AdamW from the config: dos_jax's offloaded one, or plain `optax.adamw` when
   `offload` is None or its policy is 'none' (the baseline: state in device memory).
   `mask` (default `decay_mask`) says which leaves get weight decay. `platform` (a
   `dos_jax.Program`, default the backend's) picks the program dos_jax builds.
   `data_axis` is the params' mesh axis that shards the state ('fsdp' for ZeRO-3).
+  `early_chooser` (a `dos_jax.planner.timeline.EarlyChooser`) answers
+  `offload.early_chunks: auto` for a policy that does not choose its own.
 
   Clipping is not part of the optimizer: the step computes the global norm once (it is
   also reported) and hands the clip factor to the dos_jax update as `grad_scale` (see
@@ -99,15 +102,20 @@ def make_optimizer(
   )
   if offload is None or offload.placement is None:
     return optax.adamw(**kwargs)
-  return dos_jax.adamw(**kwargs, offload=make_offload(offload, platform, data_axis))
+  return dos_jax.adamw(**kwargs, offload=make_offload(offload, platform, data_axis,
+                                                      early_chooser))
 
 
-def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'data') -> Any:
-  """The `dos_jax.Offload` value for the configured policy, subgroup size and storage;
-  `platform` and `data_axis` as in `make_optimizer`."""
+def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'data',
+                 early_chooser: Any = None) -> Any:
+  """The `dos_jax.Offload` value for the configured policy, subgroup size, storage and
+  early chunks; the other arguments as in `make_optimizer`."""
   kwargs = {} if cfg.subgroup_size is None else {'subgroup_size': cfg.subgroup_size}
   storage = None if cfg.storage is None else dos_jax.Storage(cfg.storage)
   early = dos_jax.EarlyChunks.AUTO if cfg.early_chunks == 'auto' else cfg.early_chunks
+  if early is dos_jax.EarlyChunks.AUTO and early_chooser is not None and not callable(
+      getattr(cfg.placement, 'early_chunks', None)):
+    early = early_chooser
   try:
     return dos_jax.Offload(policy=cfg.placement, storage=storage, platform=platform,
                            data_axis=data_axis, early_chunks=early, **kwargs)

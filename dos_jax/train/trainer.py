@@ -20,6 +20,7 @@ import optax
 
 import dos_jax
 from dos_jax.planner import memory
+from dos_jax.planner import timeline
 from dos_jax.train import checkpoint as ckpt_lib
 from dos_jax.train import data as data_lib
 from dos_jax.train import mesh as mesh_lib
@@ -51,6 +52,8 @@ class Trainer:
   # The params came from `model.from_hf` (False: initialized, to be replaced by a
   # checkpoint being resumed, or a run with no from_hf).
   started_from_hf: bool = False
+  # What chooses early host chunks for a policy that does not (`early_chooser`), or None.
+  early_chooser: Any = None
 
   def place_batch(self, tokens_BxLp1: np.ndarray) -> jax.Array:
     return jax.device_put(tokens_BxLp1, self.batch_sharding)
@@ -181,6 +184,17 @@ def budget_auto(cfg: RunConfig, devices: Sequence[jax.Device],
       auto.backward_seconds = backward_seconds(cfg, len(devices))
 
 
+def early_chooser(cfg: RunConfig, devices: Sequence[jax.Device]) -> Any:
+  """What answers `offload.early_chunks: auto` for a static policy on a GPU: a
+  `timeline.EarlyChooser` with this machine's profile and the run's backward pass
+  estimate; None elsewhere (the CPU backend runs the one-memory program; `auto` chooses
+  its own; nothing is offloaded)."""
+  if (cfg.offload.early_chunks != 'auto' or devices[0].platform == 'cpu'
+      or cfg.offload.policy in ('auto', 'none', 'all_device')):
+    return None
+  return timeline.EarlyChooser(backward_seconds=backward_seconds(cfg, len(devices)))
+
+
 # Training TFLOP/s per device that `backward_seconds` assumes: what `dos-jax plan`
 # assumes for an H100 (`--achieved-tflops`).
 ACHIEVED_TFLOPS = 200.0
@@ -260,9 +274,10 @@ def build(
   if mesh.size > 1:  # cuDNN's attention needs q, k and v sharded alike on the mesh
     apply = model_lib.make_apply(cfg.model, mesh)
   budget_auto(cfg, list(mesh.devices.flat))
+  chooser = early_chooser(cfg, list(mesh.devices.flat))
   if tx is None:
     tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
-                                 data_axis=mesh_lib.state_axis(mesh))
+                                 data_axis=mesh_lib.state_axis(mesh), early_chooser=chooser)
   opt_state = tx.init(params)
   state_shardings = step_lib.state_shardings(opt_state, mesh)
   compiler_options = step_lib.compiler_options_for(mesh.devices.flat[0].platform)
@@ -295,4 +310,5 @@ def build(
       ),
       eval_step=step_lib.make_eval_step(apply, model_lib.loss_fn),
       started_from_hf=from_hf,
+      early_chooser=chooser,
   )
