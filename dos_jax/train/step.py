@@ -78,12 +78,15 @@ def make_optimizer(
     mask: Callable[[Params], Any] | None = None,
     platform: Any = None,
     data_axis: str = 'data',
+    shard_dims: Any = None,
 ) -> optax.GradientTransformation:
   """AdamW from the config: dos_jax's offloaded one, or plain `optax.adamw` when
   `offload` is None or its policy is 'none' (the baseline: state in device memory).
   `mask` (default `decay_mask`) says which leaves get weight decay. `platform` (a
   `dos_jax.Program`, default the backend's) picks the program dos_jax builds.
-  `data_axis` is the params' mesh axis that shards the state ('fsdp' for ZeRO-3).
+  `data_axis` is the params' mesh axis that shards the state ('fsdp' for ZeRO-3);
+  `shard_dims` (ZeRO-3, `mesh.state_shard_dims`) packs it by the params' shards
+  where `offload.shard_major` asks for it.
 
   Clipping is not part of the optimizer: the step computes the global norm once (it is
   also reported) and hands the clip factor to the dos_jax update as `grad_scale` (see
@@ -100,7 +103,8 @@ def make_optimizer(
   )
   if offload is None or offload.placement is None:
     return optax.adamw(**kwargs)
-  return dos_jax.adamw(**kwargs, offload=make_offload(offload, platform, data_axis))
+  return dos_jax.adamw(**kwargs, offload=make_offload(offload, platform, data_axis),
+                       shard_dims=shard_dims if offload.shard_major else None)
 
 
 def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'data') -> Any:
