@@ -23,9 +23,14 @@ RESULTS.md 2026-11-24): within 10% for the tiny and 125m presets at small scale.
 ZeRO-3 (`fsdp`) the backward moment is the last layer's MLP weight gradient, where XLA
 holds the MLP's gradients gathered over the whole batch (`memory.fsdp_gradient_bytes`):
 within 10% of the tiny model compiled for 2 and 4 H100s (tests/test_compiled_fsdp.py,
-RESULTS.md 2026-11-25). Not modelled under fsdp: the update phase's whole gathered rows
-(it dominates from the 125m width up), and the other layouts XLA picks for some tiny
-shapes (one sequence per device, or activations split over the width); see RESULTS.md.
+RESULTS.md 2026-11-25). With the state packed shard-major (`offload.shard_major`) the
+update phase keeps its rows split, as modelled here, and the paper's 20B step is within
+10% at 2 and 4 layers: its peak is the end of the forward pass, with every layer's
+gathered matrices held for the backward (RESULTS.md 2026-11-26). Not modelled under
+fsdp: the whole rows the update gathers when packed leaf after leaf (the peak from the
+125m width up), the 125m width's whole-batch float32 logits gradient, and the other
+layouts XLA picks for some tiny shapes (one sequence per device, or activations split
+over the width); see RESULTS.md.
 """
 
 from __future__ import annotations
@@ -115,9 +120,10 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   Over a mesh: params and gradients split over fsdp x tensor (the norm scales, whole
   everywhere, are neglected), the state over its axis (fsdp with ZeRO-3, else data),
   the batch over data x fsdp; tensor parallelism's split of the activations is not
-  modelled. With fsdp, the backward pass also holds one layer's gathered matrices and
-  their gradient before it is reduce-scattered, both in the compute dtype, and its peak
-  may be the last layer's MLP weight gradient (`memory.fsdp_gradient_bytes`).
+  modelled. With fsdp, the backward pass also holds gathered matrices in the compute
+  dtype (one layer's and its gradient before it is reduce-scattered; without remat every
+  layer's, kept from the forward pass), and its peak may be the last layer's MLP weight
+  gradient (`memory.fsdp_gradient_bytes`).
 
   Args:
     cfg: a `dos_jax.train.config.RunConfig`.
@@ -148,8 +154,12 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   matrices = (shape.num_params() - shape.vocab_size * shape.dim) // tensor
   if pb != compute_bytes:  # the matrices cast to the compute dtype, kept for the backward
     acts += matrices // fsdp * compute_bytes
-  if fsdp > 1:  # one layer gathered, and its gradient before the reduce-scatter
-    acts += 2 * matrices // shape.n_layers * compute_bytes
+  if fsdp > 1:
+    # Gathered matrices: one layer's and its gradient before the reduce-scatter, and
+    # without remat every layer's, which XLA keeps from the forward pass to the backward
+    # (the paper's 20B at 4 layers, RESULTS.md 2026-11-26).
+    held = 2 if cfg.model.remat else max(2, shape.n_layers)
+    acts += held * matrices // shape.n_layers * compute_bytes
   dev_rows = (len(plan.streamed) + len(plan.resident)) * size
   own_master = 0 if pb < 4 else pb  # fp32 params are packed with their gradients
   # Packing the device-bound gradients: the leaves, the flat concatenation and its rows
