@@ -222,9 +222,12 @@ def test_the_sharding_table_gives_each_params_fsdp_dimension():
   assert (block['mlp']['w_gate'], block['mlp']['w_down']) == (0, 1)
 
 
-def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(tmp_path):
-  """`offload.shard_major` on mesh.fsdp=4 against one device, 6 steps (fp32 compute;
-  tolerances as tests/test_fsdp.py: 1e-4 relative on losses, 1e-4 absolute on params)."""
+@pytest.mark.parametrize('mesh', [['mesh.fsdp=4'], ['mesh.fsdp=2', 'mesh.tensor=2']],
+                         ids=['fsdp4', 'fsdp2xtensor2'])
+def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh, tmp_path):
+  """`offload.shard_major` on mesh.fsdp=4 (and 2 x tensor=2) against one device, 6
+  steps (fp32 compute; tolerances as tests/test_fsdp.py: 1e-4 relative on losses, 1e-4
+  absolute on params)."""
   from dos_jax.train import config, data, trainer  # pylint: disable=import-outside-toplevel
   out = str(tmp_path / 'tokens')
   data.prepare(None, out, val_fraction=0.05, max_bytes=200_000, progress=False)
@@ -233,11 +236,11 @@ def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(tmp_
             'train.eval_every=0', 'offload.subgroup_size=100000', 'offload.policy=stride',
             'offload.shard_major=true']
   one = trainer.build(config.load(None, common + ['mesh.data=1']), devices=jax.devices()[:1])
-  zero3 = trainer.build(config.load(None, common + ['mesh.data=1', 'mesh.fsdp=4']),
+  zero3 = trainer.build(config.load(None, common + ['mesh.data=1', *mesh]),
                         devices=jax.devices()[:4])
   is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
   states = [x for x in jax.tree.leaves(zero3.opt_state, is_leaf=is_state) if is_state(x)]
-  assert [s.layout.shards for s in states] == [4]
+  assert [s.layout.shards for s in states] == [zero3.mesh.shape['fsdp']]
   sampler = one.train_sampler()
   for _ in range(6):
     batch = next(sampler)
