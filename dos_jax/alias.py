@@ -144,6 +144,7 @@ def adamw(
     *,
     nesterov: bool = False,
     offload: Offload | None = None,
+    shard_dims: PyTree | Callable[[PyTree], PyTree] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW with its state in host memory, split into subgroups: `optax.adamw`'s math.
 
@@ -169,6 +170,10 @@ def adamw(
     mask: pytree of booleans or a callable returning one: which leaves are decayed.
     nesterov: Nesterov momentum, as in `optax.adamw`.
     offload: subgroup size and placement policy; `None` means `Offload()`.
+    shard_dims: ZeRO-3 (params split over `offload.data_axis`, as the state is): per
+      leaf, a pytree or a callable of the params, the dimension split over that axis,
+      or None. Given, each device packs its own shard of every leaf into its slice of
+      the rows, so the update gathers no row (see `dos_jax.offloaded`).
 
   Returns:
     A `GradientTransformationExtraArgs`; its update accepts `plan=` for one step.
@@ -216,4 +221,5 @@ def adamw(
     # On a GPU, before any state exists: XLA's pinned-host pool must hold the host tiers.
     pinned_pool.check_init(params, checked, mask, mu_bytes)
 
-  return offloaded(inner, offload, mask=mask, validate=validate, fused=fused)
+  return offloaded(inner, offload, mask=mask, validate=validate, fused=fused,
+                   shard_dims=shard_dims)

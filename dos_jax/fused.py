@@ -327,19 +327,55 @@ class DeviceKernelStep:
   fused: FusedAdamW
   adam_scalars: AdamWScalars
   new_scalars: tuple
+  # A shard-major state (ZeRO-3, `layout.Layout.shards`): the mesh and the axis its rows
+  # are split over. The kernel then runs on each device's columns of the row under
+  # `shard_map`; XLA would otherwise gather the whole row's state to call it.
+  mesh: Any = None
+  axis: str | None = None
 
   def __call__(self, blocks, scalars, grad, param, index):
     del scalars  # every row reads the pre-step scalars, folded into `adam_scalars`
+    if self.mesh is None:
+      return self._update(blocks[0], grad, param, index, self.adam_scalars)
+    scalar_leaves, scalar_tree = jax.tree.flatten(self.adam_scalars)
+    is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
+    arrays = [x for x, a in zip(scalar_leaves, is_array) if a]
+
+    def per_shard(block, grad, index, arrays, *param):
+      it = iter(arrays)
+      adam_scalars = scalar_tree.unflatten(
+          [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
+      (new_block,), _, out_row = self._update(block, grad, param[0] if param else None,
+                                              index, adam_scalars)
+      return new_block, out_row
+
+    mesh = self.mesh
+    device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
+    if device is not None:
+      # Lowered for a GPU where there is none (`dataflow.lower_for_gpu`): the kernel
+      # lowers inside the shard_map's mesh, which must name the abstract GPU too.
+      mesh = getattr(mesh, 'abstract_mesh', mesh).update(abstract_device=device)
+    rows, row = P(None, self.axis), P(self.axis)
+    extra = () if param is None else (param,)
+    # The Pallas call has no replication rule for the checker; every output is sharded.
+    new_block, out_row = jax.shard_map(
+        per_shard, mesh=mesh,
+        in_specs=(rows, row, P(), [P()] * len(arrays)) + (row,) * len(extra),
+        out_specs=(rows, row), check_vma=False,
+    )(blocks[0], grad, jnp.asarray(index), arrays, *extra)
+    return (new_block,), self.new_scalars, out_row
+
+  def _update(self, block, grad, param, index, adam_scalars):
     from dos_jax.kernels import pallas_adamw  # pylint: disable=import-outside-toplevel
     slots = slot_rows(self.step.slots, self.step.has_master)
-    size = blocks[0].shape[-1]
+    size = block.shape[-1]
     decay_limit = jnp.where(index < self.step.decayed_rows, size, 0).astype(jnp.int32)
     lowp_dtype = self.step.out_dtype if self.step.has_master else None
 
     def kernel(interpret):
       # The scalars are closed over: Python floats among them must stay Python floats.
       return lambda block, grad, param: pallas_adamw.adamw_pallas_rows(
-          block, grad, self.adam_scalars, slots=slots, decay_limit=decay_limit,
+          block, grad, adam_scalars, slots=slots, decay_limit=decay_limit,
           lowp_dtype=lowp_dtype, param=param, nesterov=self.fused.nesterov,
           interpret=interpret)
 
@@ -347,7 +383,7 @@ class DeviceKernelStep:
     # runs on a CPU backend: each platform lowers only its own branch. The block is
     # updated where it is, in one buffer (no row slices, no stacking).
     new_block, new_master, lowp = jax.lax.platform_dependent(
-        blocks[0], grad, None if self.step.has_master else param,
+        block, grad, None if self.step.has_master else param,
         cpu=kernel(True), default=kernel(False))
     if self.step.has_master:
       out_row = lowp
@@ -358,6 +394,9 @@ class DeviceKernelStep:
 
 
 def device_step(fused: FusedAdamW, step: paths.RowStep, adam_scalars: AdamWScalars,
-                new_scalars: tuple) -> DeviceKernelStep:
+                new_scalars: tuple, mesh: Any = None,
+                axis: str | None = None) -> DeviceKernelStep:
+  """The Pallas row update; per shard of `mesh`'s `axis` when given (see
+  `DeviceKernelStep`)."""
   return DeviceKernelStep(step=step, fused=fused, adam_scalars=adam_scalars,
-                          new_scalars=new_scalars)
+                          new_scalars=new_scalars, mesh=mesh, axis=axis)

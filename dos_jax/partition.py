@@ -28,6 +28,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from dos_jax import layout as layout_lib
 from dos_jax.layout import Layout
 from dos_jax.policies import Plan
 
@@ -176,6 +177,9 @@ def blocks_of(arrays: Sequence[jax.Array], count: int) -> list[tuple[jax.Array, 
 class Piece:
   """A contiguous run of one leaf inside one tier.
 
+  Shard-major (`Layout.shards` > 1) every field counts elements of one shard: a run of
+  every device's shard of the leaf (`layout.to_shards`), at the same place in each.
+
   Attributes:
     leaf: the leaf's index in the layout's treedef order.
     start: first element of the run within the raveled leaf.
@@ -201,10 +205,10 @@ def pieces_of(layout: Layout, ids: Sequence[int]) -> tuple[Piece, ...]:
   A leaf that spans several of the subgroups gives one piece per run of consecutive
   rows (adjacent pieces are merged).
   """
-  size = layout.subgroup_size
+  size = layout.shard_size
   local = {g: i for i, g in enumerate(ids)}
   out: list[Piece] = []
-  for leaf, (offset, count) in enumerate(zip(layout.offsets, layout.sizes)):
+  for leaf, (offset, count) in enumerate(zip(layout.offsets, layout.shard_sizes)):
     cursor, end = offset, offset + count
     while cursor < end:
       row = cursor // size
@@ -222,58 +226,72 @@ def pieces_of(layout: Layout, ids: Sequence[int]) -> tuple[Piece, ...]:
   return tuple(out)
 
 
-def slice_pieces(leaves: Sequence[jax.Array], runs: Sequence[Piece]) -> list[jax.Array]:
+def slice_pieces(leaves: Sequence[jax.Array], runs: Sequence[Piece],
+                 shards: int = 1) -> list[jax.Array]:
   """The 1-D arrays of `runs`, each a static slice of its raveled leaf (a whole leaf
-  is passed as it is)."""
+  is passed as it is). With `shards` > 1 the leaves are shard-major
+  (`layout.shard_views`) and each run is a `(shards, size)` slice of its leaf."""
   out = []
   for run in runs:
-    flat = jnp.ravel(leaves[run.leaf])
-    whole = run.start == 0 and run.size == flat.shape[0]
-    out.append(flat if whole else jax.lax.slice_in_dim(flat, run.start, run.start + run.size))
+    flat = jnp.ravel(leaves[run.leaf]) if shards == 1 else leaves[run.leaf]
+    whole = run.start == 0 and run.size == flat.shape[-1]
+    out.append(flat if whole else jax.lax.slice_in_dim(flat, run.start, run.start + run.size,
+                                                       axis=flat.ndim - 1))
   return out
 
 
 def assemble(arrays: Sequence[jax.Array], runs: Sequence[Piece], rows: int, size: int,
-             dtype) -> jax.Array:
+             dtype, shards: int = 1) -> jax.Array:
   """`(rows, size)` rows of `dtype` from pieces placed at their offsets, zero elsewhere.
 
   Gaps are filled by `lax.pad` with a scalar, never a zeros array, so that assembling
-  inside a host region stays in host memory.
+  inside a host region stays in host memory. With `shards` > 1 (shard-major) the
+  pieces are `(shards, n)` (`slice_pieces`), offsets count one shard's elements, and
+  shard d's land in columns `[d * size / shards, (d + 1) * size / shards)` of the rows.
   """
-  total = rows * size
+  total = rows * size // shards
   zero = jnp.zeros((), dtype)
+  lead = [(0, 0, 0)] if shards > 1 else []
   order = sorted(range(len(runs)), key=lambda i: runs[i].offset)
   parts, cursor = [], 0
   for i in order:
     piece, run = arrays[i].astype(dtype), runs[i]
     gap = run.offset - cursor
     if gap:
-      piece = jax.lax.pad(piece, zero, [(gap, 0, 0)])
+      piece = jax.lax.pad(piece, zero, lead + [(gap, 0, 0)])
     parts.append(piece)
     cursor = run.offset + run.size
   if not parts:
     return jnp.zeros((rows, size), dtype)
-  flat = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  flat = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
   if cursor < total:
-    flat = jax.lax.pad(flat, zero, [(0, total - cursor, 0)])
+    flat = jax.lax.pad(flat, zero, lead + [(0, total - cursor, 0)])
+  if shards > 1:
+    return layout_lib.rows_from_shards(flat, rows)
   return flat.reshape(rows, size)
 
 
 def leaves_from_blocks(blocks: Sequence[tuple[jax.Array, tuple[Piece, ...]]],
                        layout: Layout) -> list[jax.Array]:
   """The layout's leaves (treedef order) read back from `(R, S)` rows, each given with
-  its pieces (`pieces_of` the subgroups it holds)."""
+  its pieces (`pieces_of` the subgroups it holds). Shard-major, each device reads its
+  own columns of the rows (`layout.shards_from_rows`): no row is gathered."""
   runs_by_leaf: dict[int, list[tuple[int, int, Piece]]] = {}
   for b, (_, runs) in enumerate(blocks):
     for run in runs:
       runs_by_leaf.setdefault(run.leaf, []).append((run.start, b, run))
+  flats = [layout_lib.shards_from_rows(rows, layout.shards) for rows, _ in blocks] \
+      if layout.shards > 1 else None
   leaves = []
   for leaf, shape in enumerate(layout.shapes):
     parts = []
     for _, b, run in sorted(runs_by_leaf.get(leaf, []), key=lambda t: t[0]):
-      flat = blocks[b][0].reshape(-1)
-      parts.append(jax.lax.slice_in_dim(flat, run.offset, run.offset + run.size))
-    leaves.append((jnp.concatenate(parts) if len(parts) > 1 else parts[0]).reshape(shape))
+      flat = blocks[b][0].reshape(-1) if flats is None else flats[b]
+      parts.append(jax.lax.slice_in_dim(flat, run.offset, run.offset + run.size,
+                                        axis=flat.ndim - 1))
+    whole = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    leaves.append(whole.reshape(shape) if layout.shards == 1
+                  else layout_lib.from_shards(whole, layout, leaf))
   return leaves
 
 

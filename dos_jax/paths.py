@@ -291,7 +291,7 @@ def interleaved_loop(steps: Sequence[RowStep], *, stacks, scalars, grads, params
 
 
 def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pieces, runs,
-                       grad_dtype, inputs_sink: list | None = None):
+                       grad_dtype, inputs_sink: list | None = None, shards: int = 1):
   """Updates every row of the host tier in a `compute_on('device_host')` region (the
   accelerator program's XLA host path); returns (stacked, out rows in host memory).
 
@@ -304,6 +304,7 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
     runs: the `partition.Piece`s the arrays belong to.
     grad_dtype: dtype the gradient rows are assembled in.
     inputs_sink: where to append the region's inputs other than the state.
+    shards: the pieces' shards (`partition.assemble`): > 1 for a shard-major layout.
   """
   # Deferred import: `partition` depends on `layout`, which the paths need not.
   from dos_jax import partition as partition_lib  # pylint: disable=import-outside-toplevel
@@ -314,10 +315,11 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
   scalars, scale = to_host(scalars), None if scale is None else to_host(scale)
 
   def update(stacked, scalars, grad_pieces, param_pieces, scale):
-    grads = partition_lib.assemble(grad_pieces, runs, num_rows, size, grad_dtype)
+    grads = partition_lib.assemble(grad_pieces, runs, num_rows, size, grad_dtype, shards)
     params = None
     if param_pieces is not None:
-      params = partition_lib.assemble(param_pieces, runs, num_rows, size, step.state_dtype)
+      params = partition_lib.assemble(param_pieces, runs, num_rows, size, step.state_dtype,
+                                      shards)
     # The out buffer is made from a host array (a zeros constant would be device
     # memory); every row of it is overwritten.
     out = grads.astype(out_dtype)

@@ -179,8 +179,9 @@ class StepContext:
       rows_sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
 
       def packed(leaves, dtype):
-        rows = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs), runs,
-                                      num_rows, size, dtype)
+        shards = self.layout.shards
+        rows = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs, shards), runs,
+                                      num_rows, size, dtype, shards)
         return jax.lax.with_sharding_constraint(rows, rows_sharding)
 
       params = None
@@ -241,7 +242,7 @@ class StepContext:
     arrays, out = paths.host_region_update(
         step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
         param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
-        inputs_sink=self.host_inputs)
+        inputs_sink=self.host_inputs, shards=self.layout.shards)
     return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
 
   def streamed(self, step, arrays, ids, runs):
@@ -287,13 +288,14 @@ class StepContext:
   def _rows(self, step, arrays, runs):
     """The block's packed `(R, S)` gradient rows (and fp32 param rows, or None), where
     the gradients are."""
-    num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
-    grads = partition_lib.assemble(partition_lib.slice_pieces(self.grad_leaves, runs), runs,
-                                   num_rows, size, self.grad_dtype)
+    num_rows, size, shards = arrays[0].shape[0], self.layout.subgroup_size, self.layout.shards
+    grads = partition_lib.assemble(partition_lib.slice_pieces(self.grad_leaves, runs, shards),
+                                   runs, num_rows, size, self.grad_dtype, shards)
     params = None
     if self.param_leaves is not None:
-      params = partition_lib.assemble(partition_lib.slice_pieces(self.param_leaves, runs),
-                                      runs, num_rows, size, step.state_dtype)
+      params = partition_lib.assemble(
+          partition_lib.slice_pieces(self.param_leaves, runs, shards), runs, num_rows, size,
+          step.state_dtype, shards)
     return grads, params
 
   def _host_pieces(self, ids, runs):
@@ -307,21 +309,27 @@ class StepContext:
 
   def host_pieces(self, runs):
     """The gradient (and fp32 param) pieces of `runs`, sent to host memory."""
-    return (paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs)),
+    return (paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs,
+                                                     self.layout.shards)),
             self._host_param_pieces(runs))
 
   def _host_param_pieces(self, runs):
     """The fp32 param pieces of `runs` in host memory (None: the state keeps a master)."""
     if self.param_leaves is None:
       return None
-    return paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs))
+    return paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs,
+                                                    self.layout.shards))
 
   def _device_step(self, step):
     """The row update of a device tier: the Pallas AdamW where it is asked for
     (`Offload.device_impl`) and usable (`capability`), else XLA's."""
     if (self.offload.device_impl is UpdateImpl.KERNEL
         and capability_lib.capability(Kernel.PALLAS, self.fused, step, self.program).usable):
-      return fused_lib.device_step(self.fused, step, self.adam_scalars, self.new_scalars)
+      # Shard-major, every device updates its own columns of the row (no gather).
+      sharded = self.mesh is not None and self.layout.shards > 1
+      return fused_lib.device_step(self.fused, step, self.adam_scalars, self.new_scalars,
+                                   mesh=self.mesh if sharded else None,
+                                   axis=self.offload.data_axis if sharded else None)
     return step
 
 
@@ -335,11 +343,11 @@ def host_rows(layout: layout_lib.Layout, ids, leaves: list[Any], dtype,
   Each row leaves the device as soon as the backward pass has made its leaves: the
   early transfer keeps subgroup granularity, never waiting for all gradients.
   """
-  size, out = layout.subgroup_size, []
+  size, shards, out = layout.subgroup_size, layout.shards, []
   for g in ids:
     runs = partition_lib.pieces_of(layout, (g,))
-    row = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs), runs, 1, size,
-                                 dtype)
+    pieces = partition_lib.slice_pieces(leaves, runs, shards)
+    row = partition_lib.assemble(pieces, runs, 1, size, dtype, shards)
     out.append(paths.to_host(jax.lax.with_sharding_constraint(row, sharding)))
   return out
 
@@ -367,7 +375,8 @@ def gate_device_update(layout: layout_lib.Layout, part: partition_lib.Partition,
   blocks = part.blocks(Tier.HOST)
   if rows is None:
     pieces = {tuple(ids): paths.to_host(partition_lib.slice_pieces(
-        grad_leaves, partition_lib.pieces_of(layout, ids))) for ids in blocks if ids}
+        grad_leaves, partition_lib.pieces_of(layout, ids), layout.shards))
+              for ids in blocks if ids}
   else:
     pieces = {tuple(ids): host_rows(layout, ids, grad_leaves, *rows) for ids in blocks if ids}
   if not pieces or not (part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)):

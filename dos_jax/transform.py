@@ -91,6 +91,7 @@ def offloaded(
     mask: PyTree | Callable[[PyTree], PyTree] | None = None,
     validate: Callable[[PyTree], None] | None = None,
     fused: fused_lib.FusedAdamW | None = None,
+    shard_dims: PyTree | Callable[[PyTree], PyTree] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Runs an element-wise optax transform on host-resident subgroups.
 
@@ -102,6 +103,10 @@ def offloaded(
     validate: called with the params at `init`, to reject unsupported transforms early.
     fused: set when `inner` is AdamW's chain (see `fused.FusedAdamW`): the host path
       may then run as one native call (`offload.host_impl`, see `capability`).
+    shard_dims: ZeRO-3, params split over `offload.data_axis`: per leaf (a pytree or a
+      callable of the params) the dimension split over it, or None. Given, the state
+      is packed shard-major on a mesh (see `layout`): each device packs and unpacks its
+      own shards of the leaves, and no row is gathered.
 
   Returns:
     A transform whose update also accepts `plan=` (a `Plan`, static under jit) to
@@ -130,6 +135,7 @@ def offloaded(
         offload.subgroup_size,
         decay_flags=layout_lib.resolve_mask(mask, params),
         shard_multiple=shard_multiple,
+        shard_dims=layout_lib.resolve_shard_dims(shard_dims, params),
     )
     sharded = None if mesh is None else ShardedOver(mesh, tuple(
         meshes.leaf_sharding(leaf) for leaf in layout.treedef.flatten_up_to(params)))
@@ -161,9 +167,10 @@ def offloaded(
       """One block's stacked arrays (subgroups `ids`) and the scalars, built in `space`
       from its pieces."""
       runs = partition_lib.pieces_of(layout, ids)
-      num_rows = len(ids)
+      num_rows, shards = len(ids), layout.shards
       master = partition_lib.assemble(
-          partition_lib.slice_pieces(leaves, runs), runs, num_rows, size, state_dtype)
+          partition_lib.slice_pieces(layout_lib.shard_views(leaves, layout), runs, shards),
+          runs, num_rows, size, state_dtype, shards)
       state = jax.tree.map(
           lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(
               jax.device_put(x, space), master.shape), row_state(master))
@@ -285,6 +292,10 @@ def offloaded(
     program = Program.TWO_MEMORIES if part.split else Program.ONE_MEMORY
     split = program is Program.TWO_MEMORIES
     grad_dtype = _common_dtype(grad_leaves, layout.state_dtype)
+    # Shard-major (ZeRO-3): the leaves as each device's own shards (see `layout`).
+    views = functools.partial(layout_lib.shard_views, layout=layout, mesh=mesh,
+                              axis=offload.data_axis)
+    grad_leaves = views(grad_leaves)
     state_dtype = jnp.dtype(layout.state_dtype)
     out_dtype = layout.lowp_dtype if layout.needs_master else state_dtype
     base_step = paths.RowStep(
@@ -314,7 +325,8 @@ def offloaded(
     scalar_update = paths.scalar_update(base_step, state.scalars)
     context = tier_updates.StepContext(
         layout=layout, part=part, plan=plan, offload=offload, program=program, fused=fused,
-        grad_leaves=grad_leaves, param_leaves=None if layout.needs_master else param_leaves,
+        grad_leaves=grad_leaves,
+        param_leaves=None if layout.needs_master or param_leaves is None else views(param_leaves),
         grad_dtype=grad_dtype, scalars=state.scalars, new_scalars=scalar_update[2],
         adam_scalars=None if fused is None else fused_lib.step_scalars(
             fused, base_step, scalar_update),

@@ -57,6 +57,9 @@ FSDP_CONFIGS = (
     ('tiny L2 s128 B4', 4, ('model.n_layers=2', 'data.batch_size=4')),
     ('125m L2 s128 B8', 4, ('model.preset=125m', 'model.n_layers=2', 'data.batch_size=8',
                             'offload.subgroup_size=4194304')),
+    ('125m L2 s128 B8 shard-major', 4, ('model.preset=125m', 'model.n_layers=2',
+                                        'data.batch_size=8', 'offload.subgroup_size=4194304',
+                                        'offload.shard_major=true')),
 )
 POLICIES = ('all_host', 'stride', 'device_fraction')
 DTYPES = ('bfloat16', 'float32')

@@ -1,9 +1,13 @@
 """The runner's ZeRO-3 step (fsdp=4, cuDNN attention) compiled for 4 H100s with no GPU,
 from abstract arguments (`gpu_program.compile_sharded_step`), against the planner's
-`step_memory.predict_step(cfg, devices=4)`.
+`step_memory.predict_step(cfg, devices=4)`: the tiny model's family, the 125m width, and
+the paper's 7B, 13B and 20B at 2 layers (20B also at 4) with the state packed shard-major.
 
 Needs the CUDA plugin (Python 3.12, jax[cuda13]) and JAX_PLATFORMS=cpu; skipped elsewhere.
 """
+
+import os
+import re
 
 import jax
 import pytest
@@ -55,6 +59,11 @@ def test_the_prediction_is_within_10_percent_under_fsdp(tiny_fsdp4):
 FAMILY = {
     'fsdp2 L4 s128 b32': ['mesh.fsdp=2'],
     'fsdp4 L4 s64 b32': ['data.seq_len=64'],
+    # The 125m width packed shard-major: its peak is the whole batch's float32 logits
+    # gradient (RESULTS.md 2026-11-26).
+    'fsdp4 125m L2 s128 b8 shard-major': ['model.preset=125m', 'model.n_layers=2',
+                                          'data.batch_size=8', 'offload.subgroup_size=4194304',
+                                          'offload.shard_major=true'],
 }
 
 
@@ -63,4 +72,28 @@ def test_the_prediction_is_within_10_percent_for_more_fsdp_shapes(name):
   cfg = config_lib.load(None, OVERRIDES + FAMILY[name])
   program = _compiled(cfg, cfg.mesh.fsdp)
   predicted = step_memory.predict_step(cfg, devices=cfg.mesh.fsdp)
+  assert predicted.device_bytes == pytest.approx(program.memory.device_peak_bytes, rel=0.10)
+
+
+# The paper's steps (configs/paper/*.yaml: fsdp=4, Stride(2), 1e8-element subgroups,
+# `offload.shard_major`) at 2 layers, and the 20B at 4 (RESULTS.md 2026-11-26).
+PAPER = os.path.join(os.path.dirname(__file__), '..', 'configs', 'paper')
+# A whole row of the state, or a device's quarter of one (1e8 / 4): no collective
+# may carry either (packed leaf after leaf, the update gathered whole rows of new params
+# and of a streamed subgroup's state).
+_COLLECTIVE = re.compile(r' = (.*?) (all-gather|all-to-all|collective-permute)(-start)?\(')
+_ROW = re.compile(r'\[[0-9,]*\b(100000000|25000000)\b[0-9,]*\]')
+
+
+def _row_collectives(hlo_text: str) -> list[str]:
+  return [m.group(1) for m in _COLLECTIVE.finditer(hlo_text) if _ROW.search(m.group(1))]
+
+
+@pytest.mark.parametrize('model,layers', [('7b', 2), ('13b', 2), ('20b', 2), ('20b', 4)])
+def test_the_paper_steps_gather_no_row_and_are_predicted_within_10_percent(model, layers):
+  cfg = config_lib.load(os.path.join(PAPER, f'{model}.yaml'), [f'model.n_layers={layers}'])
+  assert cfg.offload.shard_major
+  program = _compiled(cfg)
+  assert not _row_collectives(program.hlo_text)
+  predicted = step_memory.predict_step(cfg, devices=4)
   assert predicted.device_bytes == pytest.approx(program.memory.device_peak_bytes, rel=0.10)

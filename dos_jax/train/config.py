@@ -98,6 +98,12 @@ class OffloadConfig:
     keep_freed_host_memory: keep freed host memory in the process for the next step's
       buffers instead of faulting in and zeroing fresh pages every step (glibc only;
       see dos_jax.host_memory).
+    shard_major: with ZeRO-3 (mesh.fsdp > 1), pack the state by each device's shards of
+      the params (`dos_jax.adamw(shard_dims=...)`): the update unpacks the new params
+      and runs the device kernel locally, gathering no whole row (RESULTS.md
+      2026-11-26). Off: the leaf-after-leaf packing, whose row gathers are smaller than
+      the gathered activations XLA keeps, for small models, when no packing collective
+      makes it compute the weight gradients early.
     placement: the policy value `policy` names, None for 'none' (derived, not read
       from YAML).
   """
@@ -109,6 +115,7 @@ class OffloadConfig:
   storage: Literal['stacked', 'per_subgroup'] | None = None
   early_chunks: Literal['auto'] | int | tuple[int, ...] = 'auto'
   keep_freed_host_memory: bool = True
+  shard_major: bool = False
   placement: Policy | None = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):

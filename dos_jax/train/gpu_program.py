@@ -103,7 +103,8 @@ def build_sharded_step(cfg: RunConfig, devices, compiler_options: Any = None) ->
                         shapes, param_shardings)
   tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
                                platform=dos_jax.Program.TWO_MEMORIES,
-                               data_axis=mesh_lib.state_axis(mesh))
+                               data_axis=mesh_lib.state_axis(mesh),
+                               shard_dims=mesh_lib.state_shard_dims(mesh))
   opt_state = dos_jax.abstract_state(tx, params)
   state_shardings = step_lib.state_shardings(opt_state, mesh)
   step = step_lib.make_train_step(

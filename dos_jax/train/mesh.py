@@ -76,6 +76,12 @@ def state_axis(mesh: Mesh) -> str:
   return sharding.FSDP if has_fsdp(mesh) else 'data'
 
 
+def state_shard_dims(mesh: Mesh) -> Any:
+  """With ZeRO-3, what the optimizer packs its state by (`dos_jax.adamw`'s
+  `shard_dims`: each param's `fsdp` dimension in the sharding table); None without."""
+  return sharding.fsdp_dims if has_fsdp(mesh) else None
+
+
 def param_shardings(mesh: Mesh, params: Any) -> Any:
   """NamedSharding of every param leaf, from the model's sharding table (ZeRO-3 over
   `fsdp` when the mesh has it).

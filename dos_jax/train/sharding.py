@@ -140,6 +140,21 @@ def param_specs(params: Any, rules: ShardingRules = ShardingRules()) -> Any:
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
+def fsdp_dims(params: Any, rules: ShardingRules | None = None) -> Any:
+  """Per parameter, the dimension `rules` (default `megatron_fsdp`) split first over
+  `fsdp`, or None: the ZeRO-3 shards the optimizer packs its state by, so that each
+  device packs and unpacks only its own (`dos_jax.adamw(shard_dims=...)`)."""
+  rules = ShardingRules.megatron_fsdp() if rules is None else rules
+
+  def dim(spec):
+    for d, axes in enumerate(spec):
+      if (axes[0] if isinstance(axes, tuple) and axes else axes) == FSDP:
+        return d
+    return None
+
+  return jax.tree.map(dim, param_specs(params, rules), is_leaf=lambda x: isinstance(x, P))
+
+
 def batch_spec(fsdp: bool = False) -> P:
   """Token batches (B, L + 1): rows split over `data` (and `fsdp`, with ZeRO-3)."""
   return P((DATA, FSDP), None) if fsdp else P(DATA, None)

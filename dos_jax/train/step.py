@@ -78,14 +78,17 @@ def make_optimizer(
     platform: Any = None,
     data_axis: str = 'data',
     early_chooser: Any = None,
+    shard_dims: Any = None,
 ) -> optax.GradientTransformation:
   """AdamW from the config: dos_jax's offloaded one, or plain `optax.adamw` when
   `offload` is None or its policy is 'none' (the baseline: state in device memory).
   `mask` (default `decay_mask`) says which leaves get weight decay. `platform` (a
   `dos_jax.Program`, default the backend's) picks the program dos_jax builds.
-  `data_axis` is the params' mesh axis that shards the state ('fsdp' for ZeRO-3).
-  `early_chooser` (a `dos_jax.planner.timeline.EarlyChooser`) answers
-  `offload.early_chunks: auto` for a policy that does not choose its own.
+  `data_axis` is the params' mesh axis that shards the state ('fsdp' for ZeRO-3);
+  `shard_dims` (ZeRO-3, `mesh.state_shard_dims`) packs it by the params' shards
+  where `offload.shard_major` asks for it. `early_chooser` (a
+  `dos_jax.planner.timeline.EarlyChooser`) answers `offload.early_chunks: auto` for a
+  policy that does not choose its own.
 
   Clipping is not part of the optimizer: the step computes the global norm once (it is
   also reported) and hands the clip factor to the dos_jax update as `grad_scale` (see
@@ -103,7 +106,8 @@ def make_optimizer(
   if offload is None or offload.placement is None:
     return optax.adamw(**kwargs)
   return dos_jax.adamw(**kwargs, offload=make_offload(offload, platform, data_axis,
-                                                      early_chooser))
+                                                      early_chooser),
+                       shard_dims=shard_dims if offload.shard_major else None)
 
 
 def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'data',

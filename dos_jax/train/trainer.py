@@ -277,7 +277,8 @@ def build(
   chooser = early_chooser(cfg, list(mesh.devices.flat))
   if tx is None:
     tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
-                                 data_axis=mesh_lib.state_axis(mesh), early_chooser=chooser)
+                                 data_axis=mesh_lib.state_axis(mesh), early_chooser=chooser,
+                                 shard_dims=mesh_lib.state_shard_dims(mesh))
   opt_state = tx.init(params)
   state_shardings = step_lib.state_shardings(opt_state, mesh)
   compiler_options = step_lib.compiler_options_for(mesh.devices.flat[0].platform)
