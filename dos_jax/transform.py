@@ -423,16 +423,9 @@ def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,
                          param_leaves: list[jax.Array] | None,
                          dtypes: list[jnp.dtype]) -> list[jax.Array]:
   """Optax update leaves, in `dtypes` (see `validate.update_dtypes`), from the new
-  parameter leaves (master case) or the raw updates.
-
-  Master case: `new_lowp - p`, computed in the state dtype. With fp32 updates,
-  `optax.apply_updates` adds in fp32 and casts, which reproduces `new_lowp` exactly
-  (docs/design.md, JAX facts). With bf16 updates (bf16 params and gradients, optax's convention) it
-  does too whenever `new_lowp - p` is a bf16 number, i.e. unless a value changes by a
-  large factor or crosses zero in one step; there the param lands within one bf16 ulp
-  of `max(|p|, |new_lowp|)` of it. The master is exact either way, and the next
-  update is computed against the param as it is, so the gap never accumulates.
-  """
+  parameter leaves (master case: `new_lowp - p` in the state dtype, which
+  `optax.apply_updates` turns back into `new_lowp`; docs/design.md, JAX facts, says when
+  exactly and by how much otherwise) or the raw updates."""
   if not layout.needs_master:
     return [leaf.astype(d) for leaf, d in zip(leaves, dtypes)]
   state_dtype = jnp.dtype(layout.state_dtype)
