@@ -1,11 +1,11 @@
-"""The host path of `dos_jax.adamw` as one native call per step.
+"""The host path of `dos_jax.adamw` as one call of the native host AdamW per step.
 
 `paths.host_update` runs the wrapped optax transforms row by row in an XLA loop; that
 is general (any element-wise chain) but, to stay in place, XLA materializes each new
 row behind an optimization barrier, which makes it several times slower than
 `jax.jit(optax.adamw)` on a CPU. When the transform is known to be AdamW, its
 hyperparameters are handed to the core as a `FusedAdamW` and `host_update` here
-updates every host row with one call of the native kernel
+updates every host row with one call of the native host AdamW
 (`kernels.host_adamw_rows`), in place, multi-threaded over all host elements.
 
 The step's scalars come from the wrapped transforms themselves: their update is run on

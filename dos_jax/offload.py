@@ -48,8 +48,8 @@ class Program(enum.Enum):
 class UpdateImpl(enum.Enum):
   """Which implementation runs the AdamW update on one path.
 
-  KERNEL: the fused kernel (Pallas on GPU for the device path, the native host AdamW for
-    the host path) where it is available, else XLA.
+  KERNEL: a kernel (the Pallas AdamW for the device path, the native host AdamW for the
+    host path) where it is available, else XLA.
   XLA: optax's own element-wise ops, fused by XLA. The reference and the fallback.
   """
 

@@ -7,12 +7,11 @@
 // untouched. All R * S elements are split over the threads at once, so a call on many
 // small subgroups is as parallel as a call on one large one.
 //
-// The element types and their rounding and the coefficient slots are the flat host
-// kernel's (adamw_loop.h), as are the ISA dispatch, denormal flushing and thread split
-// (adamw_common.h); the loop follows the same rules (explicit FMAs where XLA:CPU
+// The element types, their rounding and the coefficient slots are adamw_loop.h's; the ISA
+// dispatch, denormal flushing and thread split are adamw_common.h's; the loop follows the same rules (explicit FMAs where XLA:CPU
 // contracts, reciprocal multiplies, denormals flushed), so results agree bit for bit
-// with the XLA row loop of dos_jax and with jax.jit(optax.adamw) (see host_adamw.cc
-// and below).
+// with the XLA row loop of dos_jax and with jax.jit(optax.adamw) (see adamw_loop.h and
+// below).
 
 #include <Python.h>
 
@@ -46,7 +45,7 @@ struct RowPointers {
 // m_hat. The moments contract a different product into the FMA for 16-bit gradients:
 // when the gradient is converted from bf16 inside the program, XLA:CPU fuses b1 * mu
 // (not (1 - b1) * g) into the FMA, so jit(optax.adamw) on bf16 gradients, and the XLA
-// row loop of dos_jax, round that way. With f32 gradients this is host_adamw.cc's order.
+// row loop of dos_jax, round that way. With f32 gradients this is adamw_loop.h's order.
 template <class G, bool kNesterov>
 DOS_INLINE void RowMomentsPass(const Coeffs& c, float* __restrict mu, float* __restrict nu,
                                const typename G::Storage* __restrict grad,
@@ -294,16 +293,10 @@ ffi::Error RowsOutInImpl(ffi::Buffer<ffi::F32> stacked, ffi::AnyBuffer grads,
 // flat elements [offsets[i], offsets[i] + sizes[i]) of the (G * S) vector; leaves are
 // sorted by offset. Elements between leaves are padding: zero in the state, never read
 // from out, so they are skipped.
-//
-// Out is either one (G, S) array indexed by subgroup (`out_leaves` empty), or one
-// buffer per gradient leaf (`out_leaves`), which XLA aliases to the gradient leaf: the
-// result then overwrites the gradient it came from, so no state-sized buffer is
-// allocated (and first touched) per step and no (G, S) rows are unpacked afterwards.
-// In place, each block of gradients is copied to the stack before it is read, so the
-// loop's restrict-qualified pointers never alias.
+// Out is one (G, S) array indexed by subgroup.
 ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& rows,
                         ffi::Buffer<ffi::F32>& coeffs, ffi::RemainingArgs& leaves,
-                        float* state_out, ffi::DataType out_type, char* out_rows, const std::vector<char*>& out_leaves,
+                        float* state_out, ffi::DataType out_type, char* out_rows,
                         ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> sizes,
                         size_t extra_args, int64_t master_k, int64_t mu_k, int64_t nu_k,
                         int64_t decayed_rows, int64_t num_threads, bool nesterov,
@@ -311,8 +304,7 @@ ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& r
                         const float* restore = nullptr) {
   const size_t n = offsets.size();
   const size_t sources = master_k >= 0 ? n : 2 * n;  // grad leaves, then param leaves
-  if (n == 0 || sizes.size() != n || leaves.size() != sources + extra_args ||
-      (!out_leaves.empty() && out_leaves.size() != n)) {
+  if (n == 0 || sizes.size() != n || leaves.size() != sources + extra_args) {
     return Invalid("leaves, offsets and sizes do not match");
   }
   std::vector<const char*> grad(n);
@@ -352,8 +344,6 @@ ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& r
   su.out = out_rows;
   const Coeffs c(coeffs.typed_data());
   const size_t grad_bytes = ffi::ByteWidth(grad_type);
-  const bool in_place = !out_leaves.empty();
-  if (in_place && grad_bytes != su.out_bytes) return Invalid("out leaves must be grad-typed");
   ForEachSegment(su, [&](int64_t, int64_t g, int64_t begin, int64_t end) {
     const int64_t row = g * su.S, f0 = row + begin, f1 = row + end;
     const bool decay = g < su.decayed_rows;
@@ -361,7 +351,7 @@ ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& r
     for (; i < n && offsets[i] < f1; ++i) {
       const int64_t a = std::max(f0, offsets[i]), b = std::min(f1, ends[i]);
       if (a >= b) continue;
-      if (!in_place) {
+      {
         if (undo != nullptr || restore != nullptr) {
           // The segment's state slots before the update (undo), or put back from a
           // copy taken before an earlier update of it (restore).
@@ -380,18 +370,6 @@ ffi::Error LeavesCommon(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& r
         p.param = su.has_master ? nullptr : param[i] + (a - offsets[i]);
         p.out = su.out + a * su.out_bytes;
         su.fn(c, p, 0, b - a, decay);
-        continue;
-      }
-      constexpr int64_t kBlock = 2048;  // elements: 8 KB of f32 gradients, in L1
-      alignas(64) char block[kBlock * sizeof(float)];
-      for (int64_t at = a; at < b; at += kBlock) {
-        const int64_t len = std::min(kBlock, b - at), k = at - offsets[i];
-        std::memcpy(block, grad[i] + k * grad_bytes, len * grad_bytes);
-        RowPointers p = StateAt(su, g, at - row);
-        p.grad = block;
-        p.param = su.has_master ? nullptr : param[i] + k;
-        p.out = out_leaves[i] + k * su.out_bytes;
-        su.fn(c, p, 0, len, decay);
       }
     }
   });
@@ -414,38 +392,9 @@ ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
   if (!out_in) AdviseHugePages(out->untyped_data(), out->size_bytes());
   return LeavesCommon(stacked, rows, coeffs, leaves, stacked_out->typed_data(),
                       out->element_type(),
-                      static_cast<char*>(out->untyped_data()), {}, offsets, sizes,
+                      static_cast<char*>(out->untyped_data()), offsets, sizes,
                       out_in ? 1 : 0, master_k, mu_k, nu_k, decayed_rows, num_threads,
                       nesterov, isa);
-}
-
-// Out as one buffer per gradient leaf, aliased to it (see LeavesCommon): the results
-// after the state are the out leaves, in the order of the gradient leaves.
-ffi::Error LeavesInPlaceImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
-                             ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
-                             ffi::ResultBuffer<ffi::F32> stacked_out,
-                             ffi::RemainingRets outs, ffi::Span<const int64_t> offsets,
-                             ffi::Span<const int64_t> sizes, int64_t master_k,
-                             int64_t mu_k, int64_t nu_k, int64_t decayed_rows,
-                             int64_t num_threads, bool nesterov, int64_t isa) {
-  const size_t n = offsets.size();
-  if (outs.size() != n || n == 0) return Invalid("one out leaf per gradient leaf");
-  std::vector<char*> out_leaves(n);
-  ffi::DataType out_type = ffi::DataType::INVALID;
-  for (size_t i = 0; i < n; ++i) {
-    auto o = outs.get<ffi::AnyBuffer>(i);
-    if (!o.has_value()) return o.error();
-    if (i == 0) out_type = (*o)->element_type();
-    if ((*o)->element_type() != out_type ||
-        (i < sizes.size() && static_cast<int64_t>((*o)->element_count()) != sizes[i])) {
-      return Invalid("out leaves must share one dtype and match the gradient leaves");
-    }
-    out_leaves[i] = static_cast<char*>((*o)->untyped_data());
-  }
-  return LeavesCommon(stacked, rows, coeffs, leaves, stacked_out->typed_data(), out_type,
-                      nullptr,
-                      out_leaves, offsets, sizes, 0, master_k, mu_k, nu_k, decayed_rows,
-                      num_threads, nesterov, isa);
 }
 
 // Out as (G, S) rows, the state updated in its argument's own buffer: no state result.
@@ -469,7 +418,7 @@ ffi::Error LeavesStateArgImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S3
   }
   AdviseHugePages(out->untyped_data(), out->size_bytes());
   return LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
-                      out->element_type(), static_cast<char*>(out->untyped_data()), {},
+                      out->element_type(), static_cast<char*>(out->untyped_data()),
                       offsets, sizes, 0, master_k, mu_k, nu_k, decayed_rows, num_threads,
                       nesterov, isa);
 }
@@ -493,7 +442,7 @@ ffi::Error LeavesStateArgUndoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi
   if (undo->element_count() != stacked.element_count()) return Invalid("undo is not (G, K, S)");
   AdviseHugePages(out->untyped_data(), out->size_bytes());
   return LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
-                      out->element_type(), static_cast<char*>(out->untyped_data()), {},
+                      out->element_type(), static_cast<char*>(out->untyped_data()),
                       offsets, sizes, 0, master_k, mu_k, nu_k, decayed_rows, num_threads,
                       nesterov, isa, undo->typed_data());
 }
@@ -527,7 +476,7 @@ ffi::Error LeavesRedoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> r
   }
   if (redo->typed_data()[0] == 0) return ffi::Error::Success();
   return LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
-                      out->element_type(), static_cast<char*>(out->untyped_data()), {},
+                      out->element_type(), static_cast<char*>(out->untyped_data()),
                       offsets, sizes, 2, master_k, mu_k, nu_k, decayed_rows, num_threads,
                       nesterov, isa, nullptr, undo->typed_data());
 }
@@ -573,24 +522,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeaves, LeavesImpl,
                                   .Attr<ffi::Span<const int64_t>>("offsets")
                                   .Attr<ffi::Span<const int64_t>>("sizes")
                                   .Attr<bool>("out_in")
-                                  .Attr<int64_t>("master_k")
-                                  .Attr<int64_t>("mu_k")
-                                  .Attr<int64_t>("nu_k")
-                                  .Attr<int64_t>("decayed_rows")
-                                  .Attr<int64_t>("num_threads")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<int64_t>("isa"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesInPlace, LeavesInPlaceImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("offsets")
-                                  .Attr<ffi::Span<const int64_t>>("sizes")
                                   .Attr<int64_t>("master_k")
                                   .Attr<int64_t>("mu_k")
                                   .Attr<int64_t>("nu_k")
@@ -657,7 +588,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesRedo, LeavesRedoImpl,
 DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWHostRows)
 DOS_HANDLER_CAPSULE(HandlerOutIn, DosJaxAdamWHostRowsOutIn)
 DOS_HANDLER_CAPSULE(HandlerLeaves, DosJaxAdamWHostLeaves)
-DOS_HANDLER_CAPSULE(HandlerLeavesInPlace, DosJaxAdamWHostLeavesInPlace)
 DOS_HANDLER_CAPSULE(HandlerLeavesStateArg, DosJaxAdamWHostLeavesStateArg)
 DOS_HANDLER_CAPSULE(HandlerLeavesStateArgUndo, DosJaxAdamWHostLeavesStateArgUndo)
 DOS_HANDLER_CAPSULE(HandlerLeavesRedo, DosJaxAdamWHostLeavesRedo)
@@ -673,8 +603,6 @@ static PyMethodDef kMethods[] = {
      "The same, taking a buffer to alias to the out rows."},
     {"handler_leaves", HandlerLeaves, METH_NOARGS,
      "The same, reading gradients and params from the parameter tree's leaves."},
-    {"handler_leaves_in_place", HandlerLeavesInPlace, METH_NOARGS,
-     "The leaves form, writing each out leaf over its gradient leaf."},
     {"handler_leaves_state_arg", HandlerLeavesStateArg, METH_NOARGS,
      "The leaves form, updating the state in its argument's buffer (no state result)."},
     {"handler_leaves_state_arg_undo", HandlerLeavesStateArgUndo, METH_NOARGS,

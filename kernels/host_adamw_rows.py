@@ -3,8 +3,8 @@
 The offloaded transform stores its fp32 state as one `(G, K, S)` array: per subgroup,
 K rows of S elements holding the master weights (for 16-bit params), `mu` and `nu`
 (see `dos_jax.slots`). `adamw_host_rows` updates the subgroups listed in `rows` with
-the native host kernel (host_adamw_rows.cc, which shares host_adamw.cc's element loop
-and so its bit-for-bit agreement with `jax.jit(optax.adamw)`). The state is aliased
+the native host kernel (host_adamw_rows.cc, whose element loop, adamw_loop.h, agrees
+with `jax.jit(optax.adamw)` bit for bit). The state is aliased
 input to output: under jit with the state donated, nothing state-sized is copied or
 allocated, and subgroups not listed keep their bytes.
 """
@@ -30,14 +30,13 @@ from dos_jax.kernels.host_adamw import HostIsa
 _TARGET = 'dos_jax_adamw_host_rows'
 _TARGET_OUT_IN = 'dos_jax_adamw_host_rows_out_in'  # also takes a buffer to alias to out
 _TARGET_LEAVES = 'dos_jax_adamw_host_leaves'  # gradients read from the tree's leaves
-_TARGET_IN_PLACE = 'dos_jax_adamw_host_leaves_in_place'  # out leaves over the gradients
 _TARGET_STATE_ARG = 'dos_jax_adamw_host_leaves_state_arg'  # state updated in its argument
 # The same, keeping an undo copy of what it overwrites; and the redo that uses it.
 _TARGET_STATE_ARG_UNDO = 'dos_jax_adamw_host_leaves_state_arg_undo'
 _TARGET_REDO = 'dos_jax_adamw_host_leaves_redo'
 # FFI target -> the native module's function returning its handler.
 _HANDLERS = {_TARGET: 'handler', _TARGET_OUT_IN: 'handler_out_in',
-             _TARGET_LEAVES: 'handler_leaves', _TARGET_IN_PLACE: 'handler_leaves_in_place',
+             _TARGET_LEAVES: 'handler_leaves',
              _TARGET_STATE_ARG: 'handler_leaves_state_arg',
              _TARGET_STATE_ARG_UNDO: 'handler_leaves_state_arg_undo',
              _TARGET_REDO: 'handler_leaves_redo'}
@@ -287,7 +286,7 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
                       offsets, slots: tuple[int, int, int], decayed_rows: int,
                       lowp_dtype: Any, out=None, nesterov: bool = False,
                       num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO,
-                      into_grads: bool = False, state_in_arg: bool = False,
+                      state_in_arg: bool = False,
                       keep_undo: bool = False):
   """`adamw_host_rows` reading gradients (and params) from the parameter tree's leaves.
 
@@ -297,34 +296,25 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
   left alone (in `out` too: they are never read from it). Out rows are `(G, S)`,
   indexed by subgroup, as with `indexed=True`.
 
-  With `into_grads`, the out values come back as one array per gradient leaf (its
-  shape, in `lowp_dtype`, which must be the gradients' dtype), written over the
-  gradient leaf: XLA aliases each to its gradient, so where the gradients are
-  temporaries of the program (a train step's backward pass) no out buffer is allocated
-  and nothing is unpacked; where they are arguments that are not donated, XLA copies
-  them first. `rows` must then be every subgroup, so that every out element is written.
-
   Args:
     grad_leaves: gradient leaves, one dtype (f32 or bf16), any shapes.
     param_leaves: None with a master slot; else the f32 param leaves, same shapes.
     offsets: static ints, the flat offset of each leaf; leaves must not overlap.
-    into_grads: return out leaves written over the gradient leaves (see above).
     state_in_arg: update the state in the buffer of the `stacked` argument and return
       only the out rows: the call has no state result, so XLA sees `stacked` unchanged.
       For a host region of the accelerator program only, where XLA gives the region's
       results buffers of their own and would copy a state result back into the donated
       state on every step (see `dos_jax.fused.host_region_update`). The caller owns the
       ordering: `stacked` must be a buffer it may overwrite (the donated state), read
-      only after the call. Not with `into_grads` or `out`.
+      only after the call. Not with `out`.
     keep_undo: with `state_in_arg`, also return `undo`, a `(G, K, S)` copy of every
       state element the call overwrites, taken just before (other elements are not
       written): what `adamw_host_leaves_redo` needs to put the state back.
     Others as `adamw_host_rows`.
 
   Returns:
-    `(new_stacked, new_out)`: new_out is `(G, S)`, or with `into_grads` a list of out
-    leaves in the order of `grad_leaves`; with `state_in_arg` only new_out, and with
-    `keep_undo` `(new_out, undo)`.
+    `(new_stacked, new_out)` with new_out `(G, S)`; with `state_in_arg` only new_out,
+    and with `keep_undo` `(new_out, undo)`.
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())
@@ -365,31 +355,6 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
   if master_k < 0:
     sources += [param_leaves[i] for i in order]
   _, mu_k, nu_k = (int(s) for s in slots)
-  if into_grads:
-    if state_in_arg:
-      raise ValueError('into_grads and state_in_arg do not combine')
-    if out is not None or jnp.dtype(lowp_dtype) != grad_leaves[0].dtype:
-      raise ValueError(f'into_grads needs lowp_dtype == the gradients\' dtype '
-                       f'({grad_leaves[0].dtype}) and no out, got {jnp.dtype(lowp_dtype)}')
-    if rows.shape != (num_groups,):
-      raise ValueError(f'into_grads needs every one of the {num_groups} subgroups in rows, '
-                       f'got {rows.shape[0]}')
-    call = jax.ffi.ffi_call(
-        _TARGET_IN_PLACE,
-        (jax.ShapeDtypeStruct(stacked.shape, stacked.dtype),
-         *(jax.ShapeDtypeStruct(grad_leaves[i].shape, grad_leaves[i].dtype) for i in order)),
-        input_output_aliases={0: 0, **{3 + j: 1 + j for j in range(len(order))}},
-    )
-    new_stacked, *outs = call(
-        stacked, rows.astype(jnp.int32), packed, *sources,
-        offsets=np.asarray([offsets[i] for i in order], np.int64),
-        sizes=np.asarray([sizes[i] for i in order], np.int64), master_k=np.int64(master_k),
-        mu_k=np.int64(mu_k), nu_k=np.int64(nu_k), decayed_rows=np.int64(decayed_rows),
-        num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa)))
-    leaves = [None] * len(order)
-    for j, i in enumerate(order):
-      leaves[i] = outs[j].reshape(shapes[i])
-    return new_stacked, leaves
   common = dict(
       offsets=np.asarray([offsets[i] for i in order], np.int64),
       sizes=np.asarray([sizes[i] for i in order], np.int64), master_k=np.int64(master_k),
