@@ -204,8 +204,10 @@ def test_the_trainer_moves_the_state_when_the_plan_changes(dataset, storage, mon
                            'model.n_layers=1', 'offload.subgroup_size=20000',
                            'optim.clip_norm=0.5'])
   make_offload = step_lib.make_offload
-  monkeypatch.setattr(step_lib, 'make_offload', lambda c, platform=None, data_axis='data':
-                      dataclasses.replace(make_offload(c, data_axis=data_axis),
+  monkeypatch.setattr(step_lib, 'make_offload',
+                      lambda c, platform=None, data_axis='data', early_chooser=None:
+                      dataclasses.replace(make_offload(c, data_axis=data_axis,
+                                                       early_chooser=early_chooser),
                                           platform=dos_jax.Program.TWO_MEMORIES, storage=storage))
   run = trainer.build(cfg, devices=jax.devices()[:1])
   ref = trainer.build(cfg, devices=jax.devices()[:1],
