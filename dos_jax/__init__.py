@@ -52,10 +52,10 @@ __version__ = '0.1.0'
 
 # The state's internals, exported here until issue 30: each now only from its module.
 _MOVED = {
-    'Layout': ('dos_jax.layout', 'Layout'),
-    'spec_for': ('dos_jax.layout', 'spec_for'),
-    'Partition': ('dos_jax.partition', 'Partition'),
-    'Tier': ('dos_jax.partition', 'Tier'),
+    'Layout': ('dos_jax.geometry.layout', 'Layout'),
+    'spec_for': ('dos_jax.geometry.layout', 'spec_for'),
+    'Partition': ('dos_jax.geometry.partition', 'Partition'),
+    'Tier': ('dos_jax.geometry.partition', 'Tier'),
 }
 
 

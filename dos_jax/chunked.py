@@ -42,9 +42,9 @@ from jax import lax
 
 from dos_jax import device_stream
 from dos_jax import fused as fused_lib
-from dos_jax import partition as partition_lib
+from dos_jax.geometry import partition as partition_lib
 from dos_jax import paths
-from dos_jax.partition import Tier
+from dos_jax.geometry.partition import Tier
 
 
 def host_blocks(part: partition_lib.Partition) -> list[int]:

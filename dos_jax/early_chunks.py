@@ -44,10 +44,10 @@ import numpy as np
 from dos_jax import chunked as chunked_lib
 from dos_jax import device_stream
 from dos_jax import fused as fused_lib
-from dos_jax import partition as partition_lib
+from dos_jax.geometry import partition as partition_lib
 from dos_jax import paths
 from dos_jax.kernels import host_adamw_rows
-from dos_jax.partition import Tier
+from dos_jax.geometry.partition import Tier
 
 
 def split(items, early) -> list[list]:

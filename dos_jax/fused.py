@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from optax._src import numerics
 
 from dos_jax import paths
-from dos_jax import slots as slots_lib
+from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 

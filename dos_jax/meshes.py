@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dos_jax.offload import Offload
-from dos_jax.state import OffloadedState
+from dos_jax.geometry.state import OffloadedState
 
 PyTree = Any
 

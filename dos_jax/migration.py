@@ -27,13 +27,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from dos_jax import partition as partition_lib
+from dos_jax.geometry import partition as partition_lib
 from dos_jax import paths
-from dos_jax.partition import Tier
-from dos_jax.partition import TIERS
+from dos_jax.geometry.partition import Tier
+from dos_jax.geometry.partition import TIERS
 from dos_jax.policies import Plan
-from dos_jax import state as state_lib
-from dos_jax.state import OffloadedState
+from dos_jax.geometry import state as state_lib
+from dos_jax.geometry.state import OffloadedState
 
 
 def check_plan(plan: Plan, state: OffloadedState) -> None:

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import compute_on as _compute_on_mod
 
-from dos_jax import slots as slots_lib
+from dos_jax.geometry import slots as slots_lib
 
 RowUpdate = Callable[..., tuple[jax.Array, Any]]
 
@@ -307,7 +307,7 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
     shards: the pieces' shards (`partition.assemble`): > 1 for a shard-major layout.
   """
   # Deferred import: `partition` depends on `layout`, which the paths need not.
-  from dos_jax import partition as partition_lib  # pylint: disable=import-outside-toplevel
+  from dos_jax.geometry import partition as partition_lib  # pylint: disable=import-outside-toplevel
   num_rows, _, size = stacked[0].shape
   out_dtype = step.out_dtype
   # Every input of a host region must already be in host memory.

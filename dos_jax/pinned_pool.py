@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from dos_jax import layout as layout_lib
+from dos_jax.geometry import layout as layout_lib
 from dos_jax import meshes
 from dos_jax.offload import Offload
 

@@ -14,11 +14,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dos_jax import layout as layout_lib
-from dos_jax import partition as partition_lib
+from dos_jax.geometry import layout as layout_lib
+from dos_jax.geometry import partition as partition_lib
 from dos_jax import paths
-from dos_jax import slots as slots_lib
-from dos_jax.partition import Tier
+from dos_jax.geometry import slots as slots_lib
+from dos_jax.geometry.partition import Tier
 from dos_jax.transform import OffloadedState
 
 PyTree = Any

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import optax
 
 from dos_jax import paths
-from dos_jax.partition import Tier
-from dos_jax.state import OffloadedState
+from dos_jax.geometry.partition import Tier
+from dos_jax.geometry.state import OffloadedState
 
 PyTree = Any
 

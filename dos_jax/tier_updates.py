@@ -24,15 +24,15 @@ from jax.sharding import PartitionSpec as P
 
 from dos_jax import capability as capability_lib
 from dos_jax import fused as fused_lib
-from dos_jax import layout as layout_lib
-from dos_jax import partition as partition_lib
+from dos_jax.geometry import layout as layout_lib
+from dos_jax.geometry import partition as partition_lib
 from dos_jax import paths
 from dos_jax.capability import Kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.offload import Offload
 from dos_jax.offload import Program
 from dos_jax.offload import UpdateImpl
-from dos_jax.partition import Tier
+from dos_jax.geometry.partition import Tier
 from dos_jax.policies import Plan
 
 

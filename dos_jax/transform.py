@@ -25,24 +25,24 @@ from dos_jax import clipping
 from dos_jax import device_stream
 from dos_jax import early_chunks
 from dos_jax import fused as fused_lib
-from dos_jax import layout as layout_lib
+from dos_jax.geometry import layout as layout_lib
 from dos_jax import meshes
 from dos_jax import offload as offload_lib
 from dos_jax import migration as migration_lib
-from dos_jax import partition as partition_lib
+from dos_jax.geometry import partition as partition_lib
 from dos_jax import paths
-from dos_jax import slots as slots_lib
+from dos_jax.geometry import slots as slots_lib
 from dos_jax import tier_updates
 from dos_jax import validate as validate_lib
 from dos_jax.capability import Kernel
-from dos_jax.partition import Tier
-from dos_jax.partition import TIERS
+from dos_jax.geometry.partition import Tier
+from dos_jax.geometry.partition import TIERS
 from dos_jax.offload import Offload
 from dos_jax.offload import Program
 from dos_jax.offload import UpdateImpl
 from dos_jax.policies import Plan
-from dos_jax.state import OffloadedState
-from dos_jax.state import ShardedOver
+from dos_jax.geometry.state import OffloadedState
+from dos_jax.geometry.state import ShardedOver
 
 PyTree = Any
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dos_jax import layout as layout_lib
+from dos_jax.geometry import layout as layout_lib
 from dos_jax.offload import Offload
 
 PyTree = Any

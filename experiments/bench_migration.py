@@ -31,8 +31,8 @@ import time
 import jax
 
 import dos_jax
-from dos_jax.partition import Partition
-from dos_jax.partition import Tier
+from dos_jax.geometry.partition import Partition
+from dos_jax.geometry.partition import Tier
 from bench_update import parse_policy  # pylint: disable=import-error
 from bench_update import synthetic  # pylint: disable=import-error
 

@@ -2,7 +2,7 @@
 
 The offloaded transform stores its fp32 state as one `(G, K, S)` array: per subgroup,
 K rows of S elements holding the master weights (for 16-bit params), `mu` and `nu`
-(see `dos_jax.slots`). `adamw_host_rows` updates the subgroups listed in `rows` with
+(see `dos_jax.geometry.slots`). `adamw_host_rows` updates the subgroups listed in `rows` with
 the native host kernel (host_adamw_rows.cc, whose element loop, adamw_loop.h, agrees
 with `jax.jit(optax.adamw)` bit for bit). The state is aliased
 input to output: under jit with the state donated, nothing state-sized is copied or

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax.partition import Tier
+from dos_jax.geometry.partition import Tier
 
 POLICIES = [
     dos_jax.AllHost(),
@@ -104,7 +104,7 @@ def test_bf16_params_equal_optax_on_fp32_master(policy, impl, platform, seed):
     params, state = step(params, state, grads)
     ref_master, ref_state = ref_step(ref_master, ref_state, grads)
 
-  master_leaves = dos_jax.layout.unpack(jax.device_put(state.master, jax.devices()[0]),
+  master_leaves = dos_jax.geometry.layout.unpack(jax.device_put(state.master, jax.devices()[0]),
                                         state.layout)
   assert_params_track_master(params, master_leaves, step_bound=4 * 3e-2)
   ours_leaves = [m.astype(jnp.bfloat16) for m in master_leaves]

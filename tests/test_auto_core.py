@@ -8,7 +8,7 @@ import numpy as np
 import optax
 
 import dos_jax
-from dos_jax import layout as layout_lib
+from dos_jax.geometry import layout as layout_lib
 from dos_jax.planner import costmodel
 from dos_jax.planner.auto import Auto
 from dos_jax.planner.costmodel import HardwareProfile

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from dos_jax import paths
-from dos_jax import slots as slots_lib
+from dos_jax.geometry import slots as slots_lib
 from dos_jax.capability import Capability
 from dos_jax.capability import capability
 from dos_jax.capability import Kernel

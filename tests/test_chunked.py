@@ -19,7 +19,7 @@ import pytest
 
 import dos_jax
 from dos_jax import chunked
-from dos_jax import partition as partition_lib
+from dos_jax.geometry import partition as partition_lib
 from tests.test_adamw import SCHEDULE
 from tests.test_adamw import decay_mask
 from tests.test_adamw import random_grads

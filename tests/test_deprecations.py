@@ -4,8 +4,8 @@ ones keep working for one release with a `DeprecationWarning` naming the new one
 - `Plan.device` -> `Plan.streamed` (the streamed tier's subgroups; `Tier.STREAMED`).
 - `dos_jax.Platform` (`CPU`, `GPU`) -> `dos_jax.Program` (`ONE_MEMORY`, `TWO_MEMORIES`):
   what it picks is the program, with one memory or with host and device memory apart.
-- `dos_jax.Layout`, `dos_jax.spec_for` -> `dos_jax.layout`; `dos_jax.Partition`,
-  `dos_jax.Tier` -> `dos_jax.partition`: the state's internals, no longer exported.
+- `dos_jax.Layout`, `dos_jax.spec_for` -> `dos_jax.geometry.layout`; `dos_jax.Partition`,
+  `dos_jax.Tier` -> `dos_jax.geometry.partition`: the state's internals, no longer exported.
 """
 
 import dataclasses
@@ -15,9 +15,9 @@ import warnings
 import pytest
 
 import dos_jax
-from dos_jax import layout as layout_lib
+from dos_jax.geometry import layout as layout_lib
 from dos_jax import offload as offload_lib
-from dos_jax import partition as partition_lib
+from dos_jax.geometry import partition as partition_lib
 
 # Pickled (protocol 2) by the release before the renames: `pickle.dumps(dos_jax.Plan(
 # device=(0, 2), host=(1, 3), buffers=3), protocol=2)` and `pickle.dumps(
@@ -107,6 +107,19 @@ def test_the_state_internals_left_the_public_names_and_warn(name, module):
 
 
 def test_the_moved_names_still_import_with_a_warning():
-  with pytest.warns(DeprecationWarning, match='dos_jax.partition.Tier'):
+  with pytest.warns(DeprecationWarning, match='dos_jax.geometry.partition.Tier'):
     from dos_jax import Tier  # pylint: disable=import-outside-toplevel
   assert Tier.HOST is partition_lib.Tier.HOST
+
+
+@pytest.mark.parametrize('name', ['layout', 'slots', 'partition', 'state'])
+def test_the_geometry_modules_keep_their_old_names_for_one_release(name):
+  """`dos_jax.<name>` moved to `dos_jax.geometry.<name>`; the old import warns and is the
+  same module (its private names included)."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  moved = importlib.import_module(f'dos_jax.geometry.{name}')
+  sys.modules.pop(f'dos_jax.{name}', None)
+  with pytest.warns(DeprecationWarning, match=f'dos_jax.geometry.{name}'):
+    old = importlib.import_module(f'dos_jax.{name}')
+  assert old is moved

@@ -37,7 +37,7 @@ def memory_kinds(tree):
 
 
 def unpacked_master(state):
-  return dos_jax.layout.unpack(jax.device_put(state.master, jax.devices()[0]), state.layout)
+  return dos_jax.geometry.layout.unpack(jax.device_put(state.master, jax.devices()[0]), state.layout)
 
 
 class MLP(nnx.Module):

@@ -280,7 +280,7 @@ def test_inits_pool_check_counts_the_undo(request):
   plain = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(),
                           storage=dos_jax.Storage.PER_SUBGROUP)
   early = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(), early_chunks=3)
-  host = len(plain.policy.plan(dos_jax.layout.spec_for(params, 23)).host)
+  host = len(plain.policy.plan(dos_jax.geometry.layout.spec_for(params, 23)).host)
   extra = (host - 1) * 23 * 8  # fp32 params: mu and nu, 8 B per element
   assert pinned_pool.state_pinned_bytes(params, early) == (
       pinned_pool.state_pinned_bytes(params, plain) + extra)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dos_jax
-from dos_jax.partition import Tier
+from dos_jax.geometry.partition import Tier
 from tests.test_adamw import jit_step
 from tests.test_adamw import make_pair
 from tests.test_adamw import random_grads

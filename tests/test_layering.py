@@ -9,8 +9,9 @@ The layers, bottom to top:
               their registration in GPU plugins; with `dos_jax.cache`, the one cache
               directory, where the kernels keep their probe verdicts. They know nothing
               of the optimizer state.
-* core     -- every other top-level module of `dos_jax`: the optimizer transform and
-              its state (layout, slots, partition, state, policies, offload, paths,
+* core     -- every other top-level module of `dos_jax`, and `dos_jax.geometry`: the
+              optimizer transform and its state (the geometry package: layout, slots,
+              partition, state; then policies, offload, paths,
               fused, capability, tier_updates, chunked, device_stream, migration,
               transform, alias, clipping, ...). A jitted step is built from this layer
               and the kernels alone. The core knows a placement policy only as
@@ -46,7 +47,7 @@ import dos_jax
 # directly in package P. An exact name wins over a pattern.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('kernels', ('dos_jax.kernels', 'dos_jax.kernels.*', 'dos_jax.cache')),
-    ('core', ('dos_jax.*',)),
+    ('core', ('dos_jax.*', 'dos_jax.geometry', 'dos_jax.geometry.*')),
     ('planner', ('dos_jax.planner', 'dos_jax.planner.*', 'dos_jax.model_shapes')),
     ('api', ('dos_jax',)),
     ('dataflow', ('dos_jax.dataflow', 'dos_jax.dataflow.*')),
@@ -214,8 +215,8 @@ def test_the_graph_reads_both_kinds_of_import():
   """The parser sees module-level and function-level imports, and `from P import m`
   as module `P.m` (else every `from dos_jax import x` would look like the api)."""
   graph = _graph()
-  assert 'dos_jax.slots' in graph['dos_jax.paths']  # `from dos_jax import slots`
-  assert 'dos_jax.partition' in graph['dos_jax.paths']  # inside a function
+  assert 'dos_jax.geometry.slots' in graph['dos_jax.paths']  # `from dos_jax.geometry import slots`
+  assert 'dos_jax.geometry.partition' in graph['dos_jax.paths']  # inside a function
   assert 'dos_jax' not in graph['dos_jax.paths']
   assert 'dos_jax' in graph['dos_jax.train.step']  # `import dos_jax`
   assert 'dos_jax.kernels.host_adamw_rows' in graph['dos_jax.dataflow.compile']

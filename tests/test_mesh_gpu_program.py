@@ -25,7 +25,7 @@ from dos_jax.dataflow.ops import _custom_call_target
 from dos_jax.dataflow.ops import _frontend
 from dos_jax.dataflow.ops import _nested_ops
 from dos_jax.kernels import host_adamw_rows
-from dos_jax.partition import Tier
+from dos_jax.geometry.partition import Tier
 
 from tests.test_adamw import random_grads
 

@@ -100,7 +100,7 @@ def test_tree_get_reads_the_moments_as_optax_computes_them(policy, mu_dtype, see
     view = optax.tree.get(state, name)
     assert view.dtype == dtype
     assert view.shape == (state.layout.num_subgroups, 29)
-    got = dos_jax.layout.unpack(view, state.layout)
+    got = dos_jax.geometry.layout.unpack(view, state.layout)
     want = optax.tree.get(ref_state, name)
     low = jnp.dtype(dtype).itemsize == 2
     largest = seen[name]

@@ -16,7 +16,7 @@ import pytest
 import dos_jax
 from dos_jax import migration as migration_lib
 from dos_jax.dataflow import OpKind
-from dos_jax.partition import Tier
+from dos_jax.geometry.partition import Tier
 from dos_jax.train import config
 from dos_jax.train import data
 from dos_jax.train import step as step_lib
@@ -49,7 +49,7 @@ def test_every_mix_matches_optax_fp32(policy, impl, seed):
   state, ref_state = ours.init(params), ref.init(params)
   part = state.partition
   assert part.per_subgroup
-  for tier in dos_jax.partition.TIERS:  # one (1, K, S) array per subgroup and dtype
+  for tier in dos_jax.geometry.partition.TIERS:  # one (1, K, S) array per subgroup and dtype
     assert len(state.tier(tier)) == len(part.ids(tier)) * len(state.slots.groups)
     assert all(x.shape[0] == 1 for x in state.tier(tier))
   step, ref_step = jit_step(ours), jit_step(ref)
@@ -102,7 +102,7 @@ def test_migration_is_exact_moves_only_the_rows_that_change_memory(seed):
   state, rows = distinct_state(seed, PER_SUBGROUP)
   groups = len(state.slots.groups)
   for plan in _plans(state.layout.spec()):
-    wanted = dos_jax.partition.for_plan(plan, split=True, per_subgroup=True)
+    wanted = dos_jax.geometry.partition.for_plan(plan, split=True, per_subgroup=True)
     old, state = state, dos_jax.migrate(state, plan)
     assert state.partition == wanted
     before = old.by_subgroup()
@@ -162,7 +162,7 @@ def test_a_traced_step_refuses_a_state_laid_out_for_another_plan():
 def test_a_plan_change_keeps_the_storage():
   ours, _ = make_pair(dos_jax.AllHost(), platform='gpu', storage=PER_SUBGROUP)
   state = ours.init(random_tree(0))
-  stacked = dos_jax.partition.for_plan(dos_jax.Stride(2).plan(state.layout.spec()), True)
+  stacked = dos_jax.geometry.partition.for_plan(dos_jax.Stride(2).plan(state.layout.spec()), True)
   with pytest.raises(ValueError, match='stored per subgroup, the plan asks for stacked'):
     migration_lib.moved_in_trace(state, stacked)
 

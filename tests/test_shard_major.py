@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dos_jax
-from dos_jax import layout as layout_lib
+from dos_jax.geometry import layout as layout_lib
 from tests.test_adamw import random_grads
 from tests.test_dropin import assert_close
 from tests.test_dropin import memory_kinds

@@ -8,7 +8,7 @@ import pytest
 
 import dos_jax
 from dos_jax import dataflow
-from dos_jax import layout
+from dos_jax.geometry import layout
 from dos_jax import model_shapes
 from dos_jax.planner import costmodel
 from dos_jax.planner import memory

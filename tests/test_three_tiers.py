@@ -9,7 +9,7 @@ import pytest
 import dos_jax
 from dos_jax import migration as migration_lib
 from dos_jax import transform
-from dos_jax.partition import Tier
+from dos_jax.geometry.partition import Tier
 from dos_jax.policies import SubgroupSpec
 from tests.test_adamw import assert_params_track_master
 from tests.test_adamw import jit_step
@@ -92,7 +92,7 @@ def test_every_mix_matches_optax_bf16_on_the_fp32_master(policy, storage, seed):
     grads = random_grads(params, i, seed)
     params, state = step(params, state, grads)
     ref_master, ref_state = ref_step(ref_master, ref_state, grads)
-  master_leaves = dos_jax.layout.unpack(jax.device_put(state.master, jax.devices()[0]),
+  master_leaves = dos_jax.geometry.layout.unpack(jax.device_put(state.master, jax.devices()[0]),
                                         state.layout)
   assert_params_track_master(params, master_leaves, step_bound=4 * 3e-2)
   for m, b in zip(master_leaves, jax.tree.leaves(ref_master)):
@@ -113,7 +113,7 @@ def distinct_state(seed, storage=None):
   state = ours.init(random_tree(seed))
   rows = tuple(jnp.asarray(np.random.default_rng(0).standard_normal(x.shape), x.dtype)
                for x in state.rows())
-  tiers = dos_jax.partition.split_tiers(rows, state.partition)
+  tiers = dos_jax.geometry.partition.split_tiers(rows, state.partition)
   host = lambda t: jax.device_put(tiers[t], dos_jax.paths.HOST)
   state = transform.OffloadedState(
       host=host(Tier.HOST), streamed=host(Tier.STREAMED), resident=tiers[Tier.RESIDENT],
@@ -127,7 +127,7 @@ def test_migration_is_exact_and_lands_in_the_right_memory(seed):
   stay put is handed over as it is (the same arrays)."""
   state, rows = distinct_state(seed)
   for plan in _plans(state.layout.spec()):
-    wanted = dos_jax.partition.for_plan(plan, split=True)
+    wanted = dos_jax.geometry.partition.for_plan(plan, split=True)
     old, state = state, dos_jax.migrate(state, plan)
     assert state.partition == wanted
     for tier, arrays in state.tiers.items():
@@ -155,7 +155,7 @@ def test_migration_temporaries_stay_below_one_copy():
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   for policy in (dos_jax.Stride(4), dos_jax.ResidentFraction(0.25, then=dos_jax.Stride(2)),
                  dos_jax.AllDevice()):
-    wanted = dos_jax.partition.for_plan(policy.plan(spec_), split=True)
+    wanted = dos_jax.geometry.partition.for_plan(policy.plan(spec_), split=True)
     fn = jax.jit(lambda s, w=wanted: migration_lib.moved_in_trace(s, w))
     got = fn.lower(state).compile().memory_analysis()
     assert got.temp_size_in_bytes < state_bytes, (policy, got.temp_size_in_bytes, state_bytes)

@@ -1,0 +1,339 @@
+"""Which subgroups are stored in which tier of the optimizer state, and where each
+leaf's elements fall inside a tier.
+
+The accelerator program keeps the state of the host-updated and of the device-streamed
+subgroups in separate arrays (see `Tier`). Both paths of one step then read and write
+only their own array: no value flows from one to the other, and XLA is free to run the
+host region and the device stream at the same time. Within a tier, rows are stored in
+ascending subgroup order, so the weight-decayed subgroups (the layout packs them first)
+are the tier's leading rows and "decayed" stays one threshold per tier.
+
+A tier is stored in *blocks*, each one `(R_b, K, S)` array per dtype (see `slots`).
+Stacked storage keeps one block per tier: one array the row loop walks with a
+`fori_loop`. Per-subgroup storage keeps one block per subgroup: a plan change then moves
+only the rows that change tier, and a row that stays keeps its buffer (see `migration`).
+
+`Piece`s describe a leaf's elements per tier: a contiguous run of a leaf that lands in
+consecutive elements of a tier's rows. Gradients leave the device piece by piece (a
+piece of a leaf needs only that leaf, never a concatenation of all gradients), and the
+new parameters are reassembled piece by piece from the tiers' output rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dos_jax.geometry import layout as layout_lib
+from dos_jax.geometry.layout import Layout
+from dos_jax.policies import Plan
+
+
+class Tier(enum.Enum):
+  """Where a subgroup's state is stored and updated.
+
+  HOST: pinned host memory, updated there (the host path).
+  STREAMED: pinned host memory, copied to the device, updated there and copied back.
+  RESIDENT: device memory, updated there (the `AllDevice` baseline).
+  """
+
+  HOST = 'host'
+  STREAMED = 'streamed'
+  RESIDENT = 'resident'
+
+  @property
+  def memory_kind(self) -> str:
+    """The memory kind its arrays live in: 'device' (resident) or 'pinned_host'."""
+    return 'device' if self is Tier.RESIDENT else 'pinned_host'
+
+  def __lt__(self, other: 'Tier') -> bool:
+    # Ordered, so that dicts keyed by tier are pytrees (JAX sorts dict keys).
+    return self.value < other.value
+
+
+TIERS = (Tier.HOST, Tier.STREAMED, Tier.RESIDENT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+  """The subgroups of each tier, ascending; every subgroup in exactly one tier.
+
+  Hashable: it is static metadata of the state (array shapes depend on it).
+  `per_subgroup`: each subgroup's rows are their own arrays (one block per subgroup)
+  rather than one stacked array per tier (see the module docstring). `split`: the
+  accelerator program's partition (see `for_plan`), so that a plan change can be
+  applied to a state alone. `stacks`: stacked storage keeps the streamed tier in this
+  many interleaved blocks, by position in `stream`, the stream's order (see `blocks`).
+  """
+
+  host: tuple[int, ...]
+  streamed: tuple[int, ...] = ()
+  resident: tuple[int, ...] = ()
+  per_subgroup: bool = False
+  split: bool = True
+  stacks: int = 1
+  stream: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    for tier in TIERS:
+      ids = self.ids(tier)
+      if list(ids) != sorted(set(ids)):
+        raise ValueError(f'Partition.{tier.value} must be ascending and distinct: {ids}')
+    everything = sorted(self.host + self.streamed + self.resident)
+    if everything != list(range(len(everything))):
+      raise ValueError(f'Partition must name every subgroup exactly once: {self}')
+
+  def ids(self, tier: Tier) -> tuple[int, ...]:
+    return getattr(self, tier.value)
+
+  @property
+  def num_subgroups(self) -> int:
+    return len(self.host) + len(self.streamed) + len(self.resident)
+
+  def local(self, tier: Tier, subgroups: Sequence[int]) -> tuple[int, ...]:
+    """Rows of `tier`'s array that hold `subgroups` (which must all be in it)."""
+    where = {g: i for i, g in enumerate(self.ids(tier))}
+    return tuple(where[g] for g in subgroups)
+
+  def blocks(self, tier: Tier) -> tuple[tuple[int, ...], ...]:
+    """The subgroups of each of `tier`'s blocks, in storage order: one block per
+    subgroup, or the whole tier as one block (also when it is empty: its arrays then
+    have no row).
+
+    Stacked storage with `stacks` > 1 keeps the streamed tier's subgroups in `stacks`
+    interleaved blocks instead: block k holds the k-th, (k + stacks)-th, ... subgroup
+    of the stream (`stream`), ascending, so consecutive rows of the stream sit in
+    different arrays and a row's fetch never reads the array the row before it is
+    written back into (`paths.interleaved_loop`)."""
+    ids = self.ids(tier)
+    if self.per_subgroup:
+      return tuple((g,) for g in ids)
+    if tier is Tier.STREAMED and self.stacks > 1 and len(ids) > 1:
+      count = min(self.stacks, len(ids))
+      return tuple(tuple(sorted(self.stream[k::count])) for k in range(count))
+    return (ids,)
+
+  def stream_rows(self) -> tuple[tuple[int, ...], ...]:
+    """Interleaved streamed blocks: for each block, the row the stream reaches at each
+    of its positions (`blocks`)."""
+    blocks = self.blocks(Tier.STREAMED)
+    count = len(blocks)
+    return tuple(tuple(ids.index(g) for g in self.stream[k::count])
+                 for k, ids in enumerate(blocks))
+
+  def locate(self, subgroup: int) -> tuple[Tier, int, int]:
+    """`(tier, block, row)`: where `subgroup`'s state is stored."""
+    tier = self.tier_of(subgroup)
+    for b, ids in enumerate(self.blocks(tier)):
+      if subgroup in ids:
+        return tier, b, ids.index(subgroup)
+    raise AssertionError(subgroup)  # every subgroup of a tier is in one of its blocks
+
+  def tier_of(self, subgroup: int) -> Tier:
+    for tier in TIERS:
+      if subgroup in self.ids(tier):
+        return tier
+    raise ValueError(f'subgroup {subgroup} is in no tier of {self}')
+
+
+def for_plan(plan: Plan, split: bool, per_subgroup: bool = False) -> Partition:
+  """The partition a plan runs on.
+
+  With `split` (the accelerator program) each of the plan's three placements is its
+  own tier: resident subgroups in device memory, streamed and host subgroups in pinned
+  host memory, each tier its own array. Without it (one memory, the CPU program) every
+  subgroup takes the same path and the state is one array: the resident tier when the
+  plan keeps everything resident, else the host tier. `per_subgroup` (see `Partition`)
+  applies to the accelerator program only: the CPU program's state is one array.
+  """
+  everything = tuple(range(plan.num_subgroups))
+  per_subgroup = per_subgroup and split
+  if plan.all_resident:
+    return Partition(host=(), resident=everything, per_subgroup=per_subgroup, split=split)
+  if not split:
+    return Partition(host=everything, split=False)
+  # Stacked, the stream is stored as `buffers` interleaved blocks: full duplex (see
+  # `Partition.blocks`).
+  stacks = 1 if per_subgroup or len(plan.streamed) < 2 else max(1, plan.buffers)
+  return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.streamed)),
+                   resident=tuple(sorted(plan.resident)), per_subgroup=per_subgroup,
+                   stacks=stacks, stream=tuple(plan.streamed) if stacks > 1 else ())
+
+
+def blocks_of(arrays: Sequence[jax.Array], count: int) -> list[tuple[jax.Array, ...]]:
+  """A tier's flat tuple of arrays (block-major: each block's arrays, one per dtype)
+  as `count` blocks."""
+  if not count:
+    return []
+  width = len(arrays) // count
+  return [tuple(arrays[b * width:(b + 1) * width]) for b in range(count)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """A contiguous run of one leaf inside one tier.
+
+  Shard-major (`Layout.shards` > 1) every field counts elements of one shard: a run of
+  every device's shard of the leaf (`layout.to_shards`), at the same place in each.
+
+  Attributes:
+    leaf: the leaf's index in the layout's treedef order.
+    start: first element of the run within the raveled leaf.
+    size: elements in the run.
+    offset: first element of the run within the tier's flat `(R * S)` rows.
+  """
+
+  leaf: int
+  start: int
+  size: int
+  offset: int
+
+
+def pieces(layout: Layout, partition: Partition, tier: Tier) -> tuple[Piece, ...]:
+  """The runs of every leaf that fall in `tier`, ordered by leaf, then by start."""
+  return pieces_of(layout, partition.ids(tier))
+
+
+def pieces_of(layout: Layout, ids: Sequence[int]) -> tuple[Piece, ...]:
+  """The runs of every leaf that fall in rows holding subgroups `ids` (in that order),
+  ordered by leaf, then by start.
+
+  A leaf that spans several of the subgroups gives one piece per run of consecutive
+  rows (adjacent pieces are merged).
+  """
+  size = layout.shard_size
+  local = {g: i for i, g in enumerate(ids)}
+  out: list[Piece] = []
+  for leaf, (offset, count) in enumerate(zip(layout.offsets, layout.shard_sizes)):
+    cursor, end = offset, offset + count
+    while cursor < end:
+      row = cursor // size
+      stop = min(end, (row + 1) * size)
+      if row in local:
+        piece = Piece(leaf=leaf, start=cursor - offset, size=stop - cursor,
+                      offset=local[row] * size + cursor - row * size)
+        last = out[-1] if out else None
+        if (last is not None and last.leaf == leaf and last.start + last.size == piece.start
+            and last.offset + last.size == piece.offset):
+          out[-1] = dataclasses.replace(last, size=last.size + piece.size)
+        else:
+          out.append(piece)
+      cursor = stop
+  return tuple(out)
+
+
+def slice_pieces(leaves: Sequence[jax.Array], runs: Sequence[Piece],
+                 shards: int = 1) -> list[jax.Array]:
+  """The 1-D arrays of `runs`, each a static slice of its raveled leaf (a whole leaf
+  is passed as it is). With `shards` > 1 the leaves are shard-major
+  (`layout.shard_views`) and each run is a `(shards, size)` slice of its leaf."""
+  out = []
+  for run in runs:
+    flat = jnp.ravel(leaves[run.leaf]) if shards == 1 else leaves[run.leaf]
+    whole = run.start == 0 and run.size == flat.shape[-1]
+    out.append(flat if whole else jax.lax.slice_in_dim(flat, run.start, run.start + run.size,
+                                                       axis=flat.ndim - 1))
+  return out
+
+
+def assemble(arrays: Sequence[jax.Array], runs: Sequence[Piece], rows: int, size: int,
+             dtype, shards: int = 1) -> jax.Array:
+  """`(rows, size)` rows of `dtype` from pieces placed at their offsets, zero elsewhere.
+
+  Gaps are filled by `lax.pad` with a scalar, never a zeros array, so that assembling
+  inside a host region stays in host memory. With `shards` > 1 (shard-major) the
+  pieces are `(shards, n)` (`slice_pieces`), offsets count one shard's elements, and
+  shard d's land in columns `[d * size / shards, (d + 1) * size / shards)` of the rows.
+  """
+  total = rows * size // shards
+  zero = jnp.zeros((), dtype)
+  lead = [(0, 0, 0)] if shards > 1 else []
+  order = sorted(range(len(runs)), key=lambda i: runs[i].offset)
+  parts, cursor = [], 0
+  for i in order:
+    piece, run = arrays[i].astype(dtype), runs[i]
+    gap = run.offset - cursor
+    if gap:
+      piece = jax.lax.pad(piece, zero, lead + [(gap, 0, 0)])
+    parts.append(piece)
+    cursor = run.offset + run.size
+  if not parts:
+    return jnp.zeros((rows, size), dtype)
+  flat = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+  if cursor < total:
+    flat = jax.lax.pad(flat, zero, lead + [(0, total - cursor, 0)])
+  if shards > 1:
+    return layout_lib.rows_from_shards(flat, rows)
+  return flat.reshape(rows, size)
+
+
+def leaves_from_blocks(blocks: Sequence[tuple[jax.Array, tuple[Piece, ...]]],
+                       layout: Layout) -> list[jax.Array]:
+  """The layout's leaves (treedef order) read back from `(R, S)` rows, each given with
+  its pieces (`pieces_of` the subgroups it holds). Shard-major, each device reads its
+  own columns of the rows (`layout.shards_from_rows`): no row is gathered."""
+  runs_by_leaf: dict[int, list[tuple[int, int, Piece]]] = {}
+  for b, (_, runs) in enumerate(blocks):
+    for run in runs:
+      runs_by_leaf.setdefault(run.leaf, []).append((run.start, b, run))
+  flats = [layout_lib.shards_from_rows(rows, layout.shards) for rows, _ in blocks] \
+      if layout.shards > 1 else None
+  leaves = []
+  for leaf, shape in enumerate(layout.shapes):
+    parts = []
+    for _, b, run in sorted(runs_by_leaf.get(leaf, []), key=lambda t: t[0]):
+      flat = blocks[b][0].reshape(-1) if flats is None else flats[b]
+      parts.append(jax.lax.slice_in_dim(flat, run.offset, run.offset + run.size,
+                                        axis=flat.ndim - 1))
+    whole = jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    leaves.append(whole.reshape(shape) if layout.shards == 1
+                  else layout_lib.from_shards(whole, layout, leaf))
+  return leaves
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+  """`ids` as `(start, stop)` runs of consecutive values, in order."""
+  out: list[tuple[int, int]] = []
+  for i in ids:
+    if out and out[-1][1] == i:
+      out[-1] = (out[-1][0], i + 1)
+    else:
+      out.append((i, i + 1))
+  return out
+
+
+def take_rows(x: jax.Array, ids: Sequence[int]) -> jax.Array:
+  """`x[ids]` along the first axis with static slices, no index array: an index array
+  would be a device constant, which a host region cannot mix with host arrays."""
+  if not ids:
+    return x[:0]
+  parts = [x[a:b] for a, b in _runs(ids)]
+  return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def merge_tiers(tiers: dict[Tier, tuple[jax.Array, ...]],
+                partition: Partition) -> tuple[jax.Array, ...]:
+  """The tiers' block arrays (all in one memory) as `(G, K, S)` arrays in subgroup
+  order."""
+  stored = [g for tier in TIERS for ids in partition.blocks(tier) for g in ids]  # concatenation order
+  position = {g: i for i, g in enumerate(stored)}
+  order = [position[g] for g in range(len(stored))]
+  blocks = [block for tier in TIERS if partition.ids(tier)
+            for block in blocks_of(tiers[tier], len(partition.blocks(tier)))]
+  merged = []
+  for j in range(len(blocks[0])):
+    parts = [block[j] for block in blocks]
+    whole = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    merged.append(whole if order == sorted(order) else take_rows(whole, order))
+  return tuple(merged)
+
+
+def split_tiers(rows: tuple[jax.Array, ...],
+                partition: Partition) -> dict[Tier, tuple[jax.Array, ...]]:
+  """`(G, K, S)` arrays in subgroup order -> each tier's block arrays (block-major)."""
+  return {tier: tuple(take_rows(x, ids) for ids in partition.blocks(tier) for x in rows)
+          for tier in TIERS}
