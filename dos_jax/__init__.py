@@ -44,8 +44,8 @@ from dos_jax.policies import Stride as Stride
 from dos_jax.policies import SubgroupSpec as SubgroupSpec
 from dos_jax.state_ops import abstract_state as abstract_state
 from dos_jax.state_ops import reset_moments as reset_moments
-from dos_jax.transform import OffloadedState as OffloadedState
-from dos_jax.transform import offloaded as offloaded
+from dos_jax.step.transform import OffloadedState as OffloadedState
+from dos_jax.step.transform import offloaded as offloaded
 
 __version__ = '0.1.0'
 

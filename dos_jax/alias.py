@@ -11,9 +11,9 @@ import optax
 from dos_jax import clipping
 from dos_jax import pinned_pool
 from dos_jax import validate as validate_lib
-from dos_jax.fused import FusedAdamW
+from dos_jax.step.fused import FusedAdamW
 from dos_jax.offload import Offload
-from dos_jax.transform import offloaded
+from dos_jax.step.transform import offloaded
 
 PyTree = Any
 

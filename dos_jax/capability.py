@@ -20,9 +20,9 @@ from typing import Any, NamedTuple, Sequence
 
 import jax.numpy as jnp
 
-from dos_jax import paths
-from dos_jax.fused import FusedAdamW
-from dos_jax.fused import slot_rows
+from dos_jax.step import paths
+from dos_jax.step.fused import FusedAdamW
+from dos_jax.step.fused import slot_rows
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.offload import Program
 

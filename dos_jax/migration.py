@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dos_jax.geometry import partition as partition_lib
-from dos_jax import paths
+from dos_jax.step import paths
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.partition import TIERS
 from dos_jax.policies import Plan

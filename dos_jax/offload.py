@@ -120,7 +120,7 @@ class Offload:
       `early_chunks` asks for early host calls, else stacked. The one-memory program
       keeps one stacked array.
     chunks: the accelerator program's host tier updated in this many host calls, each
-      linked through the device to a part of the streamed tier (`dos_jax.chunked`):
+      linked through the device to a part of the streamed tier (`dos_jax.step.chunked`):
       host and device work then interleave chunk by chunk, and each host call can
       start as soon as its own gradients are on the host. 0: one host call. Needs
       per-subgroup storage (stacked rows would chain every chunk's stream through one
@@ -128,7 +128,7 @@ class Offload:
       host and streamed subgroups (experiments/RESULTS.md).
     early_chunks: the accelerator program's host tier in several host calls, the last
       subgroups first, each starting as soon as its gradients are in host memory:
-      all but the last during the backward pass (`dos_jax.early_chunks`). An int K: K
+      all but the last during the backward pass (`dos_jax.step.early_chunks`). An int K: K
       calls of near-equal size; a tuple of sizes (subgroups per early call, what
       `dos_jax.planner.timeline.choose_early_chunks` gives): those, and a last call
       with the rest. `EarlyChunks.AUTO`: what the policy chooses for the plan
@@ -140,7 +140,7 @@ class Offload:
       kernel and an unsharded state; not with `chunks`.
     device_stream: the accelerator program's device tiers updated in one region on a
       GPU stream of their own, in one scheduling group with the host call, so that
-      the two run concurrently in every schedule (`dos_jax.device_stream`; with
+      the two run concurrently in every schedule (`dos_jax.step.device_stream`; with
       `chunks`, each chunk's device part with its host call). Applies to per-subgroup
       storage with an unsharded state; compile with `GPU_COMPILER_OPTIONS`. False: the
       device update is left to XLA's scheduler.

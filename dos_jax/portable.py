@@ -16,10 +16,10 @@ import jax.numpy as jnp
 
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
-from dos_jax import paths
+from dos_jax.step import paths
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.geometry.partition import Tier
-from dos_jax.transform import OffloadedState
+from dos_jax.step.transform import OffloadedState
 
 PyTree = Any
 

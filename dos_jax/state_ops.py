@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dos_jax import paths
+from dos_jax.step import paths
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.state import OffloadedState
 

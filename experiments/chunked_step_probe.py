@@ -32,7 +32,8 @@ def main(argv=None) -> int:
   import jax.numpy as jnp
   import numpy as np
   from jax import lax
-  from dos_jax import dataflow, paths
+  from dos_jax import dataflow
+  from dos_jax.step import paths
 
   chunks, num_layers, width = args.chunks, args.layers, 1024
   rng = np.random.default_rng(0)

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from dos_jax import paths
+from dos_jax.step import paths
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.capability import Capability
 from dos_jax.capability import capability
 from dos_jax.capability import Kernel
 from dos_jax.capability import USABLE
-from dos_jax.fused import FusedAdamW
+from dos_jax.step.fused import FusedAdamW
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.offload import Program
 

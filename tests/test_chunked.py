@@ -1,4 +1,4 @@
-"""The accelerator program's step in linked chunks (`Offload.chunks`, `dos_jax.chunked`)
+"""The accelerator program's step in linked chunks (`Offload.chunks`, `dos_jax.step.chunked`)
 on the CPU backend (Pallas in interpret mode), per-subgroup storage, fp32 and bf16, with
 clipping: the host tier (the native kernel, reading the zero link through its row
 indices) is bit for bit the unchunked step's; the streamed rows match within the
@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax import chunked
+from dos_jax.step import chunked
 from dos_jax.geometry import partition as partition_lib
 from tests.test_adamw import SCHEDULE
 from tests.test_adamw import decay_mask

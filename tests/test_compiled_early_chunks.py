@@ -1,4 +1,4 @@
-"""Early host chunks (`Offload(early_chunks=K)`, `dos_jax.early_chunks`) compiled for an
+"""Early host chunks (`Offload(early_chunks=K)`, `dos_jax.step.early_chunks`) compiled for an
 H100, over a family of MLP shapes (`dos_jax.dataflow.probes.mlp_step`: one subgroup per
 layer, Stride(2), `dos_jax.clip_by_global_norm(1.0)`, native host kernel, per-subgroup
 storage). What the construction holds in every program:
@@ -22,7 +22,7 @@ Compiled with the CUDA plugin's compile-only client; skipped where it is not ins
 import pytest
 
 from dos_jax import dataflow
-from dos_jax import device_stream
+from dos_jax.step import device_stream
 from dos_jax.dataflow import probes
 from tests import compiled
 

@@ -13,7 +13,7 @@ prints the whole family, RESULTS.md has the table). Held for every program:
 
 * per subgroup (`Offload.device_stream`): the device tiers' update is one call on a GPU
   stream of its own, in one scheduling group with the host call, and the two windows
-  overlap (`dos_jax.device_stream`; the scheduler rule it leans on is checked in
+  overlap (`dos_jax.step.device_stream`; the scheduler rule it leans on is checked in
   `test_a_scheduling_group_is_placed_in_one_go_dones_after_starts`).
 
 Held today by the scheduler's choice, not by construction: the stacked tier's one
@@ -27,7 +27,7 @@ import pathlib
 import pytest
 
 from dos_jax import dataflow
-from dos_jax import device_stream
+from dos_jax.step import device_stream
 from dos_jax.dataflow import probes
 from tests import compiled
 
@@ -79,8 +79,8 @@ def _group_probe(grouped: bool, chain: int = 6):
   import contextlib  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from dos_jax import device_stream  # pylint: disable=import-outside-toplevel
-  from dos_jax import paths  # pylint: disable=import-outside-toplevel
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  from dos_jax.step import paths  # pylint: disable=import-outside-toplevel
 
   group = device_stream.next_group() if grouped else None
 
@@ -174,7 +174,7 @@ def test_a_stream_region_cannot_yet_slice_host_memory():
   run its stream on the device tiers' stream too (`transform._update_on_two_streams`)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from dos_jax import device_stream  # pylint: disable=import-outside-toplevel
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
 
   def rows_summed(stack, w):
     total = jnp.zeros_like(w)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dos_jax import paths
+from dos_jax.step import paths
 
 
 def _new_module(calls):

@@ -112,14 +112,18 @@ def test_the_moved_names_still_import_with_a_warning():
   assert Tier.HOST is partition_lib.Tier.HOST
 
 
-@pytest.mark.parametrize('name', ['layout', 'slots', 'partition', 'state'])
-def test_the_geometry_modules_keep_their_old_names_for_one_release(name):
-  """`dos_jax.<name>` moved to `dos_jax.geometry.<name>`; the old import warns and is the
-  same module (its private names included)."""
+@pytest.mark.parametrize('name', [
+    'geometry.layout', 'geometry.slots', 'geometry.partition', 'geometry.state',
+    'step.transform', 'step.tier_updates', 'step.paths', 'step.fused', 'step.chunked',
+    'step.early_chunks', 'step.device_stream'])
+def test_moved_modules_keep_their_old_names_for_one_release(name):
+  """`dos_jax.<m>` moved to `dos_jax.geometry.<m>` or `dos_jax.step.<m>`; the old
+  import warns and is the same module (its private names included)."""
   import importlib  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
-  moved = importlib.import_module(f'dos_jax.geometry.{name}')
+  moved = importlib.import_module(f'dos_jax.{name}')
+  name = name.split('.')[1]
   sys.modules.pop(f'dos_jax.{name}', None)
-  with pytest.warns(DeprecationWarning, match=f'dos_jax.geometry.{name}'):
+  with pytest.warns(DeprecationWarning, match=f'dos_jax.(geometry|step).{name}'):
     old = importlib.import_module(f'dos_jax.{name}')
   assert old is moved

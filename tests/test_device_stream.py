@@ -1,4 +1,4 @@
-"""`dos_jax.device_stream`: a function staged out as one call for a GPU stream of its own,
+"""`dos_jax.step.device_stream`: a function staged out as one call for a GPU stream of its own,
 in a scheduling group with the host call (`Offload.device_stream`).
 
 On the CPU the call is a call: the region's results are the function's, and the
@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax import device_stream
+from dos_jax.step import device_stream
 from tests.test_adamw import decay_mask
 from tests.test_adamw import random_grads
 from tests.test_adamw import random_tree

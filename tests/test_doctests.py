@@ -1,5 +1,5 @@
 """The docstring examples of the public entry points (`dos_jax.adamw`, `dos_jax.chain`,
-`dos_jax.clip_by_global_norm`, and `dos_jax.device_stream`'s region) run as doctests, on the CPU backend, as CI runs them.
+`dos_jax.clip_by_global_norm`, and `dos_jax.step.device_stream`'s region) run as doctests, on the CPU backend, as CI runs them.
 Each example compares with optax (stated tolerance) or prints exact values."""
 
 import doctest
@@ -8,7 +8,7 @@ import pytest
 
 from dos_jax import alias
 from dos_jax import clipping
-from dos_jax import device_stream
+from dos_jax.step import device_stream
 
 
 @pytest.mark.parametrize('module', [alias, clipping, device_stream], ids=lambda m: m.__name__)

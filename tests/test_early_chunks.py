@@ -1,4 +1,4 @@
-"""The host tier in early chunks (`Offload.early_chunks`, `dos_jax.early_chunks`) on the
+"""The host tier in early chunks (`Offload.early_chunks`, `dos_jax.step.early_chunks`) on the
 CPU backend (the accelerator program's numbers; Pallas in interpret mode), per-subgroup
 storage, fp32 and bf16 params.
 
@@ -23,8 +23,8 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax import early_chunks
-from dos_jax import fused
+from dos_jax.step import early_chunks
+from dos_jax.step import fused
 from tests.test_adamw import SCHEDULE
 from tests.test_adamw import decay_mask
 from tests.test_adamw import random_grads

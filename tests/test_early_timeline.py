@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import dos_jax
-from dos_jax import early_chunks
+from dos_jax.step import early_chunks
 from dos_jax.planner import costmodel
 from dos_jax.planner import timeline
 from dos_jax.policies import AllHost

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax import fused
+from dos_jax.step import fused
 from dos_jax.kernels import host_adamw_rows
 
 from tests.test_adamw import decay_mask

@@ -9,11 +9,11 @@ The layers, bottom to top:
               their registration in GPU plugins; with `dos_jax.cache`, the one cache
               directory, where the kernels keep their probe verdicts. They know nothing
               of the optimizer state.
-* core     -- every other top-level module of `dos_jax`, and `dos_jax.geometry`: the
-              optimizer transform and its state (the geometry package: layout, slots,
-              partition, state; then policies, offload, paths,
-              fused, capability, tier_updates, chunked, device_stream, migration,
-              transform, alias, clipping, ...). A jitted step is built from this layer
+* core     -- every other top-level module of `dos_jax`, with `dos_jax.geometry` (the
+              state: layout, slots, partition, state) and `dos_jax.step` (transform,
+              tier_updates, paths, fused, device_stream, chunked, early_chunks): the
+              optimizer transform and its state, with policies, offload, capability,
+              migration, alias, clipping, ... A jitted step is built from this layer
               and the kernels alone. The core knows a placement policy only as
               `policies.Policy` (and `policies.AdaptivePolicy`, one that re-plans as it
               runs), never the planner's `Auto`.
@@ -47,7 +47,8 @@ import dos_jax
 # directly in package P. An exact name wins over a pattern.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('kernels', ('dos_jax.kernels', 'dos_jax.kernels.*', 'dos_jax.cache')),
-    ('core', ('dos_jax.*', 'dos_jax.geometry', 'dos_jax.geometry.*')),
+    ('core', ('dos_jax.*', 'dos_jax.geometry', 'dos_jax.geometry.*', 'dos_jax.step',
+              'dos_jax.step.*')),
     ('planner', ('dos_jax.planner', 'dos_jax.planner.*', 'dos_jax.model_shapes')),
     ('api', ('dos_jax',)),
     ('dataflow', ('dos_jax.dataflow', 'dos_jax.dataflow.*')),
@@ -156,7 +157,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_module_has_a_layer():
   graph = _graph()
-  assert {'dos_jax', 'dos_jax.transform', 'dos_jax.kernels.host_adamw_rows',
+  assert {'dos_jax', 'dos_jax.step.transform', 'dos_jax.kernels.host_adamw_rows',
           'dos_jax.planner.auto', 'dos_jax.dataflow.schedule', 'dos_jax.train.loop',
           'dos_jax.cli'} <= set(graph)
   unplaced = sorted(m for m in graph if _layer(m) is None)
@@ -215,8 +216,8 @@ def test_the_graph_reads_both_kinds_of_import():
   """The parser sees module-level and function-level imports, and `from P import m`
   as module `P.m` (else every `from dos_jax import x` would look like the api)."""
   graph = _graph()
-  assert 'dos_jax.geometry.slots' in graph['dos_jax.paths']  # `from dos_jax.geometry import slots`
-  assert 'dos_jax.geometry.partition' in graph['dos_jax.paths']  # inside a function
-  assert 'dos_jax' not in graph['dos_jax.paths']
+  assert 'dos_jax.geometry.slots' in graph['dos_jax.step.paths']  # `from dos_jax.geometry import slots`
+  assert 'dos_jax.geometry.partition' in graph['dos_jax.step.paths']  # inside a function
+  assert 'dos_jax' not in graph['dos_jax.step.paths']
   assert 'dos_jax' in graph['dos_jax.train.step']  # `import dos_jax`
   assert 'dos_jax.kernels.host_adamw_rows' in graph['dos_jax.dataflow.compile']

@@ -8,7 +8,7 @@ import pytest
 
 import dos_jax
 from dos_jax import migration as migration_lib
-from dos_jax import transform
+from dos_jax.step import transform
 from dos_jax.geometry.partition import Tier
 from dos_jax.policies import SubgroupSpec
 from tests.test_adamw import assert_params_track_master
@@ -114,7 +114,7 @@ def distinct_state(seed, storage=None):
   rows = tuple(jnp.asarray(np.random.default_rng(0).standard_normal(x.shape), x.dtype)
                for x in state.rows())
   tiers = dos_jax.geometry.partition.split_tiers(rows, state.partition)
-  host = lambda t: jax.device_put(tiers[t], dos_jax.paths.HOST)
+  host = lambda t: jax.device_put(tiers[t], dos_jax.step.paths.HOST)
   state = transform.OffloadedState(
       host=host(Tier.HOST), streamed=host(Tier.STREAMED), resident=tiers[Tier.RESIDENT],
       scalars=state.scalars, layout=state.layout, slots=state.slots, partition=state.partition)

@@ -58,7 +58,7 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
   consumed by `chunks` host regions (the last layers first), linked by `link`."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from dos_jax import paths  # pylint: disable=import-outside-toplevel
+  from dos_jax.step import paths  # pylint: disable=import-outside-toplevel
 
   params = {k: v['w'] for k, v in mlp_params(num_layers, width, jnp.bfloat16).items()}
   host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind='pinned_host')

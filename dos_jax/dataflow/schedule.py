@@ -12,7 +12,7 @@ Read off the scheduled HLO (`hlo.Module`) of a step compiled for a GPU target:
   work there (a Pallas AdamW, or a loop streaming state through the device) is the
   paper's concurrent host and device update.
 * **stream calls**: asynchronous calls on a GPU stream of their own (`call-start` with
-  `_xla_stream_annotation`, `dos_jax.device_stream`). One that runs device update work
+  `_xla_stream_annotation`, `dos_jax.step.device_stream`). One that runs device update work
   counts as concurrent with a host call when their windows overlap: the stream's work
   is launched before the host call's done blocks the launch thread, and the host call
   does not wait for it (it waits for XLA's compute stream only).

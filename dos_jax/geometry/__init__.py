@@ -11,6 +11,6 @@ One concept in four modules, each with one job:
 * `state` -- `OffloadedState`, the pytree the optimizer returns, and how optax, flax and
   orbax tools see it.
 
-The step (`dos_jax.transform` and the paths it dispatches to) reads and writes the state
+The step (`dos_jax.step.transform` and the paths it dispatches to) reads and writes the state
 through these; nothing here builds a step.
 """

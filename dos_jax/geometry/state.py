@@ -25,7 +25,7 @@ import numpy as np
 
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
-from dos_jax import paths
+from dos_jax.step import paths
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.partition import Tier

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dos_jax import cache, paths
+from dos_jax import cache
+from dos_jax.step import paths
 
 from dos_jax.planner.costmodel import HardwareProfile
 

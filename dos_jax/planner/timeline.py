@@ -2,7 +2,7 @@
 directions and the host are busy, for a plan whose host update runs in K chunks.
 
 `predict` gives the update phase as a roofline; this follows the order the step's
-construction forces (`dos_jax.chunked`, `paths`, `tier_updates`), so that it can be
+construction forces (`dos_jax.step.chunked`, `paths`, `tier_updates`), so that it can be
 put beside a compiled schedule's order of starts and dones:
 
 * the device runs the forward and backward passes. Host-bound gradients leave as the
@@ -29,7 +29,7 @@ import dataclasses
 
 import numpy as np
 
-from dos_jax import early_chunks
+from dos_jax.step import early_chunks
 from dos_jax.planner import costmodel
 from dos_jax.planner.hardware import HardwareProfile
 from dos_jax.policies import Plan
@@ -148,7 +148,7 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
                    stacked: bool = False) -> Timeline:
   """The step of `plan` with its host tier in the host calls of
   `Offload(early_chunks=chunks)` (an int K or a tuple of early call sizes; see
-  `dos_jax.early_chunks`):
+  `dos_jax.step.early_chunks`):
 
   * early call k (all but the last) starts once its gradients are in host memory and
     call k-1 is done, during the backward pass; its done comes before the next call's

@@ -237,7 +237,7 @@ def train(
   timed_steps, timed_total, timed_updates, timed_update, split_steps = 0, 0.0, 0, 0.0, 0
   last_update_s = math.nan  # The latest measured update phase, for the progress line.
   # Steps whose clip factor was not 1: early host chunks (offload.early_chunks) redo
-  # their speculated update on those (dos_jax.early_chunks).
+  # their speculated update on those (dos_jax.step.early_chunks).
   clip_norm = cfg.optim.clip_norm
   speculating = (clip_norm is not None and cfg.offload.placement is not None
                  and cfg.offload.early_chunks != 0 and jax.default_backend() == 'gpu')

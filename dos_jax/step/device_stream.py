@@ -1,0 +1,141 @@
+"""A function run on a GPU stream of its own, scheduled together with the host call.
+
+`on_stream(fn, group)` stages `fn` out as one call that XLA's GPU compiler runs as an
+asynchronous pair on another CUDA stream (the call carries `_xla_stream_annotation`, as
+`compute_on('gpu_stream:1')` does) and places in scheduling group `group`
+(`_scheduling_group_id`). `in_group(group)` puts the host regions traced inside it in
+the same group. XLA's latency-hiding scheduler places a group's instructions in one go,
+each asynchronous done before any start, so the host call and the stream's windows
+overlap in every schedule (docs/design.md, "Concurrent by construction").
+
+The call returns one tuple, unpacked by `get-tuple-element`s outside it: XLA copies a
+call's frontend attributes to the `get-tuple-element`s it makes for a multi-result call,
+and would turn each of them into a stream pair of its own, between the stream's done and
+the group's other instructions.
+
+On a CPU (and without a GPU compiler) the annotations are ignored: the call is a call.
+
+>>> import jax, jax.numpy as jnp
+>>> f = on_stream(lambda a, b: (a + b, a * b), group=next_group())
+>>> [x.tolist() for x in jax.jit(f)(jnp.ones(2), jnp.full(2, 3.0))]
+[[4.0, 4.0], [3.0, 3.0]]
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from typing import Any, Callable
+
+import jax
+from jax._src import core
+from jax._src.interpreters import mlir
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
+from jax._src.lib.mlir.dialects import hlo
+from jax.experimental.xla_metadata import set_xla_metadata
+
+STREAM = 1  # the CUDA stream the device tiers' update runs on (0 is XLA's compute stream)
+_FIRST_GROUP = 7000
+_groups = itertools.count(_FIRST_GROUP)
+
+# jax 0.10 lowers a called computation from a ClosedJaxpr, 0.11 and later from a Jaxpr.
+_TAKES_CLOSED = 'Closed' in str(
+    inspect.signature(mlir.lower_called_computation).parameters['call_jaxpr'].annotation)
+
+stream_region_p = core.Primitive('dos_jax_stream_region')
+stream_region_p.multiple_results = True
+
+
+def available() -> bool:
+  """Whether this jax's XLA builds a stream region into a GPU program. The 0.11 CUDA
+  plugin does; the 0.12.0.1 one rejects an optimization barrier inside the region
+  ("Unsupported instruction opcode: opt-barrier") and crashes on the Pallas path
+  (experiments/RESULTS.md, 2026-11-25, sixth session), so there the step does without."""
+  return jax.__version_info__[:2] <= (0, 11)
+
+
+def next_group() -> int:
+  """A scheduling group id no other step traced in this process uses."""
+  return next(_groups)
+
+
+def in_group(group: int):
+  """Context: the operations traced inside join scheduling group `group` (host regions
+  keep it on their host call)."""
+  return set_xla_metadata(_scheduling_group_id=group)
+
+
+def on_stream(fn: Callable[..., Any], group: int | None) -> Callable[..., Any]:
+  """`fn` (arrays in, a pytree of arrays out, no side effects) as one region on GPU
+  stream `STREAM`, in scheduling group `group` (None: in none). Arrays `fn` closes over
+  are passed in."""
+
+  def wrapped(*args):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    if closed.effects:
+      raise ValueError(f'dos_jax: a stream region cannot have effects: {closed.effects}')
+    consts, jaxpr = _without_consts(closed)
+    attributes = (('_xla_stream_annotation', str(STREAM)), ('inlineable', 'false'))
+    if group is not None:
+      attributes += (('_scheduling_group_id', str(group)),)
+    outs = stream_region_p.bind(*consts, *jax.tree.leaves(args), jaxpr=jaxpr,
+                                attributes=attributes)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  return wrapped
+
+
+def _without_consts(closed) -> tuple[list[Any], Any]:
+  """(the consts, the jaxpr taking them as its first inputs): a ClosedJaxpr without
+  consts (jax 0.10, 0.11) or a Jaxpr, which holds its consts itself (0.12)."""
+  opened = pe.convert_constvars_jaxpr(closed.jaxpr)
+  if hasattr(core, 'ClosedJaxpr'):
+    return list(closed.consts), core.ClosedJaxpr(opened, ())
+  return list(closed.consts), opened
+
+
+def _impl(*args, jaxpr, attributes):
+  del attributes
+  return core.jaxpr_as_fun(jaxpr)(*args)
+
+
+def _abstract_eval(*avals, jaxpr, attributes):
+  del avals, attributes
+  return jaxpr.out_avals
+
+
+def _lowering(ctx, *args, jaxpr, attributes):
+  called = jaxpr if _TAKES_CLOSED or not hasattr(core, 'ClosedJaxpr') else jaxpr.jaxpr
+  region, output_types, effects = mlir.lower_called_computation(
+      'dos_jax_stream_region', called, ctx.module_context, 0, ctx.avals_in, ctx.avals_out,
+      ctx.tokens_in)
+  assert not effects, effects
+  flat_types, treedef = mlir.ir_tree_registry.flatten(output_types)
+  tuple_type = ir.TupleType.get_tuple(flat_types)
+  # A wrapper returning the results as one tuple: XLA makes no get-tuple-element of the
+  # annotated call but the ones below, which carry no attributes.
+  module = ctx.module_context
+  wrapper = func_dialect.FuncOp(
+      'dos_jax_stream_tuple', ir.FunctionType.get(list(region.type.inputs), [tuple_type]),
+      ip=module.ip)
+  wrapper.attributes['sym_visibility'] = ir.StringAttr.get('private')
+  module.symbol_table.insert(wrapper)
+  block = wrapper.add_entry_block()
+  with ir.InsertionPoint(block):
+    inner = func_dialect.CallOp(flat_types, ir.FlatSymbolRefAttr.get(region.name.value),
+                                list(block.arguments))
+    func_dialect.ReturnOp([hlo.tuple(list(inner.results))])
+  flat_args, _ = mlir.ir_tree_registry.flatten((*ctx.dim_var_values, *args))
+  call = func_dialect.CallOp([tuple_type], ir.FlatSymbolRefAttr.get(wrapper.name.value),
+                             flat_args)
+  call.operation.attributes['mhlo.frontend_attributes'] = ir.DictAttr.get(
+      {key: ir.StringAttr.get(value) for key, value in attributes})
+  outs = [hlo.get_tuple_element(call.result, i) for i in range(len(flat_types))]
+  return treedef.unflatten(outs)
+
+
+stream_region_p.def_impl(_impl)
+stream_region_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(stream_region_p, _lowering)

@@ -1,0 +1,260 @@
+"""The host tier in K host calls that start during the backward pass.
+
+With per-subgroup storage and `Offload(early_chunks=...)`, the host subgroups are split
+into chunks in backward order (the last subgroups first: the backward pass makes their
+gradients first): K near-equal ones for an int K, or early chunks of the given sizes and
+a last one with the rest (`split`; what `dos_jax.planner.timeline.choose_early_chunks`
+gives). All chunks but the last are *early*: each is its own host call whose inputs are
+its gradient pieces in host memory, the step's AdamW scalars and the link of the chunk
+before it, so it can start as soon as its gradients have crossed, while the backward
+pass still runs. Chunk K, the last (its gradients come last), runs after the backward
+pass in one scheduling group with the device tiers' stream call, as the unchunked step
+does (`dos_jax.step.device_stream`).
+
+The link keeps the calls apart: early chunk k's kernel reads a `(1,)` zero computed on
+the device from a token of chunk k-1's out rows (`dos_jax.step.chunked` says why a device op
+is needed: XLA regroups host instructions into calls and would merge them otherwise).
+
+**Speculation.** Under `dos_jax.clip_by_global_norm` the clip factor needs every
+gradient, so an early chunk cannot know it. It updates with a factor of 1, and its
+kernel keeps a copy of every state element it overwrites (`keep_undo`). After the
+backward pass, in the last chunk's host call, a redo kernel runs per early block: when
+the step's factor is not exactly 1 (the norm reached the clip, or is not finite), it
+puts the copy back and updates again with the true factor; otherwise it touches nothing.
+A factor of exactly 1 multiplies each gradient by 1, so the speculated update is the
+unspeculated one bit for bit, and a redone update is the unspeculated update itself.
+The new params of early blocks go back to the device after the redo call. Without
+clipping there is nothing to speculate on: early chunks use the step's scalars and
+their params leave at once.
+
+The cost: a host copy of the early chunks' state (their undo), alive from the early
+call to the redo call, and, on a rollback step, the early chunks' host work twice
+(`dos_jax.planner.timeline`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dos_jax.step import chunked as chunked_lib
+from dos_jax.step import device_stream
+from dos_jax.step import fused as fused_lib
+from dos_jax.geometry import partition as partition_lib
+from dos_jax.step import paths
+from dos_jax.kernels import host_adamw_rows
+from dos_jax.geometry.partition import Tier
+
+
+def split(items, early) -> list[list]:
+  """`items` (host blocks or subgroups, in backward order) as the host calls take them:
+  `early` an int K, K calls of near-equal size; a tuple of sizes, one early call of
+  each size in turn and a last call with the rest. The last call is never empty (a
+  tuple covering every item makes its last call the last)."""
+  items = list(items)
+  if isinstance(early, int):
+    count = max(1, min(early, len(items)))
+    return [list(a) for a in np.array_split(np.asarray(items, dtype=object), count)]
+  parts, at = [], 0
+  for size in early:
+    if at + size >= len(items):
+      break
+    parts.append(items[at:at + size])
+    at += size
+  return parts + [items[at:]]
+
+
+def redo_flag(adam_scalars) -> jax.Array | None:
+  """Whether the early chunks must be redone: the clip factor is not exactly 1 (None
+  when the step has no clip factor, and nothing speculates)."""
+  factor = adam_scalars.grad_scale
+  if not isinstance(factor, jax.Array):
+    return None
+  return jnp.reshape(factor, ()) != 1.0
+
+
+def redo_on_host(redo) -> jax.Array:
+  """The redo flag as the redo kernel reads it: an int32 `(1,)` in host memory.
+  Computed once per step before the scheduling group (a device op inside it would
+  carry the group's annotation, and XLA keeps a group for asynchronous ops alone)."""
+  if isinstance(redo, jax.Array) and redo.dtype == jnp.int32 and redo.shape == (1,):
+    return redo
+  return paths.to_host(jnp.reshape(redo, (1,)).astype(jnp.int32))
+
+
+def _split_scalars(adam_scalars):
+  leaves, tree = jax.tree.flatten(adam_scalars)
+  is_array = [isinstance(x, jax.Array) for x in leaves]
+  arrays_h = [paths.to_host(x) for x, a in zip(leaves, is_array) if a]
+
+  def join(arrays):
+    it = iter(arrays)
+    return tree.unflatten([next(it) if a else x for x, a in zip(leaves, is_array)])
+
+  return arrays_h, join
+
+
+def _kernel_args(step, fused, runs, num_threads):
+  return dict(
+      offsets=tuple(run.offset for run in runs),
+      slots=fused_lib.slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+      nesterov=fused.nesterov, num_threads=num_threads)
+
+
+def _rows_after(rows_h, link):
+  return rows_h + link[0].astype(rows_h.dtype)  # exactly zero: the indices do not change
+
+
+def speculate_region(step: paths.RowStep, fused, *, stacked, adam_scalars, grad_pieces,
+                     param_pieces, runs, num_threads=None, link=None):
+  """An early block's host call with a clip factor of 1, keeping its undo; returns
+  `(state, out rows in device memory, undo, token in device memory)` for `redo_region`.
+
+  On a GPU the state is updated in its (donated) buffer, as `fused.host_region_update`
+  does, and is read by the redo call; on the platforms in `fused.STATE_RESULT_PLATFORMS`
+  the state is a result and the undo is the old state itself.
+  """
+  rows_h = paths.to_host(jnp.arange(stacked[0].shape[0], dtype=jnp.int32))
+  arrays_h, join = _split_scalars(dataclasses.replace(adam_scalars, grad_scale=1.0))
+  kernel_args = _kernel_args(step, fused, runs, num_threads)
+
+  def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, in_place):
+    if link is not None:
+      rows_h = _rows_after(rows_h, link)
+    result = host_adamw_rows.adamw_host_leaves(
+        state, grad_pieces, param_pieces, rows_h, join(arrays_h), lowp_dtype=step.out_dtype,
+        state_in_arg=in_place, keep_undo=in_place, **kernel_args)
+    out = result[0] if in_place else result[1]
+    token = out[:1, :1].reshape(1).astype(jnp.float32)
+    return (*result, token) if in_place else (result[0], out, token)
+
+  args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h, link)
+
+  def in_place(*args):
+    out_h, undo, token = paths.host_region(
+        lambda *a: run(*a, in_place=True),
+        out_spaces=(paths.HOST, paths.HOST, paths.DEVICE))(*args)
+    return args[0], paths.put(out_h, paths.DEVICE), undo, token
+
+  def with_result(*args):
+    new_state, out_h, token = paths.host_region(
+        lambda *a: run(*a, in_place=False),
+        out_spaces=(paths.HOST, paths.HOST, paths.DEVICE))(*args)
+    return new_state, paths.put(out_h, paths.DEVICE), args[0], token
+
+  branches = {p: with_result for p in fused_lib.STATE_RESULT_PLATFORMS}
+  return jax.lax.platform_dependent(*args, **branches, default=in_place)
+
+
+def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, adam_scalars,
+                grad_pieces, param_pieces, runs, num_threads=None, link=None,
+                redo_h=None):
+  """After the backward pass: an early block's update redone with the true scalars when
+  `redo` (a device bool; `redo_h`, its `redo_on_host`, if already made) is true;
+  returns `((state,), out)`, `out()` giving the out rows
+  in device memory: the speculated `out` (already on the device) unless `redo`. Call it
+  outside the scheduling group the redo call is in (a conditional is no asynchronous
+  op, and a group holds only those).
+
+  The redone out rows are a result of the redo call, so whatever reads them comes after
+  it in every schedule; they cross to the device only when `redo` is true (a
+  conditional on the device), so a step that does not roll back moves nothing more.
+  """
+  rows_h = paths.to_host(jnp.arange(state.shape[0], dtype=jnp.int32))
+  arrays_h, join = _split_scalars(adam_scalars)
+  kernel_args = _kernel_args(step, fused, runs, num_threads)
+  redo_h = redo_on_host(redo) if redo_h is None else redo_h
+
+  def in_place(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
+    def run(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
+      if link is not None:
+        rows_h = _rows_after(rows_h, link)
+      return host_adamw_rows.adamw_host_leaves_redo(
+          state, grad_pieces, param_pieces, rows_h, join(arrays_h), redo=redo_h, undo=undo,
+          lowp_dtype=step.out_dtype, **kernel_args)
+
+    again = paths.host_region(run, out_spaces=paths.HOST)(
+        state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link)
+    return jax.lax.optimization_barrier((state, again))
+
+  def with_result(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
+    def run(undo, grad_pieces, param_pieces, rows_h, arrays_h, link):
+      if link is not None:
+        rows_h = _rows_after(rows_h, link)
+      return host_adamw_rows.adamw_host_leaves(
+          undo, grad_pieces, param_pieces, rows_h, join(arrays_h), lowp_dtype=step.out_dtype,
+          **kernel_args)
+
+    again_state, again = paths.host_region(run, out_spaces=paths.HOST)(
+        undo, grad_pieces, param_pieces, rows_h, arrays_h, link)
+    return jnp.where(redo_h[0] != 0, again_state, state), again
+
+  branches = {p: with_result for p in fused_lib.STATE_RESULT_PLATFORMS}
+  state, again = jax.lax.platform_dependent(
+      state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link,
+      **branches, default=in_place)
+  return (state,), lambda: jax.lax.cond(redo, lambda: paths.put(again, paths.DEVICE),
+                                        lambda: out)
+
+
+def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, group=None):
+  """The host tier of a per-subgroup state in host calls as `split(..., chunks)` gives
+  them (see the module docstring); returns (its new arrays, `(out rows on the device, pieces)` per block).
+
+  The last chunk and the redo calls are built inside `device_stream.in_group(group)`
+  (when `group` is not None), for the caller's device tiers to join.
+  """
+  part, layout = context.part, context.layout
+  blocks = part.blocks(Tier.HOST)
+  new = list(partition_lib.blocks_of(host_tier, len(blocks)))
+  parts = split(chunked_lib.host_blocks(part), chunks)
+  redo = redo_flag(context.adam_scalars)
+  redo_h = None if redo is None else redo_on_host(redo)
+  common = dict(adam_scalars=context.adam_scalars, num_threads=context.offload.host_threads)
+  outs, pending, link = [], [], None
+
+  def host_call(b, link, sink=None):
+    ids = blocks[b]
+    runs = partition_lib.pieces_of(layout, ids)
+    grad_pieces, param_pieces = context.host_pieces(runs)
+    piece_args = dict(grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs)
+    arrays, out, token = fused_lib.host_region_update(
+        context.block_step(base_step, ids), context.fused, stacked=new[b], link=link,
+        inputs_sink=sink, **piece_args, **common)
+    new[b] = paths.put(arrays, paths.HOST)
+    outs.append((out, runs))
+    return token, piece_args
+
+  for chunk in parts[:-1]:
+    tokens = []
+    for b in chunk:
+      if redo is None:
+        tokens.append(host_call(b, link)[0])
+        continue
+      ids = blocks[b]
+      runs = partition_lib.pieces_of(layout, ids)
+      grad_pieces, param_pieces = context.host_pieces(runs)
+      piece_args = dict(grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs)
+      state, out, undo, token = speculate_region(
+          context.block_step(base_step, ids), context.fused, stacked=new[b], link=link,
+          **piece_args, **common)
+      pending.append((b, state, out, undo, piece_args))
+      tokens.append(token)
+    link = paths.to_host(sum(chunked_lib.zero_of(t) for t in tokens))
+
+  with device_stream.in_group(group) if group is not None else contextlib.nullcontext():
+    for b in parts[-1]:
+      host_call(b, link, sink=context.host_inputs)
+    redone = []
+    for b, state, out, undo, piece_args in pending:
+      arrays, out = redo_region(
+          context.block_step(base_step, blocks[b]), context.fused, state=state, out=out,
+          undo=undo, redo=redo, redo_h=redo_h, link=link, **piece_args, **common)
+      new[b] = paths.put(arrays, paths.HOST)
+      redone.append((out, piece_args['runs']))
+  outs += [(out(), runs) for out, runs in redone]
+  return tuple(x for block in new for x in block), outs

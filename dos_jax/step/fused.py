@@ -1,0 +1,402 @@
+"""The host path of `dos_jax.adamw` as one call of the native host AdamW per step.
+
+`paths.host_update` runs the wrapped optax transforms row by row in an XLA loop; that
+is general (any element-wise chain) but, to stay in place, XLA materializes each new
+row behind an optimization barrier, which makes it several times slower than
+`jax.jit(optax.adamw)` on a CPU. When the transform is known to be AdamW, its
+hyperparameters are handed to the core as a `FusedAdamW` and `host_update` here
+updates every host row with one call of the native host AdamW
+(`kernels.host_adamw_rows`), in place, multi-threaded over all host elements.
+
+The step's scalars come from the wrapped transforms themselves: their update is run on
+zero-length rows once per step (`paths.scalar_update`, read by `step_scalars`), so the
+step counts advance exactly as on the XLA path, and the bias corrections and learning
+rate are computed from the same counts with optax's expressions. Results are bit-identical to the XLA path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+from optax._src import numerics
+
+from dos_jax.step import paths
+from dos_jax.geometry import slots as slots_lib
+from dos_jax.kernels import host_adamw_rows
+from dos_jax.kernels.adamw_scalars import AdamWScalars
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusedAdamW:
+  """AdamW's hyperparameters, for a fused update of the chain `dos_jax.adamw` builds:
+  `(scale_by_adam, decay_where_row, scale_by_learning_rate)`, in that order.
+
+  Values may be Python floats or (under `optax.inject_hyperparams`) arrays; the
+  learning rate may be a schedule.
+  """
+
+  learning_rate: optax.ScalarOrSchedule
+  b1: Any = 0.9
+  b2: Any = 0.999
+  eps: Any = 1e-8
+  eps_root: Any = 0.0
+  weight_decay: Any = 1e-4
+  nesterov: bool = False
+  mu_dtype: Any = None
+
+  def scalars(self, inner_state, new_inner_state) -> AdamWScalars:
+    """The step's `AdamWScalars` from the chain's state before and after the step."""
+    count = new_inner_state[0].count  # scale_by_adam's safe_increment(count)
+    if callable(self.learning_rate):
+      # scale_by_schedule evaluates the schedule at the count before the step.
+      lr = self.learning_rate(inner_state[2].count)
+    else:
+      lr = self.learning_rate
+    # optax.tree.bias_correction: `1 - decay**count` with the incremented count.
+    return AdamWScalars(
+        lr=lr, b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,
+        weight_decay=self.weight_decay, bc1=1 - self.b1**count, bc2=1 - self.b2**count,
+        bc1_next=(1 - self.b1**numerics.safe_increment(count)) if self.nesterov else None)
+
+
+def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] | None:
+  """`(master_k or -1, mu_k, nu_k)` in the single stacked group, or None if the state
+  is not laid out as one group holding (master,) mu, nu."""
+  if len(slots.groups) != 1 or slots.groups[0] != 'float32':
+    return None
+  master, inner = slots.treedef.unflatten(slots.places)
+  try:
+    mu, nu = inner[0].mu, inner[0].nu
+  except (AttributeError, IndexError, TypeError):
+    return None
+  places = (master,) if has_master else ()
+  if any(group != 0 for group, _ in places + (mu, nu)):
+    return None
+  return (master[1] if has_master else -1, mu[1], nu[1])
+
+
+def step_scalars(fused: FusedAdamW, step: paths.RowStep,
+                 scalar_update: tuple[Any, Any, tuple]) -> AdamWScalars:
+  """The step's `AdamWScalars`, read from the wrapped transforms' scalar update
+  (`paths.scalar_update`) as AdamW's step count and schedule value, with the step's
+  gradient scale (the clip factor) folded in. Computed once per step; every kernel
+  call of the step takes it."""
+  inner_state, new_inner, _ = scalar_update
+  adam_scalars = fused.scalars(inner_state, new_inner)
+  if step.grad_scale is not None:
+    adam_scalars = dataclasses.replace(adam_scalars, grad_scale=step.grad_scale)
+  return adam_scalars
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Leaves:
+  """The gradient (and, for fp32 params, param) leaves and their flat offsets in the
+  layout, for the kernel to read in place of the packed rows."""
+
+  grads: list[Any]
+  params: list[Any] | None
+  offsets: tuple[int, ...]
+
+
+def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+                adam_scalars: AdamWScalars, leaves: Leaves, resident: bool,
+                num_threads: int | None = None):
+  """Every row of a one-memory (CPU program) state in one native call; returns
+  (stacked, out rows).
+
+  The kernel reads the gradient (and param) leaves directly, so the packed `(G, S)`
+  rows are never built, and writes a fresh out buffer (every row of it; the kernel
+  asks for huge pages for it, see adamw_common.h; why not over the gradients:
+  docs/design.md).
+  """
+  num_rows = stacked[0].shape[0]
+  new_state, out = host_adamw_rows.adamw_host_leaves(
+      stacked[0], leaves.grads, None if step.has_master else leaves.params,
+      jnp.arange(num_rows, dtype=jnp.int32), adam_scalars, offsets=leaves.offsets,
+      slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
+  # A custom call's results are typed as device memory; the state keeps its memory
+  # kind (on CPU both are one memory, and this is no copy: see the memory test).
+  space = paths.DEVICE if resident else paths.HOST
+  return (jax.device_put(new_state, space),), out
+
+
+def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+                   adam_scalars: AdamWScalars, grads, params, mesh, data_axis: str,
+                   resident: bool, num_threads: int | None = None):
+  """One-memory (CPU program) state sharded over `data_axis` (ZeRO-1): the native call
+  runs on every device's shard under `shard_map`; returns (stacked, out rows).
+
+  Each subgroup row is split along its elements, so a shard holds `(G, K, S / n)` of
+  the state and needs the matching `(G, S / n)` columns of the packed gradient (and
+  param) rows, given here sharded like the state.
+  """
+  scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
+  is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
+  arrays = [x for x, a in zip(scalar_leaves, is_array) if a]
+  num_rows = stacked[0].shape[0]
+  if num_threads is None:
+    # The shards run at once, one per device: share the cores among them.
+    num_threads = max(1, (os.cpu_count() or 1) // max(1, mesh.shape[data_axis]))
+  kernel_args = dict(
+      slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads,
+      indexed=True)
+  rows_spec, state_spec = P(None, data_axis), P(None, None, data_axis)
+
+  def per_shard(state, grads, arrays, *params):
+    it = iter(arrays)
+    shard_scalars = scalar_tree.unflatten(
+        [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
+    return host_adamw_rows.adamw_host_rows(
+        state, grads, params[0] if params else None,
+        jnp.arange(num_rows, dtype=jnp.int32), shard_scalars, **kernel_args)
+
+  extra = () if params is None else (params,)
+  # The native call has no replication rule for the checker; every output is sharded.
+  new_state, out = jax.shard_map(
+      per_shard, mesh=mesh,
+      in_specs=(state_spec, rows_spec, [P()] * len(arrays)) + (rows_spec,) * len(extra),
+      out_specs=(state_spec, rows_spec), check_vma=False,
+  )(stacked[0], grads, arrays, *extra)
+  space = paths.DEVICE if resident else paths.HOST
+  return (jax.device_put(new_state, space),), out
+
+
+# Platforms whose accelerator program returns the host tier's state from the host region
+# (a copy per step) instead of updating it in its buffer: a CPU backend, where the
+# accelerator program runs only as a test of its numbers. Its compiler drops the
+# optimization barrier before scheduling, so without donation the copy of the state into
+# the program's output could run before the host call writes it; XLA:GPU drops the
+# barrier only after scheduling, so the order holds there donated or not.
+STATE_RESULT_PLATFORMS = ('cpu',)
+
+
+def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+                       adam_scalars: AdamWScalars, grad_pieces, param_pieces, runs,
+                       num_threads: int | None = None, inputs_sink: list | None = None,
+                       link=None):
+  """The host tier in one native call inside a host region (the accelerator program);
+  returns (stacked, out rows in device memory, link token in device memory).
+
+  `link` (a `(1,)` float32 zero in host memory, or None): the previous chunk's link,
+  read by the kernel call through its row indices, so that XLA keeps this region its
+  own host call (see `dos_jax.step.chunked`). The token returned is computed from the out
+  rows, in device memory.
+
+  `grad_pieces` (and `param_pieces` for fp32 params) are the tier's `partition.Piece`
+  runs, already in host memory: the kernel reads them at their offsets in the tier's
+  rows, so the rows are never assembled. `step.decayed_rows` is the tier's own.
+
+  The state is updated in place, in the buffer it arrives in (the donated state), and
+  is not a result of the region. XLA makes a host region an asynchronous host call whose
+  results get buffers of their own: its arguments stay live until the call is done, and
+  the call carries no input/output aliasing (XLA's host-call wrapper creates it without
+  any, and nothing in StableHLO sets it), so a state result cannot share the donated
+  state's buffer and copy insertion copies it back, host to host, on every step (the
+  whole tier). Instead the kernel writes the state in its argument (`state_in_arg`),
+  the region returns only the out rows, and the state leaves through an optimization
+  barrier with them: whatever reads the new state runs after the host call is done.
+  Nothing else in the step reads the old host state. Donate the state (every training
+  step does): without donation XLA copies it into the output after the call, as it
+  must, and the caller's state array is overwritten as well. On the platforms in
+  `STATE_RESULT_PLATFORMS` the region returns the state as before.
+  """
+  rows_h = paths.to_host(jnp.arange(stacked[0].shape[0], dtype=jnp.int32))
+  # Array scalars (schedule value, bias corrections, clip factor) cross too; Python
+  # floats stay Python floats (closed over, never traced), which `AdamWScalars` rounds
+  # as optax does.
+  scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
+  is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
+  arrays_h = [paths.to_host(x) for x, a in zip(scalar_leaves, is_array) if a]
+  kernel_args = dict(
+      offsets=tuple(run.offset for run in runs),
+      slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
+
+  def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, state_in_arg=False):
+    it = iter(arrays_h)
+    scalars_h = scalar_tree.unflatten(
+        [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
+    if link is not None:  # exactly zero: the indices do not change
+      rows_h = rows_h + link[0].astype(rows_h.dtype)
+    result = host_adamw_rows.adamw_host_leaves(
+        state, grad_pieces, param_pieces, rows_h, scalars_h, state_in_arg=state_in_arg,
+        **kernel_args)
+    new_state, out = (None, result) if state_in_arg else result
+    token = out[:1, :1].reshape(1).astype(jnp.float32)
+    return (out, token) if state_in_arg else (new_state, out, token)
+
+  args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h, link)
+  if inputs_sink is not None:
+    inputs_sink.extend(jax.tree.leaves(args[1:]))
+  spaces = (paths.HOST, paths.DEVICE)
+
+  def in_place(*args):
+    out_h, token = paths.host_region(lambda *a: run(*a, state_in_arg=True),
+                                     out_spaces=spaces)(*args)
+    out = paths.put(out_h, paths.DEVICE)
+    new_state, out = jax.lax.optimization_barrier((args[0], out))
+    return new_state, out, token
+
+  def with_result(*args):
+    new_state, out_h, token = paths.host_region(run, out_spaces=(paths.HOST,) + spaces)(*args)
+    return new_state, paths.put(out_h, paths.DEVICE), token
+
+  branches = {platform: with_result for platform in STATE_RESULT_PLATFORMS}
+  new_state, out, token = jax.lax.platform_dependent(*args, **branches, default=in_place)
+  return (new_state,), out, token
+
+
+def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+                               adam_scalars: AdamWScalars, grad_rows, param_rows, mesh,
+                               data_axis: str, num_threads: int | None = None,
+                               inputs_sink: list | None = None):
+  """The host tier of a state sharded over `data_axis` (ZeRO-1) in the accelerator
+  program: on every device, one native call on its shard inside a host region (under
+  `shard_map`); returns (stacked, out rows in host memory).
+
+  `grad_rows` (and `param_rows` for fp32 params) hold one `(1, S)` row per subgroup of
+  the tier, in host memory, sharded like the state (`P(None, data)`): a shard's `(1,
+  S / n)` pieces are read in place as the kernel's leaves at offsets `r * S / n` of
+  its `(R, K, S / n)` state, so nothing is concatenated on the host. Row padding is
+  zero in the gradients and in the state, so the kernel leaves it zero.
+  `step.decayed_rows` is the tier's own.
+  """
+  num_rows, _, size = stacked[0].shape
+  local_size = size // mesh.shape[data_axis]
+  # Array scalars (schedule value, bias corrections, clip factor) cross whole to every
+  # shard; Python floats stay closed over (see `host_region_update`).
+  scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
+  is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
+  arrays_h = [paths.to_host(x) for x, a in zip(scalar_leaves, is_array) if a]
+  if num_threads is None:
+    # Every device of the process runs its shard's host call at once: share the cores.
+    num_threads = max(1, (os.cpu_count() or 1) // max(1, min(mesh.size,
+                                                             jax.local_device_count())))
+  kernel_args = dict(
+      offsets=tuple(r * local_size for r in range(num_rows)),
+      slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
+
+  def run(state, grad_rows, param_rows, rows_h, arrays_h):
+    it = iter(arrays_h)
+    scalars_h = scalar_tree.unflatten(
+        [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
+    return host_adamw_rows.adamw_host_leaves(
+        state, grad_rows, param_rows, rows_h, scalars_h, **kernel_args)
+
+  if inputs_sink is not None:
+    inputs_sink.extend(jax.tree.leaves((list(grad_rows), arrays_h, param_rows)))
+
+  def per_shard(state, grad_rows, arrays_h, *param_rows):
+    rows_h = paths.to_host(jnp.arange(num_rows, dtype=jnp.int32))
+    return paths.host_region(run)(state, grad_rows, param_rows[0] if param_rows else None,
+                                  rows_h, arrays_h)
+
+  rows_spec, state_spec = P(None, data_axis), P(None, None, data_axis)
+  extra = () if param_rows is None else (list(param_rows),)
+  # The native call has no replication rule for the checker; every output is sharded.
+  new_state, out_h = jax.shard_map(
+      per_shard, mesh=mesh,
+      in_specs=(state_spec, [rows_spec] * num_rows, [P()] * len(arrays_h))
+      + ([rows_spec] * num_rows,) * len(extra),
+      out_specs=(state_spec, rows_spec), check_vma=False,
+  )(stacked[0], list(grad_rows), arrays_h, *extra)
+  return (new_state,), out_h
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeviceKernelStep:
+  """A `paths.RowStep` replacement for the device path: one Pallas AdamW per streamed
+  subgroup, on its state block in device memory, producing the new 16-bit parameter row
+  in the same pass. Same call signature as `RowStep`.
+
+  The kernel is opaque to XLA, so no fusion can re-read the old block after the write:
+  the barrier `RowStep` needs is not needed here. On a CPU backend the same program runs
+  the kernel in Pallas' interpreter (how CI checks the accelerator program's numbers).
+  """
+
+  step: paths.RowStep
+  fused: FusedAdamW
+  adam_scalars: AdamWScalars
+  new_scalars: tuple
+  # A shard-major state (ZeRO-3, `layout.Layout.shards`): the mesh and the axis its rows
+  # are split over. The kernel then runs on each device's columns of the row under
+  # `shard_map`; XLA would otherwise gather the whole row's state to call it.
+  mesh: Any = None
+  axis: str | None = None
+
+  def __call__(self, blocks, scalars, grad, param, index):
+    del scalars  # every row reads the pre-step scalars, folded into `adam_scalars`
+    if self.mesh is None:
+      return self._update(blocks[0], grad, param, index, self.adam_scalars)
+    scalar_leaves, scalar_tree = jax.tree.flatten(self.adam_scalars)
+    is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
+    arrays = [x for x, a in zip(scalar_leaves, is_array) if a]
+
+    def per_shard(block, grad, index, arrays, *param):
+      it = iter(arrays)
+      adam_scalars = scalar_tree.unflatten(
+          [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
+      (new_block,), _, out_row = self._update(block, grad, param[0] if param else None,
+                                              index, adam_scalars)
+      return new_block, out_row
+
+    mesh = self.mesh
+    device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
+    if device is not None:
+      # Lowered for a GPU where there is none (`dataflow.lower_for_gpu`): the kernel
+      # lowers inside the shard_map's mesh, which must name the abstract GPU too.
+      mesh = getattr(mesh, 'abstract_mesh', mesh).update(abstract_device=device)
+    rows, row = P(None, self.axis), P(self.axis)
+    extra = () if param is None else (param,)
+    # The Pallas call has no replication rule for the checker; every output is sharded.
+    new_block, out_row = jax.shard_map(
+        per_shard, mesh=mesh,
+        in_specs=(rows, row, P(), [P()] * len(arrays)) + (row,) * len(extra),
+        out_specs=(rows, row), check_vma=False,
+    )(blocks[0], grad, jnp.asarray(index), arrays, *extra)
+    return (new_block,), self.new_scalars, out_row
+
+  def _update(self, block, grad, param, index, adam_scalars):
+    from dos_jax.kernels import pallas_adamw  # pylint: disable=import-outside-toplevel
+    slots = slot_rows(self.step.slots, self.step.has_master)
+    size = block.shape[-1]
+    decay_limit = jnp.where(index < self.step.decayed_rows, size, 0).astype(jnp.int32)
+    lowp_dtype = self.step.out_dtype if self.step.has_master else None
+
+    def kernel(interpret):
+      # The scalars are closed over: Python floats among them must stay Python floats.
+      return lambda block, grad, param: pallas_adamw.adamw_pallas_rows(
+          block, grad, adam_scalars, slots=slots, decay_limit=decay_limit,
+          lowp_dtype=lowp_dtype, param=param, nesterov=self.fused.nesterov,
+          interpret=interpret)
+
+    # Triton where the program is lowered for a GPU, the Pallas interpreter where it
+    # runs on a CPU backend: each platform lowers only its own branch. The block is
+    # updated where it is, in one buffer (no row slices, no stacking).
+    new_block, new_master, lowp = jax.lax.platform_dependent(
+        block, grad, None if self.step.has_master else param,
+        cpu=kernel(True), default=kernel(False))
+    if self.step.has_master:
+      out_row = lowp
+    else:
+      # fp32 params are their own master: the out row is the update.
+      out_row = (new_master - param).astype(self.step.out_dtype)
+    return (new_block,), self.new_scalars, out_row
+
+
+def device_step(fused: FusedAdamW, step: paths.RowStep, adam_scalars: AdamWScalars,
+                new_scalars: tuple, mesh: Any = None,
+                axis: str | None = None) -> DeviceKernelStep:
+  """The Pallas row update; per shard of `mesh`'s `axis` when given (see
+  `DeviceKernelStep`)."""
+  return DeviceKernelStep(step=step, fused=fused, adam_scalars=adam_scalars,
+                          new_scalars=new_scalars, mesh=mesh, axis=axis)

@@ -1,0 +1,333 @@
+"""The update paths of one optimizer step: streamed through the device, on the host,
+or resident in device memory.
+
+Every path runs a loop over the rows of one tier's state (see `partition`). One
+iteration reads the row's block of each stacked state array (see `slots`), applies the
+wrapped optax transforms' *row update*
+
+    row_update(grad_row, state_row, param_row, decayed) -> (update_row, new_state_row)
+
+and writes the new block back in place. The paths differ in where that happens:
+
+* `interleaved_loop` (stacked storage) and `streamed_loop` (a block at a time): the
+  streamed tier's rows are copied host -> device, updated, and copied back; the new
+  low-precision parameter rows stay on the device. The stream is software-pipelined:
+  the next `buffers - 1` rows are fetched while a row is updated.
+* `host_region_update`: the host tier's gradients arrive in host memory piece by piece
+  (each piece leaves the device as soon as the backward pass has made it), the rows are
+  assembled there and the loop runs in a `compute_on('device_host')` region; only the
+  new low-precision parameter rows go back to the device.
+* `resident_loop`: the state is where it is updated (resident in device memory, or any
+  tier on a CPU backend).
+
+A `fori_loop` keeps compile time independent of the number of subgroups. The
+`optimization_barrier` on each iteration's new block makes every read of the old row
+happen before the write, which lets XLA update the donated state in place instead of
+copying it at every iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import compute_on as _compute_on_mod
+
+from dos_jax.geometry import slots as slots_lib
+
+RowUpdate = Callable[..., tuple[jax.Array, Any]]
+
+HOST = jax.memory.Space.Host
+DEVICE = jax.memory.Space.Device
+
+
+def function_form(module: Any = _compute_on_mod) -> Callable[..., Any] | None:
+  """The function form of `compute_on` in `module`, or None if it has only the old one.
+
+  jax 0.11: `compute_on(f=None, *, compute_type, out_memory_spaces, compiler_options)`.
+  jax 0.10: `compute_on(compute_type)` is a context manager, and the function form is
+  `compute_on2` with 0.11's signature. Both old and new name a parameter
+  `compute_type`, so the forms are told apart by `out_memory_spaces`, which only the
+  function form has (and which has no default there).
+  """
+  for name in ('compute_on', 'compute_on2'):
+    candidate = getattr(module, name, None)
+    if candidate is None:
+      continue
+    try:
+      parameters = inspect.signature(candidate).parameters
+    except (TypeError, ValueError):
+      continue
+    if 'out_memory_spaces' in parameters:
+      return candidate
+  return None
+
+
+def host_region(fn: Callable[..., Any], out_spaces: Any = None,
+                module: Any = _compute_on_mod) -> Callable[..., Any]:
+  """`fn` as a host-compute region (`compute_on('device_host')`) on every backend.
+
+  Args:
+    fn: the computation; its array inputs must already be in host memory.
+    out_spaces: memory space of each output (a pytree prefix of the outputs, e.g. one
+      `HOST` for all); default: host memory.
+    module: where `compute_on` comes from (tests pass stand-ins of both versions).
+  """
+  out_spaces = HOST if out_spaces is None else out_spaces
+  form = function_form(module)
+  if form is not None:
+    return form(fn, compute_type='device_host', out_memory_spaces=out_spaces)
+
+  @functools.wraps(fn)
+  def wrapped(*args):
+    with module.compute_on('device_host'):
+      return fn(*args)
+
+  return wrapped
+
+
+def put(tree: Any, space) -> Any:
+  """Copies every array of `tree` to a memory space (inside jit: an async copy)."""
+  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def to_host(tree: Any) -> Any:
+  """Copies every array of `tree` to host memory (inside jit: an async D2H copy)."""
+  return put(tree, HOST)
+
+
+def _row(x: jax.Array, i) -> jax.Array:
+  return lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _set_row(x: jax.Array, row: jax.Array, i) -> jax.Array:
+  return lax.dynamic_update_index_in_dim(x, row.astype(x.dtype), i, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStep:
+  """Everything one subgroup update needs besides the arrays themselves."""
+
+  row_update: RowUpdate
+  slots: slots_lib.Slots
+  has_master: bool
+  decayed_rows: int
+  state_dtype: Any
+  out_dtype: Any
+  # Multiplies every gradient first (the global-norm clip factor), in the state dtype;
+  # None: no multiplication at all, so unclipped results stay bit for bit optax's.
+  grad_scale: Any = None
+
+  def __call__(self, blocks, scalars, grad, param, index):
+    """Updates one row: returns (new_blocks, new_scalars, out_row)."""
+    master, state = slots_lib.join(blocks, scalars, self.slots, axis=0)
+    source = master if self.has_master else param
+    # Gradients travel in their own (often 16-bit) dtype and are upcast here, so the
+    # math is optax's on the fp32 master with fp32 gradients.
+    grad = grad.astype(self.state_dtype)
+    if self.grad_scale is not None:
+      grad = grad * self.grad_scale
+    update, new_state = self.row_update(grad, state, source, index < self.decayed_rows)
+    if self.has_master:
+      new_master = (master + update).astype(master.dtype)
+      out_row = new_master.astype(self.out_dtype)
+    else:
+      new_master, out_row = None, update.astype(self.out_dtype)
+    new_blocks, new_scalars = slots_lib.split((new_master, new_state), self.slots, axis=0)
+    new_scalars = tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
+    # See the module docstring: all reads of the old row before the in-place writes.
+    # The out row rides in the same block through the barrier (exact: every out dtype
+    # converts to the state dtype and back losslessly), so no consumer after the
+    # barrier can be fused with a read of the old state.
+    first = jnp.concatenate([new_blocks[0], out_row[None].astype(new_blocks[0].dtype)])
+    first, *rest = lax.optimization_barrier((first, *new_blocks[1:]))
+    new_blocks = (first[:-1], *rest)
+    return new_blocks, new_scalars, first[-1].astype(self.out_dtype)
+
+
+def scalar_update(step: RowStep, scalars: tuple) -> tuple[Any, Any, tuple]:
+  """The wrapped transforms' scalar state before and after the step, and the new
+  scalar leaves: `(inner state, new inner state, new scalars)`.
+
+  Every row's update computes the same new scalars from the same pre-step values, so
+  they are computed once per step, outside the paths, by running the wrapped update on
+  zero-length rows; no path hands them to another.
+  """
+  empty = tuple(jnp.zeros((n, 0), dtype) for n, dtype in
+                zip(step.slots.group_sizes, step.slots.groups))
+  master, inner_state = slots_lib.join(empty, scalars, step.slots, axis=0)
+  zero = jnp.zeros((0,), step.state_dtype)
+  _, new_inner = step.row_update(zero, inner_state, zero, True)
+  _, new_scalars = slots_lib.split((master, new_inner), step.slots, axis=0)
+  new_scalars = tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
+  return inner_state, new_inner, new_scalars
+
+
+def _row_index(order: tuple[int, ...], j):
+  """The row updated at loop position `j` (a Python int or a traced one)."""
+  if isinstance(j, int):
+    return order[j]
+  if order == tuple(range(len(order))):
+    return j
+  return jnp.asarray(order, jnp.int32)[j]
+
+
+def _update_row(step: RowStep, i, blocks, *, stacked, scalars, grads, params, out,
+                to_space=None):
+  """Row `i`'s update from its state `blocks`, written into `stacked` and `out`
+  (through `to_space` first, when the row came from another memory)."""
+  param = None if params is None else _row(params, i)
+  new_blocks, _, out_row = step(blocks, scalars, _row(grads, i), param, i)
+  if to_space is not None:
+    new_blocks = put(new_blocks, to_space)
+  stacked = tuple(_set_row(x, b, i) for x, b in zip(stacked, new_blocks))
+  return stacked, _set_row(out, out_row, i)
+
+
+def resident_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grads, params,
+                  out):
+  """Updates the rows `order` of a tier where its state is (resident in device memory,
+  or any tier of a CPU program); returns (stacked, out).
+
+  `grads`, `params` and `out` are the tier's `(R, S)` rows.
+  """
+  order = tuple(order)
+
+  def body(j, carry):
+    i = _row_index(order, j)
+    blocks = tuple(_row(x, i) for x in carry[0])
+    return _update_row(step, i, blocks, stacked=carry[0], scalars=scalars, grads=grads,
+                       params=params, out=carry[1])
+
+  return lax.fori_loop(0, len(order), body, (stacked, out))
+
+
+def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grads, params,
+                  out):
+  """Updates the rows `order` of a streamed block, whose state stays in host memory:
+  each row is copied host -> device, updated, and copied back, one after the other;
+  returns (stacked, out).
+
+  For a block of one row (per-subgroup storage, whose blocks `tier_updates` chains
+  `buffers` deep) or a stacked tier with one buffer. A stacked tier with more rows and
+  buffers is interleaved blocks, streamed full duplex by `interleaved_loop`.
+  """
+  order = tuple(order)
+
+  def body(j, carry):
+    stacked, out = carry
+    i = _row_index(order, j)
+    blocks = put(tuple(_row(x, i) for x in stacked), DEVICE)
+    return _update_row(step, i, blocks, stacked=stacked, scalars=scalars, grads=grads,
+                       params=params, out=out, to_space=HOST)
+
+  return lax.fori_loop(0, len(order), body, (stacked, out))
+
+
+def interleaved_loop(steps: Sequence[RowStep], *, stacks, scalars, grads, params, outs,
+                     orders: Sequence[Sequence[int]] | None = None):
+  """Updates a streamed tier stored as B interleaved blocks (`Partition.blocks`):
+  stream position p is in block p % B, at row `orders[p % B][p // B]` (by default
+  p // B). Returns (stacks, outs), per block.
+
+  `steps`, `stacks`, `grads`, `params` (None or per block) and `outs` are per block;
+  blocks are in position order and block 0 is the longest. Like `streamed_loop`,
+  software-pipelined B deep: position q is fetched while position q - B + 1 is
+  updated. That fetch reads block q % B, last written by position q - B's
+  write-back, B rows back; it never reads the array the row before it is written
+  into, and no write-back waits for a fetch. So no dependency keeps the link to one
+  direction at a time (full duplex); with one array (`streamed_loop`) each write-back
+  had to wait for the next row's fetch.
+
+  One loop iteration runs B positions (block k in turn), so every block is written
+  in place. Where B does not divide the row count, the last iteration's missing
+  positions update their block's last row again and write back what they fetched
+  (a masked update: one extra round trip of a row, never a peeled row); as in
+  `streamed_loop`, the fetches past the end read the last row again and are dropped.
+  """
+  count = len(stacks)
+  lengths = [x[0].shape[0] for x in stacks]
+  if count < 2 or sorted(lengths, reverse=True) != lengths or lengths[-1] < lengths[0] - 1:
+    raise ValueError(f'interleaved_loop needs >= 2 interleaved blocks, got rows {lengths}')
+  params = (None,) * count if params is None else tuple(params)
+  orders = [tuple(range(n)) for n in lengths] if orders is None else [tuple(o) for o in orders]
+  if sorted(len(o) for o in orders) != sorted(lengths):
+    raise ValueError(f'interleaved_loop: orders {orders} do not match rows {lengths}')
+
+  def row(k, j):
+    return _row_index(orders[k], jnp.minimum(j, lengths[k] - 1))
+
+  def fetch(stacks, k, j):
+    r = row(k, j)
+    return put(tuple(_row(x, r) for x in stacks[k]), DEVICE)
+
+  def body(i, carry):
+    stacks, outs, fetched = (list(c) for c in carry)
+    for k in range(count):
+      ahead = k + count - 1  # the position fetched now, relative to this iteration's first
+      fetched.append(fetch(stacks, ahead % count, i + ahead // count))
+      blocks = fetched.pop(0)
+      r = row(k, i)
+      param = None if params[k] is None else _row(params[k], r)
+      new_blocks, _, out_row = steps[k](blocks, scalars, _row(grads[k], r), param, r)
+      if lengths[k] < lengths[0]:  # the last iteration has no row for this block
+        valid = i < lengths[k]
+        new_blocks = tuple(jnp.where(valid, n, o.astype(n.dtype))
+                           for n, o in zip(new_blocks, blocks))
+        out_row = jnp.where(valid, out_row, _row(outs[k], r))
+      new_blocks = put(new_blocks, HOST)
+      stacks[k] = tuple(_set_row(x, b, r) for x, b in zip(stacks[k], new_blocks))
+      outs[k] = _set_row(outs[k], out_row, r)
+    return tuple(stacks), tuple(outs), tuple(fetched)
+
+  fetched = tuple(fetch(stacks, k, 0) for k in range(count - 1))
+  stacks, outs, _ = lax.fori_loop(0, lengths[0], body, (tuple(stacks), tuple(outs), fetched))
+  return stacks, outs
+
+
+def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pieces, runs,
+                       grad_dtype, inputs_sink: list | None = None, shards: int = 1):
+  """Updates every row of the host tier in a `compute_on('device_host')` region (the
+  accelerator program's XLA host path); returns (stacked, out rows in host memory).
+
+  Args:
+    step: the row update, with the tier's own `decayed_rows`.
+    stacked: the host tier's `(R, K, S)` arrays, in host memory.
+    scalars: the pre-step scalars.
+    grad_pieces: the tier's gradient pieces (`partition.Piece` runs), in host memory.
+    param_pieces: likewise for fp32 params (no master), or None.
+    runs: the `partition.Piece`s the arrays belong to.
+    grad_dtype: dtype the gradient rows are assembled in.
+    inputs_sink: where to append the region's inputs other than the state.
+    shards: the pieces' shards (`partition.assemble`): > 1 for a shard-major layout.
+  """
+  # Deferred import: `partition` depends on `layout`, which the paths need not.
+  from dos_jax.geometry import partition as partition_lib  # pylint: disable=import-outside-toplevel
+  num_rows, _, size = stacked[0].shape
+  out_dtype = step.out_dtype
+  # Every input of a host region must already be in host memory.
+  scale = step.grad_scale
+  scalars, scale = to_host(scalars), None if scale is None else to_host(scale)
+
+  def update(stacked, scalars, grad_pieces, param_pieces, scale):
+    grads = partition_lib.assemble(grad_pieces, runs, num_rows, size, grad_dtype, shards)
+    params = None
+    if param_pieces is not None:
+      params = partition_lib.assemble(param_pieces, runs, num_rows, size, step.state_dtype,
+                                      shards)
+    # The out buffer is made from a host array (a zeros constant would be device
+    # memory); every row of it is overwritten.
+    out = grads.astype(out_dtype)
+    return resident_loop(tuple(range(num_rows)), dataclasses.replace(step, grad_scale=scale),
+                         stacked=stacked, scalars=scalars, grads=grads, params=params,
+                         out=out)
+
+  if inputs_sink is not None:
+    # Everything the region reads but the state (see `tier_updates.StepContext.gate`).
+    inputs_sink.extend(jax.tree.leaves((scalars, grad_pieces, param_pieces, scale)))
+  return host_region(update)(stacked, scalars, grad_pieces, param_pieces, scale)

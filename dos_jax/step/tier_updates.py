@@ -1,0 +1,385 @@
+"""How one step updates each tier of the state, block by block (see `partition`): the
+one place that chooses the path a tier takes, and the small function of each path.
+
+`transform.step_body` builds one `StepContext` per traced step and asks it for each
+tier's new arrays and output rows (`update_tier`). The path of a tier is chosen once,
+by `choose_path`, from the program (`Program`: one memory, or the accelerator program
+with its host and device memories), the tier and the implementation asked for; each
+`Path` has one method here, which calls the loops of `paths` or the kernels of `fused`.
+The step's AdamW scalars are computed once (`StepContext.adam_scalars`) and handed to
+every kernel call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dos_jax import capability as capability_lib
+from dos_jax.step import fused as fused_lib
+from dos_jax.geometry import layout as layout_lib
+from dos_jax.geometry import partition as partition_lib
+from dos_jax.step import paths
+from dos_jax.capability import Kernel
+from dos_jax.kernels.adamw_scalars import AdamWScalars
+from dos_jax.offload import Offload
+from dos_jax.offload import Program
+from dos_jax.offload import UpdateImpl
+from dos_jax.geometry.partition import Tier
+from dos_jax.policies import Plan
+
+
+class Path(enum.Enum):
+  """How one tier's blocks are updated in one step."""
+
+  # One-memory (CPU) program: one native call over the block's rows, reading the
+  # gradient leaves in place (sharded: per data shard under shard_map).
+  ONE_MEMORY_NATIVE = 'one_memory_native'
+  # One-memory program, XLA: the rows packed and updated where they are.
+  ONE_MEMORY_XLA = 'one_memory_xla'
+  # Accelerator program, host tier: the native kernel in a host region, on gradient
+  # pieces sent to host memory as the backward pass makes them.
+  HOST_NATIVE = 'host_native'
+  # ... the same per data shard (a state sharded over the data axis).
+  HOST_NATIVE_SHARDED = 'host_native_sharded'
+  # ... XLA's row loop in a host region.
+  HOST_XLA = 'host_xla'
+  # Accelerator program, streamed tier: rows through the device, prefetched.
+  STREAMED = 'streamed'
+  # Accelerator program, resident tier: rows updated in device memory.
+  RESIDENT = 'resident'
+
+
+def choose_path(program: Program, tier: Tier, native: bool, sharded: bool) -> Path:
+  """The path of `tier` in `program`; `native`: the native host AdamW is asked for and
+  usable for this tier; `sharded`: the state is sharded over a mesh."""
+  if program is Program.ONE_MEMORY:
+    return Path.ONE_MEMORY_NATIVE if native else Path.ONE_MEMORY_XLA
+  if tier is Tier.HOST:
+    if not native:
+      return Path.HOST_XLA
+    return Path.HOST_NATIVE_SHARDED if sharded else Path.HOST_NATIVE
+  return Path.STREAMED if tier is Tier.STREAMED else Path.RESIDENT
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepContext:
+  """What every tier's update in one step shares."""
+
+  layout: layout_lib.Layout
+  part: partition_lib.Partition
+  plan: Plan
+  offload: Offload
+  program: Program
+  fused: fused_lib.FusedAdamW | None
+  grad_leaves: list[Any]
+  param_leaves: list[Any] | None  # only for fp32 params (no master)
+  grad_dtype: Any
+  scalars: tuple[jax.Array, ...]  # the pre-step scalar state
+  new_scalars: tuple[jax.Array, ...]  # after the step (`paths.scalar_update`)
+  adam_scalars: AdamWScalars | None  # the AdamW kernels' scalars, once per step
+  mesh: Any  # the mesh the state is sharded over (ZeRO-1), or None
+  # Accelerator program: each host block's gradient pieces, already sent to host memory
+  # (see `gate_device_update`), by the block's subgroups.
+  host_grad_pieces: dict[tuple[int, ...], list[Any]] = dataclasses.field(default_factory=dict)
+  # Accelerator program: the host regions' inputs other than the state, appended as the
+  # host tier is built (see `gate`).
+  host_inputs: list[Any] = dataclasses.field(default_factory=list)
+
+  @property
+  def split(self) -> bool:
+    """The accelerator program: host and device memories apart."""
+    return self.program is Program.TWO_MEMORIES
+
+  def gate(self) -> 'StepContext':
+    """This context with the device tiers' gradients let through an optimization barrier
+    together with every input of the host regions built so far (gradient pieces,
+    scalars, row indices, all in host memory).
+
+    Then no device update can be issued before the host call's last input is ready, the
+    moment the host call can start: the scheduler's use of the host call's latency is
+    the device update (see `gate_device_update`, which gates on the gradient pieces
+    alone and let small scalar copies slip behind the device loop in some programs).
+    """
+    if not self.split or not self.host_inputs:
+      return self
+    _, leaves = lax.optimization_barrier((self.host_inputs, list(self.grad_leaves)))
+    return dataclasses.replace(self, grad_leaves=list(leaves), host_inputs=[])
+
+  def update_tier(self, tier: Tier, base_step: paths.RowStep, arrays, native: bool):
+    """Updates one tier, block by block, on its path (`choose_path`); returns (its new
+    arrays, `(out rows on the device, their pieces)` per block).
+
+    Per-subgroup streamed blocks go in the plan's stream order, each one's state let
+    into the program only once the block `buffers` before it is back in host memory
+    (an optimization barrier), so that at most `buffers` are in flight, as the stacked
+    tier's loop (`paths.interleaved_loop`) does.
+    """
+    path = choose_path(self.program, tier, native, self.mesh is not None)
+    update = self._path_update(path)
+    blocks = self.part.blocks(tier)
+    given = partition_lib.blocks_of(arrays, len(blocks))
+    if path is Path.STREAMED and not self.part.per_subgroup and len(blocks) > 1:
+      return self._interleaved(base_step, blocks, given)
+    order = list(range(len(blocks)))
+    if tier is Tier.STREAMED and len(blocks) > 1:
+      first_row = {ids[0]: b for b, ids in enumerate(blocks)}
+      order = [first_row[g] for g in self.plan.streamed if g in first_row]
+    new, outs, done = [None] * len(blocks), [None] * len(blocks), []
+    for b in order:
+      ids, block = blocks[b], given[b]
+      if tier is Tier.STREAMED and len(done) >= self.plan.buffers:
+        block, _ = lax.optimization_barrier((block, new[done[-self.plan.buffers]]))
+      step = self.block_step(base_step, ids)
+      runs = partition_lib.pieces_of(self.layout, ids)
+      new[b], out = update(step, block, ids, runs)
+      outs[b] = (out, runs)
+      done.append(b)
+    return tuple(x for block in new for x in block), outs
+
+  def block_step(self, base_step: paths.RowStep, ids) -> paths.RowStep:
+    """The row update of the block holding subgroups `ids` (its weight-decayed rows)."""
+    return dataclasses.replace(
+        base_step, decayed_rows=sum(1 for g in ids if g < self.layout.decayed_rows))
+
+  def _path_update(self, path: Path):
+    """The method that updates a block on `path`."""
+    match path:
+      case Path.ONE_MEMORY_NATIVE:
+        return self._one_memory_native
+      case Path.ONE_MEMORY_XLA:
+        return self._one_memory_xla
+      case Path.HOST_NATIVE:
+        return self._host_native
+      case Path.HOST_NATIVE_SHARDED:
+        return self._host_native_sharded
+      case Path.HOST_XLA:
+        return self._host_xla
+      case Path.STREAMED:
+        return self.streamed
+      case Path.RESIDENT:
+        return self._resident
+    raise AssertionError(path)  # every Path is a case above
+
+  # The paths, one method each: (step, the block's arrays, its subgroups, their pieces)
+  # -> (new arrays, out rows on the device).
+
+  def _one_memory_native(self, step, arrays, ids, runs):
+    # A one-memory state is one block: the resident tier (device memory) or the host tier.
+    resident = self.part.tier_of(ids[0]) is Tier.RESIDENT
+    if self.mesh is not None:
+      num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
+      rows_sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
+
+      def packed(leaves, dtype):
+        shards = self.layout.shards
+        rows = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs, shards), runs,
+                                      num_rows, size, dtype, shards)
+        return jax.lax.with_sharding_constraint(rows, rows_sharding)
+
+      params = None
+      if self.param_leaves is not None:
+        params = packed(self.param_leaves, step.state_dtype)
+      return fused_lib.sharded_update(
+          step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
+          grads=packed(self.grad_leaves, self.grad_dtype), params=params, mesh=self.mesh,
+          data_axis=self.offload.data_axis, resident=resident,
+          num_threads=self.offload.host_threads)
+    leaves = fused_lib.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
+                              params=self.param_leaves)
+    return fused_lib.host_update(step, self.fused, stacked=arrays,
+                                 adam_scalars=self.adam_scalars, leaves=leaves,
+                                 resident=resident, num_threads=self.offload.host_threads)
+
+  def _one_memory_xla(self, step, arrays, ids, runs):
+    # The rows are packed where the gradients are and updated where the state is; no
+    # op may mix memories, so for a host-memory state the rows go there first.
+    grads, params = self._rows(step, arrays, runs)
+    out = jnp.zeros(grads.shape, step.out_dtype)
+    on_host = self.part.tier_of(ids[0]) is Tier.HOST
+    if on_host:
+      grads, params, out = paths.to_host((grads, params, out))
+    arrays, out = paths.resident_loop(range(arrays[0].shape[0]), step, stacked=arrays,
+                                      scalars=self.scalars, grads=grads, params=params,
+                                      out=out)
+    return arrays, jax.device_put(out, paths.DEVICE) if on_host else out
+
+  def _host_native(self, step, arrays, ids, runs):
+    grad_pieces, param_pieces = self._host_pieces(ids, runs)
+    arrays, out, _ = fused_lib.host_region_update(
+        step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
+        grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs,
+        num_threads=self.offload.host_threads, inputs_sink=self.host_inputs)
+    return paths.put(arrays, paths.HOST), out
+
+  def _host_native_sharded(self, step, arrays, ids, runs):
+    """The native kernel per data shard (`fused.sharded_host_region_update`), on
+    gradient rows sent to host memory one subgroup at a time (see `host_rows`)."""
+    del runs
+    sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
+    grad_rows = self.host_grad_pieces.get(tuple(ids))
+    if grad_rows is None:
+      grad_rows = host_rows(self.layout, ids, self.grad_leaves, self.grad_dtype, sharding)
+    param_rows = None
+    if self.param_leaves is not None:
+      param_rows = host_rows(self.layout, ids, self.param_leaves, step.state_dtype, sharding)
+    arrays, out = fused_lib.sharded_host_region_update(
+        step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
+        grad_rows=grad_rows, param_rows=param_rows, mesh=self.mesh,
+        data_axis=self.offload.data_axis, num_threads=self.offload.host_threads,
+        inputs_sink=self.host_inputs)
+    return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
+
+  def _host_xla(self, step, arrays, ids, runs):
+    grad_pieces, param_pieces = self._host_pieces(ids, runs)
+    arrays, out = paths.host_region_update(
+        step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
+        param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
+        inputs_sink=self.host_inputs, shards=self.layout.shards)
+    return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
+
+  def streamed(self, step, arrays, ids, runs):
+    """The streamed block through the device, in stream order; returns (arrays, out
+    rows)."""
+    grads, params = self._rows(step, arrays, runs)
+    local = {g: i for i, g in enumerate(ids)}
+    order = tuple(local[g] for g in self.plan.streamed if g in local)
+    out = jnp.zeros(grads.shape, step.out_dtype)
+    return paths.streamed_loop(order, self._device_step(step), stacked=arrays,
+                               scalars=self.scalars, grads=grads, params=params, out=out)
+
+  def _interleaved(self, base_step, blocks, given):
+    """The stacked streamed tier's interleaved blocks through one loop
+    (`paths.interleaved_loop`); returns what `update_tier` does."""
+    steps, grads, params, outs, all_runs = [], [], [], [], []
+    for ids, block in zip(blocks, given):
+      step = self.block_step(base_step, ids)
+      runs = partition_lib.pieces_of(self.layout, ids)
+      g, p = self._rows(step, block, runs)
+      steps.append(self._device_step(step))
+      grads.append(g)
+      params.append(p)
+      outs.append(jnp.zeros(g.shape, step.out_dtype))
+      all_runs.append(runs)
+    new, outs = paths.interleaved_loop(
+        steps, stacks=given, scalars=self.scalars, grads=grads,
+        params=None if params[0] is None else params, outs=outs,
+        orders=self.part.stream_rows())
+    return (tuple(x for block in new for x in block),
+            [(out, runs) for out, runs in zip(outs, all_runs)])
+
+  def _resident(self, step, arrays, ids, runs):
+    del ids
+    grads, params = self._rows(step, arrays, runs)
+    out = jnp.zeros(grads.shape, step.out_dtype)
+    return paths.resident_loop(range(arrays[0].shape[0]), self._device_step(step),
+                               stacked=arrays, scalars=self.scalars, grads=grads,
+                               params=params, out=out)
+
+  # What the paths share.
+
+  def _rows(self, step, arrays, runs):
+    """The block's packed `(R, S)` gradient rows (and fp32 param rows, or None), where
+    the gradients are."""
+    num_rows, size, shards = arrays[0].shape[0], self.layout.subgroup_size, self.layout.shards
+    grads = partition_lib.assemble(partition_lib.slice_pieces(self.grad_leaves, runs, shards),
+                                   runs, num_rows, size, self.grad_dtype, shards)
+    params = None
+    if self.param_leaves is not None:
+      params = partition_lib.assemble(
+          partition_lib.slice_pieces(self.param_leaves, runs, shards), runs, num_rows, size,
+          step.state_dtype, shards)
+    return grads, params
+
+  def _host_pieces(self, ids, runs):
+    """The host block's gradient (and fp32 param) pieces in host memory. Each piece of a
+    host-bound gradient leaves the device on its own, as soon as the backward pass has
+    produced its leaf: never after a concatenation of all gradients."""
+    grad_pieces = self.host_grad_pieces.get(tuple(ids))
+    if grad_pieces is None:
+      return self.host_pieces(runs)
+    return grad_pieces, self._host_param_pieces(runs)
+
+  def host_pieces(self, runs):
+    """The gradient (and fp32 param) pieces of `runs`, sent to host memory."""
+    return (paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs,
+                                                     self.layout.shards)),
+            self._host_param_pieces(runs))
+
+  def _host_param_pieces(self, runs):
+    """The fp32 param pieces of `runs` in host memory (None: the state keeps a master)."""
+    if self.param_leaves is None:
+      return None
+    return paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs,
+                                                    self.layout.shards))
+
+  def _device_step(self, step):
+    """The row update of a device tier: the Pallas AdamW where it is asked for
+    (`Offload.device_impl`) and usable (`capability`), else XLA's."""
+    if (self.offload.device_impl is UpdateImpl.KERNEL
+        and capability_lib.capability(Kernel.PALLAS, self.fused, step, self.program).usable):
+      # Shard-major, every device updates its own columns of the row (no gather).
+      sharded = self.mesh is not None and self.layout.shards > 1
+      return fused_lib.device_step(self.fused, step, self.adam_scalars, self.new_scalars,
+                                   mesh=self.mesh if sharded else None,
+                                   axis=self.offload.data_axis if sharded else None)
+    return step
+
+
+def host_rows(layout: layout_lib.Layout, ids, leaves: list[Any], dtype,
+              sharding: NamedSharding) -> list[jax.Array]:
+  """One `(1, S)` row per subgroup of `ids`, assembled on the device from its pieces,
+  split over the data axis (`sharding`) and sent to host memory.
+
+  The packed rows of a sharded state cross the leaves' own (tensor) shardings, so
+  they are assembled on the device, where XLA can move the pieces between devices.
+  Each row leaves the device as soon as the backward pass has made its leaves: the
+  early transfer keeps subgroup granularity, never waiting for all gradients.
+  """
+  size, shards, out = layout.subgroup_size, layout.shards, []
+  for g in ids:
+    runs = partition_lib.pieces_of(layout, (g,))
+    pieces = partition_lib.slice_pieces(leaves, runs, shards)
+    row = partition_lib.assemble(pieces, runs, 1, size, dtype, shards)
+    out.append(paths.to_host(jax.lax.with_sharding_constraint(row, sharding)))
+  return out
+
+
+def gate_device_update(layout: layout_lib.Layout, part: partition_lib.Partition,
+                       grad_leaves: list[Any], rows: tuple[Any, NamedSharding] | None = None
+                       ) -> tuple[dict[tuple[int, ...], list[Any]], list[Any]]:
+  """Host blocks' gradient pieces sent to host memory, and the gradient leaves for the
+  device tiers, through one optimization barrier: `(pieces by block, device leaves)`.
+
+  In the accelerator program the host update (an asynchronous host call) and the device
+  update (the streamed and resident tiers) share no value, so XLA's scheduler may place
+  them anywhere; it tends to run the device update during the backward pass and the host
+  call after it, one after the other. The barrier lets neither start before every
+  host-bound gradient piece has arrived in host memory: from there the scheduler's best
+  use of the host call's latency is the device update, which it then issues between the
+  host call's start and done (checked on the program compiled for an H100,
+  tests/test_compiled_gpu.py). Each piece still leaves the device as soon as the
+  backward pass has made it, and the two paths stay independent (no value of one flows
+  to the other).
+
+  With `rows` (`(dtype, sharding)`: a sharded state's native host path) each block's
+  gradients are sent as its subgroups' rows instead (see `host_rows`).
+  """
+  blocks = part.blocks(Tier.HOST)
+  if rows is None:
+    pieces = {tuple(ids): paths.to_host(partition_lib.slice_pieces(
+        grad_leaves, partition_lib.pieces_of(layout, ids), layout.shards))
+              for ids in blocks if ids}
+  else:
+    pieces = {tuple(ids): host_rows(layout, ids, grad_leaves, *rows) for ids in blocks if ids}
+  if not pieces or not (part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)):
+    return pieces, grad_leaves
+  pieces, grad_leaves = lax.optimization_barrier((pieces, list(grad_leaves)))
+  return pieces, list(grad_leaves)
