@@ -509,81 +509,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostRows, RowsImpl, DOS_ROWS_BINDING())
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostRowsOutIn, RowsOutInImpl,
                               DOS_ROWS_BINDING(.Arg<ffi::AnyBuffer>() /* out_in */));
 
-// Leaves form: stacked, rows, coefficients, then the gradient leaves, the param leaves
-// (without a master) and, when `out_in`, a buffer XLA aliases to out.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeaves, LeavesImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("offsets")
-                                  .Attr<ffi::Span<const int64_t>>("sizes")
-                                  .Attr<bool>("out_in")
-                                  .Attr<int64_t>("master_k")
-                                  .Attr<int64_t>("mu_k")
-                                  .Attr<int64_t>("nu_k")
-                                  .Attr<int64_t>("decayed_rows")
-                                  .Attr<int64_t>("num_threads")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<int64_t>("isa"));
+// Leaves forms: stacked, rows, coefficients, then the gradient leaves, the param leaves
+// (without a master) and the form's extra arguments; `RETS` are the form's results, and
+// the attributes after `sizes` (`out_in` for the first form) come in as `__VA_ARGS__`.
+#define DOS_LEAVES_BINDING(RETS, ...)                             \
+  ffi::Ffi::Bind()                                                \
+      .Arg<ffi::Buffer<ffi::F32>>() /* stacked (G, K, S) */       \
+      .Arg<ffi::Buffer<ffi::S32>>() /* rows (R,) */               \
+      .Arg<ffi::Buffer<ffi::F32>>() /* coefficients */            \
+      .RemainingArgs() RETS                                       \
+      .Attr<ffi::Span<const int64_t>>("offsets")                  \
+      .Attr<ffi::Span<const int64_t>>("sizes") __VA_ARGS__        \
+      .Attr<int64_t>("master_k")                                  \
+      .Attr<int64_t>("mu_k")                                      \
+      .Attr<int64_t>("nu_k")                                      \
+      .Attr<int64_t>("decayed_rows")                              \
+      .Attr<int64_t>("num_threads")                               \
+      .Attr<bool>("nesterov")                                     \
+      .Attr<int64_t>("isa")
 
-// Leaves form updating the state in its argument (no state result, see LeavesStateArgImpl).
+// Out as (G, S) rows, with the state a result aliased to its argument; with `out_in`, a
+// last argument XLA aliases to out.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DosJaxAdamWHostLeaves, LeavesImpl,
+    DOS_LEAVES_BINDING(.Ret<ffi::Buffer<ffi::F32>>().Ret<ffi::AnyBuffer>(),
+                       .Attr<bool>("out_in")));
+
+// Updating the state in its argument (no state result, see LeavesStateArgImpl).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesStateArg, LeavesStateArgImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("offsets")
-                                  .Attr<ffi::Span<const int64_t>>("sizes")
-                                  .Attr<int64_t>("master_k")
-                                  .Attr<int64_t>("mu_k")
-                                  .Attr<int64_t>("nu_k")
-                                  .Attr<int64_t>("decayed_rows")
-                                  .Attr<int64_t>("num_threads")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<int64_t>("isa"));
+                              DOS_LEAVES_BINDING(.Ret<ffi::AnyBuffer>()));
 
-// Leaves form updating the state in its argument and keeping an undo copy, and its redo
-// (see LeavesStateArgUndoImpl, LeavesRedoImpl).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesStateArgUndo, LeavesStateArgUndoImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<ffi::Span<const int64_t>>("offsets")
-                                  .Attr<ffi::Span<const int64_t>>("sizes")
-                                  .Attr<int64_t>("master_k")
-                                  .Attr<int64_t>("mu_k")
-                                  .Attr<int64_t>("nu_k")
-                                  .Attr<int64_t>("decayed_rows")
-                                  .Attr<int64_t>("num_threads")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<int64_t>("isa"));
-
+// The same keeping an undo copy, and its redo (see LeavesStateArgUndoImpl, LeavesRedoImpl).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    DosJaxAdamWHostLeavesStateArgUndo, LeavesStateArgUndoImpl,
+    DOS_LEAVES_BINDING(.Ret<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesRedo, LeavesRedoImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("offsets")
-                                  .Attr<ffi::Span<const int64_t>>("sizes")
-                                  .Attr<int64_t>("master_k")
-                                  .Attr<int64_t>("mu_k")
-                                  .Attr<int64_t>("nu_k")
-                                  .Attr<int64_t>("decayed_rows")
-                                  .Attr<int64_t>("num_threads")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<int64_t>("isa"));
+                              DOS_LEAVES_BINDING(.Ret<ffi::AnyBuffer>()));
 
 DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWHostRows)
 DOS_HANDLER_CAPSULE(HandlerOutIn, DosJaxAdamWHostRowsOutIn)

@@ -137,20 +137,22 @@ def _check_leaves(tree: PyTree) -> list[tuple[Any, Any]]:
   return leaves
 
 
+def _per_leaf(tree: PyTree | Callable[[PyTree], PyTree], params: PyTree, what: str) -> list:
+  """The per-leaf values of an optax-style option (a pytree over the params' leaves, or
+  a callable of the params returning one); a mismatch is one line naming `what`."""
+  if callable(tree):
+    tree = tree(params)
+  try:
+    return jax.tree_util.tree_structure(params).flatten_up_to(tree)
+  except (ValueError, TypeError) as err:
+    raise ValueError(f'dos_jax: {what} does not match the parameter tree: {err}') from None
+
+
 def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree] | None, params: PyTree) -> tuple[bool, ...]:
   """Per-leaf weight-decay flags from an optax-style mask (pytree or callable)."""
-  num_leaves = len(jax.tree_util.tree_leaves(params))
   if mask is None:
-    return (True,) * num_leaves
-  if callable(mask):
-    mask = mask(params)
-  try:
-    flags = jax.tree_util.tree_structure(params).flatten_up_to(mask)
-  except (ValueError, TypeError) as err:
-    raise ValueError(
-        f'dos_jax: weight-decay mask does not match the parameter tree: {err}'
-    ) from None
-  return tuple(bool(f) for f in flags)
+    return (True,) * len(jax.tree_util.tree_leaves(params))
+  return tuple(bool(f) for f in _per_leaf(mask, params, 'weight-decay mask'))
 
 
 def resolve_shard_dims(dims: PyTree | Callable[[PyTree], PyTree] | None,
@@ -159,14 +161,7 @@ def resolve_shard_dims(dims: PyTree | Callable[[PyTree], PyTree] | None,
   a callable of the params returning one; None stays None (no shard-major packing)."""
   if dims is None:
     return None
-  if callable(dims):
-    dims = dims(params)
-  try:
-    flat = jax.tree_util.tree_structure(params).flatten_up_to(dims)
-  except (ValueError, TypeError) as err:
-    raise ValueError(
-        f'dos_jax: shard_dims does not match the parameter tree: {err}') from None
-  return tuple(None if d is None else int(d) for d in flat)
+  return tuple(None if d is None else int(d) for d in _per_leaf(dims, params, 'shard_dims'))
 
 
 def make_layout(

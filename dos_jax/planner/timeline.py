@@ -75,6 +75,21 @@ class Timeline:
                      for s in self.spans)
 
 
+def _arrivals(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
+              forward_seconds: float, backward_seconds: float) -> tuple[dict, float]:
+  """`(when each host subgroup's gradients are in host memory, when the D2H link is
+  free)`: they leave as the backward pass makes them, the last subgroups first, one
+  after another on the link."""
+  sizes, n = costmodel.subgroup_sizes(spec), spec.num_subgroups
+  gb = costmodel.host_pull_bytes(spec)
+  arrived, link_free = {}, 0.0
+  for g in sorted(plan.host, reverse=True):
+    made = forward_seconds + backward_seconds * (n - g) / n
+    link_free = max(made, link_free) + gb * sizes[g] / (profile.d2h_gbps * _GB)
+    arrived[g] = link_free
+  return arrived, link_free
+
+
 def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
              forward_seconds: float, backward_seconds: float, chunks: int = 1,
              clipped: bool = True, stacked: bool = False) -> Timeline:
@@ -94,19 +109,12 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
   if chunks < 1:
     raise ValueError(f'timeline: chunks must be >= 1, got {chunks}')
   sizes = costmodel.subgroup_sizes(spec)
-  n = spec.num_subgroups
   pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds,
                            stacked=stacked)
   backward_end = forward_seconds + backward_seconds
   spans = [Span('device', 'forward', 0.0, forward_seconds),
            Span('device', 'backward', forward_seconds, backward_end)]
-  # Host-bound gradients over D2H, in the order the backward pass makes them.
-  gb = costmodel.host_pull_bytes(spec)
-  arrived, link_free = {}, 0.0
-  for g in sorted(plan.host, reverse=True):
-    made = forward_seconds + backward_seconds * (n - g) / n
-    link_free = max(made, link_free) + gb * sizes[g] / (profile.d2h_gbps * _GB)
-    arrived[g] = link_free
+  arrived, link_free = _arrivals(profile, spec, plan, forward_seconds, backward_seconds)
   if plan.host:
     spans.append(Span('d2h', 'host-bound gradients', forward_seconds, link_free))
   count = max(1, min(chunks, len(plan.host) or 1, len(plan.streamed) or 1))
@@ -144,8 +152,7 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
 
 def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
                    forward_seconds: float, backward_seconds: float, chunks,
-                   clipped: bool = True, rollback: bool = False,
-                   stacked: bool = False) -> Timeline:
+                   rollback: bool = False, stacked: bool = False) -> Timeline:
   """The step of `plan` with its host tier in the host calls of
   `Offload(early_chunks=chunks)` (an int K or a tuple of early call sizes; see
   `dos_jax.step.early_chunks`):
@@ -158,8 +165,8 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
     starts after the backward pass, in one group with the device tiers' stream;
   * every host block's params go back over H2D after the last call.
 
-  `clipped` only names what the early calls speculate on; `rollback`: this step's clip
-  factor is not 1, so the early chunks are redone.
+  `rollback`: this step's clip factor is not 1, so the early chunks are redone (the
+  early calls never wait for the clip factor).
 
   Example:
     >>> from dos_jax.planner import costmodel, timeline
@@ -171,17 +178,10 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
     >>> t.span('early call 1').start < 0.3  # during the backward pass
     True
   """
-  del clipped  # the early calls never wait for the clip factor
   sizes = costmodel.subgroup_sizes(spec)
-  n = spec.num_subgroups
   pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds,
                            stacked=stacked)
-  gb = costmodel.host_pull_bytes(spec)
-  arrived, link_free = {}, 0.0
-  for g in sorted(plan.host, reverse=True):
-    made = forward_seconds + backward_seconds * (n - g) / n
-    link_free = max(made, link_free) + gb * sizes[g] / (profile.d2h_gbps * _GB)
-    arrived[g] = link_free
+  arrived, link_free = _arrivals(profile, spec, plan, forward_seconds, backward_seconds)
   parts = early_chunks.split(sorted(plan.host, reverse=True), chunks)
   count = len(parts)
   u_host = profile.host_adamw_gparams() * _GB

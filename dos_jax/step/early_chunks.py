@@ -41,13 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dos_jax.geometry import partition as partition_lib
+from dos_jax.geometry.partition import Tier
+from dos_jax.kernels import host_adamw_rows
 from dos_jax.step import chunked as chunked_lib
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
-from dos_jax.geometry import partition as partition_lib
 from dos_jax.step import paths
-from dos_jax.kernels import host_adamw_rows
-from dos_jax.geometry.partition import Tier
 
 
 def split(items, early) -> list[list]:
@@ -81,28 +81,7 @@ def redo_on_host(redo) -> jax.Array:
   """The redo flag as the redo kernel reads it: an int32 `(1,)` in host memory.
   Computed once per step before the scheduling group (a device op inside it would
   carry the group's annotation, and XLA keeps a group for asynchronous ops alone)."""
-  if isinstance(redo, jax.Array) and redo.dtype == jnp.int32 and redo.shape == (1,):
-    return redo
   return paths.to_host(jnp.reshape(redo, (1,)).astype(jnp.int32))
-
-
-def _split_scalars(adam_scalars):
-  leaves, tree = jax.tree.flatten(adam_scalars)
-  is_array = [isinstance(x, jax.Array) for x in leaves]
-  arrays_h = [paths.to_host(x) for x, a in zip(leaves, is_array) if a]
-
-  def join(arrays):
-    it = iter(arrays)
-    return tree.unflatten([next(it) if a else x for x, a in zip(leaves, is_array)])
-
-  return arrays_h, join
-
-
-def _kernel_args(step, fused, runs, num_threads):
-  return dict(
-      offsets=tuple(run.offset for run in runs),
-      slots=fused_lib.slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
-      nesterov=fused.nesterov, num_threads=num_threads)
 
 
 def _rows_after(rows_h, link):
@@ -119,8 +98,9 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, adam_scalars, grad_
   the state is a result and the undo is the old state itself.
   """
   rows_h = paths.to_host(jnp.arange(stacked[0].shape[0], dtype=jnp.int32))
-  arrays_h, join = _split_scalars(dataclasses.replace(adam_scalars, grad_scale=1.0))
-  kernel_args = _kernel_args(step, fused, runs, num_threads)
+  arrays, join = fused_lib.split_scalars(dataclasses.replace(adam_scalars, grad_scale=1.0))
+  arrays_h = paths.to_host(arrays)
+  kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
 
   def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, in_place):
     if link is not None:
@@ -165,8 +145,9 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, adam_scal
   conditional on the device), so a step that does not roll back moves nothing more.
   """
   rows_h = paths.to_host(jnp.arange(state.shape[0], dtype=jnp.int32))
-  arrays_h, join = _split_scalars(adam_scalars)
-  kernel_args = _kernel_args(step, fused, runs, num_threads)
+  arrays, join = fused_lib.split_scalars(adam_scalars)
+  arrays_h = paths.to_host(arrays)
+  kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
   redo_h = redo_on_host(redo) if redo_h is None else redo_h
 
   def in_place(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
@@ -217,32 +198,32 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
   common = dict(adam_scalars=context.adam_scalars, num_threads=context.offload.host_threads)
   outs, pending, link = [], [], None
 
-  def host_call(b, link, sink=None):
-    ids = blocks[b]
-    runs = partition_lib.pieces_of(layout, ids)
+  def block_args(b):
+    """The block's step and its gradient (and param) pieces, sent to host memory."""
+    runs = partition_lib.pieces_of(layout, blocks[b])
     grad_pieces, param_pieces = context.host_pieces(runs)
-    piece_args = dict(grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs)
+    return context.block_step(base_step, blocks[b]), dict(
+        grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs)
+
+  def host_call(b, link, sink=None):
+    step, piece_args = block_args(b)
     arrays, out, token = fused_lib.host_region_update(
-        context.block_step(base_step, ids), context.fused, stacked=new[b], link=link,
-        inputs_sink=sink, **piece_args, **common)
+        step, context.fused, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
+        **common)
     new[b] = paths.put(arrays, paths.HOST)
-    outs.append((out, runs))
-    return token, piece_args
+    outs.append((out, piece_args['runs']))
+    return token
 
   for chunk in parts[:-1]:
     tokens = []
     for b in chunk:
       if redo is None:
-        tokens.append(host_call(b, link)[0])
+        tokens.append(host_call(b, link))
         continue
-      ids = blocks[b]
-      runs = partition_lib.pieces_of(layout, ids)
-      grad_pieces, param_pieces = context.host_pieces(runs)
-      piece_args = dict(grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs)
+      step, piece_args = block_args(b)
       state, out, undo, token = speculate_region(
-          context.block_step(base_step, ids), context.fused, stacked=new[b], link=link,
-          **piece_args, **common)
-      pending.append((b, state, out, undo, piece_args))
+          step, context.fused, stacked=new[b], link=link, **piece_args, **common)
+      pending.append((b, step, state, out, undo, piece_args))
       tokens.append(token)
     link = paths.to_host(sum(chunked_lib.zero_of(t) for t in tokens))
 
@@ -250,10 +231,10 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
     for b in parts[-1]:
       host_call(b, link, sink=context.host_inputs)
     redone = []
-    for b, state, out, undo, piece_args in pending:
+    for b, step, state, out, undo, piece_args in pending:
       arrays, out = redo_region(
-          context.block_step(base_step, blocks[b]), context.fused, state=state, out=out,
-          undo=undo, redo=redo, redo_h=redo_h, link=link, **piece_args, **common)
+          step, context.fused, state=state, out=out, undo=undo, redo=redo, redo_h=redo_h,
+          link=link, **piece_args, **common)
       new[b] = paths.put(arrays, paths.HOST)
       redone.append((out, piece_args['runs']))
   outs += [(out(), runs) for out, runs in redone]

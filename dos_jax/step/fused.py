@@ -26,10 +26,10 @@ import optax
 from jax.sharding import PartitionSpec as P
 from optax._src import numerics
 
-from dos_jax.step import paths
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
+from dos_jax.step import paths
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,6 +94,21 @@ def step_scalars(fused: FusedAdamW, step: paths.RowStep,
   return adam_scalars
 
 
+def split_scalars(adam_scalars: AdamWScalars):
+  """`(arrays, join)`: the step's array scalars (schedule value, bias corrections, clip
+  factor), which cross into host regions and `shard_map`s as operands, and
+  `join(arrays)` rebuilding the `AdamWScalars` from them there. Python floats stay
+  closed over (never traced), which `AdamWScalars` rounds as optax does."""
+  leaves, tree = jax.tree.flatten(adam_scalars)
+  is_array = [isinstance(x, jax.Array) for x in leaves]
+
+  def join(arrays):
+    it = iter(arrays)
+    return tree.unflatten([next(it) if a else x for x, a in zip(leaves, is_array)])
+
+  return [x for x, a in zip(leaves, is_array) if a], join
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Leaves:
   """The gradient (and, for fp32 params, param) leaves and their flat offsets in the
@@ -137,9 +152,7 @@ def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
   the state and needs the matching `(G, S / n)` columns of the packed gradient (and
   param) rows, given here sharded like the state.
   """
-  scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
-  is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
-  arrays = [x for x, a in zip(scalar_leaves, is_array) if a]
+  arrays, join = split_scalars(adam_scalars)
   num_rows = stacked[0].shape[0]
   if num_threads is None:
     # The shards run at once, one per device: share the cores among them.
@@ -151,12 +164,9 @@ def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
   rows_spec, state_spec = P(None, data_axis), P(None, None, data_axis)
 
   def per_shard(state, grads, arrays, *params):
-    it = iter(arrays)
-    shard_scalars = scalar_tree.unflatten(
-        [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
     return host_adamw_rows.adamw_host_rows(
         state, grads, params[0] if params else None,
-        jnp.arange(num_rows, dtype=jnp.int32), shard_scalars, **kernel_args)
+        jnp.arange(num_rows, dtype=jnp.int32), join(arrays), **kernel_args)
 
   extra = () if params is None else (params,)
   # The native call has no replication rule for the checker; every output is sharded.
@@ -167,6 +177,15 @@ def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
   )(stacked[0], grads, arrays, *extra)
   space = paths.DEVICE if resident else paths.HOST
   return (jax.device_put(new_state, space),), out
+
+
+def region_kernel_args(step: paths.RowStep, fused: FusedAdamW, runs,
+                       num_threads: int | None) -> dict:
+  """The native host AdamW's arguments for a block's host region: its pieces' offsets in
+  the block's rows, the slots, its decayed rows, nesterov and the thread count."""
+  return dict(offsets=tuple(run.offset for run in runs),
+              slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
+              nesterov=fused.nesterov, num_threads=num_threads)
 
 
 # Platforms whose accelerator program returns the host tier's state from the host region
@@ -209,21 +228,13 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
   `STATE_RESULT_PLATFORMS` the region returns the state as before.
   """
   rows_h = paths.to_host(jnp.arange(stacked[0].shape[0], dtype=jnp.int32))
-  # Array scalars (schedule value, bias corrections, clip factor) cross too; Python
-  # floats stay Python floats (closed over, never traced), which `AdamWScalars` rounds
-  # as optax does.
-  scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
-  is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
-  arrays_h = [paths.to_host(x) for x, a in zip(scalar_leaves, is_array) if a]
-  kernel_args = dict(
-      offsets=tuple(run.offset for run in runs),
-      slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
-      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
+  arrays, join = split_scalars(adam_scalars)
+  arrays_h = paths.to_host(arrays)
+  kernel_args = dict(region_kernel_args(step, fused, runs, num_threads),
+                     lowp_dtype=step.out_dtype)
 
   def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, state_in_arg=False):
-    it = iter(arrays_h)
-    scalars_h = scalar_tree.unflatten(
-        [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
+    scalars_h = join(arrays_h)
     if link is not None:  # exactly zero: the indices do not change
       rows_h = rows_h + link[0].astype(rows_h.dtype)
     result = host_adamw_rows.adamw_host_leaves(
@@ -273,9 +284,8 @@ def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacke
   local_size = size // mesh.shape[data_axis]
   # Array scalars (schedule value, bias corrections, clip factor) cross whole to every
   # shard; Python floats stay closed over (see `host_region_update`).
-  scalar_leaves, scalar_tree = jax.tree.flatten(adam_scalars)
-  is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
-  arrays_h = [paths.to_host(x) for x, a in zip(scalar_leaves, is_array) if a]
+  arrays, join = split_scalars(adam_scalars)
+  arrays_h = paths.to_host(arrays)
   if num_threads is None:
     # Every device of the process runs its shard's host call at once: share the cores.
     num_threads = max(1, (os.cpu_count() or 1) // max(1, min(mesh.size,
@@ -286,11 +296,8 @@ def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacke
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
 
   def run(state, grad_rows, param_rows, rows_h, arrays_h):
-    it = iter(arrays_h)
-    scalars_h = scalar_tree.unflatten(
-        [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
     return host_adamw_rows.adamw_host_leaves(
-        state, grad_rows, param_rows, rows_h, scalars_h, **kernel_args)
+        state, grad_rows, param_rows, rows_h, join(arrays_h), **kernel_args)
 
   if inputs_sink is not None:
     inputs_sink.extend(jax.tree.leaves((list(grad_rows), arrays_h, param_rows)))
@@ -337,16 +344,11 @@ class DeviceKernelStep:
     del scalars  # every row reads the pre-step scalars, folded into `adam_scalars`
     if self.mesh is None:
       return self._update(blocks[0], grad, param, index, self.adam_scalars)
-    scalar_leaves, scalar_tree = jax.tree.flatten(self.adam_scalars)
-    is_array = [isinstance(x, jax.Array) for x in scalar_leaves]
-    arrays = [x for x, a in zip(scalar_leaves, is_array) if a]
+    arrays, join = split_scalars(self.adam_scalars)
 
     def per_shard(block, grad, index, arrays, *param):
-      it = iter(arrays)
-      adam_scalars = scalar_tree.unflatten(
-          [next(it) if a else x for x, a in zip(scalar_leaves, is_array)])
       (new_block,), _, out_row = self._update(block, grad, param[0] if param else None,
-                                              index, adam_scalars)
+                                              index, join(arrays))
       return new_block, out_row
 
     mesh = self.mesh
