@@ -138,12 +138,17 @@ class Offload:
       after the backward pass when the factor is not 1, exactly. 0 or 1: one host call
       after the backward pass. Needs per-subgroup storage; applies with the native host
       kernel and an unsharded state; not with `chunks`.
-    device_stream: the accelerator program's device tiers updated in one region on a
-      GPU stream of their own, in one scheduling group with the host call, so that
+    device_stream: the accelerator program's device tiers updated in stream regions
+      on GPU streams of their own, in one scheduling group with the host call, so that
       the two run concurrently in every schedule (`dos_jax.step.device_stream`; with
       `chunks`, each chunk's device part with its host call). Applies to per-subgroup
       storage with an unsharded state; compile with `GPU_COMPILER_OPTIONS`. False: the
       device update is left to XLA's scheduler.
+    stream_lanes: with `device_stream`, the stream regions (lanes) the streamed rows go
+      round-robin over, each on a CUDA stream of its own: XLA runs a region's copies
+      one after another, so consecutive rows in different lanes are what lets a
+      write-back and the next fetch share the link (docs/design.md, rule 3). 0: the
+      plan's `buffers` (the default); 1: one region, every transfer in turn.
   """
 
   subgroup_size: int = 100_000_000
@@ -158,6 +163,7 @@ class Offload:
   chunks: int = 0
   device_stream: bool = True
   early_chunks: Any = 0  # int, tuple of ints, EarlyChunks or a chooser
+  stream_lanes: int = 0
 
   def __post_init__(self):
     if self.platform is not None and not isinstance(self.platform, Program):
@@ -217,6 +223,10 @@ class Offload:
           f' storage=dos_jax.Storage.PER_SUBGROUP, not {self.storage}')
     if not isinstance(self.device_stream, bool):
       raise TypeError(f'Offload.device_stream must be True or False, got {self.device_stream!r}')
+    lanes = self.stream_lanes
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 0:
+      raise ValueError(f'Offload.stream_lanes must be an integer >= 0 (0: the plan\'s'
+                       f' buffers), got {lanes!r}')
     if self.host_threads is not None and (
         not isinstance(self.host_threads, int) or self.host_threads < 1
     ):

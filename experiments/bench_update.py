@@ -128,6 +128,9 @@ def main(argv=None) -> int:
   parser.add_argument('--device-stream', choices=['on', 'off', 'both'], default='on',
                       help="Offload.device_stream (per-subgroup storage); 'both' times each"
                       ' policy with and without, in the same run')
+  parser.add_argument('--stream-lanes', default='0',
+                      help='Offload.stream_lanes with the device stream on, comma-separated'
+                      ' to time each in the same run (0: the plan\'s buffers; 1: one region)')
   parser.add_argument('--json', default=None, help='write the results here as JSON too')
   args = parser.parse_args(argv)
   specs = [s.strip() for s in re.findall(r'[^,(]+(?:\([^)]*\))?', args.policies) if s.strip()]
@@ -195,14 +198,20 @@ def main(argv=None) -> int:
     attempt('jit(optax.adamw)', baseline)
   impl = dos_jax.UpdateImpl(args.impl)
   streams = {'on': (True,), 'off': (False,), 'both': (True, False)}[args.device_stream]
+  lane_counts = [int(x) for x in args.stream_lanes.split(',')]
+  forms = [(stream, lanes) for stream in streams for lanes in (lane_counts if stream else [0])]
   for spec, policy in zip(specs, policies):
-    for stream in streams:
+    for stream, lanes in forms:
       offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policy,
                                 device_impl=impl, host_impl=impl, mesh=mesh,
                                 platform=args.platform,
                                 storage=args.storage and dos_jax.Storage(args.storage),
-                                device_stream=stream)
-      name = spec if len(streams) == 1 else f'{spec} stream={"on" if stream else "off"}'
+                                device_stream=stream, stream_lanes=lanes)
+      name = spec
+      if len(streams) > 1:
+        name += f' stream={"on" if stream else "off"}'
+      if stream and len(lane_counts) > 1:
+        name += f' lanes={lanes or "buffers"}'
       attempt(name, lambda offload=offload: time_step(
           dos_jax.adamw(1e-3, offload=offload), params, grads, args.reps,
           warmup=args.warmup))

@@ -21,7 +21,8 @@
 #   9. migrate  what a plan change costs, stacked vs per-subgroup storage: time, new
 #               buffers, host and device memory added (bench_migration.py, 1B bf16)
 #  10. storage  bench_update with per-subgroup storage (Stride(2), a resident mix), the
-#               device tiers on their own stream (Offload.device_stream) and not
+#               device tiers on their own streams (Offload.device_stream) in `buffers`
+#               lanes and in one region (Offload.stream_lanes=1), and not
 # Writes under $OUT (default experiments/gpu_check_out/, git-ignored): report.md (each
 # part's output and wall time, a summary table at the end), logs/, update.json,
 # pallas.json, migration.json, storage.json, trace/ and step.hlo.txt. Exits 1 if any part failed.
@@ -224,10 +225,10 @@ part overlap "8. host/device overlap in a profiled Stride(2) step" 150 \
 part migrate "9. plan change: stacked vs per-subgroup storage" 90 \
   python3 experiments/bench_migration.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
   --dtype bf16 "${MIGRATE_ARGS[@]}" --json "$OUT/migration.json"
-part storage "10. bench_update, per-subgroup storage, device tiers on their stream or not" 180 \
+part storage "10. bench_update, per-subgroup storage, device tiers in lanes, one region, or not on a stream" 180 \
   python3 experiments/bench_update.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
   --dtype bf16 --storage per_subgroup --policies 'Stride(2),ResidentFraction(0.3)' \
-  --device-stream both \
+  --device-stream both --stream-lanes 0,1 \
   "${UPDATE_ARGS[@]}" --json "$OUT/storage.json"
 early_runs() {  # the runner's step with one host call and with early host chunks
   local rc=0 policy early

@@ -133,7 +133,8 @@ def test_per_subgroup_runner_steps_run_the_device_tiers_beside_the_host_call(pol
   if not device_stream.available():
     pytest.skip(f'jax {jax.__version__} builds no stream region (device_stream.available())')
   schedule = _runner_step(policy, dtype, overrides=['offload.storage=per_subgroup']).schedule
-  assert len(schedule.host_calls) == 1 and schedule.device_updates_on_streams() == 1, (
+  lanes = max(1, min(2, len(schedule.streamed_rows)))  # one stream region per lane
+  assert len(schedule.host_calls) == 1 and schedule.device_updates_on_streams() == lanes, (
       schedule.host_calls, schedule.stream_calls)
   assert schedule.device_update_inside_host_call()
   assert not schedule.device_updates_outside_host_calls()

@@ -7,6 +7,8 @@ bit for bit (against optax too, in test_per_subgroup.py, where it is on by defau
 Its lowering is checked here; where the GPU compiler places it, in
 test_compiled_family.py."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,9 @@ import optax
 import pytest
 
 import dos_jax
+from dos_jax.geometry.partition import Tier
 from dos_jax.step import device_stream
+from dos_jax.step import transform
 from tests.test_adamw import decay_mask
 from tests.test_adamw import random_grads
 from tests.test_adamw import random_tree
@@ -69,10 +73,10 @@ def test_groups_are_distinct_and_a_region_with_effects_is_refused():
     jax.jit(device_stream.on_stream(effectful, 1))(jnp.ones(2))
 
 
-def _pair(stream: bool, storage=PER_SUBGROUP, policy=None, chunks=0):
+def _pair(stream: bool, storage=PER_SUBGROUP, policy=None, chunks=0, lanes=0):
   offload = dos_jax.Offload(subgroup_size=23, policy=policy or dos_jax.Stride(2),
                             platform='gpu', storage=storage, device_stream=stream,
-                            chunks=chunks)
+                            chunks=chunks, stream_lanes=lanes)
   return dos_jax.chain(dos_jax.clip_by_global_norm(0.5), dos_jax.adamw(
       3e-2, weight_decay=0.05, mask=decay_mask, offload=offload))
 
@@ -84,9 +88,14 @@ def _step(opt):
   return step
 
 
-def _uses_stream(opt, params, state, grads) -> bool:
+def _regions(opt, params, state, grads) -> int:
+  """How many stream regions the step traces."""
   jaxpr = jax.make_jaxpr(_step(opt))(params, state, grads)
-  return 'dos_jax_stream_region' in str(jaxpr)
+  return str(jaxpr).count('dos_jax_stream_region[')
+
+
+def _uses_stream(opt, params, state, grads) -> bool:
+  return _regions(opt, params, state, grads) > 0
 
 
 @pytest.mark.parametrize('policy, chunks', [
@@ -94,12 +103,13 @@ def _uses_stream(opt, params, state, grads) -> bool:
     (dos_jax.Stride(2), 3)], ids=repr)
 def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, chunks, seed):
   """The accelerator program (run on the CPU backend), per-subgroup storage, clipping
-  that fires: 4 steps with the device tiers on their stream and without, unchunked and
-  in 3 chunks (each chunk's device part its own stream call)."""
+  that fires: 4 steps with the device tiers on their streams (in `buffers` = 2 lanes,
+  in one region, in 3 lanes) and without, unchunked and in 3 chunks (each chunk's
+  device part its own stream calls)."""
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   results = []
-  for stream in (True, False):
-    opt = _pair(stream, policy=policy, chunks=chunks)
+  for stream, lanes in ((False, 0), (True, 0), (True, 1), (True, 3)):
+    opt = _pair(stream, policy=policy, chunks=chunks, lanes=lanes)
     p, s = params, opt.init(params)
     assert _uses_stream(opt, p, s, random_grads(p, 0, seed)) is (
         stream and device_stream.available())
@@ -107,9 +117,32 @@ def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, chunks,
     for i in range(4):
       p, s = step(p, s, jax.tree.map(lambda g: 3 * g, random_grads(p, i, seed)))
     results.append((p, s))
-  (p1, s1), (p0, s0) = results
-  for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p0, s0))):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  (p0, s0), *others = results
+  for p1, s1 in others:
+    for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p0, s0))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
+@pytest.mark.parametrize('lanes, regions', [(0, 2), (1, 1), (2, 2), (3, 3), (50, 0)])
+def test_streamed_rows_go_round_robin_over_the_lanes(lanes, regions, seed):
+  """One stream region per lane: `stream_lanes` (0: the plan's 2 buffers), at most one
+  per streamed row (`regions` 0: as many as the plan streams)."""
+  params = jax.device_put(random_tree(seed), jax.devices()[0])
+  opt = _pair(True, lanes=lanes)
+  state = opt.init(params)
+  streamed = len(state[1].partition.ids(Tier.STREAMED))
+  assert streamed >= 4, streamed
+  assert _regions(opt, params, state, random_grads(params, 0, seed)) == (regions or streamed)
+  # Lane k holds the k-th, (k + lanes)-th, ... block of the stream.
+  part = state[1].partition
+  plan = types.SimpleNamespace(streamed=part.stream, buffers=2)
+  lane_rows = [ids for lane in transform.stream_lanes(plan, part, lanes)
+               for tier, ids in lane if tier is Tier.STREAMED]
+  first_row = {ids[0]: b for b, ids in enumerate(part.blocks(Tier.STREAMED))}
+  position = {first_row[g]: p for p, g in enumerate(part.stream)}
+  assert sorted(b for ids in lane_rows for b in ids) == sorted(position)
+  assert all(position[b] % len(lane_rows) == k for k, ids in enumerate(lane_rows) for b in ids)
 
 
 @pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
@@ -125,6 +158,12 @@ def test_it_applies_to_per_subgroup_storage_with_host_and_device_tiers(seed):
   assert not uses(storage=dos_jax.Storage.STACKED)  # see device_stream / docs/design.md
   assert not uses(policy=dos_jax.AllHost())  # nothing to run beside the host call
   assert not uses(policy=dos_jax.AllDevice())
+
+
+@pytest.mark.parametrize('lanes', [-1, 1.5, True, '2'])
+def test_stream_lanes_must_be_a_count(lanes):
+  with pytest.raises(ValueError, match='Offload.stream_lanes must be an integer >= 0'):
+    dos_jax.Offload(stream_lanes=lanes)
 
 
 def test_device_stream_must_be_a_bool():

@@ -23,6 +23,7 @@ import optax
 import pytest
 
 import dos_jax
+from dos_jax.geometry.partition import Tier
 from dos_jax.step import early_chunks
 from dos_jax.step import fused
 from tests.test_adamw import SCHEDULE
@@ -120,7 +121,7 @@ def test_each_early_block_is_redone_on_the_cpu_backend(request):
     _run(_opt(early), params, seed, steps=1, lowered=texts)
     counts.append(texts[0].count('dos_jax_adamw_host_leaves'))
   state = _opt(0).init(jax.device_put(params, jax.devices()[0]))[-1]
-  blocks = len(state.partition.blocks(dos_jax.Tier.HOST))
+  blocks = len(state.partition.blocks(Tier.HOST))
   early_blocks = blocks - len(np.array_split(np.arange(blocks), 3)[-1])
   assert counts[1] == counts[0] + early_blocks, (counts, blocks)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import tempfile
 import time
 from typing import Any, Callable, Mapping
 
@@ -30,7 +31,7 @@ from dos_jax.compiler_options import GPU_COMPILER_OPTIONS
 from dos_jax.dataflow import gpu_target
 from dos_jax.dataflow.gpu_target import GpuTarget
 from dos_jax.dataflow.schedule import Schedule
-
+from dos_jax.dataflow.thunks import ThunkProgram
 
 
 class GpuCompilerUnavailable(RuntimeError):
@@ -77,10 +78,22 @@ class CompiledGpuProgram:
   compile_s: float
   compiler_options: Mapping[str, Any]
   native_host_kernel: bool  # the native host AdamW was registered for host regions
+  thunks: ThunkProgram | None = None  # what the GPU runs (compiled with `thunks=True`)
 
   @functools.cached_property
   def schedule(self) -> Schedule:
     return Schedule.from_text(self.hlo_text)
+
+  def transfers_one_after_another(self) -> list[tuple[str, str]]:
+    """(a streamed row's write-back, the next row's fetch) pairs that run on one CUDA
+    stream, one after the other: the link carries one direction at a time there,
+    whatever the schedule's dependencies allow. Needs `thunks`."""
+    if self.thunks is None:
+      raise ValueError('compile with thunks=True to see what runs on which stream')
+    rows = self.schedule.streamed_rows
+    return [(a.write_back, b.fetch) for a, b in zip(rows, rows[1:])
+            if a.stream == b.stream and a.write_back is not None
+            and self.thunks.one_after_another(a.write_back, b.fetch)]
 
 
 def gpu_compiler_available() -> tuple[bool, str]:
@@ -137,7 +150,8 @@ def _num_partitions(module: Any) -> int:
 
 def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_TARGET,
                     compiler_options: Mapping[str, Any] | None = None,
-                    native_host_kernel: bool = False) -> CompiledGpuProgram:
+                    native_host_kernel: bool = False,
+                    thunks: bool = False) -> CompiledGpuProgram:
   """Compiles a `jax.stages.Lowered` (lowered for 'cuda') for `target`.
 
   A program lowered for several devices (a mesh) is compiled for as many GPUs of
@@ -150,6 +164,8 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
     compiler_options: XLA options; default `GPU_COMPILER_OPTIONS`.
     native_host_kernel: recorded in the result (whether the program was built with the
       native host kernel registered in the plugin).
+    thunks: also read what the GPU would run, thunk by thunk (`dataflow.thunks`), from
+      an XLA dump in a temporary directory.
   """
   import jax  # pylint: disable=import-outside-toplevel
   target = GpuTarget.parse(target)
@@ -161,16 +177,20 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
   except AttributeError:
     from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
     device_list = _jax.DeviceList(devices)
-  start = time.perf_counter()
-  executable = devices[0].client.compile(
-      module, executable_devices=device_list,
-      compile_options=_compile_options(devices, options))
-  compile_s = time.perf_counter() - start
+  with tempfile.TemporaryDirectory(prefix='dos_jax_thunks_') as dump:
+    compile_options = dict(options, xla_dump_to=dump) if thunks else options
+    start = time.perf_counter()
+    executable = devices[0].client.compile(
+        module, executable_devices=device_list,
+        compile_options=_compile_options(devices, compile_options))
+    compile_s = time.perf_counter() - start
+    hlo_module = executable.hlo_modules()[0]
+    program = ThunkProgram.from_dump(dump, module=f'.{hlo_module.name}.') if thunks else None
   return CompiledGpuProgram(
-      target=target, hlo_text=executable.hlo_modules()[0].to_string(),
+      target=target, hlo_text=hlo_module.to_string(),
       memory=MemoryStats.from_xla(executable.get_compiled_memory_stats()),
       compile_s=compile_s, compiler_options=options,
-      native_host_kernel=native_host_kernel)
+      native_host_kernel=native_host_kernel, thunks=program)
 
 
 def prepare(target: GpuTarget | str = gpu_target.DEFAULT_TARGET) -> bool:
@@ -185,6 +205,7 @@ def prepare(target: GpuTarget | str = gpu_target.DEFAULT_TARGET) -> bool:
 def compile_for_gpu(fn: Callable[..., Any], *args,
                     target: GpuTarget | str = gpu_target.DEFAULT_TARGET,
                     compiler_options: Mapping[str, Any] | None = None,
+                    thunks: bool = False,
                     **jit_kwargs) -> CompiledGpuProgram:
   """`jax.jit(fn, **jit_kwargs)` on `args`, compiled for a GPU target, with no GPU.
 
@@ -196,4 +217,5 @@ def compile_for_gpu(fn: Callable[..., Any], *args,
   from dos_jax.dataflow.graph import lower_for_gpu  # pylint: disable=import-outside-toplevel
   native = prepare(target)
   lowered = lower_for_gpu(fn, *args, target=GpuTarget.parse(target), **jit_kwargs)
-  return compile_lowered(lowered, target, compiler_options, native_host_kernel=native)
+  return compile_lowered(lowered, target, compiler_options, native_host_kernel=native,
+                         thunks=thunks)

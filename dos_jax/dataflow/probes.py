@@ -100,7 +100,8 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
 
 def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', storage: str = 'stacked',
              policy: Any = None, clip: float | None = 1.0, batch: int = 64,
-             chunks: int = 0, early_chunks: int = 0) -> tuple[Callable[..., Any], tuple, dict]:
+             chunks: int = 0, early_chunks: int = 0,
+             stream_lanes: int = 0) -> tuple[Callable[..., Any], tuple, dict]:
   """A donated train step of an L x W MLP with `dos_jax.adamw` (one subgroup per layer,
   `Stride(2)` by default, clipped), built as the accelerator program."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -114,7 +115,8 @@ def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', storage: s
   offload = dos_jax.Offload(
       subgroup_size=width * width + width,
       policy=dos_jax.Stride(2) if policy is None else policy, platform='gpu',
-      storage=dos_jax.Storage(storage), chunks=chunks, early_chunks=early_chunks)
+      storage=dos_jax.Storage(storage), chunks=chunks, early_chunks=early_chunks,
+      stream_lanes=stream_lanes)
   adamw = dos_jax.adamw(1e-3, offload=offload)
   opt = adamw if clip is None else dos_jax.chain(dos_jax.clip_by_global_norm(clip), adamw)
   state = opt.init(params)

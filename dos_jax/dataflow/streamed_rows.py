@@ -6,6 +6,7 @@ docstring for what *prefetched* and *full duplex* mean)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from dos_jax.dataflow import hlo
 
@@ -22,6 +23,10 @@ class StreamedRow:
   # This row's write-back depends on the next row's fetch: the two cannot be in flight
   # together, so the link carries one direction at a time.
   write_back_after_next_fetch: bool = False
+  # The stream of rows this row is part of: its computation, or the scheduling group of
+  # the stream lanes that run it (`lanes:<group>`); `streamed_rows` gives each stream's
+  # rows together, in the order the stream reaches them.
+  stream: str = ''
 
 
 def _async_move(computation: hlo.Computation, start: hlo.Instruction) -> tuple[str, int] | None:
@@ -121,6 +126,89 @@ def streamed_rows(module: hlo.Module, min_bytes: int = 64 * 1024) -> list[Stream
         found.append(StreamedRow(computation=computation.name, fetch=fetch,
                                  nbytes=moves[fetch][1], write_back=write_back,
                                  after_previous_write_back=after,
-                                 write_back_after_next_fetch=waits))
+                                 write_back_after_next_fetch=waits,
+                                 stream=computation.name))
       previous_write_back = write_back
-  return found
+  return _interleave_lanes(module, found)
+
+
+def _stream_lanes(module: hlo.Module) -> dict[str, list[tuple[hlo.Instruction, set[str]]]]:
+  """The entry's stream calls (`call-start` with `_xla_stream_annotation`) that share a
+  `_scheduling_group_id` with another, by stream: {group: [(the call's start, the
+  computations it runs)]}."""
+  groups: dict[str, list[tuple[int, hlo.Instruction]]] = {}
+  for start in module.entry_computation.instructions:
+    if start.opcode != 'call-start':
+      continue
+    stream = re.search(r'_xla_stream_annotation="(\d+)"', start.attributes)
+    group = re.search(r'_scheduling_group_id="([^"]+)"', start.attributes)
+    if stream and group:
+      groups.setdefault(group.group(1), []).append((int(stream.group(1)), start))
+  return {group: [(start, {c.name for n in start.called for c in module.reachable(n)})
+                  for _, start in sorted(calls, key=lambda c: c[0])]
+          for group, calls in groups.items() if len(calls) > 1}
+
+
+def _interleave_lanes(module: hlo.Module, found: list[StreamedRow]) -> list[StreamedRow]:
+  """Rows run by the stream calls of one scheduling group (`stream lanes`, one stream
+  each, lane k the k-th, (k + lanes)-th, ... row of the stream) read as one stream:
+  row i's previous row is row i - 1 of the lane before it, and it depends on that
+  row's write-back (or the next row on its fetch) only through the entry, when one
+  call starts from what another's done returns."""
+  lanes = _stream_lanes(module)
+  if not lanes:
+    return found
+  entry = module.entry_computation
+  users: dict[str, list[str]] = {}
+  for instruction in entry.instructions:
+    for operand in instruction.operands:
+      users.setdefault(operand, []).append(instruction.name)
+
+  def reaches(source: str, target: str) -> bool:
+    seen, stack = set(), [source]
+    while stack:
+      for user in users.get(stack.pop(), ()):
+        if user == target:
+          return True
+        if user not in seen:
+          seen.add(user)
+          stack.append(user)
+    return False
+
+  done_of = {i.operands[0]: i.name for i in entry.instructions
+             if i.opcode == 'call-done' and i.operands}
+  replaced, sequences = {}, {}
+  for group, calls in lanes.items():
+    per_lane = [[r for r in found if r.computation in computations]
+                for _, computations in calls]
+    sequence = [(k, rows[j]) for j in range(max(len(rows) for rows in per_lane))
+                for k, rows in enumerate(per_lane) if j < len(rows)]
+    for i, (k, row) in enumerate(sequence):
+      start = calls[k][0].name
+      # Neighbours in one lane (only where lanes are uneven) keep what the lane's
+      # computation says of them.
+      after, waits = row.after_previous_write_back, row.write_back_after_next_fetch
+      if i == 0:
+        after = False
+      if i + 1 == len(sequence):
+        waits = False
+      if i > 0 and sequence[i - 1][0] != k:
+        previous_done = done_of.get(calls[sequence[i - 1][0]][0].name)
+        after = previous_done is not None and reaches(previous_done, start)
+      if i + 1 < len(sequence) and sequence[i + 1][0] != k:
+        next_start = calls[sequence[i + 1][0]][0].name
+        waits = next_start in done_of and reaches(done_of[next_start], start)
+      replaced[id(row)] = dataclasses.replace(
+          row, after_previous_write_back=after, write_back_after_next_fetch=waits,
+          stream=f'lanes:{group}')
+    members = {id(row) for _, row in sequence}
+    first = next((r for r in found if id(r) in members), None)
+    if first is not None:
+      sequences[id(first)] = [replaced[id(row)] for _, row in sequence]
+  ordered = []
+  for row in found:
+    if id(row) in sequences:
+      ordered.extend(sequences[id(row)])
+    elif id(row) not in replaced:
+      ordered.append(row)
+  return ordered

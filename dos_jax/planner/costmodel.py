@@ -10,9 +10,11 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
 * device subgroups go through a pipeline of `plan.buffers` device buffers: state in
   (H2D), the device AdamW, state out (D2H); row i+1's fetch never waits for row i's
   write-back (`paths.interleaved_loop`; checked on the program compiled for an H100).
-  Stored per subgroup, each subgroup holds a buffer from the start of its H2D to the
-  end of its D2H and the two directions run at once, so the steady-state period per
-  subgroup is `max(h, c, d, (h + c + d) / buffers)`. Stacked (`stacked=True`), the
+  Stored per subgroup, the rows go round-robin over `buffers` stream lanes, each a
+  stream region running its rows' H2D, AdamW and D2H in turn (XLA runs a region's
+  copies one after another), consecutive rows on different streams, so the two
+  directions run at once and the steady-state period per subgroup is
+  `max(h, c, d, (h + c + d) / buffers)`. Stacked (`stacked=True`), the
   stream is stored as `buffers` interleaved blocks (`paths.interleaved_loop`): the
   same full-duplex period, plus the `buffers - 1` extra fetches of the last row the
   loop makes and, where `buffers` does not divide the row count, one masked round trip

@@ -20,8 +20,9 @@ What this forces, whatever the schedule: chunk k's host call and device part bot
 between the end of chunk k-1 and the start of chunk k+1, so no device part can drift to
 another chunk's call (or after the last one) and no host call waits for all device work.
 Inside a chunk, with `Offload.device_stream` (and a jax that builds it), the device part
-is one call on the device tiers' stream in one scheduling group with host call k
-(`dos_jax.step.device_stream`): the two windows overlap in every schedule. Without it, whether
+is one call per stream lane (the chunk's rows whose stream position is k mod lanes,
+each on a stream of its own) in one scheduling group with host call k
+(`dos_jax.step.device_stream`): the windows overlap in every schedule. Without it, whether
 the device part is issued between the host call's start and done is the latency-hiding
 scheduler's choice (it fills the call's estimated latency with ready work before it
 places the start; experiments/RESULTS.md).
@@ -57,6 +58,13 @@ def stream_blocks(part: partition_lib.Partition, plan) -> list[int]:
   """The streamed blocks (one per subgroup) in the plan's stream order."""
   first_row = {ids[0]: b for b, ids in enumerate(part.blocks(Tier.STREAMED))}
   return [first_row[g] for g in plan.streamed if g in first_row]
+
+
+def lane_count(plan, streamed_rows: int, lanes: int = 0) -> int:
+  """How many stream lanes the device tiers run in: `lanes` (`Offload.stream_lanes`;
+  0: the plan's `buffers`), at most one per streamed row, one at least
+  (`transform.stream_lanes`, docs/design.md rule 3)."""
+  return max(1, min(lanes or plan.buffers, streamed_rows))
 
 
 def chunk_count(part: partition_lib.Partition, plan, chunks: int) -> int:
@@ -109,28 +117,39 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], chunks: 
     leaves = list(context.grad_leaves)
     if not on_stream:
       _, leaves = lax.optimization_barrier((inputs, leaves))
-    earlier = {b: new[Tier.STREAMED][b] for b in done[-plan.buffers:]}
+    position = {b: p for p, b in enumerate(streams)}
+    lanes = lane_count(plan, len(streams), context.offload.stream_lanes) if on_stream else 1
+    for lane in range(lanes):
+      lane_blocks = [b for b in stream_chunk if position[b] % lanes == lane]
+      if not lane_blocks:
+        continue
+      # In flight: `buffers` rows on one stream, one row per lane on `lanes` streams.
+      in_flight = plan.buffers if lanes == 1 else 1
+      lane_done = [b for b in done if position[b] % lanes == lane]
+      earlier = {b: new[Tier.STREAMED][b] for b in lane_done[-in_flight:]}
 
-    def device_part(leaves, chunk_blocks, earlier):
-      gated = dataclasses.replace(context, grad_leaves=list(leaves))
-      fresh, order, rows = dict(earlier), list(done), []
-      for b, block in zip(stream_chunk, chunk_blocks):
-        ids = blocks[Tier.STREAMED][b]
-        if len(order) >= plan.buffers:  # at most `buffers` rows in flight, as unchunked
-          block, _ = lax.optimization_barrier((block, fresh[order[-plan.buffers]]))
-        runs = partition_lib.pieces_of(layout, ids)
-        fresh[b], out = gated.streamed(context.block_step(base_step, ids), block, ids, runs)
-        rows.append((fresh[b], out))
-        order.append(b)
-      return rows
+      def device_part(leaves, chunk_blocks, earlier, lane_blocks=lane_blocks,
+                      lane_done=lane_done, in_flight=in_flight):
+        gated = dataclasses.replace(context, grad_leaves=list(leaves))
+        fresh, order, rows = dict(earlier), list(lane_done), []
+        for b, block in zip(lane_blocks, chunk_blocks):
+          ids = blocks[Tier.STREAMED][b]
+          if len(order) >= in_flight:  # rows in flight bounded, as unchunked
+            block, _ = lax.optimization_barrier((block, fresh[order[-in_flight]]))
+          runs = partition_lib.pieces_of(layout, ids)
+          fresh[b], out = gated.streamed(context.block_step(base_step, ids), block, ids, runs)
+          rows.append((fresh[b], out))
+          order.append(b)
+        return rows
 
-    if on_stream:  # the device part on its stream, grouped with host call k
-      device_part = device_stream.on_stream(device_part, group)
-    rows = device_part(leaves, [new[Tier.STREAMED][b] for b in stream_chunk], earlier)
-    for b, (block, out) in zip(stream_chunk, rows):
-      new[Tier.STREAMED][b] = tuple(block)
-      outs.append((out, partition_lib.pieces_of(layout, blocks[Tier.STREAMED][b])))
-      tokens.append(out)
-      done.append(b)
+      if on_stream:  # the device part on its lane's stream, grouped with host call k
+        device_part = device_stream.on_stream(device_part, group,
+                                              stream=device_stream.STREAM + lane)
+      rows = device_part(leaves, [new[Tier.STREAMED][b] for b in lane_blocks], earlier)
+      for b, (block, out) in zip(lane_blocks, rows):
+        new[Tier.STREAMED][b] = tuple(block)
+        outs.append((out, partition_lib.pieces_of(layout, blocks[Tier.STREAMED][b])))
+        tokens.append(out)
+    done.extend(stream_chunk)
     link = paths.to_host(sum(zero_of(t) for t in tokens))
   return {t: tuple(x for block in new[t] for x in block) for t in new}, outs

@@ -36,7 +36,7 @@ from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 from jax.experimental.xla_metadata import set_xla_metadata
 
-STREAM = 1  # the CUDA stream the device tiers' update runs on (0 is XLA's compute stream)
+STREAM = 1  # the first CUDA stream of the device tiers' update (0 is XLA's compute stream)
 _FIRST_GROUP = 7000
 _groups = itertools.count(_FIRST_GROUP)
 
@@ -67,17 +67,26 @@ def in_group(group: int):
   return set_xla_metadata(_scheduling_group_id=group)
 
 
-def on_stream(fn: Callable[..., Any], group: int | None) -> Callable[..., Any]:
+def on_stream(fn: Callable[..., Any], group: int | None,
+              stream: int = STREAM) -> Callable[..., Any]:
   """`fn` (arrays in, a pytree of arrays out, no side effects) as one region on GPU
-  stream `STREAM`, in scheduling group `group` (None: in none). Arrays `fn` closes over
-  are passed in."""
+  stream `stream` (1 or more; 0 is XLA's compute stream), in scheduling group `group`
+  (None: in none). Arrays `fn` closes over are passed in.
+
+  XLA runs a region's instructions one after another on its stream, its copies between
+  host and device memory included (they are not asynchronous there): two regions on
+  two streams are what lets one's copies run while the other's do
+  (docs/design.md, rule 3)."""
+  if stream < 1:
+    raise ValueError(f'dos_jax: a stream region needs a stream of its own (1 or more), '
+                     f'got stream={stream}')
 
   def wrapped(*args):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     if closed.effects:
       raise ValueError(f'dos_jax: a stream region cannot have effects: {closed.effects}')
     consts, jaxpr = _without_consts(closed)
-    attributes = (('_xla_stream_annotation', str(STREAM)), ('inlineable', 'false'))
+    attributes = (('_xla_stream_annotation', str(stream)), ('inlineable', 'false'))
     if group is not None:
       attributes += (('_scheduling_group_id', str(group)),)
     outs = stream_region_p.bind(*consts, *jax.tree.leaves(args), jaxpr=jaxpr,

@@ -6,10 +6,11 @@ gradients first): K near-equal ones for an int K, or early chunks of the given s
 a last one with the rest (`split`; what `dos_jax.planner.timeline.choose_early_chunks`
 gives). All chunks but the last are *early*: each is its own host call whose inputs are
 its gradient pieces in host memory, the step's AdamW scalars and the link of the chunk
-before it, so it can start as soon as its gradients have crossed, while the backward
-pass still runs. Chunk K, the last (its gradients come last), runs after the backward
+before it, so it can start once its gradients have crossed, while the backward pass
+still runs (where the start lands is the latency-hiding scheduler's choice:
+docs/design.md, rule 6). Chunk K, the last (its gradients come last), runs after the backward
 pass in one scheduling group with the device tiers' stream call, as the unchunked step
-does (`dos_jax.step.device_stream`).
+does (`dos_jax.step.device_stream`: its stream lanes).
 
 The link keeps the calls apart: early chunk k's kernel reads a `(1,)` zero computed on
 the device from a token of chunk k-1's out rows (`dos_jax.step.chunked` says why a device op

@@ -122,27 +122,43 @@ class StepContext:
     (an optimization barrier), so that at most `buffers` are in flight, as the stacked
     tier's loop (`paths.interleaved_loop`) does.
     """
-    path = choose_path(self.program, tier, native, self.mesh is not None)
-    update = self._path_update(path)
     blocks = self.part.blocks(tier)
     given = partition_lib.blocks_of(arrays, len(blocks))
+    path = choose_path(self.program, tier, native, self.mesh is not None)
     if path is Path.STREAMED and not self.part.per_subgroup and len(blocks) > 1:
       return self._interleaved(base_step, blocks, given)
-    order = list(range(len(blocks)))
-    if tier is Tier.STREAMED and len(blocks) > 1:
-      first_row = {ids[0]: b for b, ids in enumerate(blocks)}
+    new, outs = self.update_blocks(tier, base_step, dict(enumerate(given)), native)
+    return (tuple(x for b in range(len(blocks)) for x in new[b]),
+            [outs[b] for b in range(len(blocks))])
+
+  def update_blocks(self, tier: Tier, base_step: paths.RowStep, given: dict[int, tuple],
+                    native: bool, in_flight: int | None = None):
+    """Updates some of `tier`'s blocks, `given` as {block index: its arrays}; returns
+    ({block index: new arrays}, {block index: (out rows on the device, their pieces)}).
+
+    Streamed blocks go in the plan's stream order, each one's state let into the
+    program only once the block `in_flight` (default: the plan's `buffers`) before it
+    among `given` is back in host memory. Not for the stacked streamed tier's
+    interleaved blocks, which `update_tier` runs through one loop.
+    """
+    in_flight = self.plan.buffers if in_flight is None else in_flight
+    update = self._path_update(choose_path(self.program, tier, native, self.mesh is not None))
+    blocks = self.part.blocks(tier)
+    order = sorted(given)
+    if tier is Tier.STREAMED and len(order) > 1:
+      first_row = {blocks[b][0]: b for b in order}
       order = [first_row[g] for g in self.plan.streamed if g in first_row]
-    new, outs, done = [None] * len(blocks), [None] * len(blocks), []
+    new, outs, done = {}, {}, []
     for b in order:
       ids, block = blocks[b], given[b]
-      if tier is Tier.STREAMED and len(done) >= self.plan.buffers:
-        block, _ = lax.optimization_barrier((block, new[done[-self.plan.buffers]]))
+      if tier is Tier.STREAMED and len(done) >= in_flight:
+        block, _ = lax.optimization_barrier((block, new[done[-in_flight]]))
       step = self.block_step(base_step, ids)
       runs = partition_lib.pieces_of(self.layout, ids)
       new[b], out = update(step, block, ids, runs)
       outs[b] = (out, runs)
       done.append(b)
-    return tuple(x for block in new for x in block), outs
+    return new, outs
 
   def block_step(self, base_step: paths.RowStep, ids) -> paths.RowStep:
     """The row update of the block holding subgroups `ids` (its weight-decayed rows)."""

@@ -383,8 +383,9 @@ def _update_on_two_streams(context: tier_updates.StepContext, base_step: paths.R
                            state: OffloadedState, native: bool, offload: Offload,
                            host_update=None):
   """The accelerator program's tiers, host and device halves concurrent by construction:
-  the host tier in host regions and the device tiers (streamed, resident) in one region
-  on a GPU stream of its own, both in one scheduling group (`device_stream`). Returns
+  the host tier in host regions and the device tiers (streamed, resident) in stream
+  regions, one per lane (`stream_lanes`), each on a GPU stream of its own, all in one
+  scheduling group (`device_stream`). Returns
   (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop does.
   `host_update(group)`, if given, builds the host tier and puts in the group what
   should run beside the device tiers (early chunks: the last chunk and the redo)."""
@@ -396,27 +397,61 @@ def _update_on_two_streams(context: tier_updates.StepContext, base_step: paths.R
       host, outs = context.update_tier(
           Tier.HOST, base_step, state.tier(Tier.HOST),
           native=native and offload.host_impl is UpdateImpl.KERNEL)
-  tiers = [t for t in (Tier.STREAMED, Tier.RESIDENT) if context.part.ids(t)]
-  # `update_tier` gives each block's out rows in block order (static pieces).
-  pieces = [partition_lib.pieces_of(context.layout, ids)
-            for t in tiers for ids in context.part.blocks(t)]
-
-  def device_tiers(grad_leaves, arrays_by_tier):
-    local = dataclasses.replace(context, grad_leaves=list(grad_leaves))
-    new, rows = [], []
-    for tier, arrays in zip(tiers, arrays_by_tier):
-      arrays, tier_outs = local.update_tier(
-          tier, base_step, arrays, native=native and offload.device_impl is UpdateImpl.KERNEL)
-      new.append(arrays)
-      rows.extend(out for out, _ in tier_outs)
-    return new, rows
-
-  new, rows = device_stream.on_stream(device_tiers, group)(
-      context.grad_leaves, [state.tier(t) for t in tiers])
+  part = context.part
+  impl_native = native and offload.device_impl is UpdateImpl.KERNEL
+  lanes = stream_lanes(context.plan, part, offload.stream_lanes)
+  given = {t: partition_lib.blocks_of(state.tier(t), len(part.blocks(t)))
+           for t in (Tier.STREAMED, Tier.RESIDENT) if part.ids(t)}
   new_tiers = dict(state.tiers)
   new_tiers[Tier.HOST] = host
-  new_tiers.update({t: tuple(arrays) for t, arrays in zip(tiers, new)})
-  return new_tiers, list(outs) + list(zip(rows, pieces))
+  new_blocks = {t: [None] * len(part.blocks(t)) for t in given}
+  outs = list(outs)
+  for lane, work in enumerate(lanes):
+
+    def lane_update(grad_leaves, blocks_in, work=work):
+      local = dataclasses.replace(context, grad_leaves=list(grad_leaves))
+      new, rows = [], []
+      for (tier, indices), arrays in zip(work, blocks_in):
+        tier_new, tier_outs = local.update_blocks(
+            tier, base_step, dict(zip(indices, arrays)), impl_native,
+            in_flight=1 if len(lanes) > 1 else None)
+        new.append([tier_new[b] for b in indices])
+        rows.append([tier_outs[b][0] for b in indices])
+      return new, rows
+
+    blocks_in = [[given[tier][b] for b in indices] for tier, indices in work]
+    new, rows = device_stream.on_stream(lane_update, group, stream=device_stream.STREAM + lane)(
+        context.grad_leaves, blocks_in)
+    for (tier, indices), tier_new, tier_rows in zip(work, new, rows):
+      for b, arrays, out in zip(indices, tier_new, tier_rows):
+        new_blocks[tier][b] = tuple(arrays)
+        outs.append((out, partition_lib.pieces_of(context.layout, part.blocks(tier)[b])))
+  new_tiers.update({t: tuple(x for block in blocks for x in block)
+                    for t, blocks in new_blocks.items()})
+  return new_tiers, outs
+
+
+def stream_lanes(plan, part: partition_lib.Partition,
+                 count: int = 0) -> list[list[tuple[Tier, list[int]]]]:
+  """The device tiers' blocks as lanes, one stream region each: `[(tier, block
+  indices)]` per lane. The streamed blocks go round-robin in stream order over
+  `chunked.lane_count` lanes (`count`, `Offload.stream_lanes`; 0: `buffers`), so
+  consecutive rows of the stream sit on different CUDA streams; the resident tier joins
+  the last lane."""
+  lanes: list[list[tuple[Tier, list[int]]]] = []
+  if part.ids(Tier.STREAMED):
+    blocks = part.blocks(Tier.STREAMED)
+    first_row = {ids[0]: b for b, ids in enumerate(blocks)}
+    order = [first_row[g] for g in plan.streamed if g in first_row]
+    used = chunked_lib.lane_count(plan, len(order), count)
+    lanes = [[(Tier.STREAMED, order[k::used])] for k in range(used)]
+  if part.ids(Tier.RESIDENT):
+    resident = (Tier.RESIDENT, list(range(len(part.blocks(Tier.RESIDENT)))))
+    if lanes:
+      lanes[-1].append(resident)
+    else:
+      lanes.append([resident])
+  return lanes
 
 
 def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,

@@ -95,6 +95,10 @@ class OffloadConfig:
       against the host work and the measured clip rate, logged as offload/rollbacks;
       other policies run one host call), 0 (off), K (K calls of near-equal size) or a
       list of early call sizes in subgroups.
+    stream_lanes: on a GPU with per-subgroup storage, the stream regions the streamed
+      rows go round-robin over, each on a CUDA stream of its own
+      (dos_jax.Offload.stream_lanes): 0 (the plan's buffers, the default) or a count;
+      1 runs every transfer in turn on one stream.
     keep_freed_host_memory: keep freed host memory in the process for the next step's
       buffers instead of faulting in and zeroing fresh pages every step (glibc only;
       see dos_jax.host_memory).
@@ -114,6 +118,7 @@ class OffloadConfig:
   subgroup_size: int | None = field(None, check=POSITIVE)
   storage: Literal['stacked', 'per_subgroup'] | None = None
   early_chunks: Literal['auto'] | int | tuple[int, ...] = 'auto'
+  stream_lanes: int = field(0, check=NON_NEGATIVE)
   keep_freed_host_memory: bool = True
   shard_major: bool = False
   placement: Policy | None = dataclasses.field(init=False, repr=False, compare=False)

@@ -70,10 +70,12 @@ def build_step(cfg: RunConfig, compiler_options: Any = None) -> StepProgram:
 
 
 def compile_step(cfg: RunConfig, target: dataflow.GpuTarget | str = 'h100_sxm',
-                 compiler_options: Any = None) -> dataflow.CompiledGpuProgram:
+                 compiler_options: Any = None, thunks: bool = False
+                 ) -> dataflow.CompiledGpuProgram:
   """The runner's step for `cfg` compiled for `target` (no GPU needed; see module doc).
 
-  `compiler_options` default to the runner's on a GPU.
+  `compiler_options` default to the runner's on a GPU; `thunks`: also read what the GPU
+  runs (`dataflow.thunks`).
   """
   options = step_lib.compiler_options_for('gpu') if compiler_options is None \
       else compiler_options
@@ -82,7 +84,8 @@ def compile_step(cfg: RunConfig, target: dataflow.GpuTarget | str = 'h100_sxm',
   lowered = dataflow.lower_for_gpu(
       program.step, program.params, program.opt_state, program.tokens,
       target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
-  return compile_lib.compile_lowered(lowered, target, options, native_host_kernel=native)
+  return compile_lib.compile_lowered(lowered, target, options, native_host_kernel=native,
+                                     thunks=thunks)
 
 
 def _gpu_model(cfg: RunConfig) -> model_lib.ModelConfig:

@@ -122,7 +122,8 @@ def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'dat
     early = early_chooser
   try:
     return dos_jax.Offload(policy=cfg.placement, storage=storage, platform=platform,
-                           data_axis=data_axis, early_chunks=early, **kwargs)
+                           data_axis=data_axis, early_chunks=early,
+                           stream_lanes=cfg.stream_lanes, **kwargs)
   except ValueError as e:
     if 'early_chunks' not in str(e):
       raise
