@@ -1,0 +1,79 @@
+"""A stream region (`dos_jax.step.device_stream`) in a program sharded over 4 GPUs,
+compiled for H100s with no GPU: what keeps the device tiers' construction (rule 1 of
+docs/design.md) from a sharded state today, and the form that would keep it.
+
+The probe: a region that fetches a pinned-host shard, updates it with a device
+gradient and writes it back, its results used outside, all sharded over an `fsdp`
+axis of 4 devices.
+
+* Partitioned by jit (the state's sharding left to the SPMD partitioner), the one
+  region compiles to several stream calls: tuple elements of the region's result
+  become calls on the region's stream of their own, outside its window (on the
+  runner's ZeRO-3 step: 18 stream calls and 7 host calls; without shard-major packing
+  the collective-permute combiner merges two lanes' annotations into "1,2" and XLA
+  stops on a failed check). That is why the step builds regions only for an unsharded
+  state (`transform`: `mesh is None`).
+* Inside `shard_map` (each device running the region on its own shards) it stays one
+  stream call: the form a sharded device-tier update would take.
+
+Needs the CUDA plugin and JAX_PLATFORMS=cpu with 4 CPU devices (tests/conftest.py sets
+8); skipped elsewhere.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dos_jax import dataflow
+from dos_jax.step import device_stream
+from tests import compiled
+
+pytestmark = pytest.mark.compiled_gpu
+
+compiled.skip_without_gpu_compiler()
+
+
+def _stream_calls(in_shard_map: bool):
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region (device_stream.available())')
+  if jax.device_count() < 4:
+    pytest.skip('needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)')
+  dataflow.compile.prepare()
+  mesh = jax.sharding.Mesh(jax.devices()[:4], ('fsdp',))
+  group = device_stream.next_group()
+
+  def region(state, grad):
+    rows = jax.device_put(state, jax.memory.Space.Device)
+    new = rows * 0.9 + grad
+    return jax.device_put(new, jax.memory.Space.Host), new * 2
+
+  update = device_stream.on_stream(region, group)
+  if in_shard_map:
+    update = jax.shard_map(update, mesh=mesh, in_specs=(P('fsdp'), P('fsdp')),
+                           out_specs=(P('fsdp'), P('fsdp')))
+
+  def step(state, grad, w):
+    state, out = update(state, grad)
+    return state, w + out, out.sum()
+
+  device = NamedSharding(mesh, P('fsdp'))
+  host = NamedSharding(mesh, P('fsdp'), memory_kind='pinned_host')
+  args = (jax.ShapeDtypeStruct((1 << 16,), jnp.float32, sharding=host),
+          jax.ShapeDtypeStruct((1 << 16,), jnp.float32, sharding=device),
+          jax.ShapeDtypeStruct((1 << 16,), jnp.float32, sharding=device))
+  lowered = dataflow.lower_for_gpu(step, *args, donate_argnums=(0,))
+  return dataflow.compile_lowered(lowered, 'h100_sxm').schedule.stream_calls
+
+
+def test_a_region_partitioned_by_jit_falls_apart_into_several_stream_calls():
+  """Strict about today's XLA (0.11.2 plugin): if this fails, a region may be one call
+  under jit's partitioning, and the step's `mesh is None` can be revisited."""
+  calls = _stream_calls(in_shard_map=False)
+  assert len(calls) > 1 and sum(c.updates for c in calls) == 1, calls
+
+
+def test_a_region_inside_shard_map_stays_one_stream_call():
+  (call,) = _stream_calls(in_shard_map=True)
+  assert call.updates, call
