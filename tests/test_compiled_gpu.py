@@ -127,7 +127,7 @@ def test_the_2_layer_stacked_loop_lands_inside_the_host_call():
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float32'])
 @pytest.mark.parametrize('policy', DEVICE_PLANS)
 def test_per_subgroup_runner_steps_run_the_device_tiers_beside_the_host_call(policy, dtype):
-  """Per-subgroup storage (Auto's default): the device tiers are one call on a GPU stream
+  """Per-subgroup storage (Auto's default): the device tiers are calls on GPU streams
   of their own, whose window overlaps the host call's (`Offload.device_stream`), and
   the host-bound gradients still leave during the backward pass."""
   if not device_stream.available():

@@ -100,6 +100,20 @@ def test_schedule_facts():
   assert summary['gradient_copies'] == 2
   assert summary['gradient_copies_overlapping_compute'] == 1
   assert summary['large_host_to_host_copies'] == 1
+  assert summary['host_calls_starting_before_last_gemm'] == 0
+  assert summary['gemms_inside_host_calls'] == 0
+
+
+def test_a_host_call_started_before_the_last_gemm_is_counted_with_the_gemms_inside():
+  """The summary's early-chunk facts: the host call issued before the second gemm."""
+  lines = _MODULE.splitlines()
+  start = next(line for line in lines if '%call-start = ' in line)
+  lines.remove(start)
+  lines.insert(next(i for i, line in enumerate(lines) if '%gemm_fusion_dot.2 = ' in line),
+               start)
+  summary = Schedule.from_text('\n'.join(lines)).summary()
+  assert summary['host_calls_starting_before_last_gemm'] == 1
+  assert summary['gemms_inside_host_calls'] == 1
 
 
 def test_device_work_after_the_host_call_is_not_inside_it():

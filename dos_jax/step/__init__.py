@@ -6,8 +6,8 @@
 * `paths` -- the loops: the device-streamed rows, the host regions, the resident rows,
   and the memory kinds every other module names;
 * `fused` -- the native host AdamW and the Pallas AdamW as the paths call them;
-* `device_stream` -- the device tiers as one call on a GPU stream, grouped with the host
-  call (docs/design.md rule 1);
+* `device_stream` -- the device tiers as calls on GPU streams (one per lane), grouped
+  with the host call (docs/design.md rules 1 and 3);
 * `chunked` -- host and device tiers in K linked chunks, interleaved (`Offload.chunks`);
 * `early_chunks` -- host calls during the backward pass that speculate on the clip
   factor (`Offload.early_chunks`, rule 6).

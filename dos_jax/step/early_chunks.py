@@ -9,7 +9,7 @@ its gradient pieces in host memory, the step's AdamW scalars and the link of the
 before it, so it can start once its gradients have crossed, while the backward pass
 still runs (where the start lands is the latency-hiding scheduler's choice:
 docs/design.md, rule 6). Chunk K, the last (its gradients come last), runs after the backward
-pass in one scheduling group with the device tiers' stream call, as the unchunked step
+pass in one scheduling group with the device tiers' stream calls, as the unchunked step
 does (`dos_jax.step.device_stream`: its stream lanes).
 
 The link keeps the calls apart: early chunk k's kernel reads a `(1,)` zero computed on
