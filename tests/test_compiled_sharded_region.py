@@ -1,6 +1,6 @@
 """A stream region (`dos_jax.step.device_stream`) in a program sharded over 4 GPUs,
-compiled for H100s with no GPU: what keeps the device tiers' construction (rule 1 of
-docs/design.md) from a sharded state today, and the form that would keep it.
+compiled for H100s with no GPU: why a sharded state runs the construction of rule 1
+(docs/design.md) inside `shard_map`, and the runner's ZeRO-3 step that does.
 
 The probe: a region that fetches a pinned-host shard, updates it with a device
 gradient and writes it back, its results used outside, all sharded over an `fsdp`
@@ -11,10 +11,12 @@ axis of 4 devices.
   become calls on the region's stream of their own, outside its window (on the
   runner's ZeRO-3 step: 18 stream calls and 7 host calls; without shard-major packing
   the collective-permute combiner merges two lanes' annotations into "1,2" and XLA
-  stops on a failed check). That is why the step builds regions only for an unsharded
-  state (`transform`: `mesh is None`).
+  stops on a failed check).
 * Inside `shard_map` (each device running the region on its own shards) it stays one
-  stream call: the form a sharded device-tier update would take.
+  stream call. A state packed shard-major runs the whole construction so
+  (`transform._sharded_two_streams`): host regions and stream lanes on each device's
+  own columns, the lanes' results behind an optimization barrier (read piecewise,
+  their tuple elements became stream calls too).
 
 Needs the CUDA plugin and JAX_PLATFORMS=cpu with 4 CPU devices (tests/conftest.py sets
 8); skipped elsewhere.
@@ -77,3 +79,28 @@ def test_a_region_partitioned_by_jit_falls_apart_into_several_stream_calls():
 def test_a_region_inside_shard_map_stays_one_stream_call():
   (call,) = _stream_calls(in_shard_map=True)
   assert call.updates, call
+
+
+def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group():
+  """The runner's tiny step, fsdp=4, the state packed shard-major and per subgroup,
+  Stride(2), clipping: one host call, both stream lanes overlapping it, no device
+  update outside it, and every host-bound gradient piece leaving during the backward
+  pass (pieces of under 64 KiB here: each device sends its own shard of each leaf)."""
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region (device_stream.available())')
+  if jax.device_count() < 4:
+    pytest.skip('needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)')
+  from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load(None, [
+      'mesh.data=1', 'mesh.fsdp=4', 'model.param_dtype=bfloat16', 'model.attention=xla',
+      'offload.subgroup_size=65536', 'optim.clip_norm=1.0', 'offload.policy=stride',
+      'offload.storage=per_subgroup', 'offload.shard_major=true', 'offload.early_chunks=0'])
+  schedule = gpu_program.compile_sharded_step(cfg, jax.devices()[:4], 'h100_sxm').schedule
+  (call,) = schedule.host_calls
+  lanes = schedule.stream_calls
+  assert len(lanes) == 2 and all(c.updates and c.overlaps(call) for c in lanes), lanes
+  assert not schedule.device_updates_outside_host_calls(), (call, lanes)
+  copies = schedule.gradient_copies(min_bytes=1)
+  assert copies and all(c.overlaps_compute for c in copies), copies
+  assert not schedule.large_host_copies(), schedule.host_copies

@@ -128,6 +128,48 @@ def test_the_zero3_update_is_optaxs_and_keeps_every_split(platform, policy, dtyp
   assert compiles[1] == compiles[2]  # the state a step returns compiles no new step
 
 
+@pytest.mark.parametrize('policy', [dos_jax.Stride(2),
+                                    dos_jax.ResidentFraction(0.3, then=dos_jax.Stride(3))],
+                         ids=repr)
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
+def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, dtype, seed):
+  """Per-subgroup storage, the accelerator program: with the device stream on, each
+  device runs the host regions and the stream lanes on its own columns inside
+  `shard_map` (`transform._sharded_two_streams`); with it off, jit partitions the step.
+  Clipping that fires, 3 steps: the same numbers, bit for bit, and every split kept."""
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  mesh = _mesh()
+  params = _params(seed, dtype, mesh)
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  results = []
+  for stream in (True, False):
+    offload = dos_jax.Offload(subgroup_size=40, policy=policy, platform='gpu',
+                              storage=dos_jax.Storage.PER_SUBGROUP, device_stream=stream)
+    tx = dos_jax.chain(dos_jax.clip_by_global_norm(0.5),
+                       dos_jax.adamw(LR, offload=offload, shard_dims=DIMS))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, g, tx=tx):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    grads = [jax.device_put(jax.tree.map(lambda x: 3 * x, random_grads(params, i, seed)),
+                            shardings) for i in range(3)]
+    regions = str(jax.make_jaxpr(step)(params, state, grads[0])).count(
+        'dos_jax_stream_region[')
+    assert (regions > 0) is (stream and device_stream.available()), regions
+    p = params
+    for g in grads:
+      p, state = step(p, state, g)
+    results.append((p, state))
+  (p1, s1), (p0, s0) = results
+  for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p0, s0))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for key in params:
+    assert p1[key].sharding.is_equivalent_to(params[key].sharding, p1[key].ndim), key
+
+
 def _all_gathers(text: str) -> list[int]:
   """Element counts of the all-gathers' results in compiled HLO text."""
   import re  # pylint: disable=import-outside-toplevel

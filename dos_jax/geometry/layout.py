@@ -265,6 +265,22 @@ def from_shards(shards: jax.Array, layout: Layout, i: int) -> jax.Array:
   return jnp.moveaxis(split, 0, dim).reshape(shape)
 
 
+def local(layout: Layout) -> Layout:
+  """One shard's layout: what each device's columns of shard-major rows hold. Every
+  leaf is its raveled shard (`to_shards`' row), the subgroups `shard_size` long, the
+  offsets and rows as they are; `shards` 1. A layout packed leaf after leaf is its own.
+
+  >>> import jax.numpy as jnp
+  >>> lay = make_layout({'w': jnp.zeros((8, 4))}, 16, shard_multiple=2, shard_dims=(0,))
+  >>> lay.shards, lay.subgroup_size, local(lay).shapes, local(lay).subgroup_size
+  (2, 16, ((16,),), 8)
+  """
+  if layout.shards == 1:
+    return layout
+  return dataclasses.replace(layout, shapes=tuple((n,) for n in layout.shard_sizes),
+                             subgroup_size=layout.shard_size, shards=1, shard_dims=())
+
+
 def shard_views(leaves: list[Any], layout: Layout, mesh: Any = None,
                 axis: str | None = None) -> list[Any]:
   """Shard-major (`layout.shards` > 1): every leaf as `to_shards` gives it; otherwise

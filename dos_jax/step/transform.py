@@ -311,8 +311,16 @@ def offloaded(
     run_early = (split and offload_lib.early_calls(early) > 1 and native
                  and offload.host_impl is UpdateImpl.KERNEL and part.per_subgroup
                  and mesh is None and len(part.blocks(Tier.HOST)) > 1)
+    # The host and device halves concurrent by construction (`_update_on_two_streams`);
+    # a sharded state only packed shard-major, each device running the construction on
+    # its own columns (`_sharded_two_streams`).
+    on_two_streams = (split and not run_chunked and offload.device_stream
+                      and device_stream.available() and part.per_subgroup
+                      and (mesh is None or layout.shards > 1)
+                      and bool(part.ids(Tier.HOST))
+                      and bool(part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)))
     host_grad_pieces = {}
-    if split and not run_chunked and not run_early:
+    if split and not run_chunked and not run_early and not (on_two_streams and mesh is not None):
       # A sharded state's native host path takes its gradients as rows split over the
       # data axis (see `tier_updates.host_rows`).
       rows = None
@@ -337,17 +345,13 @@ def offloaded(
           context, base_step, {t: state.tier(t) for t in (Tier.HOST, Tier.STREAMED)},
           chunks)
       new_tiers.update(chunked_tiers)
-    on_two_streams = (split and not run_chunked and offload.device_stream
-                      and device_stream.available() and part.per_subgroup and mesh is None
-                      and bool(part.ids(Tier.HOST))
-                      and bool(part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)))
     host_update = None
     if run_early:  # the host tier in early chunks (`dos_jax.step.early_chunks`)
       host_update = functools.partial(early_chunks.update_host, context, base_step,
                                       state.tier(Tier.HOST), early)
     if on_two_streams:
-      new_tiers, outs = _update_on_two_streams(context, base_step, state, native, offload,
-                                               host_update)
+      new_tiers, outs = _update_on_two_streams(context, base_step, state.tiers, native,
+                                               offload, host_update)
     else:
       if run_early:
         new_tiers[Tier.HOST], outs = host_update()
@@ -380,32 +384,54 @@ def offloaded(
 
 
 def _update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
-                           state: OffloadedState, native: bool, offload: Offload,
-                           host_update=None):
+                           tiers: dict[Tier, tuple], native: bool, offload: Offload,
+                           host_update=None, barrier: bool = False):
   """The accelerator program's tiers, host and device halves concurrent by construction:
   the host tier in host regions and the device tiers (streamed, resident) in stream
   regions, one per lane (`stream_lanes`), each on a GPU stream of its own, all in one
   scheduling group (`device_stream`). Returns
   (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop does.
   `host_update(group)`, if given, builds the host tier and puts in the group what
-  should run beside the device tiers (early chunks: the last chunk and the redo)."""
+  should run beside the device tiers (early chunks: the last chunk and the redo).
+  A state sharded shard-major runs the same on each device's columns
+  (`_sharded_two_streams`; `barrier`: each region's results through an optimization
+  barrier, which that needs)."""
+  if context.mesh is not None:
+    return _sharded_two_streams(context, base_step, tiers, native, offload)
   group = device_stream.next_group()
   if host_update is not None:
     host, outs = host_update(group)
   else:
     with device_stream.in_group(group):
       host, outs = context.update_tier(
-          Tier.HOST, base_step, state.tier(Tier.HOST),
+          Tier.HOST, base_step, tiers[Tier.HOST],
           native=native and offload.host_impl is UpdateImpl.KERNEL)
   part = context.part
-  impl_native = native and offload.device_impl is UpdateImpl.KERNEL
-  lanes = stream_lanes(context.plan, part, offload.stream_lanes)
-  given = {t: partition_lib.blocks_of(state.tier(t), len(part.blocks(t)))
+  given = {t: partition_lib.blocks_of(tiers[t], len(part.blocks(t)))
            for t in (Tier.STREAMED, Tier.RESIDENT) if part.ids(t)}
-  new_tiers = dict(state.tiers)
+  new_blocks, rows = _device_lanes(
+      context, given, base_step=base_step,
+      native=native and offload.device_impl is UpdateImpl.KERNEL,
+      lanes=stream_lanes(context.plan, part, offload.stream_lanes), group=group,
+      barrier=barrier)
+  new_tiers = dict(tiers)
   new_tiers[Tier.HOST] = host
-  new_blocks = {t: [None] * len(part.blocks(t)) for t in given}
-  outs = list(outs)
+  new_tiers.update({t: tuple(x for block in blocks for x in block)
+                    for t, blocks in new_blocks.items()})
+  outs = list(outs) + [(out, partition_lib.pieces_of(context.layout, part.blocks(tier)[b]))
+                       for (tier, b), out in rows]
+  return new_tiers, outs
+
+
+def _device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple]],
+                  base_step: paths.RowStep, native: bool, lanes, group: int,
+                  barrier: bool = False):
+  """The device tiers' blocks `given`, lane by lane, each lane one stream region in
+  scheduling group `group`. Returns ({tier: new blocks}, [((tier, block), out rows)]).
+  `barrier`: each region's results through an optimization barrier (inside
+  `shard_map`, read piecewise, they would each become a stream call of their own)."""
+  new_blocks = {t: [None] * len(blocks) for t, blocks in given.items()}
+  rows_out = []
   for lane, work in enumerate(lanes):
 
     def lane_update(grad_leaves, blocks_in, work=work):
@@ -413,7 +439,7 @@ def _update_on_two_streams(context: tier_updates.StepContext, base_step: paths.R
       new, rows = [], []
       for (tier, indices), arrays in zip(work, blocks_in):
         tier_new, tier_outs = local.update_blocks(
-            tier, base_step, dict(zip(indices, arrays)), impl_native,
+            tier, base_step, dict(zip(indices, arrays)), native,
             in_flight=1 if len(lanes) > 1 else None)
         new.append([tier_new[b] for b in indices])
         rows.append([tier_outs[b][0] for b in indices])
@@ -422,13 +448,67 @@ def _update_on_two_streams(context: tier_updates.StepContext, base_step: paths.R
     blocks_in = [[given[tier][b] for b in indices] for tier, indices in work]
     new, rows = device_stream.on_stream(lane_update, group, stream=device_stream.STREAM + lane)(
         context.grad_leaves, blocks_in)
+    if barrier:
+      new, rows = jax.lax.optimization_barrier((new, rows))
     for (tier, indices), tier_new, tier_rows in zip(work, new, rows):
       for b, arrays, out in zip(indices, tier_new, tier_rows):
         new_blocks[tier][b] = tuple(arrays)
-        outs.append((out, partition_lib.pieces_of(context.layout, part.blocks(tier)[b])))
-  new_tiers.update({t: tuple(x for block in blocks for x in block)
-                    for t, blocks in new_blocks.items()})
-  return new_tiers, outs
+        rows_out.append(((tier, b), out))
+  return new_blocks, rows_out
+
+
+def _sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
+                         tiers: dict[Tier, tuple], native: bool, offload: Offload):
+  """`_update_on_two_streams` on each device's own columns, inside `shard_map`: a state
+  packed shard-major holds, on device d, exactly the rows one shard's layout packs
+  (`layout_lib.local`), so each device runs the unsharded construction on its shards.
+  Jit's partitioning would split a stream region into several calls
+  (tests/test_compiled_sharded_region.py)."""
+  mesh, axis = context.mesh, offload.data_axis
+  rows_spec, view_spec, whole = P(None, None, axis), P(axis, None), P()
+  local_layout = layout_lib.local(context.layout)
+  names = [t for t in TIERS if tiers[t]]
+  adam_arrays, adam_join = ((), lambda arrays: None) if context.adam_scalars is None \
+      else fused_lib.split_scalars(context.adam_scalars)
+  pieces = []
+
+  def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, grad_scale):
+    # Each host-bound gradient piece leaves for host memory as the backward pass makes
+    # it, outside the scheduling group (rule 2), as in the unsharded step.
+    host_grad_pieces, grads = tier_updates.gate_device_update(
+        local_layout, context.part, [v.reshape(-1) for v in grad_views])
+    local = dataclasses.replace(
+        context, layout=local_layout, mesh=None, host_grad_pieces=host_grad_pieces,
+        host_inputs=[], grad_leaves=list(grads),
+        param_leaves=None if param_views is None else [v.reshape(-1) for v in param_views],
+        scalars=tuple(scalars), new_scalars=tuple(new_scalars),
+        adam_scalars=adam_join(adam_arrays))
+    step = dataclasses.replace(base_step, grad_scale=grad_scale[0] if grad_scale else None)
+    local_tiers = {t: () for t in TIERS}
+    local_tiers.update(zip(names, arrays))
+    new_tiers, outs = _update_on_two_streams(local, step, local_tiers, native, offload,
+                                             barrier=True)
+    pieces[:] = [runs for _, runs in outs]
+    return [new_tiers[t] for t in names], [o for o, _ in outs]
+
+  param_views = context.param_leaves
+  grad_scale = () if base_step.grad_scale is None else (base_step.grad_scale,)
+  args = (list(context.grad_leaves), None if param_views is None else list(param_views),
+          [tiers[t] for t in names], tuple(context.scalars), tuple(context.new_scalars),
+          adam_arrays, grad_scale)
+  in_specs = (view_spec, None if param_views is None else view_spec, rows_spec, whole,
+              whole, whole, whole)
+  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
+  if device is not None:
+    # Lowered for a GPU where there is none (`dataflow.lower_for_gpu`): the kernels
+    # lower inside the shard_map's mesh, which must name the abstract GPU too.
+    mesh = getattr(mesh, 'abstract_mesh', mesh).update(abstract_device=device)
+  # The kernels and regions have no replication rule for the checker.
+  new, outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                            out_specs=(rows_spec, P(None, axis)), check_vma=False)(*args)
+  new_tiers = dict(tiers)
+  new_tiers.update(zip(names, (tuple(x) for x in new)))
+  return new_tiers, list(zip(outs, pieces))
 
 
 def stream_lanes(plan, part: partition_lib.Partition,
