@@ -206,7 +206,7 @@ _NO_STREAM_FOR_SLICES = (
 @pytest.mark.xfail(strict=True, raises=Exception, reason=_NO_STREAM_FOR_SLICES)
 def test_a_stream_region_cannot_yet_slice_host_memory():
   """Strict: the jax whose XLA compiles this fails here, and stacked storage can then
-  run its stream on the device tiers' stream too (`transform._update_on_two_streams`)."""
+  run its stream on the device tiers' stream too (`lanes.update_on_two_streams`)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel

@@ -14,7 +14,7 @@ axis of 4 devices.
   stops on a failed check).
 * Inside `shard_map` (each device running the region on its own shards) it stays one
   stream call. A state packed shard-major runs the whole construction so
-  (`transform._sharded_two_streams`): host regions and stream lanes on each device's
+  (`lanes.sharded_two_streams`): host regions and stream lanes on each device's
   own columns, the lanes' results behind an optimization barrier (read piecewise,
   their tuple elements became stream calls too).
 

@@ -18,7 +18,7 @@ import pytest
 import dos_jax
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import device_stream
-from dos_jax.step import transform
+from dos_jax.step import lanes as lanes_lib
 from tests.test_adamw import decay_mask
 from tests.test_adamw import random_grads
 from tests.test_adamw import random_tree
@@ -137,7 +137,7 @@ def test_streamed_rows_go_round_robin_over_the_lanes(lanes, regions, seed):
   # Lane k holds the k-th, (k + lanes)-th, ... block of the stream.
   part = state[1].partition
   plan = types.SimpleNamespace(streamed=part.stream, buffers=2)
-  lane_rows = [ids for lane in transform.stream_lanes(plan, part, lanes)
+  lane_rows = [ids for lane in lanes_lib.stream_lanes(plan, part, lanes)
                for tier, ids in lane if tier is Tier.STREAMED]
   first_row = {ids[0]: b for b, ids in enumerate(part.blocks(Tier.STREAMED))}
   position = {first_row[g]: p for p, g in enumerate(part.stream)}

@@ -135,7 +135,7 @@ def test_the_zero3_update_is_optaxs_and_keeps_every_split(platform, policy, dtyp
 def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, dtype, seed):
   """Per-subgroup storage, the accelerator program: with the device stream on, each
   device runs the host regions and the stream lanes on its own columns inside
-  `shard_map` (`transform._sharded_two_streams`); with it off, jit partitions the step.
+  `shard_map` (`lanes.sharded_two_streams`); with it off, jit partitions the step.
   Clipping that fires, 3 steps: the same numbers, bit for bit, and every split kept."""
   from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   mesh = _mesh()

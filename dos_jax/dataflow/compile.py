@@ -21,6 +21,7 @@ XLA's host loop, as it would on a GPU where the kernel cannot be registered.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import tempfile
@@ -177,7 +178,9 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
   except AttributeError:
     from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
     device_list = _jax.DeviceList(devices)
-  with tempfile.TemporaryDirectory(prefix='dos_jax_thunks_') as dump:
+  dump_dir = tempfile.TemporaryDirectory(prefix='dos_jax_thunks_') if thunks \
+      else contextlib.nullcontext()
+  with dump_dir as dump:
     compile_options = dict(options, xla_dump_to=dump) if thunks else options
     start = time.perf_counter()
     executable = devices[0].client.compile(

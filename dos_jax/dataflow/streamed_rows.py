@@ -82,19 +82,10 @@ def streamed_rows(module: hlo.Module, min_bytes: int = 64 * 1024) -> list[Stream
     fetches = [n for n, (kind, size) in moves.items() if kind == 'fetch' and size >= min_bytes]
     if not fetches:
       continue
-    users: dict[str, list[str]] = {}
-    for instruction in computation.instructions:
-      for operand in instruction.operands:
-        users.setdefault(operand, []).append(instruction.name)
+    users = _users(computation)
 
     def descendants(name: str) -> set[str]:
-      seen, stack = set(), [name]
-      while stack:
-        for user in users.get(stack.pop(), ()):
-          if user not in seen:
-            seen.add(user)
-            stack.append(user)
-      return seen
+      return _descendants(users, name)
 
     position = {i.name: i.position for i in computation.instructions}
     by_name = computation.by_name()
@@ -132,6 +123,26 @@ def streamed_rows(module: hlo.Module, min_bytes: int = 64 * 1024) -> list[Stream
   return _interleave_lanes(module, found)
 
 
+def _users(computation: hlo.Computation) -> dict[str, list[str]]:
+  """{instruction name: the names of the instructions that use it}."""
+  users: dict[str, list[str]] = {}
+  for instruction in computation.instructions:
+    for operand in instruction.operands:
+      users.setdefault(operand, []).append(instruction.name)
+  return users
+
+
+def _descendants(users: dict[str, list[str]], name: str) -> set[str]:
+  """Every instruction that uses `name`, directly or not."""
+  seen, stack = set(), [name]
+  while stack:
+    for user in users.get(stack.pop(), ()):
+      if user not in seen:
+        seen.add(user)
+        stack.append(user)
+  return seen
+
+
 def _stream_lanes(module: hlo.Module) -> dict[str, list[tuple[hlo.Instruction, set[str]]]]:
   """The entry's stream calls (`call-start` with `_xla_stream_annotation`) that share a
   `_scheduling_group_id` with another, by stream: {group: [(the call's start, the
@@ -159,21 +170,10 @@ def _interleave_lanes(module: hlo.Module, found: list[StreamedRow]) -> list[Stre
   if not lanes:
     return found
   entry = module.entry_computation
-  users: dict[str, list[str]] = {}
-  for instruction in entry.instructions:
-    for operand in instruction.operands:
-      users.setdefault(operand, []).append(instruction.name)
+  users = _users(entry)
 
   def reaches(source: str, target: str) -> bool:
-    seen, stack = set(), [source]
-    while stack:
-      for user in users.get(stack.pop(), ()):
-        if user == target:
-          return True
-        if user not in seen:
-          seen.add(user)
-          stack.append(user)
-    return False
+    return target in _descendants(users, source)
 
   done_of = {i.operands[0]: i.name for i in entry.instructions
              if i.opcode == 'call-done' and i.operands}

@@ -164,6 +164,14 @@ def for_plan(plan: Plan, split: bool, per_subgroup: bool = False) -> Partition:
                    stacks=stacks, stream=tuple(plan.streamed) if stacks > 1 else ())
 
 
+def stream_order(part: Partition, streamed: Sequence[int]) -> list[int]:
+  """The streamed tier's blocks in stream order: `streamed` (a plan's `streamed`
+  subgroups, in the order the stream reaches them) as the indices of the blocks that
+  start with them."""
+  first_row = {ids[0]: b for b, ids in enumerate(part.blocks(Tier.STREAMED))}
+  return [first_row[g] for g in streamed if g in first_row]
+
+
 def blocks_of(arrays: Sequence[jax.Array], count: int) -> list[tuple[jax.Array, ...]]:
   """A tier's flat tuple of arrays (block-major: each block's arrays, one per dtype)
   as `count` blocks."""

@@ -6,8 +6,10 @@
 * `paths` -- the loops: the device-streamed rows, the host regions, the resident rows,
   and the memory kinds every other module names;
 * `fused` -- the native host AdamW and the Pallas AdamW as the paths call them;
-* `device_stream` -- the device tiers as calls on GPU streams (one per lane), grouped
-  with the host call (docs/design.md rules 1 and 3);
+* `device_stream` -- a function as a call on a GPU stream of its own, in a scheduling
+  group with host regions;
+* `lanes` -- the device tiers in stream lanes beside the host tier, one call per lane
+  (docs/design.md rules 1 and 3), per device for a state sharded shard-major;
 * `chunked` -- host and device tiers in K linked chunks, interleaved (`Offload.chunks`);
 * `early_chunks` -- host calls during the backward pass that speculate on the clip
   factor (`Offload.early_chunks`, rule 6).

@@ -43,6 +43,7 @@ from jax import lax
 
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
+from dos_jax.step import lanes as lanes_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.step import paths
 from dos_jax.geometry.partition import Tier
@@ -56,15 +57,7 @@ def host_blocks(part: partition_lib.Partition) -> list[int]:
 
 def stream_blocks(part: partition_lib.Partition, plan) -> list[int]:
   """The streamed blocks (one per subgroup) in the plan's stream order."""
-  first_row = {ids[0]: b for b, ids in enumerate(part.blocks(Tier.STREAMED))}
-  return [first_row[g] for g in plan.streamed if g in first_row]
-
-
-def lane_count(plan, streamed_rows: int, lanes: int = 0) -> int:
-  """How many stream lanes the device tiers run in: `lanes` (`Offload.stream_lanes`;
-  0: the plan's `buffers`), at most one per streamed row, one at least
-  (`transform.stream_lanes`, docs/design.md rule 3)."""
-  return max(1, min(lanes or plan.buffers, streamed_rows))
+  return partition_lib.stream_order(part, plan.streamed)
 
 
 def chunk_count(part: partition_lib.Partition, plan, chunks: int) -> int:
@@ -118,7 +111,8 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], chunks: 
     if not on_stream:
       _, leaves = lax.optimization_barrier((inputs, leaves))
     position = {b: p for p, b in enumerate(streams)}
-    lanes = lane_count(plan, len(streams), context.offload.stream_lanes) if on_stream else 1
+    lanes = lanes_lib.lane_count(plan, len(streams), context.offload.stream_lanes) \
+        if on_stream else 1
     for lane in range(lanes):
       lane_blocks = [b for b in stream_chunk if position[b] % lanes == lane]
       if not lane_blocks:

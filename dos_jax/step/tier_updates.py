@@ -146,8 +146,8 @@ class StepContext:
     blocks = self.part.blocks(tier)
     order = sorted(given)
     if tier is Tier.STREAMED and len(order) > 1:
-      first_row = {blocks[b][0]: b for b in order}
-      order = [first_row[g] for g in self.plan.streamed if g in first_row]
+      order = [b for b in partition_lib.stream_order(self.part, self.plan.streamed)
+               if b in given]
     new, outs, done = {}, {}, []
     for b in order:
       ids, block = blocks[b], given[b]

@@ -1,0 +1,184 @@
+"""The device tiers in stream lanes, beside the host tier: the accelerator program's
+host and device updates concurrent by construction (docs/design.md, rules 1 and 3).
+
+* `update_on_two_streams` -- the host tier in host regions and the device tiers
+  (streamed, resident) in stream regions, one per lane, all in one scheduling group;
+* `stream_lanes`, `lane_count` -- which blocks each lane runs: the streamed rows
+  round-robin in stream order, so consecutive rows sit on different CUDA streams (XLA
+  runs a region's copies one after another);
+* `sharded_two_streams` -- a state packed shard-major: the same on each device's own
+  columns, inside `shard_map`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from dos_jax.geometry import layout as layout_lib
+from dos_jax.geometry import partition as partition_lib
+from dos_jax.geometry.partition import TIERS
+from dos_jax.geometry.partition import Tier
+from dos_jax.offload import Offload
+from dos_jax.offload import UpdateImpl
+from dos_jax.step import device_stream
+from dos_jax.step import fused as fused_lib
+from dos_jax.step import paths
+from dos_jax.step import tier_updates
+
+
+def lane_count(plan, streamed_rows: int, lanes: int = 0) -> int:
+  """How many stream lanes the device tiers run in: `lanes` (`Offload.stream_lanes`;
+  0: the plan's `buffers`), at most one per streamed row, one at least."""
+  return max(1, min(lanes or plan.buffers, streamed_rows))
+
+
+def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
+                           tiers: dict[Tier, tuple], native: bool, offload: Offload,
+                           host_update=None, barrier: bool = False):
+  """The accelerator program's tiers, host and device halves concurrent by construction:
+  the host tier in host regions and the device tiers (streamed, resident) in stream
+  regions, one per lane (`stream_lanes`), each on a GPU stream of its own, all in one
+  scheduling group (`device_stream`). Returns
+  (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop does.
+  `host_update(group)`, if given, builds the host tier and puts in the group what
+  should run beside the device tiers (early chunks: the last chunk and the redo).
+  A state sharded shard-major runs the same on each device's columns
+  (`sharded_two_streams`; `barrier`: each region's results through an optimization
+  barrier, which that needs)."""
+  if context.mesh is not None:
+    return sharded_two_streams(context, base_step, tiers, native, offload)
+  group = device_stream.next_group()
+  if host_update is not None:
+    host, outs = host_update(group)
+  else:
+    with device_stream.in_group(group):
+      host, outs = context.update_tier(
+          Tier.HOST, base_step, tiers[Tier.HOST],
+          native=native and offload.host_impl is UpdateImpl.KERNEL)
+  part = context.part
+  given = {t: partition_lib.blocks_of(tiers[t], len(part.blocks(t)))
+           for t in (Tier.STREAMED, Tier.RESIDENT) if part.ids(t)}
+  new_blocks, rows = device_lanes(
+      context, given, base_step=base_step,
+      native=native and offload.device_impl is UpdateImpl.KERNEL,
+      lanes=stream_lanes(context.plan, part, offload.stream_lanes), group=group,
+      barrier=barrier)
+  new_tiers = dict(tiers)
+  new_tiers[Tier.HOST] = host
+  new_tiers.update({t: tuple(x for block in blocks for x in block)
+                    for t, blocks in new_blocks.items()})
+  outs = list(outs) + [(out, partition_lib.pieces_of(context.layout, part.blocks(tier)[b]))
+                       for (tier, b), out in rows]
+  return new_tiers, outs
+
+
+def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple]],
+                  base_step: paths.RowStep, native: bool, lanes, group: int,
+                  barrier: bool = False):
+  """The device tiers' blocks `given`, lane by lane, each lane one stream region in
+  scheduling group `group`. Returns ({tier: new blocks}, [((tier, block), out rows)]).
+  `barrier`: each region's results through an optimization barrier (inside
+  `shard_map`, read piecewise, they would each become a stream call of their own)."""
+  new_blocks = {t: [None] * len(blocks) for t, blocks in given.items()}
+  rows_out = []
+  for lane, work in enumerate(lanes):
+
+    def lane_update(grad_leaves, blocks_in, work=work):
+      local = dataclasses.replace(context, grad_leaves=list(grad_leaves))
+      new, rows = [], []
+      for (tier, indices), arrays in zip(work, blocks_in):
+        tier_new, tier_outs = local.update_blocks(
+            tier, base_step, dict(zip(indices, arrays)), native,
+            in_flight=1 if len(lanes) > 1 else None)
+        new.append([tier_new[b] for b in indices])
+        rows.append([tier_outs[b][0] for b in indices])
+      return new, rows
+
+    blocks_in = [[given[tier][b] for b in indices] for tier, indices in work]
+    new, rows = device_stream.on_stream(lane_update, group, stream=device_stream.STREAM + lane)(
+        context.grad_leaves, blocks_in)
+    if barrier:
+      new, rows = jax.lax.optimization_barrier((new, rows))
+    for (tier, indices), tier_new, tier_rows in zip(work, new, rows):
+      for b, arrays, out in zip(indices, tier_new, tier_rows):
+        new_blocks[tier][b] = tuple(arrays)
+        rows_out.append(((tier, b), out))
+  return new_blocks, rows_out
+
+
+def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
+                         tiers: dict[Tier, tuple], native: bool, offload: Offload):
+  """`update_on_two_streams` on each device's own columns, inside `shard_map`: a state
+  packed shard-major holds, on device d, exactly the rows one shard's layout packs
+  (`layout_lib.local`), so each device runs the unsharded construction on its shards.
+  Jit's partitioning would split a stream region into several calls
+  (tests/test_compiled_sharded_region.py)."""
+  mesh, axis = context.mesh, offload.data_axis
+  rows_spec, view_spec, whole = P(None, None, axis), P(axis, None), P()
+  local_layout = layout_lib.local(context.layout)
+  names = [t for t in TIERS if tiers[t]]
+  adam_arrays, adam_join = ((), lambda arrays: None) if context.adam_scalars is None \
+      else fused_lib.split_scalars(context.adam_scalars)
+  pieces = []
+
+  def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, grad_scale):
+    # Each host-bound gradient piece leaves for host memory as the backward pass makes
+    # it, outside the scheduling group (rule 2), as in the unsharded step.
+    host_grad_pieces, grads = tier_updates.gate_device_update(
+        local_layout, context.part, [v.reshape(-1) for v in grad_views])
+    local = dataclasses.replace(
+        context, layout=local_layout, mesh=None, host_grad_pieces=host_grad_pieces,
+        host_inputs=[], grad_leaves=list(grads),
+        param_leaves=None if param_views is None else [v.reshape(-1) for v in param_views],
+        scalars=tuple(scalars), new_scalars=tuple(new_scalars),
+        adam_scalars=adam_join(adam_arrays))
+    step = dataclasses.replace(base_step, grad_scale=grad_scale[0] if grad_scale else None)
+    local_tiers = {t: () for t in TIERS}
+    local_tiers.update(zip(names, arrays))
+    new_tiers, outs = update_on_two_streams(local, step, local_tiers, native, offload,
+                                             barrier=True)
+    pieces[:] = [runs for _, runs in outs]
+    return [new_tiers[t] for t in names], [o for o, _ in outs]
+
+  param_views = context.param_leaves
+  grad_scale = () if base_step.grad_scale is None else (base_step.grad_scale,)
+  args = (list(context.grad_leaves), None if param_views is None else list(param_views),
+          [tiers[t] for t in names], tuple(context.scalars), tuple(context.new_scalars),
+          adam_arrays, grad_scale)
+  in_specs = (view_spec, None if param_views is None else view_spec, rows_spec, whole,
+              whole, whole, whole)
+  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
+  if device is not None:
+    # Lowered for a GPU where there is none (`dataflow.lower_for_gpu`): the kernels
+    # lower inside the shard_map's mesh, which must name the abstract GPU too.
+    mesh = getattr(mesh, 'abstract_mesh', mesh).update(abstract_device=device)
+  # The kernels and regions have no replication rule for the checker.
+  new, outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                            out_specs=(rows_spec, P(None, axis)), check_vma=False)(*args)
+  new_tiers = dict(tiers)
+  new_tiers.update(zip(names, (tuple(x) for x in new)))
+  return new_tiers, list(zip(outs, pieces))
+
+
+def stream_lanes(plan, part: partition_lib.Partition,
+                 count: int = 0) -> list[list[tuple[Tier, list[int]]]]:
+  """The device tiers' blocks as lanes, one stream region each: `[(tier, block
+  indices)]` per lane. The streamed blocks go round-robin in stream order over
+  `lane_count` lanes (`count`, `Offload.stream_lanes`; 0: `buffers`), so
+  consecutive rows of the stream sit on different CUDA streams; the resident tier joins
+  the last lane."""
+  lanes: list[list[tuple[Tier, list[int]]]] = []
+  if part.ids(Tier.STREAMED):
+    order = partition_lib.stream_order(part, plan.streamed)
+    used = lane_count(plan, len(order), count)
+    lanes = [[(Tier.STREAMED, order[k::used])] for k in range(used)]
+  if part.ids(Tier.RESIDENT):
+    resident = (Tier.RESIDENT, list(range(len(part.blocks(Tier.RESIDENT)))))
+    if lanes:
+      lanes[-1].append(resident)
+    else:
+      lanes.append([resident])
+  return lanes
