@@ -12,13 +12,16 @@ What the construction holds in every program
 * the stream is full duplex, and the state is never copied host to host (the undo is
   written by the kernel, not copied by XLA).
 
-What the latency-hiding scheduler chooses (`test_early_host_chunks_start_during_the_
-backward_pass`): whether an early call starts while the backward pass still runs, with
-backward gemms inside its window. The scheduler places an asynchronous start once the
-work it has placed after it covers the call's estimated latency, so a window holds
-about that much work, not the backward pass the chunk was sized for. Shapes where the
-window holds no gemm today are strict xfails: a change of the scheduler shows up here
-either way (docs/design.md, rule 6; RESULTS.md).
+Where each early call starts (`test_early_host_calls_start_as_soon_as_their_operands_
+allow`): XLA's latency-hiding scheduler places an asynchronous start, working back from
+its done, once the work placed after it covers the call's estimated latency. The step
+is compiled with a profile that gives every early call a latency no step covers
+(`dataflow.early_windows`, a second compile), so the start goes as early as its
+operands allow: no backward gemm that the call does not wait for is issued before it,
+outside an earlier early window. Without the profile, programs with one early call
+started it after the last gemm (RESULTS.md, 2026-11-26); this test fails if the
+scheduler rule, or the attribute that marks the early calls, changes
+(docs/design.md, rule 6).
 
 Compiled with the CUDA plugin's compile-only client; skipped where it is not installed.
 """
@@ -26,6 +29,7 @@ Compiled with the CUDA plugin's compile-only client; skipped where it is not ins
 import pytest
 
 from dos_jax import dataflow
+from dos_jax.dataflow import early_windows
 from dos_jax.step import device_stream
 from dos_jax.dataflow import probes
 from tests import compiled
@@ -34,17 +38,13 @@ pytestmark = pytest.mark.compiled_gpu
 
 compiled.skip_without_gpu_compiler()
 
-# (layers, width, dtype, chunks): 2-8 host subgroups, 256-4096 wide, both dtypes
-# (experiments/schedule_family.py --early-chunks 4 prints the whole family).
+# (layers, width, dtype, chunks): 2-8 host subgroups, 256-4096 wide, odd and even
+# layer counts, both dtypes, 1 to 4 early calls (experiments/schedule_family.py
+# --early-chunks 4 prints a whole family).
 SHAPES = ((5, 4096, 'float32', 2), (7, 512, 'float32', 3), (8, 1024, 'bfloat16', 4),
           (16, 256, 'bfloat16', 4), (16, 1024, 'float32', 4), (6, 2048, 'bfloat16', 2),
-          (10, 1024, 'float32', 2))
-_NO_GEMM_IN_WINDOW = pytest.mark.xfail(strict=True, reason=(
-    'one early call (K=2): the latency-hiding scheduler covers its estimated latency with '
-    'the copies and small ops after the backward pass and starts it after the last gemm '
-    '(0.11.2 plugin, GPU_COMPILER_OPTIONS; RESULTS.md, 2026-11-26, eighth session)'))
-_SCHEDULER_CHOICE = [pytest.param(*shape, marks=_NO_GEMM_IN_WINDOW)
-                     if shape[3] == 2 else shape for shape in SHAPES]
+          (10, 1024, 'float32', 2), (4, 256, 'float32', 2), (14, 768, 'bfloat16', 2),
+          (11, 384, 'float32', 5))
 _CACHE = {}
 
 
@@ -53,7 +53,7 @@ def _schedule(layers, width, dtype, chunks):
   if key not in _CACHE:
     fn, args, jit_kwargs = probes.mlp_step(layers, width, dtype=dtype,
                                            storage='per_subgroup', early_chunks=chunks)
-    _CACHE[key] = dataflow.compile_for_gpu(fn, *args, **jit_kwargs).schedule
+    _CACHE[key] = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
   return _CACHE[key]
 
 
@@ -61,7 +61,7 @@ def _schedule(layers, width, dtype, chunks):
 def test_early_host_chunks_hold_their_construction(layers, width, dtype, chunks):
   """Where this jax builds no stream region (`device_stream.available()` is False: jax
   0.12) the device update is the scheduler's to place; the rest holds the same."""
-  schedule = _schedule(layers, width, dtype, chunks)
+  schedule = _schedule(layers, width, dtype, chunks).schedule
   calls = schedule.host_calls
   assert len(calls) == chunks, calls
   assert all(a.done < b.start for a, b in zip(calls, calls[1:])), calls
@@ -74,12 +74,23 @@ def test_early_host_chunks_hold_their_construction(layers, width, dtype, chunks)
   assert not schedule.large_host_copies(), schedule.host_copies
 
 
-@pytest.mark.parametrize('layers, width, dtype, chunks', _SCHEDULER_CHOICE,
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize('layers, width, dtype, chunks', SHAPES, ids=lambda v: str(v))
+def test_early_host_calls_start_as_soon_as_their_operands_allow(layers, width, dtype, chunks):
+  """Every early call was profiled, and no backward gemm it does not wait for is issued
+  before its start outside an earlier early window."""
+  program = _schedule(layers, width, dtype, chunks)
+  calls = program.schedule.host_calls
+  assert program.early_calls_profiled == tuple(c.name for c in calls[:-1]), (
+      program.early_calls_profiled, calls)
+  assert not early_windows.gemms_held_back(program.hlo_text), (
+      early_windows.gemms_held_back(program.hlo_text), calls)
+
+
+@pytest.mark.parametrize('layers, width, dtype, chunks', SHAPES, ids=lambda v: str(v))
 def test_early_host_chunks_start_during_the_backward_pass(layers, width, dtype, chunks):
   """Some early call starts before the last backward gemm and before the last weight
   gradient leaves for the host, with backward gemms inside an early window."""
-  schedule = _schedule(layers, width, dtype, chunks)
+  schedule = _schedule(layers, width, dtype, chunks).schedule
   calls = schedule.host_calls
   last_gemm = max(schedule.gemm_positions)
   assert schedule.host_calls_started_before(last_gemm) >= 1, (calls, last_gemm)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax.train import config, data, loop, placement, step, trainer
+from dos_jax.train import config, data, loop, model, placement, step, trainer
 from dos_jax.train.progress import read_metrics
 
 # Two layers instead of four: the same code, compiled in half the time.
@@ -308,3 +308,27 @@ def test_auto_policy_through_the_loop_logs_the_cost_model(dataset, tmp_path, mon
   for r in records:
     assert r['offload/predicted_s'] > 0 and r['offload/measured_s'] == r['update_s']
     assert 'subgroups' in r['offload/plan']
+
+
+def test_step_compiled_with_early_windows_is_the_jitted_step(dataset):
+  """The runner's step on a GPU (`make_train_step(early_windows=True)`: each plan
+  compiled by `dataflow.compile_step`) gives the jitted step's numbers bit for bit,
+  donates, and compiles once per plan. Here on the CPU the program has no early host
+  call, so the second compile is the compiled tests' (test_compiled_early_chunks.py)."""
+  cfg = _cfg(dataset, 'offload.policy=stride', 'offload.subgroup_size=100000')
+  runs = [trainer.build(cfg, devices=jax.devices()[:1]) for _ in range(2)]
+  aot = runs[1]
+  aot.train_step = step.make_train_step(
+      aot.apply, model.loss_fn, aot.tx, clip_norm=cfg.optim.clip_norm,
+      param_shardings=aot.param_shardings, state_shardings=aot.state_shardings,
+      early_windows=True)
+  samplers = [r.train_sampler() for r in runs]
+  for i in range(3):
+    inputs = jax.tree.leaves((aot.params, aot.opt_state))
+    results = [r.step(next(s)) for r, s in zip(runs, samplers)]
+    assert all(x.is_deleted() for x in inputs)
+    assert results[1].compiled == (i == 0)
+    assert aot.compile_counts() == {'fused': 1, 'grad': 0, 'update': 0}
+  for a, b in zip(jax.tree.leaves((runs[0].params, runs[0].opt_state)),
+                  jax.tree.leaves((aot.params, aot.opt_state))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -48,5 +48,6 @@ from dos_jax.dataflow.compile import GPU_COMPILER_OPTIONS as GPU_COMPILER_OPTION
 from dos_jax.dataflow.compile import gpu_compiler_available as gpu_compiler_available
 from dos_jax.dataflow.compile import GpuCompilerUnavailable as GpuCompilerUnavailable
 from dos_jax.dataflow.compile import MemoryStats as MemoryStats
+from dos_jax.dataflow.early_windows import compile_step as compile_step
 from dos_jax.dataflow.gpu_target import GpuTarget as GpuTarget
 from dos_jax.dataflow.schedule import Schedule as Schedule

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from dos_jax.compiler_options import GPU_COMPILER_OPTIONS
+from dos_jax.dataflow import early_windows as early_windows_lib
 from dos_jax.dataflow import gpu_target
 from dos_jax.dataflow.gpu_target import GpuTarget
 from dos_jax.dataflow.schedule import Schedule
@@ -80,6 +81,8 @@ class CompiledGpuProgram:
   compiler_options: Mapping[str, Any]
   native_host_kernel: bool  # the native host AdamW was registered for host regions
   thunks: ThunkProgram | None = None  # what the GPU runs (compiled with `thunks=True`)
+  # The early host calls given a profiled latency (`dos_jax.early_windows`; a second compile).
+  early_calls_profiled: tuple[str, ...] = ()
 
   @functools.cached_property
   def schedule(self) -> Schedule:
@@ -134,10 +137,12 @@ def _topology(target: GpuTarget, num_devices: int = 1) -> Any:
 
 def _compile_options(devices: tuple[Any, ...], options: Mapping[str, Any]) -> Any:
   from jax._src import compiler  # pylint: disable=import-outside-toplevel
+  options = dict(options)
+  fdo_profile = options.pop('fdo_profile', None)  # as jax's own compile takes it
   # One SPMD partition per device (JAX's default partitioner for a sharded program).
   return compiler.get_compile_options(
       num_replicas=1, num_partitions=len(devices), device_assignment=[list(devices)],
-      env_options_overrides=dict(options))
+      env_options_overrides=options, fdo_profile=fdo_profile)
 
 
 def _num_partitions(module: Any) -> int:
@@ -152,7 +157,7 @@ def _num_partitions(module: Any) -> int:
 def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_TARGET,
                     compiler_options: Mapping[str, Any] | None = None,
                     native_host_kernel: bool = False,
-                    thunks: bool = False) -> CompiledGpuProgram:
+                    thunks: bool = False, early_windows: bool = True) -> CompiledGpuProgram:
   """Compiles a `jax.stages.Lowered` (lowered for 'cuda') for `target`.
 
   A program lowered for several devices (a mesh) is compiled for as many GPUs of
@@ -167,6 +172,9 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
       native host kernel registered in the plugin).
     thunks: also read what the GPU would run, thunk by thunk (`dataflow.thunks`), from
       an XLA dump in a temporary directory.
+    early_windows: give the program's early host calls a profiled latency, as
+      `dataflow.compile_step` does (`dataflow.early_windows`: a second compile where the
+      program has early host calls).
   """
   import jax  # pylint: disable=import-outside-toplevel
   target = GpuTarget.parse(target)
@@ -178,22 +186,33 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
   except AttributeError:
     from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
     device_list = _jax.DeviceList(devices)
-  dump_dir = tempfile.TemporaryDirectory(prefix='dos_jax_thunks_') if thunks \
-      else contextlib.nullcontext()
-  with dump_dir as dump:
-    compile_options = dict(options, xla_dump_to=dump) if thunks else options
-    start = time.perf_counter()
-    executable = devices[0].client.compile(
-        module, executable_devices=device_list,
-        compile_options=_compile_options(devices, compile_options))
-    compile_s = time.perf_counter() - start
-    hlo_module = executable.hlo_modules()[0]
-    program = ThunkProgram.from_dump(dump, module=f'.{hlo_module.name}.') if thunks else None
+
+  def compile_once(extra):
+    dump_dir = tempfile.TemporaryDirectory(prefix='dos_jax_thunks_') if thunks \
+        else contextlib.nullcontext()
+    with dump_dir as dump:
+      compile_options = dict(options, **extra)
+      if thunks:
+        compile_options['xla_dump_to'] = dump
+      start = time.perf_counter()
+      executable = devices[0].client.compile(
+          module, executable_devices=device_list,
+          compile_options=_compile_options(devices, compile_options))
+      compile_s = time.perf_counter() - start
+      hlo_module = executable.hlo_modules()[0]
+      program = ThunkProgram.from_dump(dump, module=f'.{hlo_module.name}.') if thunks else None
+    return executable, hlo_module.to_string(), compile_s, program
+
+  if early_windows:
+    (executable, hlo_text, compile_s, program), profiled = early_windows_lib.compile_twice(
+        compile_once, lambda result: result[1])
+  else:
+    (executable, hlo_text, compile_s, program), profiled = compile_once({}), ()
   return CompiledGpuProgram(
-      target=target, hlo_text=hlo_module.to_string(),
+      target=target, hlo_text=hlo_text,
       memory=MemoryStats.from_xla(executable.get_compiled_memory_stats()),
       compile_s=compile_s, compiler_options=options,
-      native_host_kernel=native_host_kernel, thunks=program)
+      native_host_kernel=native_host_kernel, thunks=program, early_calls_profiled=profiled)
 
 
 def prepare(target: GpuTarget | str = gpu_target.DEFAULT_TARGET) -> bool:
@@ -208,7 +227,7 @@ def prepare(target: GpuTarget | str = gpu_target.DEFAULT_TARGET) -> bool:
 def compile_for_gpu(fn: Callable[..., Any], *args,
                     target: GpuTarget | str = gpu_target.DEFAULT_TARGET,
                     compiler_options: Mapping[str, Any] | None = None,
-                    thunks: bool = False,
+                    thunks: bool = False, early_windows: bool = True,
                     **jit_kwargs) -> CompiledGpuProgram:
   """`jax.jit(fn, **jit_kwargs)` on `args`, compiled for a GPU target, with no GPU.
 
@@ -221,4 +240,4 @@ def compile_for_gpu(fn: Callable[..., Any], *args,
   native = prepare(target)
   lowered = lower_for_gpu(fn, *args, target=GpuTarget.parse(target), **jit_kwargs)
   return compile_lowered(lowered, target, compiler_options, native_host_kernel=native,
-                         thunks=thunks)
+                         thunks=thunks, early_windows=early_windows)

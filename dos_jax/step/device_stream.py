@@ -67,6 +67,16 @@ def in_group(group: int):
   return set_xla_metadata(_scheduling_group_id=group)
 
 
+EARLY_CALL_ATTRIBUTE = '_dos_jax_early_call'
+
+
+def early_call():
+  """Context: the host regions traced inside belong to an early host call; its host
+  call carries the frontend attribute `EARLY_CALL_ATTRIBUTE` in the compiled program,
+  where `dataflow.early_windows` finds it."""
+  return set_xla_metadata(**{EARLY_CALL_ATTRIBUTE: 'true'})
+
+
 def on_stream(fn: Callable[..., Any], group: int | None,
               stream: int = STREAM) -> Callable[..., Any]:
   """`fn` (arrays in, a pytree of arrays out, no side effects) as one region on GPU

@@ -216,17 +216,18 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
     return token
 
   for chunk in parts[:-1]:
-    tokens = []
-    for b in chunk:
-      if redo is None:
-        tokens.append(host_call(b, link))
-        continue
-      step, piece_args = block_args(b)
-      state, out, undo, token = speculate_region(
-          step, context.fused, stacked=new[b], link=link, **piece_args, **common)
-      pending.append((b, step, state, out, undo, piece_args))
-      tokens.append(token)
-    link = paths.to_host(sum(chunked_lib.zero_of(t) for t in tokens))
+    with device_stream.early_call():
+      tokens = []
+      for b in chunk:
+        if redo is None:
+          tokens.append(host_call(b, link))
+          continue
+        step, piece_args = block_args(b)
+        state, out, undo, token = speculate_region(
+            step, context.fused, stacked=new[b], link=link, **piece_args, **common)
+        pending.append((b, step, state, out, undo, piece_args))
+        tokens.append(token)
+      link = paths.to_host(sum(chunked_lib.zero_of(t) for t in tokens))
 
   with device_stream.in_group(group) if group is not None else contextlib.nullcontext():
     for b in parts[-1]:

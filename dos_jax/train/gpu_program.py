@@ -70,12 +70,13 @@ def build_step(cfg: RunConfig, compiler_options: Any = None) -> StepProgram:
 
 
 def compile_step(cfg: RunConfig, target: dataflow.GpuTarget | str = 'h100_sxm',
-                 compiler_options: Any = None, thunks: bool = False
-                 ) -> dataflow.CompiledGpuProgram:
+                 compiler_options: Any = None, thunks: bool = False,
+                 early_windows: bool = True) -> dataflow.CompiledGpuProgram:
   """The runner's step for `cfg` compiled for `target` (no GPU needed; see module doc).
 
   `compiler_options` default to the runner's on a GPU; `thunks`: also read what the GPU
-  runs (`dataflow.thunks`).
+  runs (`dataflow.thunks`); `early_windows`: the early host calls' profiled latency, as
+  the runner compiles on a GPU (`dataflow.early_windows`).
   """
   options = step_lib.compiler_options_for('gpu') if compiler_options is None \
       else compiler_options
@@ -85,7 +86,7 @@ def compile_step(cfg: RunConfig, target: dataflow.GpuTarget | str = 'h100_sxm',
       program.step, program.params, program.opt_state, program.tokens,
       target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
   return compile_lib.compile_lowered(lowered, target, options, native_host_kernel=native,
-                                     thunks=thunks)
+                                     thunks=thunks, early_windows=early_windows)
 
 
 def _gpu_model(cfg: RunConfig) -> model_lib.ModelConfig:
@@ -120,9 +121,11 @@ def build_sharded_step(cfg: RunConfig, devices, compiler_options: Any = None) ->
 
 
 def compile_sharded_step(cfg: RunConfig, devices, target: dataflow.GpuTarget | str = 'h100_sxm',
-                         compiler_options: Any = None) -> dataflow.CompiledGpuProgram:
+                         compiler_options: Any = None, early_windows: bool = True
+                         ) -> dataflow.CompiledGpuProgram:
   """`build_sharded_step` compiled for `len(devices)` GPUs of `target`, one SPMD
-  partition each (the result's HLO and memory are one device's)."""
+  partition each (the result's HLO and memory are one device's); `early_windows` as
+  in `compile_step`."""
   options = step_lib.compiler_options_for('gpu') if compiler_options is None \
       else compiler_options
   native = compile_lib.prepare(target)
@@ -130,4 +133,5 @@ def compile_sharded_step(cfg: RunConfig, devices, target: dataflow.GpuTarget | s
   lowered = dataflow.lower_for_gpu(
       program.step, program.params, program.opt_state, program.tokens,
       target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
-  return compile_lib.compile_lowered(lowered, target, options, native_host_kernel=native)
+  return compile_lib.compile_lowered(lowered, target, options, native_host_kernel=native,
+                                     early_windows=early_windows)

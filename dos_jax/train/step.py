@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import optax
 
 import dos_jax
+from dos_jax.dataflow import early_windows as early_windows_lib
 from dos_jax.train.config import ConfigError, OffloadConfig, OptimConfig
 
 Params = Any
@@ -203,6 +204,7 @@ def make_train_step(
     param_shardings: Any = None,
     state_shardings: Any = None,
     compiler_options: Mapping[str, Any] | None = None,
+    early_windows: bool = False,
 ) -> Callable[..., tuple[Params, OptState, Stats]]:
   """The one-program step: jitted `(params, opt_state, tokens_BxLp1, plan=None) ->
   (params, opt_state, {'loss', 'grad_norm', ...})`.
@@ -213,6 +215,9 @@ def make_train_step(
   included), so step t's outputs are valid inputs of step t+1 without a recompile.
   The clip factor goes to a dos_jax `tx` as `grad_scale` (module docstring).
   `compiler_options` are XLA's (`compiler_options_for` gives the runner's).
+  `early_windows`: compile each plan's program with `dataflow.compile_step`, so that its
+  early host calls start as soon as their gradients are in host memory (the runner's
+  choice on a GPU); `call.compiles()` counts the programs either way.
   """
   scale_in_update = scales_in_update(tx)
 
@@ -231,11 +236,20 @@ def make_train_step(
       compiler_options=None if compiler_options is None else dict(compiler_options),
   )
 
+  programs = {}  # plan -> its compiled program (`early_windows`)
+
   @functools.wraps(train_step)
   def call(params, opt_state, tokens_BxLp1, plan=None):
-    return jitted(params, opt_state, tokens_BxLp1, plan=plan)
+    if not early_windows:
+      return jitted(params, opt_state, tokens_BxLp1, plan=plan)
+    if plan not in programs:
+      programs[plan] = early_windows_lib.compile_step(
+          jitted.lower(params, opt_state, tokens_BxLp1, plan=plan))
+    return programs[plan](params, opt_state, tokens_BxLp1)
 
-  call.jitted = jitted  # For compile-count checks (`call.jitted._cache_size()`).
+  call.jitted = jitted
+  # pylint: disable-next=protected-access
+  call.compiles = lambda: len(programs) if early_windows else jitted._cache_size()
   return call
 
 

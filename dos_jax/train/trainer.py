@@ -119,7 +119,7 @@ class Trainer:
     (stays at most 1 per plan each across steps; 0 for a form never run)."""
     # pylint: disable=protected-access
     return {
-        'fused': self.train_step.jitted._cache_size(),
+        'fused': self.train_step.compiles(),
         'grad': self.grad_step._cache_size(),
         'update': self.update_step.jitted._cache_size(),
     }
@@ -299,7 +299,7 @@ def build(
       train_step=step_lib.make_train_step(
           apply, model_lib.loss_fn, tx, clip_norm=cfg.optim.clip_norm,
           param_shardings=param_shardings, state_shardings=state_shardings,
-          compiler_options=compiler_options,
+          compiler_options=compiler_options, early_windows=compiler_options is not None,
       ),
       grad_step=step_lib.make_grad_step(
           apply, model_lib.loss_fn, clip_norm=cfg.optim.clip_norm,

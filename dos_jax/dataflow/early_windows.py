@@ -1,0 +1,126 @@
+"""Early host calls issued as soon as their gradients are in host memory.
+
+An early host call (`Offload(early_chunks=K)`, `dos_jax.step.early_chunks`) runs beside
+the backward work the GPU launches between its start and its done. The step's data
+dependencies put the start after the call's gradients, never *at* them: where it lands
+is XLA's latency-hiding scheduler's choice, which places a start, working back from its
+done, once the work placed after it covers the call's estimated latency. A profile for
+that scheduler (XLA's `ProfiledInstructionsProto`, passed as the compile option
+`fdo_profile`) that gives each early call a latency no step can cover
+(`EARLY_CALL_LATENCY_US`) leaves it one place for the start: as early as its operands
+allow. The profile names the calls, and the names exist only once the program is
+compiled, so a step with early calls is compiled twice (docs/design.md, rule 6).
+
+Example (the runner does this on a GPU; elsewhere the step has no early host call and
+compiles once):
+
+    >>> import jax, jax.numpy as jnp
+    >>> from dos_jax import dataflow
+    >>> compiled = dataflow.compile_step(jax.jit(lambda x: x * 2).lower(jnp.ones(3)))
+    >>> compiled(jnp.ones(3)).tolist()
+    [2.0, 2.0, 2.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, TypeVar
+import warnings
+
+from dos_jax.dataflow import hlo
+from dos_jax.dataflow import schedule as schedule_lib
+from dos_jax.step import device_stream
+
+# 1000 s: more than XLA's estimate of any step's work (the 1.3b runner step's whole
+# program is far below it), so the scheduler cannot cover it and issues the start as
+# early as its operands allow.
+EARLY_CALL_LATENCY_US = 1e9
+
+T = TypeVar('T')
+
+
+def early_call_names(hlo_text: str) -> tuple[str, ...]:
+  """The start instructions of a compiled program's early host calls: every host call
+  but the last one that the step marked early (`device_stream.early_call`)."""
+  module = hlo.Module.parse(hlo_text)
+  if not module.is_scheduled:
+    return ()
+  by_name = module.entry_computation.by_name()
+  calls = schedule_lib.Schedule.from_module(module).host_calls
+  marker = device_stream.EARLY_CALL_ATTRIBUTE + '='
+  return tuple(c.name for c in calls[:-1] if marker in by_name[c.name].attributes)
+
+
+def gemms_held_back(hlo_text: str) -> tuple[int, ...]:
+  """Entry positions of the matrix multiplications a compiled program issues before an
+  early host call's start that the call does not wait for (not among its operands'
+  producers) and that no earlier early call's window holds: work the call's window
+  could have run beside. Empty when every early call starts as early as its operands
+  allow."""
+  module = hlo.Module.parse(hlo_text)
+  entry = module.entry_computation
+  by_name = entry.by_name()
+  schedule = schedule_lib.Schedule.from_module(module)
+  early = set(early_call_names(hlo_text))
+  calls = [c for c in schedule.host_calls if c.name in early]
+  held = []
+  for k, call in enumerate(calls):
+    waits_for = _producers(by_name, call.name)
+    held += [g for g in schedule.gemm_positions
+             if g < call.start and entry.instructions[g].name not in waits_for
+             and not any(c.start < g < c.done for c in calls[:k])]
+  return tuple(sorted(set(held)))
+
+
+def _producers(by_name: Mapping[str, hlo.Instruction], name: str) -> set[str]:
+  """Every instruction `name` depends on, transitively, through its operands."""
+  found, stack = set(), [name]
+  while stack:
+    for operand in by_name[stack.pop()].operands:
+      if operand in by_name and operand not in found:
+        found.add(operand)
+        stack.append(operand)
+  return found
+
+
+def early_call_profile(hlo_text: str) -> bytes | None:
+  """The `fdo_profile` (a `ProfiledInstructionsProto` in text form) giving each early
+  host call of the compiled program `hlo_text` the latency `EARLY_CALL_LATENCY_US`;
+  None when it has none."""
+  names = early_call_names(hlo_text)
+  if not names:
+    return None
+  return ''.join(f'costs {{ name: "{n}" cost_us: {EARLY_CALL_LATENCY_US:g} }}\n'
+                 for n in names).encode()
+
+
+def compile_twice(compile_fn: Callable[[Mapping[str, Any]], T],
+                  hlo_text_of: Callable[[T], str]) -> tuple[T, tuple[str, ...]]:
+  """`(program, early calls profiled)`: `compile_fn({})`, then, when that program has
+  early host calls, `compile_fn({'fdo_profile': ...})` with their profile.
+
+  `compile_fn` takes extra compiler options; `hlo_text_of` reads a program's
+  optimized HLO. Warns when the second program's early calls are not the ones the
+  profile names (the profile then moved nothing)."""
+  first = compile_fn({})
+  text = hlo_text_of(first)
+  profile = early_call_profile(text)
+  if profile is None:
+    return first, ()
+  names = early_call_names(text)
+  second = compile_fn({'fdo_profile': profile})
+  if early_call_names(hlo_text_of(second)) != names:
+    warnings.warn(f'dos_jax: the second compile renamed the early host calls {names}: '
+                  'their profiled latency was not applied, so XLA placed them by its own '
+                  'estimate (dos_jax.dataflow.early_windows)', RuntimeWarning, stacklevel=3)
+    return second, ()
+  return second, names
+
+
+def compile_step(lowered: Any) -> Any:
+  """Compiles a lowered step (`jax.jit(step, ...).lower(...)`, a `jax.stages.Lowered`)
+  with its early host calls issued as soon as their operands allow (module docstring);
+  returns the `jax.stages.Compiled`. A step without early host calls compiles once."""
+  compiled, _ = compile_twice(
+      lambda extra: lowered.compile(dict(extra)) if extra else lowered.compile(),
+      lambda c: c.as_text())
+  return compiled

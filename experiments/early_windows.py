@@ -1,0 +1,79 @@
+"""Where the early host calls start, with and without their profiled latency.
+
+Compiles steps with early host chunks for an H100 (CUDA plugin, no GPU) twice: as XLA's
+scheduler places them by its own latency estimate (`early_windows=False`), and as
+dos_jax compiles them (`dataflow.early_windows`: each early call given a latency no step
+covers, a second compile). For each it prints the host calls' (start, done) positions,
+the last backward gemm, the gemms inside early windows, the gemms held back (issued
+before an early start that does not wait for them, outside an earlier window), device
+updates outside host windows, and the compiled device peak. The first thing to rerun
+when JAX is upgraded, with `host_chunks_probe.py`.
+
+  JAX_PLATFORMS=cpu python3.12 experiments/early_windows.py --mlp
+  JAX_PLATFORMS=cpu python3.12 experiments/early_windows.py --runner configs/125m.yaml \
+      --set data.batch_size=1 --set offload.early_chunks=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+# (layers, width, dtype, chunks): tests/test_compiled_early_chunks.py's family.
+MLP_SHAPES = ((5, 4096, 'float32', 2), (7, 512, 'float32', 3), (8, 1024, 'bfloat16', 4),
+              (16, 256, 'bfloat16', 4), (16, 1024, 'float32', 4), (6, 2048, 'bfloat16', 2),
+              (10, 1024, 'float32', 2), (4, 256, 'float32', 2), (14, 768, 'bfloat16', 2),
+              (11, 384, 'float32', 5))
+
+
+def facts(program) -> str:
+  """One line of the early-window facts of a compiled program."""
+  from dos_jax.dataflow import early_windows  # pylint: disable=import-outside-toplevel
+  schedule = program.schedule
+  calls = schedule.host_calls
+  early = calls[:-1]
+  inside = sum(1 for c in early for g in schedule.gemm_positions if c.start < g < c.done)
+  return (f'calls {[(c.start, c.done) for c in calls]}; last gemm'
+          f' {max(schedule.gemm_positions)}; gemms in early windows {inside}; held back'
+          f' {len(early_windows.gemms_held_back(program.hlo_text))}; device updates outside'
+          f' {len(schedule.device_updates_outside_host_calls())}; peak'
+          f' {program.memory.device_peak_bytes / 1e6:.1f} MB; {program.compile_s:.1f} s')
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--mlp', action='store_true', help='the MLP family of the tests')
+  parser.add_argument('--runner', action='append', default=[], help='a runner config')
+  parser.add_argument('--set', dest='overrides', action='append', default=[])
+  args = parser.parse_args(argv)
+
+  from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
+  from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+
+  if args.mlp:
+    for layers, width, dtype, chunks in MLP_SHAPES:
+      fn, fn_args, jit_kwargs = probes.mlp_step(layers, width, dtype=dtype,
+                                                storage='per_subgroup', early_chunks=chunks)
+      print(f'== {layers} x {width} {dtype}, early_chunks={chunks}')
+      for profiled in (False, True):
+        program = dataflow.compile_for_gpu(fn, *fn_args, early_windows=profiled, **jit_kwargs)
+        print(f'  {"profiled" if profiled else "XLA alone"}: {facts(program)}')
+      sys.stdout.flush()
+  for path in args.runner:
+    cfg = config_lib.load(path, ['offload.storage=per_subgroup', *args.overrides])
+    print(f'== {path} {" ".join(args.overrides)}')
+    for profiled in (False, True):
+      program = gpu_program.compile_step(cfg, early_windows=profiled)
+      print(f'  {"profiled" if profiled else "XLA alone"}: {facts(program)}')
+    sys.stdout.flush()
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
