@@ -141,3 +141,68 @@ def test_zero3_mlp_gradient_gather_by_hand():
   # At the paper's widths the weight-gradient block fills the GPU: no split.
   big = model_shapes.PRESETS['20b']
   assert memory._split_k_pieces(8192, big.dim // 4, 2 * big.ffn_dim) == 1  # pylint: disable=protected-access
+
+
+@pytest.mark.compiled_gpu
+@pytest.mark.parametrize('subgroup_size', [16384, 65536])
+def test_per_subgroup_stream_holds_every_streamed_row(subgroup_size):
+  """Stored per subgroup, the device tiers run in stream regions, and XLA keeps each
+  value of a region live until its done: the update phase holds every streamed row's
+  state (and the params it packs), not `buffers` rows. An update-bound step (short
+  sequences, bf16, Stride(2)) compiled for an H100 is within 10% of that prediction;
+  the `buffers`-row model misses it by more than 40%."""
+  available, why = dataflow.gpu_compiler_available()
+  if not available:
+    pytest.skip(f'no GPU compiler here: {why}')
+  if jax.default_backend() != 'cpu':
+    pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu')
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region')
+  cfg = _cfg('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
+             'optim.clip_norm=1.0', 'offload.early_chunks=0', 'data.seq_len=32',
+             'data.batch_size=2', 'offload.storage=per_subgroup',
+             f'offload.subgroup_size={subgroup_size}')
+  compiled = gpu_program.compile_step(cfg, 'h100_sxm').memory.device_peak_bytes
+  assert step_memory.predict_step(cfg).device_bytes == pytest.approx(compiled, rel=0.10)
+  assert step_memory.predict_step(cfg, stacked=True).device_bytes < 0.6 * compiled
+
+
+def test_a_stream_that_does_not_fit_is_named_before_xla_allocates():
+  """A fixed placement whose per-subgroup stream (every streamed row at once) does not
+  fit the device memory beside the model fails up front with one line naming
+  `offload.policy`; the same plan fits with room to spare, and stacked storage, which
+  holds `buffers` rows, needs less. The accelerator program's state, built abstractly;
+  the device memory is given."""
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import trainer  # pylint: disable=import-outside-toplevel
+  from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region: the stream holds `buffers` rows')
+  cfg = _cfg('offload.policy=stride', 'model.n_layers=4', 'offload.subgroup_size=16384',
+             'offload.storage=per_subgroup', 'offload.early_chunks=0',
+             'data.seq_len=32', 'data.batch_size=2')
+  devices = jax.devices()[:1]
+  params = jax.eval_shape(lambda: model_lib.init_params(cfg.model, 0))
+  tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
+                               platform=dos_jax.Program.TWO_MEMORIES)
+  opt_state = dos_jax.abstract_state(tx, params)
+  states = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+      x, dos_jax.OffloadedState)) if isinstance(x, dos_jax.OffloadedState)]
+  assert states[0].partition.per_subgroup
+  plan = cfg.offload.placement.plan(states[0].layout.spec())
+  assert len(plan.streamed) > plan.buffers
+  budget, _ = memory.run_budget(cfg, devices, 1e12)
+  model_bytes = 1e12 * (1 - memory.MARGIN) - budget  # params and grads
+  tight = (model_bytes + 4e6) / (1 - memory.MARGIN)  # 4 MB beside the model
+  line = step_memory.stream_shortfall(cfg, plan, devices, stacked=False, device_bytes=tight)
+  assert line is not None and line.startswith('offload.policy=stride:'), line
+  assert f'all {len(plan.streamed)} streamed subgroups' in line, line
+  assert step_memory.stream_shortfall(cfg, plan, devices, stacked=False,
+                                      device_bytes=1e12) is None
+  assert step_memory.stream_shortfall(cfg, plan, devices, stacked=True,
+                                      device_bytes=tight) is None
+  with pytest.raises(ConfigError, match='offload.policy=stride'):
+    trainer.check_stream_memory(cfg, opt_state, devices, device_bytes=tight)
+  trainer.check_stream_memory(cfg, opt_state, devices, device_bytes=1e12)

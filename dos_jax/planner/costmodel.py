@@ -18,7 +18,10 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
   stream is stored as `buffers` interleaved blocks (`paths.interleaved_loop`): the
   same full-duplex period, plus the `buffers - 1` extra fetches of the last row the
   loop makes and, where `buffers` does not divide the row count, one masked round trip
-  per missing position. Either way, one first subgroup's latency fills the pipeline;
+  per missing position. Either way, one first subgroup's latency fills the pipeline.
+  In device memory the stacked stream holds `buffers` rows; stored per subgroup in stream
+  regions it holds every streamed row until the regions are done
+  (`streamed_elements_held`), within the memory the backward pass frees;
 * host subgroups need their gradients D2H, the host AdamW, and their new low-precision
   params H2D. The gradients leave the device piece by piece as the backward pass makes
   them (per leaf, never after a concatenation of all gradients, and never behind the
@@ -60,6 +63,7 @@ from dos_jax.planner.hardware import HardwareProfile as HardwareProfile
 from dos_jax.planner.hardware import PROFILE_PRESETS as PROFILE_PRESETS
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
+from dos_jax.step import device_stream
 
 _GB = 1e9
 
@@ -205,6 +209,21 @@ def stream_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
   return stream
 
 
+def streamed_elements_held(plan: Plan, dev_sizes: list[int], *, stacked: bool) -> int:
+  """Elements of streamed state in device memory at once during the update: the
+  stream's `buffers` rows, or, stored per subgroup where the step runs the device
+  tiers in stream regions (`device_stream.available()`), every streamed row. XLA keeps
+  each value of an asynchronous computation live until its done (`HloLiveRange`), so a
+  lane's region holds all of its rows; chaining one region per row would need a data
+  edge between grouped calls, which XLA 0.11 rejects ("annotation groups with gaps";
+  RESULTS.md, 2026-11-26, ninth session)."""
+  if not dev_sizes:
+    return 0
+  if not stacked and device_stream.available():
+    return sum(dev_sizes)
+  return plan.buffers * max(dev_sizes)
+
+
 def predict(
     profile: HardwareProfile,
     spec: SubgroupSpec,
@@ -309,7 +328,7 @@ def predict(
         (stream, device_label), (host, 'host'), (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
         key=lambda item: item[0],
     )
-  peak = float(sb * plan.buffers * max(dev_sizes)) if dev_sizes else 0.0
+  peak = float(sb * streamed_elements_held(plan, dev_sizes, stacked=stacked))
   return Prediction(
       update_seconds=update + layout, device_stream_seconds=stream, host_seconds=host,
       bytes_h2d=bytes_h2d, bytes_d2h=bytes_d2h, grad_transfer_hidden_seconds=hidden,

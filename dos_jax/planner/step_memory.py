@@ -41,6 +41,8 @@ import dataclasses
 import math
 
 from dos_jax.offload import Offload
+from dos_jax.offload import Storage
+from dos_jax.planner import costmodel
 from dos_jax.planner import memory
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
@@ -118,7 +120,8 @@ def _mesh_sizes(cfg, devices: int) -> tuple[int, int, int]:
   return data, mesh.fsdp, mesh.tensor
 
 
-def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
+def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
+                 stacked: bool | None = None) -> StepMemory:
   """Predicted memory of the runner's compiled step for `cfg` on one device of a mesh
   of `devices` (`cfg.mesh`'s axes; pipeline stages are not modelled).
 
@@ -135,6 +138,9 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
     plan: the placement; default the configured policy's plan for the packed state
       (give it for `Auto`, whose plan needs a hardware profile).
     devices: the mesh's device count (1: one device, no split).
+    stacked: whether the streamed tier is stacked; default as `dos_jax.Offload` stores
+      it for the configured storage and policy (early chunks chosen at run time store
+      it per subgroup: pass False for the runner's step on a GPU).
   """
   shape = cfg.model.shape()
   data, fsdp, tensor = _mesh_sizes(cfg, devices) if devices > 1 else (1, 1, 1)
@@ -174,8 +180,16 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   # (with no device subgroup nothing is packed, and each leaf dies once copied out).
   packing = (n * gb + 2 * dev_rows * gb) if dev_rows else 0
   packing += dev_rows * own_master + len(plan.host) * size * pb
-  # The device loop: its rows, `buffers` rows of state, every subgroup's new params.
-  streamed = min(plan.buffers, len(plan.streamed)) * sb * size
+  # The device loop: its rows, the streamed state it holds at once (`buffers` rows, or
+  # every row per subgroup in stream regions), every subgroup's new params.
+  if stacked is None:
+    stacked = not _per_subgroup(cfg.offload)
+  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=stacked)
+  if plan.streamed and held == len(plan.streamed) * size and not stacked:
+    # Every row held in the stream regions, each with the params it packs there.
+    streamed = held * (sb + pb)
+  else:
+    streamed = held * sb
   loop = dev_rows * (gb + own_master) + streamed + spec.num_subgroups * size * pb
   update = max(packing, loop)
 
@@ -187,6 +201,50 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   return StepMemory(arguments=float(arguments), backward_temp=acts,
                     update_temp=float(update), host_temp_bytes=float(host_temp),
                     forward_temp=float(forward))
+
+
+def stream_shortfall(cfg, plan: Plan, devices, *, stacked: bool,
+                     device_bytes: float | None = None) -> str | None:
+  """One line when the update phase of `plan` (a run's fixed placement) does not fit the
+  device memory left beside params, grads and the margin (`memory.run_budget`): the
+  resident state plus the larger of the activations and what the stream holds at once
+  (`costmodel.streamed_elements_held`: stored per subgroup, every streamed row). None
+  when it fits, or where the devices are the host.
+
+  `device_bytes` replaces the free memory read from the first device's allocator."""
+  budget = memory.run_budget(cfg, devices, device_bytes)
+  if budget is None or not (plan.streamed or plan.resident):
+    return None
+  budget_bytes, acts = budget
+  data, fsdp, _ = _mesh_sizes(cfg, len(devices)) if len(devices) > 1 else (1, 1, 1)
+  shards = fsdp if fsdp > 1 else data
+  spec = run_spec(cfg, shards)
+  size = spec.subgroup_size // shards
+  sb, pb = spec.state_bytes_per_element, spec.param_bytes_per_element
+  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=stacked)
+  every_row = bool(plan.streamed) and not stacked and held == len(plan.streamed) * size
+  stream = held * (sb + (pb if every_row else 0))
+  resident = sb * size * len(plan.resident)
+  need = resident + max(acts, stream)
+  if need <= budget_bytes:
+    return None
+  what = (f'stored per subgroup, the stream holds all {len(plan.streamed)} streamed'
+          f' subgroups at once ({memory.gib(stream)})' if every_row else
+          f'the stream holds {plan.buffers} rows ({memory.gib(stream)})')
+  return (f'offload.policy={cfg.offload.policy}: the update needs {memory.gib(need)} of device'
+          f' memory beside params and grads ({memory.gib(resident)} resident state and the'
+          f' larger of the activations, {memory.gib(acts)}, and the stream: {what});'
+          f' {memory.gib(budget_bytes)} is free. Stream fewer subgroups (offload.stride,'
+          ' offload.fraction) or let offload.policy: auto size the stream')
+
+
+def _per_subgroup(offload) -> bool:
+  """Whether `Offload` stores the configured state per subgroup (`Offload.per_subgroup`,
+  for the config's storage, policy and a fixed `early_chunks`)."""
+  early = getattr(offload, 'early_chunks', 0)
+  return Offload(policy=offload.placement, storage=None if offload.storage is None
+                 else Storage(offload.storage),
+                 early_chunks=0 if early == 'auto' else early).per_subgroup()
 
 
 def _forward_end_bytes(cfg, shape, seq_len: int, micro_batch: int, compute_bytes: int,

@@ -20,6 +20,7 @@ import optax
 
 import dos_jax
 from dos_jax.planner import memory
+from dos_jax.planner import step_memory
 from dos_jax.planner import timeline
 from dos_jax.train import checkpoint as ckpt_lib
 from dos_jax.train import data as data_lib
@@ -184,6 +185,24 @@ def budget_auto(cfg: RunConfig, devices: Sequence[jax.Device],
       auto.backward_seconds = backward_seconds(cfg, len(devices))
 
 
+def check_stream_memory(cfg: RunConfig, opt_state: Any, devices: Sequence[jax.Device],
+                        device_bytes: float | None = None) -> None:
+  """Raises `ConfigError` naming `offload.policy` when a fixed placement's update phase
+  does not fit the device memory beside the model (`step_memory.stream_shortfall`),
+  before XLA's allocator would fail. `Auto` sizes its own (`budget_auto`); on the CPU
+  backend nothing is checked. `device_bytes`: as in `budget_auto`."""
+  if isinstance(cfg.offload.placement, dos_jax.AdaptivePolicy):
+    return
+  is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
+  for state in [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]:
+    plan = cfg.offload.placement.plan(state.layout.spec())
+    line = step_memory.stream_shortfall(cfg, plan, devices,
+                                        stacked=not state.partition.per_subgroup,
+                                        device_bytes=device_bytes)
+    if line is not None:
+      raise ConfigError(line)
+
+
 def early_chooser(cfg: RunConfig, devices: Sequence[jax.Device]) -> Any:
   """What answers `offload.early_chunks: auto` for a static policy on a GPU: a
   `timeline.EarlyChooser` with this machine's profile and the run's backward pass
@@ -280,6 +299,7 @@ def build(
                                  data_axis=mesh_lib.state_axis(mesh), early_chooser=chooser,
                                  shard_dims=mesh_lib.state_shard_dims(mesh))
   opt_state = tx.init(params)
+  check_stream_memory(cfg, opt_state, list(mesh.devices.flat))
   state_shardings = step_lib.state_shardings(opt_state, mesh)
   compiler_options = step_lib.compiler_options_for(mesh.devices.flat[0].platform)
   # Commit every leaf (init may leave scalars uncommitted): the update's outputs are
