@@ -104,3 +104,35 @@ def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group():
   copies = schedule.gradient_copies(min_bytes=1)
   assert copies and all(c.overlaps_compute for c in copies), copies
   assert not schedule.large_host_copies(), schedule.host_copies
+
+
+def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_pass():
+  """The same step with early host chunks (`offload.early_chunks=3`): each device runs
+  them inside `shard_map` on its own columns, each chunk sending its own gradient pieces
+  (no barrier over all of them), and the step is compiled with the early calls'
+  profiled latency (`dataflow.early_windows`). Three host calls, chained; the last one
+  overlaps both stream lanes; every early call profiled and none held back; an early
+  window holds backward gemms; no device update outside a host call."""
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region (device_stream.available())')
+  if jax.device_count() < 4:
+    pytest.skip('needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)')
+  from dos_jax.dataflow import early_windows  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load(None, [
+      'mesh.data=1', 'mesh.fsdp=4', 'model.param_dtype=bfloat16', 'model.attention=xla',
+      'model.n_layers=4', 'offload.subgroup_size=65536', 'optim.clip_norm=1.0',
+      'offload.policy=stride', 'offload.storage=per_subgroup', 'offload.shard_major=true',
+      'offload.early_chunks=3'])
+  program = gpu_program.compile_sharded_step(cfg, jax.devices()[:4], 'h100_sxm')
+  schedule = program.schedule
+  calls = schedule.host_calls
+  assert len(calls) == 3 and all(a.done < b.start for a, b in zip(calls, calls[1:])), calls
+  assert program.early_calls_profiled == tuple(c.name for c in calls[:-1])
+  assert not early_windows.gemms_held_back(program.hlo_text)
+  lanes = schedule.stream_calls
+  assert lanes and all(c.updates and c.overlaps(calls[-1]) for c in lanes), (lanes, calls)
+  assert not schedule.device_updates_outside_host_calls(), (calls, lanes)
+  assert any(c.start < g < c.done for c in calls[:-1] for g in schedule.gemm_positions), (
+      calls, max(schedule.gemm_positions))

@@ -290,3 +290,46 @@ def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh
   for x, y in zip(jax.tree.leaves(one.params), jax.tree.leaves(zero3.params), strict=True):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-4)
   assert zero3.compile_counts() == {'fused': 1, 'grad': 0, 'update': 0}
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
+def test_the_zero3_early_chunks_are_the_one_call_step_bit_for_bit(dtype, seed):
+  """Early host chunks on a state sharded shard-major: each device runs them inside
+  `shard_map`, on its own columns (`lanes.sharded_two_streams`). Against the same step
+  with one host call: bit for bit over 4 steps, with clipping that fires (a rollback)
+  on steps 0 and 2 and not on 1 and 3, and every split kept."""
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region: no sharded construction')
+  mesh = _mesh()
+  params = _params(seed, dtype, mesh)
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  scales = (30.0, 1e-3, 30.0, 1e-3)
+  grads = [jax.device_put(jax.tree.map(lambda x, k=k: k * x, random_grads(params, i, seed)),
+                          shardings) for i, k in enumerate(scales)]
+  results = []
+  for early in (2, 0):
+    offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform='gpu',
+                              storage=dos_jax.Storage.PER_SUBGROUP, early_chunks=early)
+    tx = dos_jax.chain(dos_jax.clip_by_global_norm(0.5),
+                       dos_jax.adamw(LR, offload=offload, shard_dims=DIMS))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, g, tx=tx):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    text = str(jax.make_jaxpr(step)(params, state, grads[0]))
+    assert ('shard_map' in text) and ('dos_jax_stream_region[' in text)
+    lowered = step.lower(params, state, grads[0]).as_text()
+    assert ('_dos_jax_early_call' in lowered) is (early > 0)  # the early chunks are built
+    p = params
+    for g in grads:
+      p, state = step(p, state, g)
+    results.append((p, state))
+  (p1, s1), (p0, s0) = results
+  for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p0, s0)), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for key in params:
+    assert p1[key].sharding.is_equivalent_to(params[key].sharding, p1[key].ndim), key

@@ -37,7 +37,7 @@ def lane_count(plan, streamed_rows: int, lanes: int = 0) -> int:
 
 def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
                            tiers: dict[Tier, tuple], native: bool, offload: Offload,
-                           host_update=None, barrier: bool = False):
+                           host_update=None, barrier: bool = False, sharded_host=None):
   """The accelerator program's tiers, host and device halves concurrent by construction:
   the host tier in host regions and the device tiers (streamed, resident) in stream
   regions, one per lane (`stream_lanes`), each on a GPU stream of its own, all in one
@@ -46,10 +46,10 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   `host_update(group)`, if given, builds the host tier and puts in the group what
   should run beside the device tiers (early chunks: the last chunk and the redo).
   A state sharded shard-major runs the same on each device's columns
-  (`sharded_two_streams`; `barrier`: each region's results through an optimization
-  barrier, which that needs)."""
+  (`sharded_two_streams`, `sharded_host` making each device's `host_update`;
+  `barrier`: each region's results through an optimization barrier, which that needs)."""
   if context.mesh is not None:
-    return sharded_two_streams(context, base_step, tiers, native, offload)
+    return sharded_two_streams(context, base_step, tiers, native, offload, sharded_host)
   group = device_stream.next_group()
   if host_update is not None:
     host, outs = host_update(group)
@@ -110,11 +110,13 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
 
 
 def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
-                         tiers: dict[Tier, tuple], native: bool, offload: Offload):
+                         tiers: dict[Tier, tuple], native: bool, offload: Offload,
+                         host=None):
   """`update_on_two_streams` on each device's own columns, inside `shard_map`: a state
   packed shard-major holds, on device d, exactly the rows one shard's layout packs
-  (`layout_lib.local`), so each device runs the unsharded construction on its shards.
-  Jit's partitioning would split a stream region into several calls
+  (`layout_lib.local`), so each device runs the unsharded construction on its shards;
+  `host(local context, step, local host tier)`, if given, makes its `host_update` (the
+  early chunks). Jit's partitioning would split a stream region into several calls
   (tests/test_compiled_sharded_region.py)."""
   mesh, axis = context.mesh, offload.data_axis
   rows_spec, view_spec, whole = P(None, None, axis), P(axis, None), P()
@@ -126,9 +128,11 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
 
   def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, grad_scale):
     # Each host-bound gradient piece leaves for host memory as the backward pass makes
-    # it, outside the scheduling group (rule 2), as in the unsharded step.
-    host_grad_pieces, grads = tier_updates.gate_device_update(
-        local_layout, context.part, [v.reshape(-1) for v in grad_views])
+    # it, outside the scheduling group (rule 2), as in the unsharded step; early chunks
+    # send each block's pieces themselves, ungated, so that a chunk waits for its own.
+    views = [v.reshape(-1) for v in grad_views]
+    host_grad_pieces, grads = ({}, views) if host is not None else \
+        tier_updates.gate_device_update(local_layout, context.part, views)
     local = dataclasses.replace(
         context, layout=local_layout, mesh=None, host_grad_pieces=host_grad_pieces,
         host_inputs=[], grad_leaves=list(grads),
@@ -138,8 +142,9 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
     step = dataclasses.replace(base_step, grad_scale=grad_scale[0] if grad_scale else None)
     local_tiers = {t: () for t in TIERS}
     local_tiers.update(zip(names, arrays))
+    host_update = None if host is None else host(local, step, local_tiers[Tier.HOST])
     new_tiers, outs = update_on_two_streams(local, step, local_tiers, native, offload,
-                                             barrier=True)
+                                             host_update, barrier=True)
     pieces[:] = [runs for _, runs in outs]
     return [new_tiers[t] for t in names], [o for o, _ in outs]
 

@@ -307,10 +307,6 @@ def offloaded(
     chunks = offload.chunks if native and offload.host_impl is UpdateImpl.KERNEL else 0
     run_chunked = (split and bool(chunks) and part.per_subgroup and mesh is None
                    and bool(part.ids(Tier.HOST)) and bool(part.ids(Tier.STREAMED)))
-    early = offload.early_for(layout.spec(), plan) if split and part.per_subgroup else 0
-    run_early = (split and offload_lib.early_calls(early) > 1 and native
-                 and offload.host_impl is UpdateImpl.KERNEL and part.per_subgroup
-                 and mesh is None and len(part.blocks(Tier.HOST)) > 1)
     # The host and device halves concurrent by construction (`lanes`); a sharded state
     # only packed shard-major, each device running the construction on its own columns.
     on_two_streams = (split and not run_chunked and offload.device_stream
@@ -318,6 +314,11 @@ def offloaded(
                       and (mesh is None or layout.shards > 1)
                       and bool(part.ids(Tier.HOST))
                       and bool(part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)))
+    early = offload.early_for(layout.spec(), plan) if split and part.per_subgroup else 0
+    # Sharded, early chunks run inside that construction, on each device's columns.
+    run_early = (split and offload_lib.early_calls(early) > 1 and native
+                 and offload.host_impl is UpdateImpl.KERNEL and part.per_subgroup
+                 and (mesh is None or on_two_streams) and len(part.blocks(Tier.HOST)) > 1)
     host_grad_pieces = {}
     if split and not run_chunked and not run_early and not (on_two_streams and mesh is not None):
       # A sharded state's native host path takes its gradients as rows split over the
@@ -345,12 +346,17 @@ def offloaded(
           chunks)
       new_tiers.update(chunked_tiers)
     host_update = None
-    if run_early:  # the host tier in early chunks (`dos_jax.step.early_chunks`)
+    if run_early and mesh is None:  # the host tier in early chunks (`step.early_chunks`)
       host_update = functools.partial(early_chunks.update_host, context, base_step,
                                       state.tier(Tier.HOST), early)
     if on_two_streams:
-      new_tiers, outs = lanes_lib.update_on_two_streams(context, base_step, state.tiers,
-                                                        native, offload, host_update)
+      sharded_host = None
+      if run_early and mesh is not None:  # each device's early chunks, inside shard_map
+        sharded_host = lambda local, step, host: functools.partial(
+            early_chunks.update_host, local, step, host, early)
+      new_tiers, outs = lanes_lib.update_on_two_streams(
+          context, base_step, state.tiers, native, offload, host_update,
+          sharded_host=sharded_host)
     else:
       if run_early:
         new_tiers[Tier.HOST], outs = host_update()
