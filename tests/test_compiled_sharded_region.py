@@ -81,11 +81,10 @@ def test_a_region_inside_shard_map_stays_one_stream_call():
   assert call.updates, call
 
 
-def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group():
-  """The runner's tiny step, fsdp=4, the state packed shard-major and per subgroup,
-  Stride(2), clipping: one host call, both stream lanes overlapping it, no device
-  update outside it, and every host-bound gradient piece leaving during the backward
-  pass (pieces of under 64 KiB here: each device sends its own shard of each leaf)."""
+def _runners_zero3_step(*overrides):
+  """The runner's tiny step over fsdp=4, bf16, the state packed shard-major and per
+  subgroup, Stride(2), clipping, compiled for 4 H100s (skips where this jax builds no
+  stream region or there are not 4 CPU devices)."""
   if not device_stream.available():
     pytest.skip('this jax builds no stream region (device_stream.available())')
   if jax.device_count() < 4:
@@ -95,8 +94,16 @@ def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group():
   cfg = config_lib.load(None, [
       'mesh.data=1', 'mesh.fsdp=4', 'model.param_dtype=bfloat16', 'model.attention=xla',
       'offload.subgroup_size=65536', 'optim.clip_norm=1.0', 'offload.policy=stride',
-      'offload.storage=per_subgroup', 'offload.shard_major=true', 'offload.early_chunks=0'])
-  schedule = gpu_program.compile_sharded_step(cfg, jax.devices()[:4], 'h100_sxm').schedule
+      'offload.storage=per_subgroup', 'offload.shard_major=true', *overrides])
+  return gpu_program.compile_sharded_step(cfg, jax.devices()[:4], 'h100_sxm')
+
+
+def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group():
+  """The runner's tiny step, fsdp=4, the state packed shard-major and per subgroup,
+  Stride(2), clipping: one host call, both stream lanes overlapping it, no device
+  update outside it, and every host-bound gradient piece leaving during the backward
+  pass (pieces of under 64 KiB here: each device sends its own shard of each leaf)."""
+  schedule = _runners_zero3_step('offload.early_chunks=0').schedule
   (call,) = schedule.host_calls
   lanes = schedule.stream_calls
   assert len(lanes) == 2 and all(c.updates and c.overlaps(call) for c in lanes), lanes
@@ -113,19 +120,8 @@ def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_
   profiled latency (`dataflow.early_windows`). Three host calls, chained; the last one
   overlaps both stream lanes; every early call profiled and none held back; an early
   window holds backward gemms; no device update outside a host call."""
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region (device_stream.available())')
-  if jax.device_count() < 4:
-    pytest.skip('needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)')
   from dos_jax.dataflow import early_windows  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
-  cfg = config_lib.load(None, [
-      'mesh.data=1', 'mesh.fsdp=4', 'model.param_dtype=bfloat16', 'model.attention=xla',
-      'model.n_layers=4', 'offload.subgroup_size=65536', 'optim.clip_norm=1.0',
-      'offload.policy=stride', 'offload.storage=per_subgroup', 'offload.shard_major=true',
-      'offload.early_chunks=3'])
-  program = gpu_program.compile_sharded_step(cfg, jax.devices()[:4], 'h100_sxm')
+  program = _runners_zero3_step('model.n_layers=4', 'offload.early_chunks=3')
   schedule = program.schedule
   calls = schedule.host_calls
   assert len(calls) == 3 and all(a.done < b.start for a, b in zip(calls, calls[1:])), calls

@@ -145,29 +145,45 @@ def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, d
   for stream in (True, False):
     offload = dos_jax.Offload(subgroup_size=40, policy=policy, platform='gpu',
                               storage=dos_jax.Storage.PER_SUBGROUP, device_stream=stream)
-    tx = dos_jax.chain(dos_jax.clip_by_global_norm(0.5),
-                       dos_jax.adamw(LR, offload=offload, shard_dims=DIMS))
-    state = tx.init(params)
-
-    @jax.jit
-    def step(p, s, g, tx=tx):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
+    state, step = _clipped_step(offload, params)
     grads = [jax.device_put(jax.tree.map(lambda x: 3 * x, random_grads(params, i, seed)),
                             shardings) for i in range(3)]
     regions = str(jax.make_jaxpr(step)(params, state, grads[0])).count(
         'dos_jax_stream_region[')
     assert (regions > 0) is (stream and device_stream.available()), regions
-    p = params
-    for g in grads:
-      p, state = step(p, state, g)
-    results.append((p, state))
-  (p1, s1), (p0, s0) = results
-  for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p0, s0))):
+    results.append(_run(step, params, state, grads))
+  _assert_bit_for_bit(*results, params)
+
+
+def _clipped_step(offload, params):
+  """(state, jitted step) of `dos_jax.adamw` under `offload`, sharded shard-major,
+  behind a global-norm clip at 0.5."""
+  tx = dos_jax.chain(dos_jax.clip_by_global_norm(0.5),
+                     dos_jax.adamw(LR, offload=offload, shard_dims=DIMS))
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return tx.init(params), step
+
+
+def _run(step, params, state, grads):
+  """(params, state) after one step per gradient."""
+  for g in grads:
+    params, state = step(params, state, g)
+  return params, state
+
+
+def _assert_bit_for_bit(first, second, params):
+  """Two runs' (params, state) equal bit for bit, the first's params keeping `params`'
+  shardings."""
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   for key in params:
-    assert p1[key].sharding.is_equivalent_to(params[key].sharding, p1[key].ndim), key
+    assert first[0][key].sharding.is_equivalent_to(params[key].sharding,
+                                                   first[0][key].ndim), key
 
 
 def _all_gathers(text: str) -> list[int]:
@@ -311,25 +327,10 @@ def test_the_zero3_early_chunks_are_the_one_call_step_bit_for_bit(dtype, seed):
   for early in (2, 0):
     offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform='gpu',
                               storage=dos_jax.Storage.PER_SUBGROUP, early_chunks=early)
-    tx = dos_jax.chain(dos_jax.clip_by_global_norm(0.5),
-                       dos_jax.adamw(LR, offload=offload, shard_dims=DIMS))
-    state = tx.init(params)
-
-    @jax.jit
-    def step(p, s, g, tx=tx):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
+    state, step = _clipped_step(offload, params)
     text = str(jax.make_jaxpr(step)(params, state, grads[0]))
     assert ('shard_map' in text) and ('dos_jax_stream_region[' in text)
     lowered = step.lower(params, state, grads[0]).as_text()
     assert ('_dos_jax_early_call' in lowered) is (early > 0)  # the early chunks are built
-    p = params
-    for g in grads:
-      p, state = step(p, state, g)
-    results.append((p, state))
-  (p1, s1), (p0, s0) = results
-  for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p0, s0)), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  for key in params:
-    assert p1[key].sharding.is_equivalent_to(params[key].sharding, p1[key].ndim), key
+    results.append(_run(step, params, state, grads))
+  _assert_bit_for_bit(*results, params)

@@ -44,10 +44,14 @@ def early_call_names(hlo_text: str) -> tuple[str, ...]:
   module = hlo.Module.parse(hlo_text)
   if not module.is_scheduled:
     return ()
+  return tuple(c.name for c in _early_calls(module))
+
+
+def _early_calls(module: hlo.Module) -> list[schedule_lib.HostCall]:
   by_name = module.entry_computation.by_name()
   calls = schedule_lib.Schedule.from_module(module).host_calls
   marker = device_stream.EARLY_CALL_ATTRIBUTE + '='
-  return tuple(c.name for c in calls[:-1] if marker in by_name[c.name].attributes)
+  return [c for c in calls[:-1] if marker in by_name[c.name].attributes]
 
 
 def gemms_held_back(hlo_text: str) -> tuple[int, ...]:
@@ -59,13 +63,12 @@ def gemms_held_back(hlo_text: str) -> tuple[int, ...]:
   module = hlo.Module.parse(hlo_text)
   entry = module.entry_computation
   by_name = entry.by_name()
-  schedule = schedule_lib.Schedule.from_module(module)
-  early = set(early_call_names(hlo_text))
-  calls = [c for c in schedule.host_calls if c.name in early]
+  gemms = schedule_lib.Schedule.from_module(module).gemm_positions
+  calls = _early_calls(module)
   held = []
   for k, call in enumerate(calls):
     waits_for = _producers(by_name, call.name)
-    held += [g for g in schedule.gemm_positions
+    held += [g for g in gemms
              if g < call.start and entry.instructions[g].name not in waits_for
              and not any(c.start < g < c.done for c in calls[:k])]
   return tuple(sorted(set(held)))
@@ -82,13 +85,9 @@ def _producers(by_name: Mapping[str, hlo.Instruction], name: str) -> set[str]:
   return found
 
 
-def early_call_profile(hlo_text: str) -> bytes | None:
+def early_call_profile(names: tuple[str, ...]) -> bytes:
   """The `fdo_profile` (a `ProfiledInstructionsProto` in text form) giving each early
-  host call of the compiled program `hlo_text` the latency `EARLY_CALL_LATENCY_US`;
-  None when it has none."""
-  names = early_call_names(hlo_text)
-  if not names:
-    return None
+  host call `names` (`early_call_names`) the latency `EARLY_CALL_LATENCY_US`."""
   return ''.join(f'costs {{ name: "{n}" cost_us: {EARLY_CALL_LATENCY_US:g} }}\n'
                  for n in names).encode()
 
@@ -102,12 +101,10 @@ def compile_twice(compile_fn: Callable[[Mapping[str, Any]], T],
   optimized HLO. Warns when the second program's early calls are not the ones the
   profile names (the profile then moved nothing)."""
   first = compile_fn({})
-  text = hlo_text_of(first)
-  profile = early_call_profile(text)
-  if profile is None:
+  names = early_call_names(hlo_text_of(first))
+  if not names:
     return first, ()
-  names = early_call_names(text)
-  second = compile_fn({'fdo_profile': profile})
+  second = compile_fn({'fdo_profile': early_call_profile(names)})
   if early_call_names(hlo_text_of(second)) != names:
     warnings.warn(f'dos_jax: the second compile renamed the early host calls {names}: '
                   'their profiled latency was not applied, so XLA placed them by its own '

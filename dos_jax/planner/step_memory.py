@@ -38,7 +38,6 @@ XLA compute late at small widths, and the other layouts XLA picks for some tiny 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from dos_jax.offload import Offload
 from dos_jax.offload import Storage
@@ -184,12 +183,7 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
   # every row per subgroup in stream regions), every subgroup's new params.
   if stacked is None:
     stacked = not _per_subgroup(cfg.offload)
-  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=stacked)
-  if plan.streamed and held == len(plan.streamed) * size and not stacked:
-    # Every row held in the stream regions, each with the params it packs there.
-    streamed = held * (sb + pb)
-  else:
-    streamed = held * sb
+  streamed, _ = _stream_bytes(spec, plan, size, stacked)
   loop = dev_rows * (gb + own_master) + streamed + spec.num_subgroups * size * pb
   update = max(packing, loop)
 
@@ -201,6 +195,19 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
   return StepMemory(arguments=float(arguments), backward_temp=acts,
                     update_temp=float(update), host_temp_bytes=float(host_temp),
                     forward_temp=float(forward))
+
+
+def _stream_bytes(spec: SubgroupSpec, plan: Plan, size: int, stacked: bool
+                  ) -> tuple[float, bool]:
+  """`(bytes, every row)`: the device memory the stream holds at once for rows of
+  `size` elements (`costmodel.streamed_elements_held`), and whether that is every
+  streamed row; held row by row in the stream regions, each row also keeps the params
+  it packs there."""
+  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=stacked)
+  every_row = bool(plan.streamed) and not stacked and held == len(plan.streamed) * size
+  per_element = spec.state_bytes_per_element + (
+      spec.param_bytes_per_element if every_row else 0)
+  return float(held * per_element), every_row
 
 
 def stream_shortfall(cfg, plan: Plan, devices, *, stacked: bool,
@@ -220,11 +227,8 @@ def stream_shortfall(cfg, plan: Plan, devices, *, stacked: bool,
   shards = fsdp if fsdp > 1 else data
   spec = run_spec(cfg, shards)
   size = spec.subgroup_size // shards
-  sb, pb = spec.state_bytes_per_element, spec.param_bytes_per_element
-  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=stacked)
-  every_row = bool(plan.streamed) and not stacked and held == len(plan.streamed) * size
-  stream = held * (sb + (pb if every_row else 0))
-  resident = sb * size * len(plan.resident)
+  stream, every_row = _stream_bytes(spec, plan, size, stacked)
+  resident = spec.state_bytes_per_element * size * len(plan.resident)
   need = resident + max(acts, stream)
   if need <= budget_bytes:
     return None
