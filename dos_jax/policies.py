@@ -50,8 +50,10 @@ class Plan:
     host: subgroup indices updated in host memory by the host path, in this order.
     resident: subgroup indices whose state stays in device memory and is updated
       there, with no copies at all (every subgroup: the `AllDevice` baseline).
-    buffers: streamed subgroups in flight at once (double buffering = 2); bounds the
-      device memory the streamed path needs to `buffers` subgroups of state.
+    buffers: streamed subgroups in flight at once (double buffering = 2). A stacked
+      stream holds `buffers` subgroups of state in device memory; stored per subgroup
+      in stream regions, every streamed row is held until the regions are done
+      (`planner.costmodel.streamed_elements_held`).
 
   `device` is the deprecated name of `streamed` (as a keyword and an attribute), kept
   for one release.

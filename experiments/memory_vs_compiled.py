@@ -17,8 +17,13 @@ can be redone without compiling again.
 (`gpu_program.compile_sharded_step`, cuDNN attention, bf16, Stride(2)) against
 `predict_step(cfg, devices=N)`, device bytes only.
 
+`--chunks` compares the per-subgroup stream in linked chunks (`offload.chunks`): an
+update-bound tiny step (4 layers, 32 tokens, bf16, Stride(2), clipping, per subgroup)
+with 0, 2 and 3 chunks, against `predict_step(cfg)`, device bytes and host calls.
+
   JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --cache /tmp/mem.json
   JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --fsdp --cache /tmp/fsdp.json
+  JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --chunks --cache /tmp/chunks.json
 """
 
 from __future__ import annotations
@@ -143,12 +148,47 @@ def main_fsdp(cache: dict, args) -> int:
   return 0
 
 
+CHUNK_BASE = ('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
+              'optim.clip_norm=1.0', 'offload.early_chunks=0', 'data.seq_len=32',
+              'data.batch_size=2', 'offload.storage=per_subgroup')
+
+
+def main_chunks(cache: dict, args) -> int:
+  from dos_jax.planner import step_memory
+  from dos_jax.train import config as config_lib
+  from dos_jax.train import gpu_program
+  mib = lambda b: b / 2**20
+  print('| subgroup size | chunks | host calls | compiled device MiB | predicted device MiB |'
+        ' ratio |')
+  print('|---|---|---|---|---|---|')
+  for size in (16384, 65536):
+    for chunks in (0, 2, 3):
+      key = f'chunks {size} {chunks}'
+      cfg = config_lib.load(None, [*CHUNK_BASE, f'offload.subgroup_size={size}',
+                                   f'offload.chunks={chunks}'])
+      if key not in cache and not args.no_compile:
+        program = gpu_program.compile_step(cfg, 'h100_sxm')
+        cache[key] = {'device_peak_bytes': program.memory.device_peak_bytes,
+                      'host_calls': len(program.schedule.host_calls)}
+        with open(args.cache, 'w', encoding='utf-8') as f:
+          json.dump(cache, f, indent=1)
+      if key not in cache:
+        continue
+      got = cache[key]['device_peak_bytes']
+      pred = step_memory.predict_step(cfg).device_bytes
+      print(f'| {size} | {chunks} | {cache[key]["host_calls"]} | {mib(got):.2f} |'
+            f' {mib(pred):.2f} | {pred / got:.3f} |', flush=True)
+  return 0
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
   parser.add_argument('--cache', default='/tmp/memory_vs_compiled.json')
   parser.add_argument('--full', action='store_true', help='every policy x dtype per config')
   parser.add_argument('--no-compile', action='store_true', help='use only cached figures')
   parser.add_argument('--fsdp', action='store_true', help='the ZeRO-3 family instead')
+  parser.add_argument('--chunks', action='store_true',
+                      help='the per-subgroup stream in linked chunks instead')
   args = parser.parse_args(argv)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   if args.fsdp:  # the mesh's devices, before JAX starts its CPU backend
@@ -160,6 +200,8 @@ def main(argv=None) -> int:
       cache = json.load(f)
   if args.fsdp:
     return main_fsdp(cache, args)
+  if args.chunks:
+    return main_chunks(cache, args)
   if not args.no_compile:
     for name, preset, extra, policy, dtype in runs(args.full):
       key = f'{name} {policy} {dtype}'

@@ -132,3 +132,25 @@ def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_
   assert not schedule.device_updates_outside_host_calls(), (calls, lanes)
   assert any(c.start < g < c.done for c in calls[:-1] for g in schedule.gemm_positions), (
       calls, max(schedule.gemm_positions))
+
+
+def test_the_runners_step_on_one_device_builds_the_unsharded_construction():
+  """On one GPU the runner places the params on a one-device mesh, and the state keeps
+  that mesh. A one-device mesh splits nothing, so the step is built as for an unsharded
+  state: early host calls (here 2) and the device tiers in stream lanes grouped with the
+  last call, none outside a host call. Before, the mesh alone made the step take the
+  sharded path: one host call and every device update outside it."""
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region (device_stream.available())')
+  from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load(None, [
+      'model.param_dtype=bfloat16', 'model.attention=xla', 'model.n_layers=4',
+      'offload.subgroup_size=65536', 'optim.clip_norm=1.0', 'offload.policy=stride',
+      'offload.storage=per_subgroup', 'offload.early_chunks=2'])
+  schedule = gpu_program.compile_sharded_step(cfg, jax.devices()[:1], 'h100_sxm').schedule
+  calls = schedule.host_calls
+  assert len(calls) == 2 and calls[0].done < calls[1].start, calls
+  lanes = schedule.stream_calls
+  assert lanes and all(c.updates and c.overlaps(calls[-1]) for c in lanes), (lanes, calls)
+  assert not schedule.device_updates_outside_host_calls(), (calls, lanes)

@@ -107,8 +107,15 @@ def test_device_only_single_buffer_serializes_each_subgroup():
   np.testing.assert_allclose(pred.device_stream_seconds, 5 * per, rtol=1e-12)
   stacked = costmodel.predict(p, spec, Stride(1, buffers=1).plan(spec), stacked=True)
   assert stacked.device_peak_bytes == 12e6  # one row of state at a time
-  # Per subgroup in stream regions every streamed row is held until the regions are done.
-  assert pred.device_peak_bytes == (5 * 12e6 if device_stream.available() else 12e6)
+  # With no host subgroup the step builds no stream region: one row at a time as well.
+  assert pred.device_peak_bytes == 12e6
+  # Beside a host subgroup, in stream regions, every streamed row is held until the
+  # regions are done; in 2 linked chunks, the larger chunk's rows.
+  mixed = Stride(2, buffers=1).plan(spec)
+  held = costmodel.predict(p, spec, mixed).device_peak_bytes
+  assert held == (len(mixed.streamed) * 12e6 if device_stream.available() else 12e6)
+  chunked = costmodel.predict(p, spec, mixed, chunks=2).device_peak_bytes
+  assert chunked == (2 * 12e6 if device_stream.available() else 12e6)
 
 
 def test_more_buffers_pipeline_the_copies():

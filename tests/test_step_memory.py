@@ -3,6 +3,8 @@ and the cost model's exposed last gradient, against hand counts, the packed layo
 optimizer really builds, and (where the CUDA plugin is installed) the step compiled for
 an H100."""
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -167,6 +169,136 @@ def test_per_subgroup_stream_holds_every_streamed_row(subgroup_size):
   compiled = gpu_program.compile_step(cfg, 'h100_sxm').memory.device_peak_bytes
   assert step_memory.predict_step(cfg).device_bytes == pytest.approx(compiled, rel=0.10)
   assert step_memory.predict_step(cfg, stacked=True).device_bytes < 0.6 * compiled
+
+
+@pytest.mark.compiled_gpu
+@pytest.mark.parametrize('chunks', [2, 3])
+def test_linked_chunks_hold_one_chunks_rows(chunks):
+  """In `offload.chunks` linked chunks, chunk k+1's stream regions start after chunk
+  k's are done: the update holds the largest chunk's streamed rows. The update-bound
+  step above compiled for an H100 is within 10% of that prediction and well under the
+  unchunked step's."""
+  available, why = dataflow.gpu_compiler_available()
+  if not available:
+    pytest.skip(f'no GPU compiler here: {why}')
+  if jax.default_backend() != 'cpu':
+    pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu')
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region')
+  cfg = _cfg('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
+             'optim.clip_norm=1.0', 'offload.early_chunks=0', 'data.seq_len=32',
+             'data.batch_size=2', 'offload.storage=per_subgroup',
+             'offload.subgroup_size=16384', f'offload.chunks={chunks}')
+  program = gpu_program.compile_step(cfg, 'h100_sxm')
+  assert len(program.schedule.host_calls) == chunks, program.schedule.host_calls
+  compiled = program.memory.device_peak_bytes
+  assert step_memory.predict_step(cfg).device_bytes == pytest.approx(compiled, rel=0.10)
+  assert compiled < 0.85 * step_memory.predict_step(cfg, chunks=0).device_bytes
+
+
+class _Gpu:
+  """A device of the accelerator program, as `trainer.fit_stream` reads one: only its
+  platform (this machine has none; the memory is passed as `device_bytes`)."""
+
+  platform = 'gpu'
+
+
+def _tight(cfg, spare: float) -> float:
+  """Device bytes that leave `spare` bytes beside the model and the margin."""
+  budget, _ = memory.run_budget(cfg, [_Gpu()], 1e12)
+  model_bytes = 1e12 * (1 - memory.MARGIN) - budget  # params and grads
+  return (model_bytes + spare) / (1 - memory.MARGIN)
+
+
+def _state(cfg):
+  params = jax.eval_shape(lambda: model_lib.init_params(cfg.model, 0))
+  tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
+                               platform=dos_jax.Program.TWO_MEMORIES)
+  return dos_jax.abstract_state(tx, params)
+
+
+def test_a_stream_that_does_not_fit_runs_in_the_fewest_linked_chunks_that_do():
+  """`offload.chunks: auto` (the default) on a GPU: a fixed policy whose per-subgroup
+  stream holds every streamed row and does not fit runs in the fewest linked chunks
+  that fit, early host calls off, and says so in one line; the built state then passes
+  the memory check, which stops the same run with chunks off. A budget that fits
+  changes nothing."""
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import trainer  # pylint: disable=import-outside-toplevel
+  from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region: the stream holds `buffers` rows')
+  cfg = _cfg('offload.policy=stride', 'model.n_layers=4', 'offload.subgroup_size=16384',
+             'data.seq_len=32', 'data.batch_size=2')
+  spec = step_memory.run_spec(cfg)
+  plan = cfg.offload.placement.plan(spec)
+  row = (spec.state_bytes_per_element + spec.param_bytes_per_element) * spec.subgroup_size
+  assert len(plan.streamed) >= 4 and len(plan.host) >= 2
+  acts = memory.run_budget(cfg, [_Gpu()], 1e12)[1]
+  # Room for half the streamed rows beside the activations' share, not for all.
+  tight = _tight(cfg, max(acts, row * (len(plan.streamed) + 1) // 2))
+  fitted, note = trainer.fit_stream(cfg, [_Gpu()], device_bytes=tight)
+  assert fitted.offload.chunks == 2 and fitted.offload.early_chunks == 0, fitted.offload
+  assert note is not None and 'the step runs in 2 linked chunks' in note, note
+  trainer.check_stream_memory(fitted, _state(fitted), [_Gpu()], device_bytes=tight)
+  off = dataclasses.replace(fitted, offload=dataclasses.replace(fitted.offload, chunks=0,
+                                                                storage='per_subgroup'))
+  with pytest.raises(ConfigError, match='split the step into linked chunks'):
+    trainer.check_stream_memory(off, _state(off), [_Gpu()], device_bytes=tight)
+  roomy, note = trainer.fit_stream(cfg, [_Gpu()], device_bytes=1e12)
+  assert roomy.offload.chunks == 0 and roomy.offload.early_chunks == 'auto' and note is None
+  # On the CPU backend nothing is fitted.
+  cpu, note = trainer.fit_stream(cfg, jax.devices()[:1], device_bytes=tight)
+  assert cpu.offload.chunks == 0 and note is None
+
+
+def test_where_no_chunk_count_applies_the_state_is_stacked():
+  """One host subgroup leaves nothing to chunk: with `offload.storage` unset the run's
+  state is stacked (the stream holds `buffers` rows, one host call); with
+  `per_subgroup` asked for, or early host calls given, nothing changes and the memory
+  check names `offload.policy`."""
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import trainer  # pylint: disable=import-outside-toplevel
+  from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region: the stream holds `buffers` rows')
+  cfg = _cfg('offload.policy=device_fraction', 'offload.fraction=0.9', 'model.n_layers=4',
+             'offload.subgroup_size=65536', 'data.seq_len=32', 'data.batch_size=2')
+  spec = step_memory.run_spec(cfg)
+  plan = cfg.offload.placement.plan(spec)
+  assert len(plan.host) == 1 and len(plan.streamed) > 3, plan
+  row = (spec.state_bytes_per_element + spec.param_bytes_per_element) * spec.subgroup_size
+  acts = memory.run_budget(cfg, [_Gpu()], 1e12)[1]
+  tight = _tight(cfg, max(acts, 3 * row))
+  stacked, note = trainer.fit_stream(cfg, [_Gpu()], device_bytes=tight)
+  assert stacked.offload.storage == 'stacked' and stacked.offload.chunks == 0, stacked.offload
+  assert note is not None and 'the state is stacked' in note, note
+  trainer.check_stream_memory(stacked, _state(stacked), [_Gpu()], device_bytes=tight)
+  for given in ('offload.storage=per_subgroup', 'offload.early_chunks=[1]'):
+    asked = _cfg('offload.policy=device_fraction', 'offload.fraction=0.9',
+                 'model.n_layers=4', 'offload.subgroup_size=65536', 'data.seq_len=32',
+                 'data.batch_size=2', given)
+    same, note = trainer.fit_stream(asked, [_Gpu()], device_bytes=tight)
+    assert note is None and same.offload.chunks == 0, (given, same.offload)
+    with pytest.raises(ConfigError, match='^offload.policy=device_fraction: '):
+      trainer.check_stream_memory(same, _state(same), [_Gpu()], device_bytes=tight)
+
+
+def test_chunks_that_cannot_apply_are_one_line_naming_the_key():
+  """`offload.chunks` below 0, with stacked storage, or beside early host calls: one
+  `ConfigError` naming `offload.chunks`."""
+  from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match='offload.chunks: expected auto or an integer'):
+    _cfg('offload.chunks=-1')
+  for given in ('offload.storage=stacked', 'offload.early_chunks=[1]'):
+    cfg = _cfg('offload.policy=stride', 'offload.chunks=2', given)
+    with pytest.raises(ConfigError, match=r'^offload\.chunks: Offload\.'):
+      step_lib.make_offload(cfg.offload, dos_jax.Program.TWO_MEMORIES)
+  cfg = _cfg('offload.policy=stride', 'offload.chunks=2')
+  made = step_lib.make_offload(cfg.offload, dos_jax.Program.TWO_MEMORIES)
+  assert made.chunks == 2 and made.per_subgroup() and made.early_chunks == 0
 
 
 def test_a_stream_that_does_not_fit_is_named_before_xla_allocates():

@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 # The profile lives in `hardware`; re-exported so callers need one import.
 from dos_jax.planner.hardware import A100_PCIE_GEN4_NODE as A100_PCIE_GEN4_NODE
 from dos_jax.planner.hardware import ADAMW_BYTES_PER_PARAM as ADAMW_BYTES_PER_PARAM
@@ -209,18 +211,34 @@ def stream_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
   return stream
 
 
-def streamed_elements_held(plan: Plan, dev_sizes: list[int], *, stacked: bool) -> int:
+def chunk_count(plan: Plan, chunks: int) -> int:
+  """How many linked chunks `Offload(chunks=chunks)` runs `plan` in: at most `chunks`,
+  each with a host and a streamed subgroup at least (`dos_jax.step.chunked`)."""
+  return max(1, min(chunks, len(plan.host), len(plan.streamed)))
+
+
+def streamed_elements_held(plan: Plan, dev_sizes: list[int], *, stacked: bool,
+                           chunks: int = 0, regions: bool | None = None) -> int:
   """Elements of streamed state in device memory at once during the update: the
   stream's `buffers` rows, or, stored per subgroup where the step runs the device
   tiers in stream regions (`device_stream.available()`), every streamed row. XLA keeps
   each value of an asynchronous computation live until its done (`HloLiveRange`), so a
   lane's region holds all of its rows; chaining one region per row would need a data
   edge between grouped calls, which XLA 0.11 rejects ("annotation groups with gaps";
-  RESULTS.md, 2026-11-26, ninth session)."""
+  RESULTS.md, 2026-11-26, ninth session). In `chunks` linked chunks
+  (`Offload(chunks=...)`, `dos_jax.step.chunked`) chunk k+1's regions start after
+  chunk k's are done, so the stream holds the largest chunk's rows (`dev_sizes` in
+  stream order). `regions`: whether the step runs the rows in stream regions
+  (`dos_jax.step.transform.stream_regions` says for a built state); None: where they
+  are stored per subgroup, this jax builds regions and the plan has host subgroups (an
+  unsharded state)."""
   if not dev_sizes:
     return 0
-  if not stacked and device_stream.available():
-    return sum(dev_sizes)
+  if regions is None:
+    regions = not stacked and device_stream.available() and bool(plan.host)
+  if regions:
+    parts = np.array_split(np.asarray(dev_sizes, np.int64), chunk_count(plan, chunks))
+    return int(max(part.sum() for part in parts))
   return plan.buffers * max(dev_sizes)
 
 
@@ -232,6 +250,7 @@ def predict(
     backward_seconds: float = 0.0,
     last_grad_bytes: float = 0.0,
     stacked: bool = False,
+    chunks: int = 0,
 ) -> Prediction:
   """Predicts the update phase of `plan` on `profile` (see the module docstring).
 
@@ -247,6 +266,9 @@ def predict(
       behind.
     stacked: the streamed tier is stacked (`Storage.STACKED`, the default of fixed
       policies) rather than an array per subgroup (see the module docstring).
+    chunks: per subgroup, the step's linked chunks (`Offload.chunks`): the device
+      memory the stream holds (`streamed_elements_held`); their time is
+      `timeline.timeline`'s.
   """
   if plan.num_subgroups != spec.num_subgroups:
     raise ValueError(
@@ -328,7 +350,8 @@ def predict(
         (stream, device_label), (host, 'host'), (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
         key=lambda item: item[0],
     )
-  peak = float(sb * streamed_elements_held(plan, dev_sizes, stacked=stacked))
+  peak = float(sb * streamed_elements_held(plan, dev_sizes, stacked=stacked,
+                                             chunks=chunks))
   return Prediction(
       update_seconds=update + layout, device_stream_seconds=stream, host_seconds=host,
       bytes_h2d=bytes_h2d, bytes_d2h=bytes_d2h, grad_transfer_hidden_seconds=hidden,

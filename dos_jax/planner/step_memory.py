@@ -45,6 +45,7 @@ from dos_jax.planner import costmodel
 from dos_jax.planner import memory
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
+from dos_jax.step import device_stream
 
 _BYTES = {'float32': 4, 'bfloat16': 2}
 
@@ -111,8 +112,11 @@ def _subgroup_size(cfg) -> int:
   return Offload().subgroup_size
 
 
-def _mesh_sizes(cfg, devices: int) -> tuple[int, int, int]:
-  """`(data, fsdp, tensor)` of `cfg.mesh` over `devices` (data -1: what the rest leave)."""
+def mesh_sizes(cfg, devices: int) -> tuple[int, int, int]:
+  """`(data, fsdp, tensor)` of `cfg.mesh` over `devices` (data -1: what the rest leave;
+  one device: no split)."""
+  if devices <= 1:
+    return 1, 1, 1
   mesh = cfg.mesh
   data = mesh.data if mesh.data > 0 else max(
       devices // (mesh.fsdp * mesh.tensor * mesh.pipeline), 1)
@@ -120,7 +124,7 @@ def _mesh_sizes(cfg, devices: int) -> tuple[int, int, int]:
 
 
 def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
-                 stacked: bool | None = None) -> StepMemory:
+                 stacked: bool | None = None, chunks: int | None = None) -> StepMemory:
   """Predicted memory of the runner's compiled step for `cfg` on one device of a mesh
   of `devices` (`cfg.mesh`'s axes; pipeline stages are not modelled).
 
@@ -140,9 +144,11 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
     stacked: whether the streamed tier is stacked; default as `dos_jax.Offload` stores
       it for the configured storage and policy (early chunks chosen at run time store
       it per subgroup: pass False for the runner's step on a GPU).
+    chunks: the step's linked chunks (`Offload.chunks`, an unsharded state); default
+      `offload.chunks` where it is a number, else none.
   """
   shape = cfg.model.shape()
-  data, fsdp, tensor = _mesh_sizes(cfg, devices) if devices > 1 else (1, 1, 1)
+  data, fsdp, tensor = mesh_sizes(cfg, devices)
   state_shards = fsdp if fsdp > 1 else data
   spec = run_spec(cfg, state_shards)
   if plan is None:
@@ -183,7 +189,10 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
   # every row per subgroup in stream regions), every subgroup's new params.
   if stacked is None:
     stacked = not _per_subgroup(cfg.offload)
-  streamed, _ = _stream_bytes(spec, plan, size, stacked)
+  if chunks is None:
+    chunks = cfg.offload.chunks if isinstance(cfg.offload.chunks, int) else 0
+  regions, chunks = stream_construction(cfg, plan, devices, stacked, chunks)
+  streamed, _ = _stream_bytes(spec, plan, size, stacked, regions=regions, chunks=chunks)
   loop = dev_rows * (gb + own_master) + streamed + spec.num_subgroups * size * pb
   update = max(packing, loop)
 
@@ -197,49 +206,129 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
                     forward_temp=float(forward))
 
 
-def _stream_bytes(spec: SubgroupSpec, plan: Plan, size: int, stacked: bool
-                  ) -> tuple[float, bool]:
-  """`(bytes, every row)`: the device memory the stream holds at once for rows of
-  `size` elements (`costmodel.streamed_elements_held`), and whether that is every
-  streamed row; held row by row in the stream regions, each row also keeps the params
-  it packs there."""
-  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=stacked)
-  every_row = bool(plan.streamed) and not stacked and held == len(plan.streamed) * size
-  per_element = spec.state_bytes_per_element + (
-      spec.param_bytes_per_element if every_row else 0)
-  return float(held * per_element), every_row
+def stream_construction(cfg, plan: Plan, devices: int, stacked: bool, chunks: int
+                        ) -> tuple[bool, int]:
+  """`(regions, chunks)` of the runner's step for `cfg` on `devices` devices, as
+  `dos_jax.step.transform.stream_regions` says of a built state: per subgroup, the
+  streamed rows run in stream regions on one device or for a state packed shard-major
+  under ZeRO-3, with host subgroups beside them (a mesh of several devices otherwise
+  leaves the update to XLA's partitioner: no regions); linked chunks apply on one
+  device, with host and streamed subgroups."""
+  _, fsdp, _ = mesh_sizes(cfg, devices)
+  unsharded = devices <= 1
+  if not (unsharded and plan.host and plan.streamed):
+    chunks = 0
+  regions = (not stacked and device_stream.available() and bool(plan.host)
+             and (unsharded or (fsdp > 1 and cfg.offload.shard_major)))
+  return regions, chunks
+
+
+def _stream_bytes(spec: SubgroupSpec, plan: Plan, size: int, stacked: bool, *,
+                  regions: bool | None = None, chunks: int = 0) -> tuple[float, int]:
+  """`(bytes, rows)`: the device memory the stream holds at once for rows of `size`
+  elements (`costmodel.streamed_elements_held`), and how many streamed rows that is
+  where they are held in stream regions (0: `buffers` rows of one loop); held row by
+  row in the regions, each row also keeps the params it packs there."""
+  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=stacked,
+                                          chunks=chunks, regions=regions)
+  if regions is None:
+    regions = not stacked and device_stream.available() and bool(plan.host)
+  rows = held // size if regions and plan.streamed else 0
+  per_element = spec.state_bytes_per_element + (spec.param_bytes_per_element if rows else 0)
+  return float(held * per_element), rows
 
 
 def stream_shortfall(cfg, plan: Plan, devices, *, stacked: bool,
-                     device_bytes: float | None = None) -> str | None:
+                     device_bytes: float | None = None, regions: bool | None = None,
+                     chunks: int = 0) -> str | None:
   """One line when the update phase of `plan` (a run's fixed placement) does not fit the
   device memory left beside params, grads and the margin (`memory.run_budget`): the
   resident state plus the larger of the activations and what the stream holds at once
-  (`costmodel.streamed_elements_held`: stored per subgroup, every streamed row). None
-  when it fits, or where the devices are the host.
+  (`costmodel.streamed_elements_held`: in stream regions, every streamed row, or the
+  largest of `chunks` linked chunks'). None when it fits, or where the devices are the
+  host.
 
-  `device_bytes` replaces the free memory read from the first device's allocator."""
+  `device_bytes` replaces the free memory read from the first device's allocator;
+  `regions` and `chunks` are what `dos_jax.step.transform.stream_regions` says of the
+  run's state (`regions` None: `stream_construction`'s guess from the config)."""
+  need = _stream_need(cfg, plan, devices, stacked=stacked, device_bytes=device_bytes,
+                      regions=regions, chunks=chunks)
+  if need is None or need.fits:
+    return None
+  stream, rows = need.stream, need.rows
+  if rows == len(plan.streamed):
+    what = (f'stored per subgroup, the stream holds all {rows} streamed subgroups at once'
+            f' ({memory.gib(stream)})')
+  elif rows:
+    what = (f'in {costmodel.chunk_count(plan, chunks)} linked chunks, the stream holds'
+            f' {rows} streamed subgroups at once ({memory.gib(stream)})')
+  else:
+    what = f'the stream holds {plan.buffers} rows ({memory.gib(stream)})'
+  hint = (', split the step into linked chunks (offload.chunks)'
+          if rows and chunk_fits(cfg, plan, devices, stacked=stacked,
+                                 device_bytes=device_bytes) else '')
+  return (f'offload.policy={cfg.offload.policy}: the update needs {memory.gib(need.total)} of'
+          f' device memory beside params and grads ({memory.gib(need.resident)} resident state'
+          f' and the larger of the activations, {memory.gib(need.activations)}, and the'
+          f' stream: {what}); {memory.gib(need.budget)} is free. Stream fewer subgroups'
+          f' (offload.stride, offload.fraction){hint} or let offload.policy: auto size the'
+          ' stream')
+
+
+@dataclasses.dataclass(frozen=True)
+class _Need:
+  """The update phase's device memory beside params and grads, and what is free."""
+
+  resident: float
+  activations: float
+  stream: float
+  rows: int  # streamed rows held at once in stream regions (0: `buffers` rows)
+  budget: float
+
+  @property
+  def total(self) -> float:
+    return self.resident + max(self.activations, self.stream)
+
+  @property
+  def fits(self) -> bool:
+    return self.total <= self.budget
+
+
+def _stream_need(cfg, plan: Plan, devices, *, stacked: bool, device_bytes, regions,
+                 chunks) -> _Need | None:
+  """What the update of `plan` needs; None where nothing is checked (the devices are
+  the host, or nothing is on the device)."""
   budget = memory.run_budget(cfg, devices, device_bytes)
   if budget is None or not (plan.streamed or plan.resident):
     return None
   budget_bytes, acts = budget
-  data, fsdp, _ = _mesh_sizes(cfg, len(devices)) if len(devices) > 1 else (1, 1, 1)
+  data, fsdp, _ = mesh_sizes(cfg, len(devices))
   shards = fsdp if fsdp > 1 else data
   spec = run_spec(cfg, shards)
   size = spec.subgroup_size // shards
-  stream, every_row = _stream_bytes(spec, plan, size, stacked)
+  if regions is None:
+    regions, chunks = stream_construction(cfg, plan, len(devices), stacked, chunks)
+  stream, rows = _stream_bytes(spec, plan, size, stacked, regions=regions, chunks=chunks)
   resident = spec.state_bytes_per_element * size * len(plan.resident)
-  need = resident + max(acts, stream)
-  if need <= budget_bytes:
-    return None
-  what = (f'stored per subgroup, the stream holds all {len(plan.streamed)} streamed'
-          f' subgroups at once ({memory.gib(stream)})' if every_row else
-          f'the stream holds {plan.buffers} rows ({memory.gib(stream)})')
-  return (f'offload.policy={cfg.offload.policy}: the update needs {memory.gib(need)} of device'
-          f' memory beside params and grads ({memory.gib(resident)} resident state and the'
-          f' larger of the activations, {memory.gib(acts)}, and the stream: {what});'
-          f' {memory.gib(budget_bytes)} is free. Stream fewer subgroups (offload.stride,'
-          ' offload.fraction) or let offload.policy: auto size the stream')
+  return _Need(resident=resident, activations=acts, stream=stream, rows=rows,
+               budget=budget_bytes)
+
+
+def chunk_fits(cfg, plan: Plan, devices, *, stacked: bool = False,
+               device_bytes: float | None = None) -> int:
+  """The fewest linked chunks (`Offload.chunks`, 2 or more) in which the stream of
+  `plan` fits the device memory beside the model (`stream_shortfall`), or 0 where no
+  count does or chunks do not apply (stacked storage, a sharded state, no stream
+  regions, fewer than 2 host or streamed subgroups)."""
+  regions, can = stream_construction(cfg, plan, len(devices), stacked, 2)
+  if not (regions and can):
+    return 0
+  for k in range(2, min(len(plan.host), len(plan.streamed)) + 1):
+    need = _stream_need(cfg, plan, devices, stacked=stacked, device_bytes=device_bytes,
+                        regions=True, chunks=k)
+    if need is None or need.fits:
+      return k
+  return 0
 
 
 def _per_subgroup(offload) -> bool:

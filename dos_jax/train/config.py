@@ -95,6 +95,13 @@ class OffloadConfig:
       against the host work and the measured clip rate, logged as offload/rollbacks;
       other policies run one host call), 0 (off), K (K calls of near-equal size) or a
       list of early call sizes in subgroups.
+    chunks: on a GPU with per-subgroup storage, the step's host and streamed tiers
+      in this many linked chunks, each chunk's stream regions done before the next
+      chunk's start, so the device holds one chunk's streamed rows at a time instead of
+      every one (dos_jax.Offload.chunks; not with early_chunks, which it turns off):
+      'auto' (where a fixed policy's stream does not fit the device memory beside the
+      model, the fewest chunks that fit, else stacked storage if `storage` is unset;
+      the run prints what it chose), 0 (off) or a count.
     stream_lanes: on a GPU with per-subgroup storage, the stream regions the streamed
       rows go round-robin over, each on a CUDA stream of its own
       (dos_jax.Offload.stream_lanes): 0 (the plan's buffers, the default) or a count;
@@ -118,6 +125,7 @@ class OffloadConfig:
   subgroup_size: int | None = field(None, check=POSITIVE)
   storage: Literal['stacked', 'per_subgroup'] | None = None
   early_chunks: Literal['auto'] | int | tuple[int, ...] = 'auto'
+  chunks: Literal['auto'] | int = 'auto'
   stream_lanes: int = field(0, check=NON_NEGATIVE)
   keep_freed_host_memory: bool = True
   shard_major: bool = False
@@ -129,6 +137,8 @@ class OffloadConfig:
                             not early or min(early) < 1):
       raise ConfigError(f'offload.early_chunks: expected auto, an integer >= 0 or a list of'
                         f' subgroup counts >= 1, got {early!r}')
+    if self.chunks != 'auto' and self.chunks < 0:
+      raise ConfigError(f'offload.chunks: expected auto or an integer >= 0, got {self.chunks!r}')
     object.__setattr__(self, 'placement', _placement(self))
 
 

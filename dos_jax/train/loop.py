@@ -188,6 +188,8 @@ def train(
       f', checkpoints in {os.path.abspath(cfg.checkpoint_dir)}')
   print(f'run directory: {where} (config.yaml, {cfg.train.metrics_file}{elsewhere})',
         file=stream)
+  for note in trainer.notes:
+    print(note, file=stream)
   for item, moved in zip(skipped, checkpointer.quarantine(skipped)):
     fallback = f'step {latest}' if latest is not None else 'the start (no complete checkpoint)'
     print(f'checkpoint {item.step} is {item.reason}; moved to {moved}, resuming from'
@@ -240,7 +242,7 @@ def train(
   # their speculated update on those (dos_jax.step.early_chunks).
   clip_norm = cfg.optim.clip_norm
   speculating = (clip_norm is not None and cfg.offload.placement is not None
-                 and cfg.offload.early_chunks != 0 and jax.default_backend() == 'gpu')
+                 and trainer.cfg.offload.early_chunks != 0 and jax.default_backend() == 'gpu')
   rollbacks = 0
   started = time.perf_counter()
   signum = None

@@ -118,17 +118,23 @@ def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'dat
   kwargs = {} if cfg.subgroup_size is None else {'subgroup_size': cfg.subgroup_size}
   storage = None if cfg.storage is None else dos_jax.Storage(cfg.storage)
   early = dos_jax.EarlyChunks.AUTO if cfg.early_chunks == 'auto' else cfg.early_chunks
+  chunks = cfg.chunks if isinstance(cfg.chunks, int) else 0
+  if chunks and cfg.early_chunks == 'auto':
+    early = 0  # linked chunks replace early host calls
   if early is dos_jax.EarlyChunks.AUTO and early_chooser is not None and not callable(
       getattr(cfg.placement, 'early_chunks', None)):
     early = early_chooser
+  if chunks and storage is None:
+    storage = dos_jax.Storage.PER_SUBGROUP  # what linked chunks need
   try:
     return dos_jax.Offload(policy=cfg.placement, storage=storage, platform=platform,
-                           data_axis=data_axis, early_chunks=early,
+                           data_axis=data_axis, early_chunks=early, chunks=chunks,
                            stream_lanes=cfg.stream_lanes, **kwargs)
   except ValueError as e:
-    if 'early_chunks' not in str(e):
+    key = next((k for k in ('chunks', 'early_chunks') if f'Offload.{k}' in str(e)), None)
+    if key is None:
       raise
-    raise ConfigError(f'offload.early_chunks: {e}') from None
+    raise ConfigError(f'offload.{key}: {e}') from None
 
 
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:

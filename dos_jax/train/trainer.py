@@ -55,6 +55,8 @@ class Trainer:
   started_from_hf: bool = False
   # What chooses early host chunks for a policy that does not (`early_chooser`), or None.
   early_chooser: Any = None
+  # What the build chose for the machine and said in one line (`fit_stream`), if anything.
+  notes: tuple[str, ...] = ()
 
   def place_batch(self, tokens_BxLp1: np.ndarray) -> jax.Array:
     return jax.device_put(tokens_BxLp1, self.batch_sharding)
@@ -188,19 +190,69 @@ def budget_auto(cfg: RunConfig, devices: Sequence[jax.Device],
 def check_stream_memory(cfg: RunConfig, opt_state: Any, devices: Sequence[jax.Device],
                         device_bytes: float | None = None) -> None:
   """Raises `ConfigError` naming `offload.policy` when a fixed placement's update phase
-  does not fit the device memory beside the model (`step_memory.stream_shortfall`),
-  before XLA's allocator would fail. `Auto` sizes its own (`budget_auto`); on the CPU
-  backend nothing is checked. `device_bytes`: as in `budget_auto`."""
-  if isinstance(cfg.offload.placement, dos_jax.AdaptivePolicy):
+  does not fit the device memory beside the model (`step_memory.stream_shortfall`, with
+  the stream regions and linked chunks the state's step builds), before XLA's allocator
+  would fail. `Auto` sizes its own (`budget_auto`); on the CPU backend nothing is
+  checked. `device_bytes`: as in `budget_auto`."""
+  if cfg.offload.placement is None or isinstance(cfg.offload.placement,
+                                                 dos_jax.AdaptivePolicy):
     return
+  offload = step_lib.make_offload(cfg.offload)
   is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
   for state in [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]:
     plan = cfg.offload.placement.plan(state.layout.spec())
+    regions, chunks = dos_jax.stream_regions(state, offload)
     line = step_memory.stream_shortfall(cfg, plan, devices,
                                         stacked=not state.partition.per_subgroup,
-                                        device_bytes=device_bytes)
+                                        device_bytes=device_bytes, regions=regions,
+                                        chunks=chunks)
     if line is not None:
       raise ConfigError(line)
+
+
+def fit_stream(cfg: RunConfig, devices: Sequence[jax.Device],
+               device_bytes: float | None = None) -> tuple[RunConfig, str | None]:
+  """`cfg` with `offload.chunks: auto` resolved for `devices`, and a line saying what
+  changed (None: nothing). On a GPU, where a fixed policy's per-subgroup stream holds
+  every streamed row and does not fit beside the model (`step_memory.stream_shortfall`),
+  the step runs in the fewest linked chunks that fit (`step_memory.chunk_fits`; early
+  host calls off), else, with `offload.storage` unset, with stacked storage (`buffers`
+  rows, one host call); otherwise `check_stream_memory` stops the run. Elsewhere
+  `chunks` becomes 0. `device_bytes`: as in `budget_auto`."""
+  off = cfg.offload
+  if off.chunks != 'auto':
+    return cfg, None
+  keep = dataclasses.replace(cfg, offload=dataclasses.replace(off, chunks=0))
+  if (devices[0].platform == 'cpu' or off.placement is None
+      or isinstance(off.placement, dos_jax.AdaptivePolicy)):
+    return keep, None
+  early_fixed = off.early_chunks not in ('auto', 0, 1)
+  per_subgroup = off.storage == 'per_subgroup' or (off.storage is None and off.early_chunks
+                                                   not in (0, 1))
+  if not per_subgroup:
+    return keep, None
+  data, fsdp, _ = step_memory.mesh_sizes(cfg, len(devices))
+  spec = step_memory.run_spec(cfg, fsdp if fsdp > 1 else data)
+  plan = off.placement.plan(spec)
+  short = step_memory.stream_shortfall(cfg, plan, devices, stacked=False,
+                                       device_bytes=device_bytes)
+  if short is None:
+    return keep, None
+  chunks = 0 if early_fixed else step_memory.chunk_fits(cfg, plan, devices,
+                                                        device_bytes=device_bytes)
+  held = f'its {len(plan.streamed)} streamed subgroups do not fit at once beside the model'
+  if chunks:
+    new = dataclasses.replace(off, chunks=chunks, early_chunks=0)
+    return (dataclasses.replace(cfg, offload=new),
+            f'offload.chunks: auto: stored per subgroup, {held}; the step runs in {chunks}'
+            ' linked chunks, one chunk\'s rows at a time (early host calls off)')
+  if off.storage is None and not early_fixed and step_memory.stream_shortfall(
+      cfg, plan, devices, stacked=True, device_bytes=device_bytes) is None:
+    new = dataclasses.replace(off, chunks=0, early_chunks=0, storage='stacked')
+    return (dataclasses.replace(cfg, offload=new),
+            f'offload.chunks: auto: stored per subgroup, {held}, and no chunk count fits;'
+            f' the state is stacked (the stream holds {plan.buffers} rows, one host call)')
+  return keep, None
 
 
 def early_chooser(cfg: RunConfig, devices: Sequence[jax.Device]) -> Any:
@@ -293,6 +345,7 @@ def build(
   if mesh.size > 1:  # cuDNN's attention needs q, k and v sharded alike on the mesh
     apply = model_lib.make_apply(cfg.model, mesh)
   budget_auto(cfg, list(mesh.devices.flat))
+  cfg, stream_note = fit_stream(cfg, list(mesh.devices.flat))
   chooser = early_chooser(cfg, list(mesh.devices.flat))
   if tx is None:
     tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
@@ -332,4 +385,5 @@ def build(
       eval_step=step_lib.make_eval_step(apply, model_lib.loss_fn),
       started_from_hf=from_hf,
       early_chooser=chooser,
+      notes=(stream_note,) if stream_note else (),
   )
