@@ -59,10 +59,12 @@ def _grads(params, t, seed, nan_at):
   return grads
 
 
-def _run(opt, params, seed, steps, nan_at=(), lowered=None):
+def _run(opt, params, seed, steps, nan_at=(), lowered=None, placed=False):
   """`steps` jitted steps, the state donated as a train step does; the lowered step's
-  text goes to `lowered` (a list) if given."""
-  params = jax.device_put(params, jax.devices()[0])
+  text goes to `lowered` (a list) if given. `placed`: the params are already where
+  they should be (else on the first device)."""
+  if not placed:
+    params = jax.device_put(params, jax.devices()[0])
   state = opt.init(params)
 
   def step(p, s, g):
@@ -107,6 +109,24 @@ def test_the_accelerator_form_speculates_in_place_and_redoes(dtype, request, mon
   got = _run(_opt(3), params, seed, steps=7, lowered=texts)
   assert 'dos_jax_adamw_host_leaves_state_arg_undo' in texts[0]
   assert 'dos_jax_adamw_host_leaves_redo' in texts[0]
+  _assert_identical(want, got, f'seed {seed}, clip fires at {FIRES}')
+
+
+def test_params_on_a_one_device_mesh_take_the_unsharded_step(request):
+  """The runner puts a one-device run's params on a one-device mesh (a `NamedSharding`
+  with the state's axis). Such a mesh splits nothing: the step is the one built for
+  plain arrays, its early chunks included (as many host kernel calls in the lowered
+  step), bit for bit over 7 steps with the clip firing on some."""
+  seed = _seed(request)
+  params = random_tree(seed)
+  plain_text, mesh_text = [], []
+  want = _run(_opt(3), params, seed, steps=7, lowered=plain_text)
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ('data',))
+  on_mesh = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  got = _run(_opt(3), on_mesh, seed, steps=7, lowered=mesh_text, placed=True)
+  assert got[1][-1].sharded is not None  # the state kept the mesh
+  calls = [t.count('dos_jax_adamw_host_leaves') for t in (plain_text[0], mesh_text[0])]
+  assert calls[0] == calls[1] > 0, calls
   _assert_identical(want, got, f'seed {seed}, clip fires at {FIRES}')
 
 
