@@ -86,6 +86,10 @@ def test_chunk_order_follows_the_backward_pass_and_the_stream():
   part = partition_lib.for_plan(plan, split=True, per_subgroup=True)
   assert [part.blocks(partition_lib.Tier.HOST)[b] for b in chunked.host_blocks(part)] == [
       (7,), (5,), (3,), (1,)]
+  # The blocks without weight decay (the norm scales, complete at the end of the
+  # backward pass) come last.
+  assert [part.blocks(partition_lib.Tier.HOST)[b]
+          for b in chunked.host_blocks(part, decayed_rows=6)] == [(5,), (3,), (1,), (7,)]
   assert chunked.stream_blocks(part, plan) == [0, 1, 2, 3]
   assert chunked.chunk_count(part, plan, 8) == 4
   assert chunked.chunk_count(part, plan, 3) == 3

@@ -81,8 +81,12 @@ def test_a_region_inside_shard_map_stays_one_stream_call():
   assert call.updates, call
 
 
-def _runners_zero3_step(*overrides):
-  """The runner's tiny step over fsdp=4, bf16, the state packed shard-major and per
+MESHES = {'zero3': ('mesh.data=1', 'mesh.fsdp=4'), 'zero1': ('mesh.data=4',)}
+
+
+def _runners_zero3_step(*overrides, zero='zero3'):
+  """The runner's tiny step over fsdp=4 (or, `zero1`, data=4: the params whole on each
+  device, the state split over `data`), bf16, the state packed shard-major and per
   subgroup, Stride(2), clipping, compiled for 4 H100s (skips where this jax builds no
   stream region or there are not 4 CPU devices)."""
   if not device_stream.available():
@@ -92,18 +96,19 @@ def _runners_zero3_step(*overrides):
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
   from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(None, [
-      'mesh.data=1', 'mesh.fsdp=4', 'model.param_dtype=bfloat16', 'model.attention=xla',
+      *MESHES[zero], 'model.param_dtype=bfloat16', 'model.attention=xla',
       'offload.subgroup_size=65536', 'optim.clip_norm=1.0', 'offload.policy=stride',
       'offload.storage=per_subgroup', 'offload.shard_major=true', *overrides])
   return gpu_program.compile_sharded_step(cfg, jax.devices()[:4], 'h100_sxm')
 
 
-def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group():
+@pytest.mark.parametrize('zero', sorted(MESHES))
+def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group(zero):
   """The runner's tiny step, fsdp=4, the state packed shard-major and per subgroup,
   Stride(2), clipping: one host call, both stream lanes overlapping it, no device
   update outside it, and every host-bound gradient piece leaving during the backward
   pass (pieces of under 64 KiB here: each device sends its own shard of each leaf)."""
-  schedule = _runners_zero3_step('offload.early_chunks=0').schedule
+  schedule = _runners_zero3_step('offload.early_chunks=0', zero=zero).schedule
   (call,) = schedule.host_calls
   lanes = schedule.stream_calls
   assert len(lanes) == 2 and all(c.updates and c.overlaps(call) for c in lanes), lanes
@@ -113,7 +118,8 @@ def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group():
   assert not schedule.large_host_copies(), schedule.host_copies
 
 
-def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_pass():
+@pytest.mark.parametrize('zero', sorted(MESHES))
+def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_pass(zero):
   """The same step with early host chunks (`offload.early_chunks=3`): each device runs
   them inside `shard_map` on its own columns, each chunk sending its own gradient pieces
   (no barrier over all of them), and the step is compiled with the early calls'
@@ -121,7 +127,7 @@ def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_
   overlaps both stream lanes; every early call profiled and none held back; an early
   window holds backward gemms; no device update outside a host call."""
   from dos_jax.dataflow import early_windows  # pylint: disable=import-outside-toplevel
-  program = _runners_zero3_step('model.n_layers=4', 'offload.early_chunks=3')
+  program = _runners_zero3_step('model.n_layers=4', 'offload.early_chunks=3', zero=zero)
   schedule = program.schedule
   calls = schedule.host_calls
   assert len(calls) == 3 and all(a.done < b.start for a, b in zip(calls, calls[1:])), calls

@@ -11,12 +11,13 @@ from dos_jax import alias
 from dos_jax import clipping
 from dos_jax.dataflow import early_windows
 from dos_jax.dataflow import thunks
+from dos_jax.step import chunked
 from dos_jax.step import device_stream
 from dos_jax.step import transform
 
 
-@pytest.mark.parametrize('module', [alias, clipping, device_stream, thunks, early_windows,
-                                    transform],
+@pytest.mark.parametrize('module', [alias, chunked, clipping, device_stream, thunks,
+                                    early_windows, transform],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -40,12 +40,15 @@ def _mesh():
   return jax.sharding.Mesh(np.array(jax.devices()[:SHARDS]), ('data',))
 
 
-def _params(seed, dtype, mesh=None):
+def _params(seed, dtype, mesh=None, whole=False):
+  """The params, split over the mesh as `SPECS` says (ZeRO-3) or, `whole`, replicated
+  on every device (ZeRO-1: the state alone is split)."""
   rng = np.random.default_rng(seed)
   params = {k: jnp.asarray(rng.standard_normal(s), dtype) for k, s in SHAPES.items()}
   if mesh is None:
     return params
-  return jax.device_put(params, {k: NamedSharding(mesh, s) for k, s in SPECS.items()})
+  return jax.device_put(params, {k: NamedSharding(mesh, P() if whole else s)
+                                 for k, s in SPECS.items()})
 
 
 def _shard(x: np.ndarray, dim, d: int) -> np.ndarray:
@@ -128,18 +131,54 @@ def test_the_zero3_update_is_optaxs_and_keeps_every_split(platform, policy, dtyp
   assert compiles[1] == compiles[2]  # the state a step returns compiles no new step
 
 
+@pytest.mark.parametrize('platform', ['cpu', 'gpu'], ids=['cpu-program', 'gpu-program'])
+def test_the_zero1_update_is_optaxs_and_keeps_the_params_whole(platform, seed):
+  """ZeRO-1 packed shard-major: the params whole on each of 4 devices, the state split
+  over `data` by the leaves' `DIMS` (each device updates its own shards, the new params
+  gathered whole). Stride(2), fp32, 3 steps against `optax.adamw`; the params keep
+  their replicated sharding and the state rows their split."""
+  mesh = _mesh()
+  params = _params(seed, jnp.float32, mesh, whole=True)
+  offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform=platform)
+  tx = dos_jax.adamw(LR, offload=offload, shard_dims=DIMS)
+  state = tx.init(params)
+  assert state.layout.shards == SHARDS
+  ref = optax.adamw(LR)
+  ref_p, ref_state = params, ref.init(params)
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  p = params
+  for i in range(3):
+    g = jax.device_put(random_grads(params, i, seed), jax.tree.map(lambda x: x.sharding, params))
+    p, state = step(p, state, g)
+    u, ref_state = ref.update(g, ref_state, ref_p)
+    ref_p = optax.apply_updates(ref_p, u)
+  assert_close(p, ref_p)
+  for key in params:
+    assert p[key].sharding.is_equivalent_to(params[key].sharding, p[key].ndim), key
+  rows = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
+  assert rows and all(x.sharding.spec == P(None, None, 'data') for x in rows)
+
+
 @pytest.mark.parametrize('policy', [dos_jax.Stride(2),
                                     dos_jax.ResidentFraction(0.3, then=dos_jax.Stride(3))],
                          ids=repr)
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
-def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, dtype, seed):
+@pytest.mark.parametrize('whole', [False, True], ids=['zero3', 'zero1'])
+def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, dtype, whole,
+                                                                       seed):
   """Per-subgroup storage, the accelerator program: with the device stream on, each
   device runs the host regions and the stream lanes on its own columns inside
   `shard_map` (`lanes.sharded_two_streams`); with it off, jit partitions the step.
-  Clipping that fires, 3 steps: the same numbers, bit for bit, and every split kept."""
+  Clipping that fires, 3 steps: the same numbers, bit for bit, and every split kept.
+  ZeRO-1 (the params whole on every device, the state split shard-major) alike."""
   from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   mesh = _mesh()
-  params = _params(seed, dtype, mesh)
+  params = _params(seed, dtype, mesh, whole=whole)
   shardings = jax.tree.map(lambda x: x.sharding, params)
   results = []
   for stream in (True, False):
@@ -280,13 +319,17 @@ def test_the_sharding_table_gives_each_params_fsdp_dimension():
   assert (block['mlp']['w_gate'], block['mlp']['w_down']) == (0, 1)
 
 
-@pytest.mark.parametrize('mesh', [['mesh.fsdp=4'], ['mesh.fsdp=2', 'mesh.tensor=2']],
-                         ids=['fsdp4', 'fsdp2xtensor2'])
+@pytest.mark.parametrize('mesh', [['mesh.fsdp=4'], ['mesh.fsdp=2', 'mesh.tensor=2'],
+                                  ['mesh.data=4'], ['mesh.data=2', 'mesh.tensor=2']],
+                         ids=['fsdp4', 'fsdp2xtensor2', 'data4', 'data2xtensor2'])
 def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh, tmp_path):
   """`offload.shard_major` on mesh.fsdp=4 (and 2 x tensor=2) against one device, 6
   steps (fp32 compute; tolerances as tests/test_fsdp.py: 1e-4 relative on losses, 1e-4
-  absolute on params)."""
+  absolute on params). With ZeRO-1 (mesh.data=4, and 2 x tensor=2) the params are whole
+  on each data shard and the state is packed by the same table's dimensions, split over
+  `data`."""
   from dos_jax.train import config, data, trainer  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   out = str(tmp_path / 'tokens')
   data.prepare(None, out, val_fraction=0.05, max_bytes=200_000, progress=False)
   common = [f'data.path={out}', 'model.n_layers=2', 'model.compute_dtype=float32',
@@ -298,7 +341,7 @@ def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh
                         devices=jax.devices()[:4])
   is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
   states = [x for x in jax.tree.leaves(zero3.opt_state, is_leaf=is_state) if is_state(x)]
-  assert [s.layout.shards for s in states] == [zero3.mesh.shape['fsdp']]
+  assert [s.layout.shards for s in states] == [zero3.mesh.shape[mesh_lib.state_axis(zero3.mesh)]]
   sampler = one.train_sampler()
   for _ in range(6):
     batch = next(sampler)

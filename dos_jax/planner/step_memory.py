@@ -211,15 +211,16 @@ def stream_construction(cfg, plan: Plan, devices: int, stacked: bool, chunks: in
   """`(regions, chunks)` of the runner's step for `cfg` on `devices` devices, as
   `dos_jax.step.transform.stream_regions` says of a built state: per subgroup, the
   streamed rows run in stream regions on one device or for a state packed shard-major
-  under ZeRO-3, with host subgroups beside them (a mesh of several devices otherwise
-  leaves the update to XLA's partitioner: no regions); linked chunks apply on one
-  device, with host and streamed subgroups."""
-  _, fsdp, _ = mesh_sizes(cfg, devices)
+  over several (ZeRO-3 over fsdp, ZeRO-1 over data), with host subgroups beside them
+  (a mesh of several devices otherwise leaves the update to XLA's partitioner: no
+  regions); linked chunks apply on one device, with host and streamed subgroups."""
+  data, fsdp, _ = mesh_sizes(cfg, devices)
   unsharded = devices <= 1
+  split = (fsdp if fsdp > 1 else data) > 1
   if not (unsharded and plan.host and plan.streamed):
     chunks = 0
   regions = (not stacked and device_stream.available() and bool(plan.host)
-             and (unsharded or (fsdp > 1 and cfg.offload.shard_major)))
+             and (unsharded or (split and cfg.offload.shard_major)))
   return regions, chunks
 
 

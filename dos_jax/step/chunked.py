@@ -49,10 +49,27 @@ from dos_jax.step import paths
 from dos_jax.geometry.partition import Tier
 
 
-def host_blocks(part: partition_lib.Partition) -> list[int]:
+def host_blocks(part: partition_lib.Partition, decayed_rows: int | None = None) -> list[int]:
   """The host blocks (one per subgroup) in the order their host calls run: the last
-  subgroups first, whose gradients the backward pass makes first."""
-  return list(range(len(part.blocks(Tier.HOST))))[::-1]
+  subgroups first, whose gradients the backward pass makes first. Given the layout's
+  `decayed_rows`, the blocks past them come last: they hold the leaves without weight
+  decay (the norm scales of every layer), whose gradients are complete only when the
+  backward pass reaches the first layer (and, split over a mesh, once their combined
+  reduction is done).
+
+  >>> import dos_jax
+  >>> from dos_jax.geometry import partition
+  >>> part = partition.for_plan(dos_jax.Plan(streamed=(0, 2, 4), host=(1, 3, 5)),
+  ...                           split=True, per_subgroup=True)
+  >>> [part.blocks(partition.Tier.HOST)[b] for b in host_blocks(part, decayed_rows=5)]
+  [(3,), (1,), (5,)]
+  """
+  blocks = part.blocks(Tier.HOST)
+  order = list(range(len(blocks)))[::-1]
+  if decayed_rows is None:
+    return order
+  late = [b for b in order if min(blocks[b]) >= decayed_rows]
+  return [b for b in order if b not in late] + late
 
 
 def stream_blocks(part: partition_lib.Partition, plan) -> list[int]:
@@ -84,7 +101,7 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], chunks: 
   count = chunk_count(part, plan, chunks)
   blocks = {t: part.blocks(t) for t in (Tier.HOST, Tier.STREAMED)}
   new = {t: list(partition_lib.blocks_of(tiers[t], len(blocks[t]))) for t in blocks}
-  hosts, streams = host_blocks(part), stream_blocks(part, plan)
+  hosts, streams = host_blocks(part, layout.decayed_rows), stream_blocks(part, plan)
   outs, link, done = [], None, []
   on_stream = context.offload.device_stream and device_stream.available()
 

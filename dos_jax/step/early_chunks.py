@@ -2,7 +2,7 @@
 
 With per-subgroup storage and `Offload(early_chunks=...)`, the host subgroups are split
 into chunks in backward order (the last subgroups first: the backward pass makes their
-gradients first): K near-equal ones for an int K, or early chunks of the given sizes and
+gradients first; those without weight decay last, `chunked.host_blocks`): K near-equal ones for an int K, or early chunks of the given sizes and
 a last one with the rest (`split`; what `dos_jax.planner.timeline.choose_early_chunks`
 gives). All chunks but the last are *early*: each is its own host call whose inputs are
 its gradient pieces in host memory, the step's AdamW scalars and the link of the chunk
@@ -193,7 +193,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
   part, layout = context.part, context.layout
   blocks = part.blocks(Tier.HOST)
   new = list(partition_lib.blocks_of(host_tier, len(blocks)))
-  parts = split(chunked_lib.host_blocks(part), chunks)
+  parts = split(chunked_lib.host_blocks(part, layout.decayed_rows), chunks)
   redo = redo_flag(context.adam_scalars)
   redo_h = None if redo is None else redo_on_host(redo)
   common = dict(adam_scalars=context.adam_scalars, num_threads=context.offload.host_threads)

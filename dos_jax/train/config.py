@@ -109,12 +109,17 @@ class OffloadConfig:
     keep_freed_host_memory: keep freed host memory in the process for the next step's
       buffers instead of faulting in and zeroing fresh pages every step (glibc only;
       see dos_jax.host_memory).
-    shard_major: with ZeRO-3 (mesh.fsdp > 1), pack the state by each device's shards of
-      the params (`dos_jax.adamw(shard_dims=...)`): the update unpacks the new params
-      and runs the device kernel locally, gathering no whole row (RESULTS.md
-      2026-11-26). Off: the leaf-after-leaf packing, whose row gathers are smaller than
-      the gathered activations XLA keeps, for small models, when no packing collective
-      makes it compute the weight gradients early.
+    shard_major: with the state split over several devices, pack it by each device's
+      shards of the params (`dos_jax.adamw(shard_dims=...)`, the sharding table's
+      fsdp dimension of each param): the update unpacks the new params and runs the
+      device kernel locally, gathering no whole row, and on a GPU each device runs
+      its host and device updates concurrently by construction, early host calls
+      included (docs/design.md rule 1). With ZeRO-3 (mesh.fsdp > 1) the params are
+      split alike; with ZeRO-1 (mesh.data > 1) they stay whole on each device and the
+      new params are gathered (RESULTS.md 2026-11-26). Off: the leaf-after-leaf
+      packing, partitioned by jit, whose row gathers are smaller than the gathered
+      activations XLA keeps, for small models, when no packing collective makes it
+      compute the weight gradients early.
     placement: the policy value `policy` names, None for 'none' (derived, not read
       from YAML).
   """

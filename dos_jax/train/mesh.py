@@ -77,9 +77,12 @@ def state_axis(mesh: Mesh) -> str:
 
 
 def state_shard_dims(mesh: Mesh) -> Any:
-  """With ZeRO-3, what the optimizer packs its state by (`dos_jax.adamw`'s
-  `shard_dims`: each param's `fsdp` dimension in the sharding table); None without."""
-  return sharding.fsdp_dims if has_fsdp(mesh) else None
+  """What the optimizer may pack its state by (`dos_jax.adamw`'s `shard_dims`, used
+  with `offload.shard_major`) where the state is split over several devices: each
+  param's `fsdp` dimension in the sharding table, split over `fsdp` with ZeRO-3 and
+  over `data` with ZeRO-1 (the params whole on each device, each device updating its
+  own shards); None where the state axis has one device."""
+  return sharding.fsdp_dims if mesh.shape[state_axis(mesh)] > 1 else None
 
 
 def param_shardings(mesh: Mesh, params: Any) -> Any:
