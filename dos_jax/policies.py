@@ -30,6 +30,10 @@ class SubgroupSpec:
       if kept, m in `mu_dtype`, v in fp32): 8 to 12.
     param_bytes_per_element: bytes of the low-precision parameter copy (2 or 4).
     grad_bytes_per_element: bytes of one gradient element as packed (2 or 4).
+    decayed_rows: rows `[0, decayed_rows)` hold the weight-decayed leaves; the rows
+      past them hold the others (the norm scales of every layer), whose gradients are
+      complete only at the end of the backward pass (`planner.timeline`). None: not
+      known, every row's gradients made in backward order.
   """
 
   num_subgroups: int
@@ -38,6 +42,7 @@ class SubgroupSpec:
   state_bytes_per_element: int = 12
   param_bytes_per_element: int = 4
   grad_bytes_per_element: int = 4
+  decayed_rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, init=False)

@@ -33,6 +33,31 @@ def test_split_takes_sizes_in_backward_order_and_keeps_a_last_call():
   assert early_chunks.split([9, 7, 5], (5,)) == [[9, 7, 5]]
 
 
+def test_the_timeline_takes_the_host_rows_in_the_steps_order():
+  """`timeline.host_order` is the order the step's host calls take the host blocks
+  (`chunked.host_blocks`): the last first, the rows without weight decay last. Those
+  arrive once the backward pass is over, so an early call that held one would start
+  then: with them last the first early call starts during the backward pass."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
+  from dos_jax.step import chunked  # pylint: disable=import-outside-toplevel
+  spec = dataclasses.replace(SPEC, decayed_rows=68)  # rows 68 and 69: the norm scales
+  plan = AllHost().plan(spec)
+  part = partition.for_plan(plan, split=True, per_subgroup=True)
+  blocks = part.blocks(partition.Tier.HOST)
+  want = [blocks[b][0] for b in chunked.host_blocks(part, spec.decayed_rows)]
+  assert timeline.host_order(spec, plan) == want
+  assert want[-2:] == [69, 68] and want[0] == 67
+  early = timeline.early_timeline(PROFILE, spec, plan, chunks=(2, 2), **TIMES)
+  assert early.span('early call 1').start < 3.0  # during the backward pass
+  # A norm row's gradients are in host memory only once the backward pass is over
+  # (3 s); the last subgroup, were it a matrix, would be there right after the forward.
+  only = dos_jax.Plan(streamed=tuple(range(69)), host=(69,))
+  starts = [timeline.timeline(PROFILE, s, only, clipped=False, **TIMES).span(
+      'host call 1').start for s in (spec, SPEC)]
+  assert starts[0] >= 3.0 > 1.5 > starts[1], starts
+
+
 def test_early_calls_start_during_the_backward_pass_and_one_call_is_the_timeline():
   plan = AllHost().plan(SPEC)
   one = timeline.early_timeline(PROFILE, SPEC, plan, chunks=1, **TIMES)

@@ -111,6 +111,7 @@ class Layout:
         state_bytes_per_element=state,
         param_bytes_per_element=lowp,
         grad_bytes_per_element=lowp,
+        decayed_rows=self.decayed_rows,
     )
 
 

@@ -294,10 +294,13 @@ def handler(args) -> int:
       int(1e8) if shape.num_params() >= 1e9 else int(1e7) if shape.num_params() >= 1e8 else int(1e6)
   )
   subgroup = min(subgroup, size.num_elements)
+  count = math.ceil(size.num_elements / subgroup)
   spec = SubgroupSpec(
-      num_subgroups=math.ceil(size.num_elements / subgroup), subgroup_size=subgroup,
+      num_subgroups=count, subgroup_size=subgroup,
       num_elements=size.num_elements, state_bytes_per_element=state_bytes,
       param_bytes_per_element=param_bytes, grad_bytes_per_element=param_bytes,
+      # The norm scales, packed after the matrices: about the last row.
+      decayed_rows=max(count - 1, 1),
   )
   device_mem = args.device_memory or profile.device_free_bytes
   host_mem = args.host_memory or profile.host_memory_bytes

@@ -101,9 +101,11 @@ def run_spec(cfg, devices: int = 1) -> SubgroupSpec:
   mu_bytes = _BYTES.get(str(cfg.optim.mu_dtype), 4) if cfg.optim.mu_dtype else 4
   size, rows = packed_rows(shape, _subgroup_size(cfg), devices)
   master = 4 if param_bytes < 4 else 0
+  decayed = shape.num_params() - (2 * shape.n_layers + 1) * shape.dim
   return SubgroupSpec(num_subgroups=len(rows), subgroup_size=size,
                       num_elements=sum(rows), state_bytes_per_element=master + mu_bytes + 4,
-                      param_bytes_per_element=param_bytes, grad_bytes_per_element=param_bytes)
+                      param_bytes_per_element=param_bytes, grad_bytes_per_element=param_bytes,
+                      decayed_rows=-(-decayed // size))
 
 
 def _subgroup_size(cfg) -> int:

@@ -6,7 +6,8 @@ construction forces (`dos_jax.step.chunked`, `paths`, `tier_updates`), so that i
 put beside a compiled schedule's order of starts and dones:
 
 * the device runs the forward and backward passes. Host-bound gradients leave as the
-  backward pass makes them, the last subgroups first, one after another on the D2H link;
+  backward pass makes them, the last subgroups first (those without weight decay, the
+  norm scales, once it is over: `host_order`), one after another on the D2H link;
 * host call k starts once its chunk's gradients are in host memory, host call k-1 is
   done and device part k-1 has finished (the link that keeps the calls apart), and,
   under clipping, once the backward pass is over (the clip factor needs every
@@ -75,16 +76,28 @@ class Timeline:
                      for s in self.spans)
 
 
+def host_order(spec: SubgroupSpec, plan: Plan) -> list[int]:
+  """The host subgroups in the order the step's host calls take them
+  (`dos_jax.step.chunked.host_blocks`): the last first, those past `spec.decayed_rows`
+  (the norm scales, complete at the end of the backward pass) last."""
+  order = sorted(plan.host, reverse=True)
+  if spec.decayed_rows is None:
+    return order
+  return ([g for g in order if g < spec.decayed_rows]
+          + [g for g in order if g >= spec.decayed_rows])
+
+
 def _arrivals(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
               forward_seconds: float, backward_seconds: float) -> tuple[dict, float]:
   """`(when each host subgroup's gradients are in host memory, when the D2H link is
-  free)`: they leave as the backward pass makes them, the last subgroups first, one
-  after another on the link."""
+  free)`: they leave as the backward pass makes them, in `host_order`, one after
+  another on the link; the rows past `spec.decayed_rows` once it is over."""
   sizes, n = costmodel.subgroup_sizes(spec), spec.num_subgroups
   gb = costmodel.host_pull_bytes(spec)
+  late = n if spec.decayed_rows is None else spec.decayed_rows
   arrived, link_free = {}, 0.0
-  for g in sorted(plan.host, reverse=True):
-    made = forward_seconds + backward_seconds * (n - g) / n
+  for g in host_order(spec, plan):
+    made = forward_seconds + backward_seconds * ((n - g) / n if g < late else 1.0)
     link_free = max(made, link_free) + gb * sizes[g] / (profile.d2h_gbps * _GB)
     arrived[g] = link_free
   return arrived, link_free
@@ -118,7 +131,7 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
   if plan.host:
     spans.append(Span('d2h', 'host-bound gradients', forward_seconds, link_free))
   count = max(1, min(chunks, len(plan.host) or 1, len(plan.streamed) or 1))
-  host_chunks = np.array_split(np.asarray(sorted(plan.host, reverse=True), int), count)
+  host_chunks = np.array_split(np.asarray(host_order(spec, plan), int), count)
   stream_chunks = np.array_split(np.asarray(plan.streamed, int), count)
   u_host = profile.host_adamw_gparams() * _GB
   both = bool(plan.streamed) and (plan.buffers >= 2 or bool(plan.host))
@@ -182,7 +195,7 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
   pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds,
                            stacked=stacked)
   arrived, link_free = _arrivals(profile, spec, plan, forward_seconds, backward_seconds)
-  parts = early_chunks.split(sorted(plan.host, reverse=True), chunks)
+  parts = early_chunks.split(host_order(spec, plan), chunks)
   count = len(parts)
   u_host = profile.host_adamw_gparams() * _GB
   slowdown = profile.host_copy_slowdown
