@@ -23,6 +23,9 @@
 #  10. storage  bench_update with per-subgroup storage (Stride(2), a resident mix), the
 #               device tiers on their own streams (Offload.device_stream) in `buffers`
 #               lanes and in one region (Offload.stream_lanes=1), and not
+#  11. early    the runner's step, per-subgroup storage, early host chunks off and on
+#  12. train    `dos-jax train` itself on this GPU: 30 steps of the packaged tiny config,
+#               Stride(2), per subgroup, 2 early host calls (the trainer's own path)
 # Writes under $OUT (default experiments/gpu_check_out/, git-ignored): report.md (each
 # part's output and wall time, a summary table at the end), logs/, update.json,
 # pallas.json, migration.json, storage.json, trace/ and step.hlo.txt. Exits 1 if any part failed.
@@ -244,6 +247,13 @@ early_runs() {  # the runner's step with one host call and with early host chunk
 export -f early_runs
 part early "11. the runner's step, per-subgroup storage, early host chunks off (0) and on (4)" 240 \
   bash -c 'early_runs'
+# The trainer itself, as a user runs it on one GPU: the params on a one-device mesh, the
+# step built as unsharded (stream lanes and early host calls), compiled twice for the
+# early windows, the memory check and `offload.chunks: auto`; loss and metrics logged.
+part train "12. dos-jax train on this GPU: 30 steps, Stride(2), per subgroup, early calls" 120 \
+  dos-jax train --set train.steps=30 --set train.eval_every=0 --set train.log_every=10 \
+  --set offload.policy=stride --set offload.storage=per_subgroup \
+  --set offload.early_chunks=2 --set "train.out_dir=$OUT/train"
 
 {
   echo; echo "## Summary"; echo
