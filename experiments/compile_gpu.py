@@ -186,7 +186,7 @@ def _run_here(args, cfg) -> dict:
   from dos_jax.train import step as step_lib
   backend = jax.default_backend()
   options = None if args.default_schedule else step_lib.compiler_options_for(backend)
-  program = gpu_program.build_step(cfg, compiler_options=options)
+  program = gpu_program.build_step(cfg, compiler_options=options, platform=backend)
   rng = np.random.default_rng(0)
   vocab = cfg.model.shape().vocab_size
 

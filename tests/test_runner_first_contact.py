@@ -187,3 +187,24 @@ def test_eta_leaves_out_the_steps_that_compiled():
   assert stream.getvalue().rstrip().endswith('eta ?')
   progress.update(2, loss=5.0, tokens_per_s=1.0, step_s=0.5, update_s=0.1)
   assert stream.getvalue().rstrip().endswith('eta 49s')
+
+
+def test_the_gpu_checks_step_part_runs_on_this_machines_backend(tmp_path):
+  """`experiments/gpu_check.sh` parts 4 and 11 run `compile_gpu.py --run`, which must also
+  run on a CPU (`gpu_check.sh --small`, the smoke test): the step's attention is resolved
+  for this backend, not for a GPU (cuDNN is not on a CPU). Two steps of the packaged
+  tiny config, per subgroup with early host chunks, timed and written as JSON."""
+  import json  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  script = pathlib.Path(__file__).parents[1] / 'experiments' / 'compile_gpu.py'
+  out = tmp_path / 'step.json'
+  done = subprocess.run(
+      [sys.executable, str(script), '--run', '2', '--policy', 'stride', '--storage',
+       'per_subgroup', '--set', 'offload.early_chunks=2', '--json', str(out)],
+      capture_output=True, text=True, timeout=600, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  report = json.loads(out.read_text())
+  report = report[0] if isinstance(report, list) else report
+  assert report['steps'] == 2 and report['median_step_s'] > 0, report

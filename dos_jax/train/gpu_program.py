@@ -54,10 +54,11 @@ def _flatten_states(opt_state: Any):
   return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
 
 
-def build_step(cfg: RunConfig, compiler_options: Any = None) -> StepProgram:
+def build_step(cfg: RunConfig, compiler_options: Any = None,
+               platform: str = 'gpu') -> StepProgram:
   """The runner's fused step for `cfg`, as the accelerator program, with arguments
-  (`model.attention: auto` resolved as on a GPU)."""
-  model_cfg = dataclasses.replace(cfg.model, attention=cfg.model.attention_impl('gpu'))
+  (`model.attention: auto` resolved as on `platform`, a GPU by default)."""
+  model_cfg = dataclasses.replace(cfg.model, attention=cfg.model.attention_impl(platform))
   apply, params = model_lib.build_model(model_cfg, cfg.train.seed)
   tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
                                platform=dos_jax.Program.TWO_MEMORIES)
