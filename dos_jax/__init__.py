@@ -46,7 +46,7 @@ from dos_jax.state_ops import abstract_state as abstract_state
 from dos_jax.state_ops import reset_moments as reset_moments
 from dos_jax.step.transform import OffloadedState as OffloadedState
 from dos_jax.step.transform import offloaded as offloaded
-from dos_jax.step.transform import stream_regions as stream_regions
+from dos_jax.step.construction import stream_regions as stream_regions
 
 __version__ = '0.1.0'
 

@@ -13,11 +13,11 @@ from dos_jax.dataflow import early_windows
 from dos_jax.dataflow import thunks
 from dos_jax.step import chunked
 from dos_jax.step import device_stream
-from dos_jax.step import transform
+from dos_jax.step import construction
 
 
 @pytest.mark.parametrize('module', [alias, chunked, clipping, device_stream, thunks,
-                                    early_windows, transform],
+                                    early_windows, construction],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -145,6 +145,27 @@ def test_zero3_mlp_gradient_gather_by_hand():
   assert memory._split_k_pieces(8192, big.dim // 4, 2 * big.ffn_dim) == 1  # pylint: disable=protected-access
 
 
+def _update_bound_cfg(*overrides):
+  """An update-bound step (4 layers, 32 tokens, bf16, Stride(2), clipping) stored per
+  subgroup, for the compiled memory tests; skips where no stream region is compiled."""
+  available, why = dataflow.gpu_compiler_available()
+  if not available:
+    pytest.skip(f'no GPU compiler here: {why}')
+  if jax.default_backend() != 'cpu':
+    pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu')
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  if not device_stream.available():
+    pytest.skip('this jax builds no stream region')
+  return _cfg('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
+              'optim.clip_norm=1.0', 'offload.early_chunks=0', 'data.seq_len=32',
+              'data.batch_size=2', 'offload.storage=per_subgroup', *overrides)
+
+
+def _compile(cfg):
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  return gpu_program.compile_step(cfg, 'h100_sxm')
+
+
 @pytest.mark.compiled_gpu
 @pytest.mark.parametrize('subgroup_size', [16384, 65536])
 def test_per_subgroup_stream_holds_every_streamed_row(subgroup_size):
@@ -153,20 +174,8 @@ def test_per_subgroup_stream_holds_every_streamed_row(subgroup_size):
   state (and the params it packs), not `buffers` rows. An update-bound step (short
   sequences, bf16, Stride(2)) compiled for an H100 is within 10% of that prediction;
   the `buffers`-row model misses it by more than 40%."""
-  available, why = dataflow.gpu_compiler_available()
-  if not available:
-    pytest.skip(f'no GPU compiler here: {why}')
-  if jax.default_backend() != 'cpu':
-    pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu')
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region')
-  cfg = _cfg('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
-             'optim.clip_norm=1.0', 'offload.early_chunks=0', 'data.seq_len=32',
-             'data.batch_size=2', 'offload.storage=per_subgroup',
-             f'offload.subgroup_size={subgroup_size}')
-  compiled = gpu_program.compile_step(cfg, 'h100_sxm').memory.device_peak_bytes
+  cfg = _update_bound_cfg(f'offload.subgroup_size={subgroup_size}')
+  compiled = _compile(cfg).memory.device_peak_bytes
   assert step_memory.predict_step(cfg).device_bytes == pytest.approx(compiled, rel=0.10)
   assert step_memory.predict_step(cfg, stacked=True).device_bytes < 0.6 * compiled
 
@@ -178,20 +187,8 @@ def test_linked_chunks_hold_one_chunks_rows(chunks):
   k's are done: the update holds the largest chunk's streamed rows. The update-bound
   step above compiled for an H100 is within 10% of that prediction and well under the
   unchunked step's."""
-  available, why = dataflow.gpu_compiler_available()
-  if not available:
-    pytest.skip(f'no GPU compiler here: {why}')
-  if jax.default_backend() != 'cpu':
-    pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu')
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region')
-  cfg = _cfg('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
-             'optim.clip_norm=1.0', 'offload.early_chunks=0', 'data.seq_len=32',
-             'data.batch_size=2', 'offload.storage=per_subgroup',
-             'offload.subgroup_size=16384', f'offload.chunks={chunks}')
-  program = gpu_program.compile_step(cfg, 'h100_sxm')
+  cfg = _update_bound_cfg('offload.subgroup_size=16384', f'offload.chunks={chunks}')
+  program = _compile(cfg)
   assert len(program.schedule.host_calls) == chunks, program.schedule.host_calls
   compiled = program.memory.device_peak_bytes
   assert step_memory.predict_step(cfg).device_bytes == pytest.approx(compiled, rel=0.10)

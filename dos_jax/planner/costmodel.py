@@ -217,6 +217,12 @@ def chunk_count(plan: Plan, chunks: int) -> int:
   return max(1, min(chunks, len(plan.host), len(plan.streamed)))
 
 
+def regions_by_default(plan: Plan, *, stacked: bool) -> bool:
+  """Whether an unsharded state's step runs the streamed rows of `plan` in stream
+  regions: stored per subgroup, on a jax that builds them, beside host subgroups."""
+  return not stacked and device_stream.available() and bool(plan.host)
+
+
 def streamed_elements_held(plan: Plan, dev_sizes: list[int], *, stacked: bool,
                            chunks: int = 0, regions: bool | None = None) -> int:
   """Elements of streamed state in device memory at once during the update: the
@@ -229,13 +235,13 @@ def streamed_elements_held(plan: Plan, dev_sizes: list[int], *, stacked: bool,
   (`Offload(chunks=...)`, `dos_jax.step.chunked`) chunk k+1's regions start after
   chunk k's are done, so the stream holds the largest chunk's rows (`dev_sizes` in
   stream order). `regions`: whether the step runs the rows in stream regions
-  (`dos_jax.step.transform.stream_regions` says for a built state); None: where they
+  (`dos_jax.stream_regions` says for a built state); None: where they
   are stored per subgroup, this jax builds regions and the plan has host subgroups (an
   unsharded state)."""
   if not dev_sizes:
     return 0
   if regions is None:
-    regions = not stacked and device_stream.available() and bool(plan.host)
+    regions = regions_by_default(plan, stacked=stacked)
   if regions:
     parts = np.array_split(np.asarray(dev_sizes, np.int64), chunk_count(plan, chunks))
     return int(max(part.sum() for part in parts))

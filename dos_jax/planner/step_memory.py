@@ -45,7 +45,6 @@ from dos_jax.planner import costmodel
 from dos_jax.planner import memory
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
-from dos_jax.step import device_stream
 
 _BYTES = {'float32': 4, 'bfloat16': 2}
 
@@ -211,7 +210,7 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
 def stream_construction(cfg, plan: Plan, devices: int, stacked: bool, chunks: int
                         ) -> tuple[bool, int]:
   """`(regions, chunks)` of the runner's step for `cfg` on `devices` devices, as
-  `dos_jax.step.transform.stream_regions` says of a built state: per subgroup, the
+  `dos_jax.stream_regions` says of a built state: per subgroup, the
   streamed rows run in stream regions on one device or for a state packed shard-major
   over several (ZeRO-3 over fsdp, ZeRO-1 over data), with host subgroups beside them
   (a mesh of several devices otherwise leaves the update to XLA's partitioner: no
@@ -221,7 +220,7 @@ def stream_construction(cfg, plan: Plan, devices: int, stacked: bool, chunks: in
   split = (fsdp if fsdp > 1 else data) > 1
   if not (unsharded and plan.host and plan.streamed):
     chunks = 0
-  regions = (not stacked and device_stream.available() and bool(plan.host)
+  regions = (costmodel.regions_by_default(plan, stacked=stacked)
              and (unsharded or (split and cfg.offload.shard_major)))
   return regions, chunks
 
@@ -235,7 +234,7 @@ def _stream_bytes(spec: SubgroupSpec, plan: Plan, size: int, stacked: bool, *,
   held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=stacked,
                                           chunks=chunks, regions=regions)
   if regions is None:
-    regions = not stacked and device_stream.available() and bool(plan.host)
+    regions = costmodel.regions_by_default(plan, stacked=stacked)
   rows = held // size if regions and plan.streamed else 0
   per_element = spec.state_bytes_per_element + (spec.param_bytes_per_element if rows else 0)
   return float(held * per_element), rows
@@ -252,7 +251,7 @@ def stream_shortfall(cfg, plan: Plan, devices, *, stacked: bool,
   host.
 
   `device_bytes` replaces the free memory read from the first device's allocator;
-  `regions` and `chunks` are what `dos_jax.step.transform.stream_regions` says of the
+  `regions` and `chunks` are what `dos_jax.stream_regions` says of the
   run's state (`regions` None: `stream_construction`'s guess from the config)."""
   need = _stream_need(cfg, plan, devices, stacked=stacked, device_bytes=device_bytes,
                       regions=regions, chunks=chunks)

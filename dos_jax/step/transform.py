@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from dos_jax import capability as capability_lib
 from dos_jax.step import chunked as chunked_lib
+from dos_jax.step import construction
 from dos_jax import clipping
-from dos_jax.step import device_stream
 from dos_jax.step import early_chunks
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import lanes as lanes_lib
@@ -286,7 +286,7 @@ def offloaded(
       sharded = ShardedOver(jax.sharding.get_abstract_mesh(),
                             (None,) * len(sharded.param_shardings))
       placement = _placement(sharded.mesh, offload)
-    mesh = _step_mesh(sharded)  # a one-device mesh: built as unsharded
+    mesh = construction.step_mesh(sharded)  # a one-device mesh: built as unsharded
     layout, part = state.layout, state.partition
     # The program the state was built for (init chose it: `Offload.target`).
     program = Program.TWO_MEMORIES if part.split else Program.ONE_MEMORY
@@ -304,7 +304,7 @@ def offloaded(
         grad_scale=grad_scale)
     native = capability_lib.capability(
         Kernel.NATIVE_HOST, fused, base_step, program, grad_leaves).usable
-    chunks, on_two_streams = _constructions(offload, part, layout, mesh, native)
+    chunks, on_two_streams = construction.constructions(offload, part, layout, mesh, native)
     run_chunked = bool(chunks)
     early = offload.early_for(layout.spec(), plan) if split and part.per_subgroup else 0
     # Sharded, early chunks run inside that construction, on each device's columns.
@@ -378,51 +378,6 @@ def offloaded(
         slots=state.slots, partition=part, sharded=state.sharded)
 
   return clipping.mark_offloaded(optax.GradientTransformationExtraArgs(init_fn, update_fn))
-
-
-def _constructions(offload: Offload, part, layout, mesh, native: bool) -> tuple[int, bool]:
-  """`(chunks, on_two_streams)`: the linked chunks the step runs its host and streamed
-  tiers in (0: none, `dos_jax.step.chunked`), and whether it runs the host and device
-  halves concurrently by construction otherwise (`dos_jax.step.lanes`; a sharded state
-  only packed shard-major, each device running the construction on its own columns)."""
-  split = part.split
-  chunks = offload.chunks if native and offload.host_impl is UpdateImpl.KERNEL else 0
-  if not (split and chunks and part.per_subgroup and mesh is None
-          and part.ids(Tier.HOST) and part.ids(Tier.STREAMED)):
-    chunks = 0
-  on_two_streams = (split and not chunks and offload.device_stream
-                    and device_stream.available() and part.per_subgroup
-                    and (mesh is None or layout.shards > 1)
-                    and bool(part.ids(Tier.HOST))
-                    and bool(part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)))
-  return chunks, bool(on_two_streams)
-
-
-def _step_mesh(sharded):
-  """The mesh the step splits the state over: None for an unsharded state, or one on a
-  one-device mesh, which splits nothing (the step is built as unsharded, its outputs
-  still pinned to the mesh)."""
-  return None if sharded is None or sharded.mesh.size == 1 else sharded.mesh
-
-
-def stream_regions(state: OffloadedState, offload: Offload) -> tuple[bool, int]:
-  """`(regions, chunks)` for the accelerator program's step of `state` (assuming the
-  native host kernel): whether its streamed rows run in stream regions, which XLA keeps
-  live until they are done, and in how many linked chunks (0: one). What
-  `planner.costmodel.streamed_elements_held` needs to count the stream's memory.
-
-  >>> import jax.numpy as jnp, dos_jax
-  >>> off = dos_jax.Offload(policy=dos_jax.Stride(2), subgroup_size=4, chunks=2,
-  ...                       storage=dos_jax.Storage.PER_SUBGROUP, platform='gpu')
-  >>> state = dos_jax.abstract_state(dos_jax.adamw(1e-3, offload=off), {'w': jnp.zeros(16)})
-  >>> dos_jax.stream_regions(state, off)[1]
-  2
-  """
-  chunks, on_two_streams = _constructions(offload, state.partition, state.layout,
-                                          _step_mesh(state.sharded), native=True)
-  in_regions = on_two_streams or bool(chunks and offload.device_stream
-                                      and device_stream.available())
-  return in_regions and bool(state.partition.ids(Tier.STREAMED)), chunks
 
 
 def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,
