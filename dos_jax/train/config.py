@@ -109,6 +109,10 @@ class OffloadConfig:
     keep_freed_host_memory: keep freed host memory in the process for the next step's
       buffers instead of faulting in and zeroing fresh pages every step (glibc only;
       see dos_jax.host_memory).
+    platform: which program the optimizer builds: null (the backend's: the
+      two-memory program on a GPU, the one-memory program on the CPU), 'gpu' (the
+      two-memory program anywhere; on the CPU backend it runs with Pallas interpreted,
+      how the tests check it) or 'cpu' (dos_jax.Offload.platform).
     shard_major: with the state split over several devices, pack it by each device's
       shards of the params (`dos_jax.adamw(shard_dims=...)`, the sharding table's
       fsdp dimension of each param): the update unpacks the new params and runs the
@@ -133,6 +137,7 @@ class OffloadConfig:
   chunks: Literal['auto'] | int = 'auto'
   stream_lanes: int = field(0, check=NON_NEGATIVE)
   keep_freed_host_memory: bool = True
+  platform: Literal['cpu', 'gpu'] | None = None
   shard_major: bool = False
   placement: Policy | None = dataclasses.field(init=False, repr=False, compare=False)
 

@@ -127,7 +127,8 @@ def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'dat
   if chunks and storage is None:
     storage = dos_jax.Storage.PER_SUBGROUP  # what linked chunks need
   try:
-    return dos_jax.Offload(policy=cfg.placement, storage=storage, platform=platform,
+    return dos_jax.Offload(policy=cfg.placement, storage=storage,
+                           platform=cfg.platform if platform is None else platform,
                            data_axis=data_axis, early_chunks=early, chunks=chunks,
                            stream_lanes=cfg.stream_lanes, **kwargs)
   except ValueError as e:
