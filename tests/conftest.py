@@ -72,6 +72,17 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True, scope='session')
+def _uncommitted_params_warning_given():
+  """Many tests hand `init` freshly made (uncommitted) arrays, which costs one extra
+  compile and nothing else; the warning that says so is asserted where it is the
+  subject (tests/test_optax_tools.py, which re-arms it). Every other project warning
+  is an error (pyproject's `filterwarnings`)."""
+  from dos_jax import validate  # pylint: disable=import-outside-toplevel
+  validate._uncommitted_warned = True  # pylint: disable=protected-access
+  yield
+
+
 @pytest.fixture
 def seed(request) -> int:
   """The seed of this test's random inputs, in [0, 2**30): a hash (CRC-32) of the test's

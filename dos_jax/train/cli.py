@@ -30,12 +30,20 @@ def _config_keys_epilog() -> str:
   from dos_jax.train import config  # pylint: disable=import-outside-toplevel
   from dos_jax.train.configlib import describe_fields  # pylint: disable=import-outside-toplevel
 
-  rows = describe_fields(config.RunConfig)
+  from dos_jax import model_shapes  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import model_config  # pylint: disable=import-outside-toplevel
+
+  # Keys typed as a plain str whose values ModelConfig checks.
+  dtypes = ('float32', 'bfloat16')
+  choices = {'model.preset': tuple(model_shapes.PRESETS), 'model.param_dtype': dtypes,
+             'model.compute_dtype': dtypes, 'model.attention': model_config.ATTENTION}
+  rows = describe_fields(config.RunConfig, choices)
   width = max(len(k) for k, _ in rows)
   lines = [f'  {k:<{width}}  {v}' for k, v in rows]
   return (
-      'config keys (dataclass defaults; the packaged tiny config overrides some;'
-      ' see the section docstrings in dos_jax/train/config.py):\n' + '\n'.join(lines)
+      'config keys, each with its default and what it accepts (dataclass defaults; the'
+      ' packaged tiny config overrides some;\nsee the section docstrings in'
+      ' dos_jax/train/config.py):\n' + '\n'.join(lines)
   )
 
 
@@ -168,7 +176,7 @@ def register(subparsers) -> None:
   """Adds `train`, `prepare` and `export-hf` to the `dos-jax` command."""
   train = subparsers.add_parser(
       'train',
-      help='pretrain a GPT-style model with offloaded optimizer state',
+      help='pretrain a Llama-style model with offloaded optimizer state',
       description=textwrap.fill(
           'Train (or resume) the run a YAML config describes. Without CONFIG, runs the'
           ' packaged tiny CPU config. A run directory holding checkpoints resumes from'

@@ -61,6 +61,8 @@ def _type_name(tp: Any) -> str:
     return 'null'
   if tp is int:
     return 'integer'
+  if tp is str:
+    return 'string'
   if isinstance(tp, type):
     return tp.__name__
   return str(tp).replace('typing.', '')
@@ -315,9 +317,7 @@ def read_yaml(text: str, source: str) -> dict:
         f' {err.first})'
     ) from None
   except yaml.YAMLError as err:
-    mark = getattr(err, 'problem_mark', None)
-    where = f' (line {mark.line + 1})' if mark is not None else ''
-    raise ConfigError(f'{source}: not valid YAML{where}') from None
+    raise ConfigError(f'{source}: not valid YAML{_yaml_where(err, text)}') from None
   if data is None:
     return {}
   if not isinstance(data, dict):
@@ -325,31 +325,99 @@ def read_yaml(text: str, source: str) -> dict:
   return data
 
 
-def describe_fields(cls: type) -> list[tuple[str, str]]:
-  """(dotted key, default) for every leaf of `cls`'s default instance, for `--help`."""
+def _yaml_where(err: yaml.YAMLError, text: str) -> str:
+  """' (line N: what)' for a YAML error, N counted from 1 in `text`. An error found at
+  the end of the file (an unclosed `[`, `{` or quote) is reported where the unclosed
+  construct starts, not on the line after the last one, where PyYAML puts it."""
+  mark = getattr(err, 'problem_mark', None)
+  if mark is None:
+    return ''
+  problem = (getattr(err, 'problem', None) or '').strip()
+  context = (getattr(err, 'context', None) or '').strip()
+  context_mark = getattr(err, 'context_mark', None)
+  if mark.index >= len(text.rstrip()) and context_mark is not None:
+    line = (text.splitlines() or [''])[min(context_mark.line, len(text.splitlines()) - 1)]
+    opener = line[context_mark.column:context_mark.column + 1]
+    what = (f'{opener!r} is never closed' if opener in ('[', '{', '"', "'")
+            else f'{context.removeprefix("while ") or "this"} is never closed')
+    return f' (line {context_mark.line + 1}: {what})'
+  lines = max(1, len(text.splitlines()))
+  return f' (line {min(mark.line + 1, lines)}{": " + problem if problem else ""})'
+
+
+def describe_fields(cls: type, choices: Mapping[str, Sequence[Any]] | None = None
+                    ) -> list[tuple[str, str]]:
+  """(dotted key, "default  (accepts: ...)") for every leaf of `cls`'s default
+  instance, for `--help`. What a key accepts is read from its type hint and check
+  ("an integer", "one of 'a', 'b'", "'auto' or an integer"); `choices` names the values
+  of keys whose type is a plain str checked elsewhere (e.g. `model.attention`)."""
+  choices = dict(choices or {})
   rows = []
 
   def walk(node, prefix):
     for k, v in node.items():
-      if isinstance(v, dict):
-        walk(v, f'{prefix}{k}.')
-      else:
-        choices = _choices(cls, f'{prefix}{k}')
-        rows.append((f'{prefix}{k}', repr(v) + (f'  (one of {choices})' if choices else '')))
+      dotted = f'{prefix}{k}'
+      if isinstance(v, dict) and dotted not in choices and _field(cls, dotted)[0] is not dict:
+        walk(v, f'{dotted}.')
+        continue
+      rows.append((dotted, f'{v!r}  (accepts: {accepts(cls, dotted, choices.get(dotted))})'))
 
   walk(to_dict(from_dict(cls, {})), '')
   return rows
 
 
-def _choices(cls: type, dotted: str) -> str:
-  """"'a', 'b'" if the field at `dotted` is a Literal (or an optional one), else ''."""
+def _field(cls: type, dotted: str) -> tuple[Any, Check | None]:
+  """The type hint and check of the field at `dotted` (Any, None where unknown)."""
   tp: Any = cls
+  check = None
   for part in dotted.split('.'):
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
+    inner = [a for a in args if dataclasses.is_dataclass(a)]
+    tp = inner[0] if inner else tp
     if not dataclasses.is_dataclass(tp):
-      return ''
-    tp = typing.get_type_hints(tp).get(part)
-  args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+      return Any, None
+    fields = {f.name: f for f in dataclasses.fields(tp)}
+    check = fields[part].metadata.get('check') if part in fields else None
+    tp = typing.get_type_hints(tp).get(part, Any)
+  return tp, check
+
+
+def accepts(cls: type, dotted: str, values: Sequence[Any] | None = None) -> str:
+  """What the key at `dotted` of `cls` accepts, in words: "an integer", "one of 'a',
+  'b'", "'auto' or an integer or a list of integers", "a float or null"."""
+  tp, check = _field(cls, dotted)
+  args = (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType)
+          else (tp,))
+  parts = []
   for arg in args:
-    if typing.get_origin(arg) is Literal:
-      return ', '.join(repr(c) for c in typing.get_args(arg))
-  return ''
+    if arg is type(None):
+      continue
+    if values is not None and arg is str:
+      parts.append('one of ' + ', '.join(repr(v) for v in values))
+    elif typing.get_origin(arg) is Literal and len(typing.get_args(arg)) == 1:
+      parts.append(repr(typing.get_args(arg)[0]))
+    elif typing.get_origin(arg) in (tuple, list):
+      item = (typing.get_args(arg) or (Any,))[0]
+      parts.append('a list of ' + ('values' if item is Any else
+                                   _plural(_describe(item, None))))
+    elif dataclasses.is_dataclass(arg):
+      parts.append('a mapping of ' + ', '.join(f.name for f in dataclasses.fields(arg)))
+    elif isinstance(arg, type) and issubclass(arg, enum.Enum):
+      parts.append('one of ' + ', '.join(repr(m.value) for m in arg))
+    elif arg is bool:
+      parts.append('true or false')
+    elif arg is Any:
+      parts.append('any value')
+    else:
+      parts.append(_describe(arg, check))
+  if type(None) in args:
+    parts.append('null')
+  return ' or '.join(parts)
+
+
+def _plural(described: str) -> str:
+  """'an integer' -> 'integers'; "one of 'a', 'b'" stays."""
+  for article in ('an ', 'a '):
+    if described.startswith(article):
+      return described[len(article):] + 's'
+  return described

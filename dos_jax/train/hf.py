@@ -260,6 +260,10 @@ def save(cfg: model_lib.ModelConfig, params: Any, folder: str, *,
            consume)
     for path in extra_files:
       shutil.copy2(path, os.path.join(tmp, os.path.basename(path)))
+    for name in os.listdir(tmp):
+      # Readable like files `open` makes (safetensors writes its files 0600; copies keep
+      # their source's mode): 0666 less the umask.
+      os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     os.replace(tmp, folder)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)

@@ -54,7 +54,7 @@ def run_config(run_dir: str) -> RunConfig:
 
 def checkpoint_dir(cfg: RunConfig, run_dir: str) -> str:
   """Where the run's checkpoints are: `checkpoint.dir`, else RUN_DIR/checkpoints."""
-  return cfg.checkpoint.dir or os.path.join(run_dir, 'checkpoints')
+  return os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, 'checkpoints'))
 
 
 def tokenizer_files(cfg: RunConfig, stream: TextIO) -> tuple[str, ...]:
@@ -89,6 +89,8 @@ def export(run_dir: str, out: str, step: int | None = None, *,
     ConfigError: one line naming the culprit; nothing is written then.
   """
   stream = stream if stream is not None else sys.stderr
+  # Relative paths are the caller's working directory's (orbax takes absolute ones only).
+  run_dir = os.path.abspath(run_dir)
   cfg = run_config(run_dir)
   if cfg.mesh.pipeline > 1:
     raise ConfigError(f'{run_dir}: a pipelined run (mesh.pipeline > 1) cannot be exported yet')
@@ -124,7 +126,7 @@ def restore_params(model_cfg: model_lib.ModelConfig, directory: str, step: int):
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
       jax.eval_shape(lambda: model_lib.init_params(model_cfg, 0)))
-  manager = ocp.CheckpointManager(directory, item_names=('params', 'opt_state', 'meta'))
+  manager = ocp.CheckpointManager(os.path.abspath(directory), item_names=('params', 'opt_state', 'meta'))
   try:
     restored = manager.restore(
         step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))

@@ -28,6 +28,7 @@ from dos_jax.train import placement as placement_lib
 from dos_jax.train import resume as resume_lib
 from dos_jax.train import rundir
 from dos_jax.train import step as step_lib
+from dos_jax.train import optimizer as optimizer_lib
 from dos_jax.train import trainer as trainer_lib
 from dos_jax.train.config import RunConfig
 from dos_jax.train.configlib import to_dict
@@ -84,6 +85,11 @@ class Summary:
       return f'nothing to do: the run is already at step {self.final_step}'
     eval_part = '' if self.eval_loss is None else f', eval loss {self.eval_loss:.4f}'
     verb = 'interrupted at' if self.interrupted else 'finished'
+    if not math.isfinite(self.step_s):
+      # Every step this run took compiled a program (e.g. train.steps=1): no step time.
+      return (f'{verb} step {self.final_step} in {self.seconds:.1f}s: loss'
+              f' {self.final_loss:.4f}{eval_part}; speed not measured (every step'
+              ' compiled: time a run of 2 or more steps)')
     update = (f'update {self.update_s * 1e3:.1f} ms' if math.isfinite(self.update_s)
               else 'update not measured')
     return (
@@ -188,8 +194,6 @@ def train(
       f', checkpoints in {os.path.abspath(cfg.checkpoint_dir)}')
   print(f'run directory: {where} (config.yaml, {cfg.train.metrics_file}{elsewhere})',
         file=stream)
-  for note in trainer.notes:
-    print(note, file=stream)
   for item, moved in zip(skipped, checkpointer.quarantine(skipped)):
     fallback = f'step {latest}' if latest is not None else 'the start (no complete checkpoint)'
     print(f'checkpoint {item.step} is {item.reason}; moved to {moved}, resuming from'
@@ -238,11 +242,11 @@ def train(
   loss, eval_loss, bad = math.nan, None, None
   timed_steps, timed_total, timed_updates, timed_update, split_steps = 0, 0.0, 0, 0.0, 0
   last_update_s = math.nan  # The latest measured update phase, for the progress line.
-  # Steps whose clip factor was not 1: early host chunks (offload.early_chunks) redo
-  # their speculated update on those (dos_jax.step.early_chunks).
+  # Steps whose clip factor was not 1: early host calls redo their speculated update on
+  # those (dos_jax.step.early_chunks); every `optimizer.REPLAN_EVERY` steps the measured
+  # rate chooses the early calls again (a retrace when they change).
   clip_norm = cfg.optim.clip_norm
-  speculating = (clip_norm is not None and cfg.offload.placement is not None
-                 and trainer.cfg.offload.early_chunks != 0 and jax.default_backend() == 'gpu')
+  speculating = clip_norm is not None and optimizer_lib.speculates(trainer.opt_state)
   rollbacks = 0
   started = time.perf_counter()
   signum = None
@@ -275,10 +279,9 @@ def train(
         if speculating:
           rollbacks += not result.grad_norm < clip_norm
           speculation = {'offload/rollbacks': rollbacks}
-          for chooser in (cfg.offload.placement, getattr(trainer, 'early_chooser', None)):
-            observe = getattr(chooser, 'observe_rollbacks', None)
-            if observe is not None:  # the next choice of early chunks takes the rate
-              observe(rollbacks, step - start_step)
+          if (step - start_step) % optimizer_lib.REPLAN_EVERY == 0:
+            trainer.opt_state = optimizer_lib.replan_early(
+                cfg, trainer.opt_state, trainer.mesh.size, rollbacks, step - start_step)
         moved = {'migrate_s': result.migrate_s} if result.migrate_s else {}
         if moved:  # A plan change: rare, so always on record.
           progress.message(f'step {step}: state moved to the new plan in'

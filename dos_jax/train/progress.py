@@ -34,6 +34,8 @@ def _ms(seconds: float) -> str:
 
 
 def _rate(tokens_per_s: float) -> str:
+  if not math.isfinite(tokens_per_s):
+    return '-'
   if tokens_per_s >= 1e6:
     return f'{tokens_per_s / 1e6:.2f}M'
   if tokens_per_s >= 1e3:
