@@ -19,6 +19,12 @@ choose different plans, Auto tries the plan that changes, whose measurement then
 them apart. With several plans measured, both factors are fitted together.
 A resource faster than believed shows only when it is on the critical path of the plan
 being run: Auto does not spend steps on plans it predicts to be slower.
+
+`dos-jax plan` chooses with an `Auto` too (the same `rank`, the same inputs: budget,
+activations, backward pass and `last_grad_bytes`), so the plan it prints is the one the
+runner's `Auto` takes. In a multi-process run every choice goes through an agreement
+(`Auto.agree`, `dos_jax.train.agree`): process 0's profile and plans, and measurements
+reduced over the processes, so that every process traces the same program.
 """
 
 from __future__ import annotations
@@ -183,6 +189,13 @@ def choose(
   return best.plan, best.prediction
 
 
+def last_grad_bytes(vocab_size: int, dim: int, param_bytes: int, devices: int) -> float:
+  """The gradient the runner's backward pass makes last, per device: the input
+  embedding's (vocab x dim), sharded over `devices`. What `dos-jax plan` and the runner
+  give `Auto(last_grad_bytes=...)`."""
+  return vocab_size * dim * param_bytes / max(devices, 1)
+
+
 class Auto:
   """Placement by the cost model: the fastest plan that fits, re-chosen when measured
   step times keep departing from the prediction.
@@ -204,6 +217,7 @@ class Auto:
       tolerance: float = 0.15,
       patience: int = 3,
       warmup: int = 1,
+      last_grad_bytes: float = 0.0,
   ):
     """Args:
       profile: the machine; None calibrates this one on first use (cached as JSON).
@@ -221,6 +235,8 @@ class Auto:
       tolerance: relative departure of a measurement from its prediction that counts.
       patience: consecutive departing steps before re-planning.
       warmup: observations ignored after each change of plan (they include compiling).
+      last_grad_bytes: bytes of the gradient the backward pass makes last, whose copy
+        nothing hides (`costmodel.predict`; `last_grad_bytes` below gives the runner's).
     """
     if not 0 < tolerance < 10:
       raise ValueError(f'Auto.tolerance must be in (0, 10), got {tolerance!r}')
@@ -249,6 +265,26 @@ class Auto:
     self._confirmed = False
     self._base: HardwareProfile | None = profile
     self._measured: dict[Plan, float] = {}
+    if not (math.isfinite(last_grad_bytes) and last_grad_bytes >= 0):
+      raise ValueError(f'Auto.last_grad_bytes must be >= 0, got {last_grad_bytes!r}')
+    self.last_grad_bytes = last_grad_bytes
+    # Several processes: what takes every choice alike on each (`agree`), and this
+    # process's own profile where it differs from the agreed one.
+    self.agreement = None
+    self._own: HardwareProfile | None = None
+
+  def agree(self, agreement) -> None:
+    """Takes every program-shaping choice through `agreement`, so that the processes of
+    one run choose alike (`dos_jax.train.agree.Agreement`, or any object with its
+    methods): `profile(own) -> (shared, own)` gives process 0's profile for this one's
+    (None: not calibrated yet), `plan(plan, own=...)` process 0's plan, logging where
+    this process (or its own profile) would have chosen another, and `seconds(x)`,
+    `counts(rollbacks, steps)` the measurements reduced over the processes. A collective:
+    every process calls it at the same point, before `plan`."""
+    shared, own = agreement.profile(self._profile)
+    self._own = own if own is not None and own != shared else None
+    self._profile = self._base = shared
+    self.agreement = agreement
 
   def __repr__(self):
     name = self._profile.name if self._profile else 'this machine (lazy)'
@@ -272,11 +308,16 @@ class Auto:
   def _rank(self, profile: HardwareProfile) -> list[Choice]:
     budget = profile.device_free_bytes if self.budget_bytes is None else self.budget_bytes
     return rank(profile, self.spec, budget, backward_seconds=self.backward_seconds,
-                activation_bytes=self.activation_bytes, resident=self.budget_bytes is not None)
+                activation_bytes=self.activation_bytes, resident=self.budget_bytes is not None,
+                last_grad_bytes=self.last_grad_bytes)
 
   def _choose(self, ranking: list[Choice] | None = None) -> Plan:
     self.ranking = ranking or self._rank(self.profile)
     new = self.ranking[0].plan
+    if self.agreement is not None:  # process 0's plan, the same on every process
+      own = (self._rank(self._own)[0].plan
+             if self.current is None and self._own is not None else None)
+      new = self.agreement.plan(new, own=own)
     if new != self.current:
       self._skip = self.warmup
       if self.current is not None:
@@ -289,17 +330,23 @@ class Auto:
     self._confirmed = False
     return new
 
-  def early_chunks(self, spec: SubgroupSpec, plan: Plan) -> tuple[int, ...]:
-    """The early host calls of `plan` (`Offload(early_chunks=EarlyChunks.AUTO)`): a
-    `timeline.EarlyChooser` with this profile, `backward_seconds` and `clip_rate`."""
+  def early_chunks(self, spec: SubgroupSpec, plan: Plan) -> tuple[int, ...] | None:
+    """The early host calls of `plan` (`Partition.early`): a `timeline.EarlyChooser`
+    with this profile, `backward_seconds` and `clip_rate`; None without a backward-pass
+    time to weigh them against (the state then takes the fixed rule,
+    `partition.early_host_calls`)."""
+    if self.backward_seconds <= 0:
+      return None
     return timeline.EarlyChooser(
-        self.profile if self.backward_seconds > 0 else None,
+        self.profile,
         backward_seconds=self.backward_seconds, clip_rate=self.clip_rate,
     ).early_chunks(spec, plan)
 
   def observe_rollbacks(self, rollbacks: int, steps: int) -> None:
     """Takes the clip rate measured over `steps` steps (`rollbacks` of them had a clip
     factor other than 1) for the next choice of `early_chunks`."""
+    if self.agreement is not None:
+      rollbacks, steps = self.agreement.counts(rollbacks, steps)
     if steps > 0 and 0 <= rollbacks <= steps:
       self.clip_rate = rollbacks / steps
 
@@ -317,13 +364,16 @@ class Auto:
     `tolerance` from the prediction)."""
     if self.spec is None:
       raise ValueError('Auto.observe called before Auto.plan(spec)')
+    if self.agreement is not None:  # the slowest process's time, on every process
+      measured_update_seconds = self.agreement.seconds(measured_update_seconds)
     if not (math.isfinite(measured_update_seconds) and measured_update_seconds > 0):
       raise ValueError(f'measured_update_seconds must be positive, got {measured_update_seconds!r}')
     if self._skip > 0:
       self._skip -= 1
       return self.current
     predicted = costmodel.predict(
-        self.profile, self.spec, plan, backward_seconds=self.backward_seconds
+        self.profile, self.spec, plan, backward_seconds=self.backward_seconds,
+        last_grad_bytes=self.last_grad_bytes,
     ).update_seconds
     self._remember(plan, measured_update_seconds)
     if abs(measured_update_seconds - predicted) <= self.tolerance * predicted:
@@ -379,7 +429,8 @@ class Auto:
     if self.spec is None or self.current is None:
       raise ValueError('Auto.record called before Auto.plan(spec)')
     prediction = costmodel.predict(
-        self.profile, self.spec, self.current, backward_seconds=self.backward_seconds
+        self.profile, self.spec, self.current, backward_seconds=self.backward_seconds,
+        last_grad_bytes=self.last_grad_bytes,
     )
     migration, self.last_migration = self.last_migration, None
     return report.StepRecord.of(step, self.current, prediction, measured_update_seconds,

@@ -40,6 +40,10 @@ class HardwareProfile:
     device_copy_gbps: device memory bandwidth for packing and unpacking the subgroup
       rows, GB/s (read + write counted); None: what the device AdamW achieves, 28 B
       per param.
+    internode_gbps: the inter-node link of the node this device sits in, GB/s each
+      way, for the data-parallel collectives of a multi-node run (`dos-jax plan
+      --nodes`). Default 25: one 200 Gb/s InfiniBand HDR port at line rate (400 Gb/s
+      NDR: 50). A calibration does not measure it.
   """
 
   name: str
@@ -55,6 +59,7 @@ class HardwareProfile:
   host_threads: int | None = None
   source: str = ''
   device_copy_gbps: float | None = None
+  internode_gbps: float = 25.0
 
   def __post_init__(self):
     rates = {
@@ -71,6 +76,7 @@ class HardwareProfile:
         'device_adamw_gparams': self.device_adamw_gparams,
         'device_free_bytes': self.device_free_bytes,
         'host_copy_slowdown': self.host_copy_slowdown,
+        'internode_gbps': self.internode_gbps,
     }
     positive.update({f'host_adamw_gparams_by_threads[{t}]': r for t, r in rates.items()})
     if self.device_copy_gbps is not None:
@@ -196,8 +202,11 @@ H100_PCIE_GEN5_NODE = HardwareProfile(
         ' AdamW: H100 SXM HBM3 3.35 TB/s x 0.8 achievable / 28 B per param. device free:'
         ' 80 GB HBM less ~1 GiB for the CUDA context. host_copy_slowdown 1.0: the copies\''
         ' competition is already in both_gbps, which was measured under it. host memory:'
-        ' 1 TiB per node, assumed (override with --host-memory).'
+        ' 1 TiB per node, assumed (override with --host-memory). internode: one 400 Gb/s'
+        ' InfiniBand NDR port per node at line rate, assumed (override with'
+        ' --internode-gbps).'
     ),
+    internode_gbps=50.0,
 )
 
 A100_PCIE_GEN4_NODE = HardwareProfile(
@@ -218,7 +227,8 @@ A100_PCIE_GEN4_NODE = HardwareProfile(
         ' 3.5 s, ~9-10 GB/s). host AdamW: the paper\'s CPU-only 3.8 Gparam/s per node (20B)'
         ' / 4 GPUs; 8 threads per GPU assumed. device AdamW: A100 40GB HBM2 1.555 TB/s x'
         ' 0.8 / 28 B per param. device free: 40 GB less ~1 GiB of context. host memory:'
-        ' 512 GiB per node.'
+        ' 512 GiB per node. internode: 200 Gb/s per node at line rate (the field\'s'
+        ' default), assumed.'
     ),
 )
 

@@ -10,6 +10,10 @@ With a preset and no other flags it assumes the paper's runs: bf16, 2048-token
 sequences, micro-batch 1, cuDNN's flash attention on GPU profiles, no activation
 checkpointing, params, grads and state sharded over the node's devices (ZeRO-3). With
 `--config` those come from the run config; a flag given overrides either.
+
+`--nodes N`: the run spans N such nodes, the state sharded over every device of all of
+them; the step then counts the data-parallel collectives over the inter-node link
+(`costmodel.internode`), and host memory is given per node.
 """
 
 from __future__ import annotations
@@ -160,6 +164,15 @@ def register(subparsers,
                  help='pipeline stages: report the GPipe bubble and each stage\'s memory')
   p.add_argument('--microbatches', type=_positive_int, default=1, metavar='M',
                  help='microbatches per step of a pipelined run (default: 1)')
+  p.add_argument('--nodes', type=_positive_int, default=1, metavar='N',
+                 help='nodes the run spans, each with --gpus-per-node devices; the state'
+                 ' is sharded over all of them, and the step counts the gradient'
+                 ' reduce-scatter and parameter all-gather over the inter-node link'
+                 ' (default: 1)')
+  p.add_argument('--internode-gbps', type=_positive_float, metavar='GB/S',
+                 help='inter-node link per node, GB/s each way (default: the profile\'s'
+                 ' internode_gbps: 50 for h100-pcie5, 400 Gb/s InfiniBand; 25, 200 Gb/s,'
+                 ' otherwise)')
   p.set_defaults(handler=handler, config_settings=config_settings)
 
 
@@ -271,11 +284,18 @@ def handler(args) -> int:
   gpu_profile = args.profile != _THIS or _this_is_a_gpu()
   run = _resolve(args, settings, gpu_profile)
   shape = run.shape
-  devices = run.devices or (4 if preset_profile else 1)
+  nodes = args.nodes
+  if args.internode_gbps:
+    profile = dataclasses.replace(profile, internode_gbps=args.internode_gbps)
+  # Devices per node (a config's mesh counts those of every node).
+  devices = args.gpus_per_node or (max(1, run.devices // nodes) if run.devices else
+                                   (4 if preset_profile else 1))
   param_bytes = 2 if run.param_dtype == 'bf16' else 4
   # bf16: fp32 master + m + v on the host; fp32: the params are the master, m + v.
   state_bytes = 12 if param_bytes == 2 else 8
-  size = sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes, devices=devices,
+  # Params, grads and state are sharded over every device of every node.
+  size = sizing(shape, param_bytes=param_bytes, state_bytes=state_bytes,
+                devices=devices * nodes,
                 seq_len=run.seq_len, micro_batch=run.micro_batch, remat=run.remat,
                 attention=run.attention)
   per_stage = None
@@ -311,12 +331,13 @@ def handler(args) -> int:
     fwd = 2 * shape.num_params() * tokens / (tflops * 1e12)
     bwd = 2 * fwd
 
+  across = f' x {nodes} nodes' if nodes > 1 else ''
   print(f'model: {args.model or args.config}: {_count(shape.num_params())} params'
-        f' ({run.param_dtype}), {devices} device(s) per node, {spec.num_subgroups} subgroups'
-        f' of {subgroup:,} elements per device')
+        f' ({run.param_dtype}), {devices} device(s) per node{across}, {spec.num_subgroups}'
+        f' subgroups of {subgroup:,} elements per device')
   print(f'run: sequences of {run.seq_len} tokens, micro-batch {run.micro_batch},'
         f' {run.attention} attention, {"remat" if run.remat else "no remat"}; params, grads'
-        f' and state sharded over the {devices} device(s)')
+        f' and state sharded over the {devices * nodes} device(s)')
   print(f'profile: {profile.name} (device memory {_gib(device_mem)}, host memory'
         f' {_gib(host_mem) if host_mem else "unknown"})')
 
@@ -335,10 +356,12 @@ def handler(args) -> int:
   budget = memory.device_budget(device_mem, size)
   acts = size.activations
   # The backward pass makes the input embedding's gradient last: no compute hides its copy.
-  last = shape.vocab_size * shape.dim * param_bytes / devices
-  ranking = auto.rank(profile, spec, budget, backward_seconds=bwd, activation_bytes=acts,
-                      last_grad_bytes=last)
-  chosen = ranking[0]
+  last = auto.last_grad_bytes(shape.vocab_size, shape.dim, param_bytes, devices * nodes)
+  # The runner's `Auto`, given what the runner gives it: the plan printed is its plan.
+  chooser = auto.Auto(profile, budget_bytes=budget, activation_bytes=acts,
+                      backward_seconds=bwd, last_grad_bytes=last)
+  chooser.plan(spec)
+  chosen = chooser.ranking[0]
   pred = chosen.prediction
   sb = state_bytes
   print('\nmemory per tier (chosen plan):')
@@ -394,9 +417,36 @@ def handler(args) -> int:
     shown += [(n, p) for n, p in statics if p.host and not p.streamed][:1]  # AllHost
     for name, shown_plan in shown[:1] + shown[-1:] if len(shown) > 1 else shown:
       print(_chunk_line(profile, spec, name, shown_plan, fwd, bwd, args.clip_rate))
+  if nodes > 1:
+    for line in _across_nodes(profile, shape, nodes, devices, param_bytes,
+                              rows[0].iteration if tflops else None, host_state, pool):
+      print(line)
   for line in _why(rows, budget, acts):
     print(line)
   return 0
+
+
+def _across_nodes(profile, shape, nodes: int, devices: int, param_bytes: int, iteration,
+                  host_state: float, pool: float) -> list[str]:
+  """The step across `nodes` nodes (`costmodel.internode`), and host memory per node."""
+  n = shape.num_params()
+  link = costmodel.internode(profile, nodes, grad_bytes=n * param_bytes,
+                             param_bytes=n * param_bytes)
+  out = [f'\nacross {nodes} nodes ({nodes * devices} devices; inter-node link'
+         f' {profile.internode_gbps:g} GB/s per node each way, ring collectives over the'
+         ' nodes):',
+         f'  gradient reduce-scatter {_ms(link.reduce_scatter_seconds)} + new params'
+         f' all-gather {_ms(link.all_gather_seconds)} ({_gib(link.link_bytes)} through each'
+         ' node\'s link per step: an all-reduce\'s traffic)']
+  if iteration is not None:
+    step = iteration.iteration_seconds + link.seconds
+    out.append(f'  step (Auto\'s plan): iteration {_ms(iteration.iteration_seconds)} +'
+               f' collectives {_ms(link.seconds)} = {_ms(step)}, counted exposed (no'
+               f' overlap with the backward pass: an upper bound)')
+  out.append(f'  host memory per node: optimizer state {_gib(host_state)}, pinned pool'
+             f' {_gib(pool)} ({pinned_pool.ENV_VAR}={pinned_pool.required_gib(pool)} with'
+             f' one process per node)')
+  return out
 
 
 def _chunk_line(profile, spec, name, plan, fwd, bwd, clip_rate: float) -> str:

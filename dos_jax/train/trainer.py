@@ -19,13 +19,11 @@ import numpy as np
 import optax
 
 import dos_jax
-from dos_jax.planner import memory
-from dos_jax.planner import step_memory
-from dos_jax.planner import timeline
 from dos_jax.train import checkpoint as ckpt_lib
 from dos_jax.train import data as data_lib
 from dos_jax.train import mesh as mesh_lib
 from dos_jax.train import model as model_lib
+from dos_jax.train import optimizer as optimizer_lib
 from dos_jax.train import step as step_lib
 from dos_jax.train.config import RunConfig
 from dos_jax.train.configlib import ConfigError
@@ -53,10 +51,6 @@ class Trainer:
   # The params came from `model.from_hf` (False: initialized, to be replaced by a
   # checkpoint being resumed, or a run with no from_hf).
   started_from_hf: bool = False
-  # What chooses early host chunks for a policy that does not (`early_chooser`), or None.
-  early_chooser: Any = None
-  # What the build chose for the machine and said in one line (`fit_stream`), if anything.
-  notes: tuple[str, ...] = ()
 
   def place_batch(self, tokens_BxLp1: np.ndarray) -> jax.Array:
     return jax.device_put(tokens_BxLp1, self.batch_sharding)
@@ -72,7 +66,8 @@ class Trainer:
     migrate_s = 0.0
     if plan is not None:
       t0 = time.perf_counter()
-      moved = dos_jax.migrate(self.opt_state, plan)
+      moved = dos_jax.migrate(self.opt_state, plan,
+                              early=optimizer_lib.early_for(self.cfg, self.opt_state, plan))
       if moved is not self.opt_state:
         self.opt_state = jax.block_until_ready(moved)
         migrate_s = time.perf_counter() - t0
@@ -171,115 +166,6 @@ def check_dataset(cfg: RunConfig, dataset_dir: str) -> None:
       )
 
 
-def budget_auto(cfg: RunConfig, devices: Sequence[jax.Device],
-                device_bytes: float | None = None) -> None:
-  """Gives the configured `Auto` the device memory it may fill beside the model, from
-  the same sizing as the up-front memory check, so that it also weighs keeping
-  subgroups resident in device memory (without a budget it only streams or updates on
-  the host). No-op for other policies and on the CPU backend."""
-  auto = cfg.offload.placement
-  if not isinstance(auto, dos_jax.Auto) or auto.budget_bytes is not None:
-    return
-  budget = memory.run_budget(cfg, devices, device_bytes)
-  if budget is not None:
-    auto.budget_bytes, auto.activation_bytes = budget
-    if not auto.backward_seconds:  # what early host chunks can hide behind
-      auto.backward_seconds = backward_seconds(cfg, len(devices))
-
-
-def check_stream_memory(cfg: RunConfig, opt_state: Any, devices: Sequence[jax.Device],
-                        device_bytes: float | None = None) -> None:
-  """Raises `ConfigError` naming `offload.policy` when a fixed placement's update phase
-  does not fit the device memory beside the model (`step_memory.stream_shortfall`, with
-  the stream regions and linked chunks the state's step builds), before XLA's allocator
-  would fail. `Auto` sizes its own (`budget_auto`); on the CPU backend nothing is
-  checked. `device_bytes`: as in `budget_auto`."""
-  if cfg.offload.placement is None or isinstance(cfg.offload.placement,
-                                                 dos_jax.AdaptivePolicy):
-    return
-  offload = step_lib.make_offload(cfg.offload)
-  is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
-  for state in [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]:
-    plan = cfg.offload.placement.plan(state.layout.spec())
-    regions, chunks = dos_jax.stream_regions(state, offload)
-    line = step_memory.stream_shortfall(cfg, plan, devices,
-                                        stacked=not state.partition.per_subgroup,
-                                        device_bytes=device_bytes, regions=regions,
-                                        chunks=chunks)
-    if line is not None:
-      raise ConfigError(line)
-
-
-def fit_stream(cfg: RunConfig, devices: Sequence[jax.Device],
-               device_bytes: float | None = None) -> tuple[RunConfig, str | None]:
-  """`cfg` with `offload.chunks: auto` resolved for `devices`, and a line saying what
-  changed (None: nothing). On a GPU, where a fixed policy's per-subgroup stream holds
-  every streamed row and does not fit beside the model (`step_memory.stream_shortfall`),
-  the step runs in the fewest linked chunks that fit (`step_memory.chunk_fits`; early
-  host calls off), else, with `offload.storage` unset, with stacked storage (`buffers`
-  rows, one host call); otherwise `check_stream_memory` stops the run. Elsewhere
-  `chunks` becomes 0. `device_bytes`: as in `budget_auto`."""
-  off = cfg.offload
-  if off.chunks != 'auto':
-    return cfg, None
-  keep = dataclasses.replace(cfg, offload=dataclasses.replace(off, chunks=0))
-  if (devices[0].platform == 'cpu' or off.placement is None
-      or isinstance(off.placement, dos_jax.AdaptivePolicy)):
-    return keep, None
-  early_fixed = off.early_chunks not in ('auto', 0, 1)
-  per_subgroup = off.storage == 'per_subgroup' or (off.storage is None and off.early_chunks
-                                                   not in (0, 1))
-  if not per_subgroup:
-    return keep, None
-  data, fsdp, _ = step_memory.mesh_sizes(cfg, len(devices))
-  spec = step_memory.run_spec(cfg, fsdp if fsdp > 1 else data)
-  plan = off.placement.plan(spec)
-  short = step_memory.stream_shortfall(cfg, plan, devices, stacked=False,
-                                       device_bytes=device_bytes)
-  if short is None:
-    return keep, None
-  chunks = 0 if early_fixed else step_memory.chunk_fits(cfg, plan, devices,
-                                                        device_bytes=device_bytes)
-  held = f'its {len(plan.streamed)} streamed subgroups do not fit at once beside the model'
-  if chunks:
-    new = dataclasses.replace(off, chunks=chunks, early_chunks=0)
-    return (dataclasses.replace(cfg, offload=new),
-            f'offload.chunks: auto: stored per subgroup, {held}; the step runs in {chunks}'
-            ' linked chunks, one chunk\'s rows at a time (early host calls off)')
-  if off.storage is None and not early_fixed and step_memory.stream_shortfall(
-      cfg, plan, devices, stacked=True, device_bytes=device_bytes) is None:
-    new = dataclasses.replace(off, chunks=0, early_chunks=0, storage='stacked')
-    return (dataclasses.replace(cfg, offload=new),
-            f'offload.chunks: auto: stored per subgroup, {held}, and no chunk count fits;'
-            f' the state is stacked (the stream holds {plan.buffers} rows, one host call)')
-  return keep, None
-
-
-def early_chooser(cfg: RunConfig, devices: Sequence[jax.Device]) -> Any:
-  """What answers `offload.early_chunks: auto` for a static policy on a GPU: a
-  `timeline.EarlyChooser` with this machine's profile and the run's backward pass
-  estimate; None elsewhere (the CPU backend runs the one-memory program; `auto` chooses
-  its own; nothing is offloaded)."""
-  if (cfg.offload.early_chunks != 'auto' or devices[0].platform == 'cpu'
-      or cfg.offload.policy in ('auto', 'none', 'all_device')):
-    return None
-  return timeline.EarlyChooser(backward_seconds=backward_seconds(cfg, len(devices)))
-
-
-# Training TFLOP/s per device that `backward_seconds` assumes: what `dos-jax plan`
-# assumes for an H100 (`--achieved-tflops`).
-ACHIEVED_TFLOPS = 200.0
-
-
-def backward_seconds(cfg: RunConfig, num_devices: int) -> float:
-  """The backward pass of one step per device, estimated as 4 FLOPs per param and token
-  at `ACHIEVED_TFLOPS`."""
-  abstract = jax.eval_shape(lambda: model_lib.init_params(cfg.model, 0))
-  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
-  tokens = cfg.data.batch_size * cfg.data.seq_len / max(1, num_devices)
-  return 4 * params * tokens / (ACHIEVED_TFLOPS * 1e12)
-
-
 def hf_params(cfg: RunConfig, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
   """The params of `model.from_hf`, each tensor placed on its devices as it is read
   (each device gets only its own shards), and their shardings.
@@ -344,15 +230,8 @@ def build(
     params = jax.device_put(params, param_shardings)
   if mesh.size > 1:  # cuDNN's attention needs q, k and v sharded alike on the mesh
     apply = model_lib.make_apply(cfg.model, mesh)
-  budget_auto(cfg, list(mesh.devices.flat))
-  cfg, stream_note = fit_stream(cfg, list(mesh.devices.flat))
-  chooser = early_chooser(cfg, list(mesh.devices.flat))
-  if tx is None:
-    tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
-                                 data_axis=mesh_lib.state_axis(mesh), early_chooser=chooser,
-                                 shard_dims=mesh_lib.state_shard_dims(mesh))
-  opt_state = tx.init(params)
-  check_stream_memory(cfg, opt_state, list(mesh.devices.flat))
+  built = optimizer_lib.build_optimizer(cfg, mesh, params, tx=tx)
+  tx, opt_state = built.tx, built.opt_state
   state_shardings = step_lib.state_shardings(opt_state, mesh)
   compiler_options = step_lib.compiler_options_for(mesh.devices.flat[0].platform)
   # Commit every leaf (init may leave scalars uncommitted): the update's outputs are
@@ -384,6 +263,4 @@ def build(
       ),
       eval_step=step_lib.make_eval_step(apply, model_lib.loss_fn),
       started_from_hf=from_hf,
-      early_chooser=chooser,
-      notes=(stream_note,) if stream_note else (),
   )
