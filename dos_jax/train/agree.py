@@ -159,3 +159,18 @@ def max_counts(*counts: int) -> tuple[int, ...]:
   if processes() == 1:
     return tuple(counts)
   return tuple(int(x) for x in _gather([float(c) for c in counts]).max(axis=0))
+
+
+def max_counts(rollbacks: int, steps: int) -> tuple[int, int]:
+  """The largest rollback and step counts over the processes (a collective); the counts
+  themselves with one process."""
+  if processes() == 1:
+    return rollbacks, steps
+  return Agreement().counts(rollbacks, steps)
+
+
+def max_seconds(value: float) -> float:
+  """The largest of every process's `value` (a collective); `value` with one process."""
+  if processes() == 1:
+    return value
+  return Agreement().seconds(value)
