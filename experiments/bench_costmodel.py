@@ -102,10 +102,13 @@ PAPER_THROUGHPUT = {
 }
 
 
-def paper_check() -> None:
-  """The node presets against the paper's measured update throughput. Two preset
-  numbers come from the 20B rows (host AdamW from 'CPU only', the concurrent link rate
-  from k=2), so those two cells are fits; every other cell is a prediction."""
+def paper_check() -> list[tuple[str, str, int, float, float]]:
+  """The node presets against the paper's measured update throughput, printed as a
+  table; returns its rows (model, node, stride (0: CPU only), paper's and predicted
+  Gparam/s). Two preset numbers come from the 20B rows (host AdamW from 'CPU only',
+  the concurrent link rate from k=2), so those two cells are fits; every other cell is
+  a prediction."""
+  rows = []
   from dos_jax import model_shapes  # pylint: disable=import-outside-toplevel
   print('| model, node | stride | paper Gparam/s | predicted Gparam/s | error |')
   print('|---|---|---|---|---|')
@@ -118,6 +121,8 @@ def paper_check() -> None:
       seconds = costmodel.predict(profile, spec, policy.plan(spec), backward_seconds=10.0).update_seconds
       ours = 4 * n / seconds / 1e9
       print(f'| {model}, {node} | {k or "CPU only"} | {paper} | {ours:.1f} | {(ours - paper) / paper:+.0%} |')
+      rows.append((model, node, k, paper, ours))
+  return rows
 
 
 def main(argv=None) -> int:
