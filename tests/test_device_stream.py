@@ -7,6 +7,7 @@ bit for bit (against optax too, in test_per_subgroup.py, where it is on by defau
 Its lowering is checked here; where the GPU compiler places it, in
 test_compiled_family.py."""
 
+import re
 import types
 
 import jax
@@ -23,7 +24,8 @@ from tests.test_adamw import decay_mask
 from tests.test_adamw import random_grads
 from tests.test_adamw import random_tree
 
-PER_SUBGROUP = dos_jax.Storage.PER_SUBGROUP
+# (None where per-subgroup storage is the only one and `Storage` is gone.)
+PER_SUBGROUP = getattr(getattr(dos_jax, 'Storage', None), 'PER_SUBGROUP', None)
 
 
 def _ops_with(text: str, attribute: str) -> list[str]:
@@ -71,6 +73,39 @@ def test_groups_are_distinct_and_a_region_with_effects_is_refused():
 
   with pytest.raises(ValueError, match='cannot have effects'):
     jax.jit(device_stream.on_stream(effectful, 1))(jnp.ones(2))
+
+
+def _lower_for_cuda(opt, params, state, grads) -> str:
+  return jax.jit(_step(opt)).trace(params, state, grads).lower(
+      lowering_platforms=('cuda',)).as_text()
+
+
+@pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
+def test_group_ids_are_numbered_per_traced_program(seed):
+  """The same step traced and lowered twice in one process is the same program text:
+  scheduling-group ids count from the same start in every trace (`next_group`), so a
+  retrace finds the persistent compilation cache. Two groups of one program differ."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  fields = {f.name for f in dataclasses.fields(dos_jax.Offload)}
+  construction = {'storage': PER_SUBGROUP} if 'storage' in fields else {}
+  params = jax.device_put(random_tree(seed), jax.devices()[0])
+  grads = random_grads(params, 0, seed)
+  opt = dos_jax.chain(dos_jax.clip_by_global_norm(0.5), dos_jax.adamw(
+      3e-2, weight_decay=0.05, mask=decay_mask, offload=dos_jax.Offload(
+          subgroup_size=23, policy=dos_jax.Stride(2), platform='gpu',
+          device_impl=dos_jax.UpdateImpl.XLA, **construction)))  # no Pallas: no GPU here
+  state = opt.init(params)
+  first = _lower_for_cuda(opt, params, state, grads)
+  device_stream.next_group()  # a group asked for between two traces changes nothing
+  assert 'dos_jax_stream_region' in first and '_scheduling_group_id' in first
+  assert _lower_for_cuda(opt, params, state, grads) == first
+
+  def two_groups(x):
+    return [device_stream.on_stream(lambda x: x + 1, device_stream.next_group())(x)
+            for _ in range(2)]
+
+  text = jax.jit(two_groups).trace(jnp.ones(3)).lower(lowering_platforms=('cuda',)).as_text()
+  assert len(set(re.findall(r'_scheduling_group_id = "(\d+)"', text))) == 2, text
 
 
 def _pair(stream: bool, storage=PER_SUBGROUP, policy=None, chunks=0, lanes=0):

@@ -145,14 +145,15 @@ def _descendants(users: dict[str, list[str]], name: str) -> set[str]:
 
 def _stream_lanes(module: hlo.Module) -> dict[str, list[tuple[hlo.Instruction, set[str]]]]:
   """The entry's stream calls (`call-start` with `_xla_stream_annotation`) that share a
-  `_scheduling_group_id` with another, by stream: {group: [(the call's start, the
-  computations it runs)]}."""
+  lanes name (`device_stream.LANES_ATTRIBUTE`, else a `_scheduling_group_id`) with
+  another, by stream: {group: [(the call's start, the computations it runs)]}."""
   groups: dict[str, list[tuple[int, hlo.Instruction]]] = {}
   for start in module.entry_computation.instructions:
     if start.opcode != 'call-start':
       continue
     stream = re.search(r'_xla_stream_annotation="(\d+)"', start.attributes)
-    group = re.search(r'_scheduling_group_id="([^"]+)"', start.attributes)
+    group = (re.search(r'_dos_jax_lanes="([^"]+)"', start.attributes)
+             or re.search(r'_scheduling_group_id="([^"]+)"', start.attributes))
     if stream and group:
       groups.setdefault(group.group(1), []).append((int(stream.group(1)), start))
   return {group: [(start, {c.name for n in start.called for c in module.reachable(n)})

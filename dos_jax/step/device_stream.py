@@ -8,6 +8,18 @@ the same group. XLA's latency-hiding scheduler places a group's instructions in 
 each asynchronous done before any start, so the host call and the stream's windows
 overlap in every schedule (docs/design.md, "Concurrent by construction").
 
+How much a group may hold (`GROUP_STREAM_CALLS`): the scheduler counts every
+asynchronous call in flight (host call, stream call, and the copies between host and
+device memory inside a stream call) against `xla_gpu_experimental_parallel_async_compute_limit`,
+2 unless set, and a group it cannot place whole within that limit stops the compile
+(`RET_CHECK ... Couldn't find an annotated node to schedule`). So a group holds the
+host call and one stream call whose copies run one after another; the other stream
+calls of a step carry the group only as `LANES_ATTRIBUTE`, which names them for the
+program's readers (`dataflow.streamed_rows`) and which XLA ignores.
+
+Group ids are numbered per traced program (`next_group`), so tracing one step twice
+gives the same program text.
+
 The call returns one tuple, unpacked by `get-tuple-element`s outside it: XLA copies a
 call's frontend attributes to the `get-tuple-element`s it makes for a multi-result call,
 and would turn each of them into a stream pair of its own, between the stream's done and
@@ -25,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -38,7 +51,15 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 STREAM = 1  # the first CUDA stream of the device tiers' update (0 is XLA's compute stream)
 _FIRST_GROUP = 7000
-_groups = itertools.count(_FIRST_GROUP)
+# Stream calls a scheduling group holds beside its host call: with the host call, what
+# XLA's default limit on asynchronous calls in flight (2) lets the scheduler place in
+# one go (see the module docstring; tests/test_compiled_options.py).
+GROUP_STREAM_CALLS = 1
+# The frontend attribute naming the stream calls of one step's device tiers (its value:
+# their group id), grouped or not.
+LANES_ATTRIBUTE = '_dos_jax_lanes'
+# {the outermost trace of a program being traced: the next group id in it}.
+_groups: 'weakref.WeakKeyDictionary[Any, itertools.count]' = weakref.WeakKeyDictionary()
 
 # jax 0.10 lowers a called computation from a ClosedJaxpr, 0.11 and later from a Jaxpr.
 _TAKES_CLOSED = 'Closed' in str(
@@ -57,8 +78,33 @@ def available() -> bool:
 
 
 def next_group() -> int:
-  """A scheduling group id no other step traced in this process uses."""
-  return next(_groups)
+  """A scheduling group id no other group of the program being traced uses: numbered
+  from 7000 in the order the program asks for them, so that the same step traced
+  twice (in one process or two) is the same program text. Outside a trace, numbered
+  in this process."""
+  trace = _outermost_trace()
+  try:
+    counter = _groups.setdefault(trace, itertools.count(_FIRST_GROUP))
+  except TypeError:  # a trace that takes no weak reference: number it in the process
+    counter = _groups.setdefault(_groups_of_process, itertools.count(_FIRST_GROUP))
+  return next(counter)
+
+
+class _Process:
+  """The key of the groups numbered outside any trace we can tell apart."""
+
+
+_groups_of_process = _Process()
+
+
+def _outermost_trace() -> Any:
+  """The trace of the program being traced (the jit's, not a `cond` or `shard_map`
+  body's inside it); `_groups_of_process` outside a trace."""
+  trace = getattr(getattr(core, 'trace_ctx', None), 'trace', None)
+  outer = None
+  while trace is not None and type(trace).__name__ != 'EvalTrace':
+    outer, trace = trace, getattr(trace, 'parent_trace', None)
+  return _groups_of_process if outer is None else outer
 
 
 def in_group(group: int):
@@ -78,10 +124,11 @@ def early_call():
 
 
 def on_stream(fn: Callable[..., Any], group: int | None,
-              stream: int = STREAM) -> Callable[..., Any]:
+              stream: int = STREAM, lanes: int | None = None) -> Callable[..., Any]:
   """`fn` (arrays in, a pytree of arrays out, no side effects) as one region on GPU
   stream `stream` (1 or more; 0 is XLA's compute stream), in scheduling group `group`
-  (None: in none). Arrays `fn` closes over are passed in.
+  (None: in none), one of the device-tier lanes named `lanes` (`LANES_ATTRIBUTE`;
+  None: of none). Arrays `fn` closes over are passed in.
 
   XLA runs a region's instructions one after another on its stream, its copies between
   host and device memory included (they are not asynchronous there): two regions on
@@ -99,6 +146,8 @@ def on_stream(fn: Callable[..., Any], group: int | None,
     attributes = (('_xla_stream_annotation', str(stream)), ('inlineable', 'false'))
     if group is not None:
       attributes += (('_scheduling_group_id', str(group)),)
+    if lanes is not None:
+      attributes += ((LANES_ATTRIBUTE, str(lanes)),)
     outs = stream_region_p.bind(*consts, *jax.tree.leaves(args), jaxpr=jaxpr,
                                 attributes=attributes)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

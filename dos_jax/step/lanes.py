@@ -2,7 +2,8 @@
 host and device updates concurrent by construction (docs/design.md, rules 1 and 3).
 
 * `update_on_two_streams` -- the host tier in host regions and the device tiers
-  (streamed, resident) in stream regions, one per lane, all in one scheduling group;
+  (streamed, resident) in stream regions, one per lane, the first lane in one
+  scheduling group with the host call (`grouped_lanes`);
 * `stream_lanes`, `lane_count` -- which blocks each lane runs: the streamed rows
   round-robin in stream order, so consecutive rows sit on different CUDA streams (XLA
   runs a region's copies one after another);
@@ -40,8 +41,8 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
                            host_update=None, barrier: bool = False, sharded_host=None):
   """The accelerator program's tiers, host and device halves concurrent by construction:
   the host tier in host regions and the device tiers (streamed, resident) in stream
-  regions, one per lane (`stream_lanes`), each on a GPU stream of its own, all in one
-  scheduling group (`device_stream`). Returns
+  regions, one per lane (`stream_lanes`), each on a GPU stream of its own, the first
+  in one scheduling group with the host call (`grouped_lanes`). Returns
   (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop does.
   `host_update(group)`, if given, builds the host tier and puts in the group what
   should run beside the device tiers (early chunks: the last chunk and the redo).
@@ -64,7 +65,7 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   new_blocks, rows = device_lanes(
       context, given, base_step=base_step,
       native=native and offload.device_impl is UpdateImpl.KERNEL,
-      lanes=stream_lanes(context.plan, part, offload.stream_lanes), group=group,
+      lanes=stream_lanes(context.plan, part), group=group,
       barrier=barrier)
   new_tiers = dict(tiers)
   new_tiers[Tier.HOST] = host
@@ -75,15 +76,35 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   return new_tiers, outs
 
 
+def grouped_lanes(lanes: int) -> int:
+  """How many of `lanes` stream lanes join the host call's scheduling group: as many
+  as XLA's default limit on asynchronous calls in flight lets the latency-hiding
+  scheduler place with the host call in one go (`device_stream.GROUP_STREAM_CALLS`).
+
+  A group is placed whole or the compile stops (XLA 0.11.2,
+  latency_hiding_scheduler.cc:2567, "Couldn't find an annotated node to schedule"):
+  the host call, each lane's stream call and the copies inside it are each counted
+  against `xla_gpu_experimental_parallel_async_compute_limit` (2 unless set; 3 in
+  `dos_jax.GPU_COMPILER_OPTIONS`). The first lane, in the group, runs beside the host
+  call in every schedule; the others beside it where the scheduler's limit allows
+  (under `GPU_COMPILER_OPTIONS`: tests/test_compiled_options.py)."""
+  return min(lanes, device_stream.GROUP_STREAM_CALLS)
+
+
 def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple]],
                   base_step: paths.RowStep, native: bool, lanes, group: int,
                   barrier: bool = False):
-  """The device tiers' blocks `given`, lane by lane, each lane one stream region in
-  scheduling group `group`. Returns ({tier: new blocks}, [((tier, block), out rows)]).
-  `barrier`: each region's results through an optimization barrier (inside
-  `shard_map`, read piecewise, they would each become a stream call of their own)."""
+  """The device tiers' blocks `given`, lane by lane, each lane one stream region, the
+  first `grouped_lanes` of them in scheduling group `group` and all of them named as
+  its lanes. Returns ({tier: new blocks}, [((tier, block), out rows)]). Within a lane
+  a row's state enters only once the lane's previous row is back in host memory: the
+  region runs its copies one after another anyway, and XLA then counts one copy in
+  flight for it (`grouped_lanes`). `barrier`: each region's results through an
+  optimization barrier (inside `shard_map`, read piecewise, they would each become a
+  stream call of their own)."""
   new_blocks = {t: [None] * len(blocks) for t, blocks in given.items()}
   rows_out = []
+  grouped = grouped_lanes(len(lanes))
   for lane, work in enumerate(lanes):
 
     def lane_update(grad_leaves, blocks_in, work=work):
@@ -91,15 +112,15 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
       new, rows = [], []
       for (tier, indices), arrays in zip(work, blocks_in):
         tier_new, tier_outs = local.update_blocks(
-            tier, base_step, dict(zip(indices, arrays)), native,
-            in_flight=1 if len(lanes) > 1 else None)
+            tier, base_step, dict(zip(indices, arrays)), native, in_flight=1)
         new.append([tier_new[b] for b in indices])
         rows.append([tier_outs[b][0] for b in indices])
       return new, rows
 
     blocks_in = [[given[tier][b] for b in indices] for tier, indices in work]
-    new, rows = device_stream.on_stream(lane_update, group, stream=device_stream.STREAM + lane)(
-        context.grad_leaves, blocks_in)
+    new, rows = device_stream.on_stream(
+        lane_update, group if lane < grouped else None,
+        stream=device_stream.STREAM + lane, lanes=group)(context.grad_leaves, blocks_in)
     if barrier:
       new, rows = jax.lax.optimization_barrier((new, rows))
     for (tier, indices), tier_new, tier_rows in zip(work, new, rows):
