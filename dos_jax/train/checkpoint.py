@@ -9,7 +9,9 @@ state fits the device; for 7B+ on a GPU they need a host-side unpack/pack.)
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete,
 so a process killed mid-save leaves no checkpoint that looks finished; leftover
-temporary directories are removed when the manager next opens the directory. On top of
+temporary directories are removed (and listed in `Checkpointer.discarded`) when the
+directory is next opened. A save that fails (a full disk, a read-only folder) removes
+its temporary directory at once and raises `SaveFailed`. On top of
 that each checkpoint gets a checksum manifest (`integrity`): restore verifies it and a
 damaged newest checkpoint falls back to the previous complete one; non-finite params
 are never saved.
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import threading
+import time
 from typing import Any
 
 import jax
@@ -68,6 +72,35 @@ class NonFiniteState(ValueError):
   """The params about to be saved hold NaN or Inf; nothing was written."""
 
 
+TMP_MARK = '.orbax-checkpoint-tmp'
+
+
+class SaveFailed(Exception):
+  """Writing checkpoint `step` into `directory` failed (`__cause__` says why: orbax's or
+  the OS's error); its temporary files were removed (`removed`). `needed_bytes` is
+  the size of one checkpoint of this run (its arrays), for a message about space."""
+
+  def __init__(self, step: int, directory: str, needed_bytes: int, removed: list[str]):
+    super().__init__(f'checkpoint {step} could not be written to {directory}')
+    self.step = step
+    self.directory = directory
+    self.needed_bytes = needed_bytes
+    self.removed = removed
+
+
+def _temporaries(directory: str) -> list[str]:
+  """Names of the unfinished checkpoints (orbax's temporary directories) in `directory`."""
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  return sorted(n for n in names if TMP_MARK in n)
+
+
+def _tree_bytes(*trees: Any) -> int:
+  return sum(int(getattr(x, 'nbytes', 0)) for x in jax.tree.leaves(trees))
+
+
 @jax.jit
 def _all_finite(tree: Any) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
@@ -88,7 +121,7 @@ class Skipped:
   reason: str
 
 
-def _step_dirs(directory: str) -> list[int]:
+def step_dirs(directory: str) -> list[int]:
   """Integer-named subdirectories: orbax's finished checkpoints (temporaries excluded)."""
   if not os.path.isdir(directory):
     return []
@@ -98,7 +131,7 @@ def _step_dirs(directory: str) -> list[int]:
 
 def has_checkpoint(directory: str) -> bool:
   """Whether `directory` holds any finished checkpoint, complete or not (reads a listing)."""
-  return bool(_step_dirs(directory))
+  return bool(step_dirs(directory))
 
 
 def find_restorable(directory: str) -> tuple[int | None, dict | None, list[Skipped]]:
@@ -111,7 +144,7 @@ def find_restorable(directory: str) -> tuple[int | None, dict | None, list[Skipp
   than silently starting the run again.
   """
   skipped = []
-  steps = _step_dirs(directory)
+  steps = step_dirs(directory)
   for step in reversed(steps):
     try:
       return step, integrity.verify(os.path.join(directory, str(step))), skipped
@@ -142,6 +175,16 @@ class Checkpointer:
     self._finisher: threading.Thread | None = None
     self._error: BaseException | None = None
     self._lead = jax.process_index() == 0
+    self._bytes = 0  # One checkpoint's arrays, known at the first save.
+    self._saving: int | None = None  # The step of the newest save started.
+    # A save failed (its error): orbax's manager only re-raises it from now on.
+    self._broken: SaveFailed | None = None
+    # A save a killed process left unfinished: gone before the manager opens (which
+    # would remove it silently), so the run can say so.
+    self.discarded: list[str] = _temporaries(self.directory)
+    if self._lead:
+      for name in self.discarded:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -176,17 +219,24 @@ class Checkpointer:
     if not all_finite(params):
       raise NonFiniteState(f'step {step}: the parameters are not finite; not saved')
     self.wait()
+    if self._broken:
+      raise RuntimeError('a checkpoint save failed before: this Checkpointer takes no more')
     trees = state_to_trees(opt_state, params)
-    self._manager.save(
-        step,
-        args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params),
-            opt_state=ocp.args.StandardSave(trees),
-            meta=ocp.args.JsonSave(meta),
-        ),
-        force=True,
-    )
+    self._bytes = _tree_bytes(params, trees)
+    self._saving = step
     self._pending.append((step, run))
+    try:
+      self._manager.save(
+          step,
+          args=ocp.args.Composite(
+              params=ocp.args.StandardSave(params),
+              opt_state=ocp.args.StandardSave(trees),
+              meta=ocp.args.JsonSave(meta),
+          ),
+          force=True,
+      )
+    except Exception as err:  # pylint: disable=broad-exception-caught
+      raise self._failed() from err
     if not self._async:
       self.wait()
     else:  # Hash in the background too: training goes on while it reads the files.
@@ -230,25 +280,61 @@ class Checkpointer:
     return Restored(step=step, params=new_params, opt_state=new_state, meta=dict(restored['meta']))
 
   def wait(self) -> None:
-    """Blocks until pending saves are on disk with their manifests, and rotated."""
+    """Blocks until pending saves are on disk with their manifests, and rotated.
+
+    Raises:
+      SaveFailed: a save failed (raised once; the checkpointer takes no more saves).
+    """
     finisher, self._finisher = self._finisher, None
     if finisher is not None:
       finisher.join()
       error, self._error = self._error, None
       if error is not None:
         raise error
-    self._finish()
+    if not self._broken:
+      self._finish()
 
   def _finish(self) -> None:
     """Waits for orbax, writes the pending manifests, rotates (in the finisher thread
     after an async save; the main thread touches the manager only after joining it)."""
     try:
-      self._manager.wait_until_finished()
-      self._write_manifests()
+      try:
+        self._manager.wait_until_finished()
+        self._write_manifests()
+      except Exception as err:  # pylint: disable=broad-exception-caught
+        raise self._failed() from err
     except BaseException as err:  # pylint: disable=broad-exception-caught
       if threading.current_thread() is threading.main_thread():
         raise
       self._error = err
+
+  def _failed(self) -> SaveFailed:
+    """Removes what the failed save left (orbax's temporary directories, and a
+    finished directory of a pending step that got no manifest); the error to raise."""
+    steps = [step for step, _ in self._pending] or [self._saving]
+    self._pending.clear()
+    self._broken = SaveFailed(steps[-1], self.directory, self._bytes, [])
+    self._remove_debris()
+    try:
+      self._manager.reload()
+    except Exception:  # pylint: disable=broad-exception-caught
+      pass  # A directory that cannot even be listed: the error raised says why.
+    return self._broken
+
+  def _remove_debris(self) -> None:
+    """Removes the failed save's temporary directories (and its directory if orbax
+    renamed it but it has no manifest), recording them in the SaveFailed."""
+    failed = self._broken
+    if not self._lead or not failed:
+      return
+    doomed = _temporaries(self.directory)
+    if os.path.isdir(self.step_dir(failed.step)) and not integrity.has_manifest(
+        self.step_dir(failed.step)):
+      doomed.append(str(failed.step))
+    for name in doomed:
+      shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      if not os.path.exists(os.path.join(self.directory, name)) and name not in failed.removed:
+        failed.removed.append(name)
 
   def _write_manifests(self) -> None:
     if not self._pending:
@@ -276,4 +362,19 @@ class Checkpointer:
 
   def close(self) -> None:
     self.wait()
+    if self._broken:
+      try:  # Its failed save is reported already; orbax would only raise it again.
+        self._manager.close()
+      except Exception:  # pylint: disable=broad-exception-caught
+        pass
+      # Writes of the failed save that were still in flight when it failed may have
+      # made directories again after `_failed` removed them: clean until it stays clean.
+      clean = 0
+      for _ in range(50):
+        self._remove_debris()
+        clean = clean + 1 if not _temporaries(self.directory) else 0
+        if clean >= 3:
+          break
+        time.sleep(0.1)
+      return
     self._manager.close()

@@ -13,6 +13,7 @@ import inspect
 import os
 import sys
 import textwrap
+import traceback
 
 from dos_jax.train.configlib import ConfigError
 
@@ -82,20 +83,30 @@ def train_handler(args: argparse.Namespace) -> int:
     shortfall = _pinned_shortfall(pinned)
   if shortfall is not None:
     return _fail(shortfall)
-  try:
-    summary = loop.train(cfg)
-  except ConfigError as err:
-    return _fail(config.blame(str(err), args.config, overrides))
-  except KeyboardInterrupt:  # A second Ctrl-C, or one before the first step.
-    print('dos-jax: interrupted', file=sys.stderr)
-    return INTERRUPTED
-  except Exception as err:  # pylint: disable=broad-exception-caught
-    if 'RESOURCE_EXHAUSTED' not in str(err):
-      raise
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    print(f'dos-jax: error: out of memory ({first[:200]}); try a smaller model,'
-          ' batch or sequence, model.remat=true or more devices', file=sys.stderr)
-    return FAILED
+  from dos_jax.train import faults  # pylint: disable=import-outside-toplevel
+
+  # A fault of the machine (a full disk, a read-only folder, out of memory) is one line
+  # naming its cause; its traceback and orbax's go to the run folder's error.log, or to
+  # the terminal with --debug.
+  with faults.RunLog(debug=args.debug) as log:
+    try:
+      summary = loop.train(cfg)
+    except ConfigError as err:
+      return _fail(config.blame(str(err), args.config, overrides))
+    except KeyboardInterrupt:  # A second Ctrl-C, or one before the first step.
+      print('dos-jax: interrupted', file=sys.stderr)
+      return INTERRUPTED
+    except Exception as err:  # pylint: disable=broad-exception-caught
+      line = faults.describe(err, cfg)
+      if line is None:
+        raise
+      if args.debug:
+        traceback.print_exception(err)
+        details = ''
+      else:
+        details = f' (details in {log.write(err, cfg.train.out_dir)})'
+      print(f'dos-jax: error: {line}{details}', file=sys.stderr)
+      return FAILED
   if summary.nonfinite_step is not None:
     return FAILED
   return 128 + summary.signal if summary.interrupted and summary.signal else (
@@ -191,6 +202,10 @@ def register(subparsers) -> None:
   train.add_argument(
       '--set', action='append', metavar='KEY=VALUE',
       help='override a config key, e.g. --set optim.lr=1e-3 (value read as YAML; repeatable)',
+  )
+  train.add_argument(
+      '--debug', action='store_true',
+      help='print tracebacks on the terminal instead of the run folder\'s error.log',
   )
   train.set_defaults(handler=train_handler)
 

@@ -151,12 +151,42 @@ def train(
 ) -> Summary:
   """Trains (or resumes) the run `cfg` describes; returns its summary.
 
+  The run holds its folder's lock (`rundir.RunLock`) from before it builds anything
+  until it returns, so a second run on the folder stops at once.
+
   Raises:
     ConfigError: a mistake in `cfg` found against the machine or the files, or a resume
       that would change the model or the data stream (nothing has been written then).
+    RunLocked: another run holds the folder (a ConfigError; nothing has been written).
+    SaveFailed: a checkpoint could not be written (its temporary files are removed).
   """
-  stream = stream if stream is not None else sys.stderr
   rundir.check(cfg)
+  birth = rundir.Birth(cfg)
+  try:
+    lock = rundir.lock_run(cfg.train.out_dir)
+  except OSError as err:
+    birth.undo()
+    raise rundir.created_error(err, cfg) from None
+  except BaseException:
+    birth.undo()
+    raise
+  try:
+    return _train(cfg, birth, devices=devices, stream=stream)
+  except BaseException:
+    # A run that ends before any checkpoint exists leaves nothing half-made behind.
+    if not ckpt_lib.has_checkpoint(cfg.checkpoint_dir):
+      birth.undo()
+    raise
+  finally:
+    lock.release()
+    out = cfg.train.out_dir
+    if birth.is_new(out) and os.path.isdir(out) and not os.listdir(out):
+      os.rmdir(out)  # Made only for the lock (e.g. nothing to do).
+
+
+def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device] | None,
+           stream: TextIO | None) -> Summary:
+  stream = stream if stream is not None else sys.stderr
   trainer = trainer_lib.build(cfg, devices=devices)
   schedule = step_lib.make_schedule(cfg.optim, cfg.train.steps)
   sampler = trainer.train_sampler()
@@ -177,7 +207,6 @@ def train(
   # In a multi-process run (dos_jax.train.distributed) every process trains and saves
   # jointly, but only process 0 writes the config and the metrics.
   lead = jax.process_index() == 0
-  birth = rundir.Birth(cfg)
   try:
     os.makedirs(cfg.train.out_dir, exist_ok=True)
     if lead:
@@ -194,6 +223,9 @@ def train(
       f', checkpoints in {os.path.abspath(cfg.checkpoint_dir)}')
   print(f'run directory: {where} (config.yaml, {cfg.train.metrics_file}{elsewhere})',
         file=stream)
+  for name in checkpointer.discarded:
+    print(f'checkpoint {name.split(".")[0]} was cut short ({name} in'
+          f' {checkpointer.directory}); discarded', file=stream)
   for item, moved in zip(skipped, checkpointer.quarantine(skipped)):
     fallback = f'step {latest}' if latest is not None else 'the start (no complete checkpoint)'
     print(f'checkpoint {item.step} is {item.reason}; moved to {moved}, resuming from'

@@ -111,10 +111,11 @@ class MetricsLog:
   """Appends one JSON object per line; floats rounded for readability, NaN kept as null.
 
   A run that resumes from step N passes `resume_step=N`: records of later steps (work
-  done after the checkpoint and lost with the process) are dropped from the file, which
-  is rewritten atomically, and a marker record `{"resumed_from": N, "time": ...}` is
-  appended, so each step appears once and the file says where it was resumed. A fresh
-  run (N = 0) drops the records of an earlier attempt that saved no checkpoint.
+  done after the checkpoint and lost with the process) are cut off the end of the file
+  (truncated in place: the file is only ever appended to or cut back, never rewritten),
+  and a marker record `{"resumed_from": N, "time": ...}` is appended, so each step
+  appears once and the file says where it was resumed. A fresh run (N = 0) drops the
+  records of an earlier attempt that saved no checkpoint.
   """
 
   def __init__(self, path: str, *, resume_step: int | None = None):
@@ -142,29 +143,29 @@ def _record_step(record: dict[str, Any]) -> int | None:
 
 
 def _truncate_after(path: str, step: int) -> None:
-  """Rewrites `path` without the records of steps after `step` (unreadable lines too)."""
-  kept, dropped = [], False
-  with open(path, encoding='utf-8') as f:
-    for line in f:
+  """Cuts `path` back to the end of the last record before the first one of a step after
+  `step` (or the first unreadable line: a record cut short by a kill). Records are in
+  step order, since every resume cuts the file back to its checkpoint first."""
+  keep, newline = 0, True
+  with open(path, 'rb') as f:
+    for raw in f:
       try:
-        record = json.loads(line)
-        at = _record_step(record) if isinstance(record, dict) else None
-      except json.JSONDecodeError:
-        at = None  # A line cut short by a kill.
-        if not line.strip():
+        record = json.loads(raw)
+      except (json.JSONDecodeError, UnicodeDecodeError):
+        if not raw.strip():
+          keep += len(raw)
           continue
-        dropped = True
-        continue
+        break
+      at = _record_step(record) if isinstance(record, dict) else None
       if at is not None and at > step:
-        dropped = True
-        continue
-      kept.append(line if line.endswith('\n') else line + '\n')
-  if not dropped:
-    return
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    f.writelines(kept)
-  os.replace(tmp, path)
+        break
+      keep += len(raw)
+      newline = raw.endswith(b'\n')
+  if keep < os.path.getsize(path):
+    os.truncate(path, keep)
+  if not newline:  # A whole last record without its newline: finish the line.
+    with open(path, 'ab') as f:
+      f.write(b'\n')
 
 
 def _jsonable(value: Any) -> Any:

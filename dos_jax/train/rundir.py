@@ -5,14 +5,22 @@ run (an output folder that cannot be written, a path that is a file) into one-li
 `ConfigError`s, before anything is written. `Birth` records which of the run's paths
 existed before it started, so that a run that fails before its first checkpoint (out
 of memory at the first step, say) removes what it made and leaves no half-made folder.
+`RunLock` makes each run folder one run's: a second run on it stops at once.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import shutil
+import socket
+import time
 
 from dos_jax.train.configlib import ConfigError
+
+LOCK_FILE = 'run.lock'
 
 
 def _nearest_existing(path: str) -> str:
@@ -32,7 +40,17 @@ def _check_dir(key: str, path: str) -> None:
   if not os.path.isdir(base):
     raise ConfigError(f'{key}: {path} cannot be created: {base} is not a directory')
   if not os.access(base, os.W_OK | os.X_OK):
+    if _read_only(base):
+      raise ConfigError(f'{key}: {path} cannot be written ({base} is on a read-only file'
+                        ' system)')
     raise ConfigError(f'{key}: {path} cannot be written (no write permission on {base})')
+
+
+def _read_only(path: str) -> bool:
+  try:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+  except OSError:
+    return False
 
 
 def check(cfg) -> None:
@@ -51,6 +69,9 @@ class Birth:
                    os.path.join(cfg.train.out_dir, 'config.yaml'), cfg.metrics_path]
     self._new = [p for p in self._paths if not os.path.exists(p)]
 
+  def is_new(self, path: str) -> bool:
+    return path in self._new
+
   def undo(self) -> None:
     """Removes the paths this run created: files first, then directories."""
     for path in sorted(self._new, key=lambda p: (os.path.isdir(p), -len(p))):
@@ -66,3 +87,120 @@ def created_error(err: OSError, cfg) -> ConfigError:
       f'train.out_dir: cannot write {err.filename or cfg.train.out_dir}'
       f' ({err.strerror or type(err).__name__})'
   )
+
+
+class RunLocked(ConfigError):
+  """Another live process holds the run folder's lock; `str(err)` names its PID and host."""
+
+
+class RunLock:
+  """An advisory `flock` on `<out_dir>/run.lock`, held while a run writes its folder.
+
+  The kernel drops the lock when its process dies (however it dies), so a killed run
+  never blocks the next one. The holder writes its PID, host and start time into the
+  file, which a refused run quotes; the file is removed when the run releases it. In a
+  multi-process run each process locks its own file (`run.lock` for process 0,
+  `run.lock.<index>` for the others): the processes of one run do not block each other,
+  and a second run is refused by whichever of its processes meets a held lock (see
+  `loop` for how a refusal stops all processes of that run).
+
+  Example:
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> lock = RunLock(folder)
+    >>> try:
+    ...   RunLock(folder)
+    ... except RunLocked as err:
+    ...   print(str(err).split(' is in use')[0] == f'train.out_dir: {folder}')
+    True
+    >>> lock.release()
+  """
+
+  def __init__(self, out_dir: str, *, process_index: int = 0):
+    self.folder = os.path.abspath(out_dir)
+    name = LOCK_FILE if process_index == 0 else f'{LOCK_FILE}.{process_index}'
+    self.path = os.path.join(self.folder, name)
+    os.makedirs(self.folder, exist_ok=True)
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError as err:
+        os.close(fd)
+        if err.errno not in (errno.EAGAIN, errno.EACCES):
+          raise
+        raise RunLocked(f'train.out_dir: {self.folder} is in use by another run'
+                        f' ({_holder(self.path)}); wait for it to end or set another'
+                        ' train.out_dir') from None
+      # A holder that released (and removed the file) between our open and our lock:
+      # the lock is on a file no longer in the folder, so take the folder's new one.
+      try:
+        same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+      except FileNotFoundError:
+        same = False
+      if same:
+        break
+      os.close(fd)
+    self._fd: int | None = fd
+    record = {'pid': os.getpid(), 'host': socket.gethostname(),
+              'process_index': process_index, 'since': time.strftime('%Y-%m-%d %H:%M:%S')}
+    os.ftruncate(fd, 0)
+    os.write(fd, (json.dumps(record) + '\n').encode())
+
+  def release(self) -> None:
+    """Removes the lock file and drops the lock (idempotent)."""
+    if self._fd is None:
+      return
+    try:
+      os.unlink(self.path)  # While still holding it: no one can have locked this file.
+    except FileNotFoundError:
+      pass
+    finally:
+      os.close(self._fd)
+      self._fd = None
+
+
+def _holder(path: str) -> str:
+  """'pid 123 on host h, since ...' from a held lock file (read again briefly if the
+  holder has not written it yet)."""
+  for _ in range(20):
+    try:
+      with open(path, encoding='utf-8') as f:
+        record = json.loads(f.read() or 'null')
+    except (OSError, ValueError):
+      record = None
+    if isinstance(record, dict):
+      return (f'pid {record.get("pid")} on host {record.get("host")},'
+              f' since {record.get("since")}')
+    time.sleep(0.05)
+  return f'its pid and host are not recorded in {path}'
+
+
+def lock_run(out_dir: str) -> RunLock:
+  """Locks the run folder for this run: every process its own file, and if any process
+  of a multi-process run meets a held lock, all of them stop (RunLocked), so that no
+  process of a refused run waits for peers that have left.
+
+  Raises:
+    RunLocked: another run holds the folder (names its PID and host).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  index, count = jax.process_index(), jax.process_count()
+  try:
+    lock, refused = RunLock(out_dir, process_index=index), None
+  except RunLocked as err:
+    lock, refused = None, err
+  if count > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    held = np.asarray(multihost_utils.process_allgather(np.array(refused is not None)))
+    if refused is None and held.any():
+      lock.release()
+      refused = RunLocked(
+          f'train.out_dir: {os.path.abspath(out_dir)} is in use by another run (process'
+          f' {int(np.argmax(held))} of this run found its lock held)')
+  if refused is not None:
+    raise refused
+  return lock
