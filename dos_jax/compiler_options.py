@@ -12,6 +12,19 @@ The runner compiles its steps with these on a GPU. A library user passes them to
     step = jax.jit(step, donate_argnums=(0, 1), compiler_options=dos_jax.GPU_COMPILER_OPTIONS)
 
 They are XLA:GPU options: the CPU backend rejects them, so pass them only on a GPU.
+
+The step compiles under any of XLA's options; what overlaps depends on them
+(tests/test_compiled_options.py, compiled for an H100):
+
+* `GPU_COMPILER_OPTIONS`: every device update runs beside a host call and the stream
+  is full duplex (no streamed row's fetch waits for a write-back).
+* The latency-hiding scheduler alone (`xla_gpu_enable_latency_hiding_scheduler`): the
+  first stream lane runs beside the last host call in every schedule, the second one
+  where the scheduler finds room, since XLA lets only 2 asynchronous calls (host call,
+  stream lanes) be in flight unless `xla_gpu_experimental_parallel_async_compute_limit`
+  says more.
+* XLA's defaults: no latency-hiding scheduler, so nothing overlaps: the device update
+  runs after the host calls.
 """
 
 from typing import Any, Mapping
@@ -21,9 +34,9 @@ PARALLEL_ASYNC_COMPUTE_LIMIT = 3
 
 GPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType({
     'xla_gpu_enable_latency_hiding_scheduler': True,
-    # The device tiers' stream region and the host call are asynchronous computations
-    # in flight together (`Offload.device_stream`); the scheduler refuses to overlap
-    # them below 3 (it then stops with "kExceedsOverlapLimit"); 4 moves two gradient
-    # copies of the runner's AllHost step after the backward pass.
+    # The host call and the device tiers' two stream lanes are asynchronous calls in
+    # flight together (`dos_jax.step.lanes`): 3 lets the scheduler run both lanes
+    # beside the host call (XLA's default, 2, runs one); 4 moves two gradient copies
+    # of the runner's AllHost step after the backward pass.
     'xla_gpu_experimental_parallel_async_compute_limit': PARALLEL_ASYNC_COMPUTE_LIMIT,
 })

@@ -30,10 +30,20 @@ from dos_jax.step import paths
 from dos_jax.step import tier_updates
 
 
+# The most stream lanes a step runs in unless told (`lane_count`): the grouped lane and
+# one more. Two lanes put a row's write-back and the next row's fetch on two CUDA
+# streams (full duplex); more would not compile under the latency-hiding scheduler
+# alone: XLA's default limit lets 2 asynchronous calls be in flight, and with two
+# ungrouped lanes in flight across the host call's group the compile stops ("There is a
+# scheduling group which exceeds the overlap limits ... needs 1 kGpuAsyncStreamComputes
+# resources, but the limit is 0"; Stride(2, buffers=3), 8 x 1024, XLA 0.11.2).
+MAX_LANES = device_stream.GROUP_STREAM_CALLS + 1
+
+
 def lane_count(plan, streamed_rows: int, lanes: int = 0) -> int:
-  """How many stream lanes the device tiers run in: `lanes` (`Offload.stream_lanes`;
-  0: the plan's `buffers`), at most one per streamed row, one at least."""
-  return max(1, min(lanes or plan.buffers, streamed_rows))
+  """How many stream lanes the device tiers run in: `lanes` (0: the plan's `buffers`,
+  at most `MAX_LANES`), at most one per streamed row, one at least."""
+  return max(1, min(lanes or min(plan.buffers, MAX_LANES), streamed_rows))
 
 
 def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
@@ -193,7 +203,7 @@ def stream_lanes(plan, part: partition_lib.Partition,
                  count: int = 0) -> list[list[tuple[Tier, list[int]]]]:
   """The device tiers' blocks as lanes, one stream region each: `[(tier, block
   indices)]` per lane. The streamed blocks go round-robin in stream order over
-  `lane_count` lanes (`count`, `Offload.stream_lanes`; 0: `buffers`), so
+  `lane_count` lanes (`count`; 0: `buffers`, at most `MAX_LANES`), so
   consecutive rows of the stream sit on different CUDA streams; the resident tier joins
   the last lane."""
   lanes: list[list[tuple[Tier, list[int]]]] = []
