@@ -83,6 +83,11 @@ def _uncommitted_params_warning_given():
   yield
 
 
+def _seed_of(nodeid: str) -> int:
+  start = int(os.environ.get(_SEED_ENV, '0'))
+  return zlib.crc32(nodeid.encode(), start) % (1 << 30)
+
+
 @pytest.fixture
 def seed(request) -> int:
   """The seed of this test's random inputs, in [0, 2**30): a hash (CRC-32) of the test's
@@ -90,10 +95,16 @@ def seed(request) -> int:
   or in the suite, with or without xdist. `DOS_JAX_TEST_SEED=<int>` starts every hash
   from that int instead of 0, drawing other inputs for the whole run. A failed test's
   report shows its seed in a `seed` section."""
-  start = int(os.environ.get(_SEED_ENV, '0'))
-  value = zlib.crc32(request.node.nodeid.encode(), start) % (1 << 30)
+  value = _seed_of(request.node.nodeid)
   request.node.user_properties.append(('seed', value))
   return value
+
+
+@pytest.fixture(scope='module')
+def module_seed(request) -> int:
+  """`seed` for module-scoped fixtures: the hash of the module's id (`<file>`), moved by
+  `DOS_JAX_TEST_SEED` alike; a failed test that uses it reports it too."""
+  return _seed_of(request.node.nodeid)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -102,7 +113,10 @@ def pytest_runtest_makereport(item, call):
   del call
   report = yield
   if report.failed:
-    for name, value in item.user_properties:
+    properties = list(item.user_properties)
+    if 'module_seed' in getattr(item, 'fixturenames', ()):
+      properties.append(('seed', _seed_of(item.nodeid.split('::')[0])))
+    for name, value in properties:
       if name == 'seed':
         start = os.environ.get(_SEED_ENV, '0')
         report.sections.append((

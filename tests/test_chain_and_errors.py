@@ -49,16 +49,16 @@ def test_chain_with_leading_global_clip_and_trace(seed):
     lambda: optax.add_decayed_weights(0.1, mask=lambda p: p),   # masked: per-leaf structure
     lambda: optax.chain(optax.scale_by_adam()),                # nested chain: opaque
 ])
-def test_chain_rejects_non_elementwise_transform_at_init(bad):
+def test_chain_rejects_non_elementwise_transform_at_init(bad, seed):
   opt = dos_jax.chain(optax.scale_by_adam(), bad(), offload=OFFLOAD)
   with pytest.raises(TypeError, match=r'transform #1 \((masked|chain)\)'):
-    opt.init(random_tree(0))
+    opt.init(random_tree(seed))
 
 
-def test_global_clip_after_stateful_transform_is_rejected():
+def test_global_clip_after_stateful_transform_is_rejected(seed):
   opt = dos_jax.chain(optax.scale_by_adam(), optax.clip_by_global_norm(1.0), offload=OFFLOAD)
   with pytest.raises(TypeError, match='clip_by_global_norm'):
-    opt.init(random_tree(0))
+    opt.init(random_tree(seed))
 
 
 def test_bad_input_names_the_culprit():

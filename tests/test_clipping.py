@@ -54,9 +54,9 @@ def test_clip_with_element_wise_members_matches_optax_chain(seed):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_clip_alone_is_optax_clip():
-  params = random_tree(1)
-  grads = jax.tree.map(lambda g: 7 * g, random_grads(params, 0, 1))
+def test_clip_alone_is_optax_clip(seed):
+  params = random_tree(seed)
+  grads = jax.tree.map(lambda g: 7 * g, random_grads(params, 0, seed))
   ours, _ = dos_jax.clip_by_global_norm(1.5).update(grads, optax.EmptyState())
   ref, _ = optax.clip_by_global_norm(1.5).update(grads, optax.EmptyState())
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):

@@ -117,14 +117,14 @@ def test_kernel_path_is_bit_identical_to_xla_host_path(policy, dtype, seed):
     lambda o: dos_jax.chain(optax.scale_by_adam(), optax.add_decayed_weights(0.1),
                             optax.scale_by_learning_rate(1e-2), offload=o),
 ], ids=['bf16_mu', 'nesterov', 'chain'])
-def test_xla_path_where_the_kernel_does_not_apply(make):
-  params = random_tree(0)
-  text = _trajectory(make(_offload(dos_jax.AllHost(), KERNEL)), params, 1, 0)[2]
+def test_xla_path_where_the_kernel_does_not_apply(make, seed):
+  params = random_tree(seed)
+  text = _trajectory(make(_offload(dos_jax.AllHost(), KERNEL)), params, 1, seed)[2]
   assert not TARGET.search(text)
 
 
-def test_under_clipping_and_inject_hyperparams():
-  params = random_tree(3, jnp.bfloat16)
+def test_under_clipping_and_inject_hyperparams(seed):
+  params = random_tree(seed, jnp.bfloat16)
   results = []
   for impl in (KERNEL, XLA):
     opt = optax.chain(
@@ -135,17 +135,20 @@ def test_under_clipping_and_inject_hyperparams():
             learning_rate=3e-2, b1=0.8, weight_decay=0.1,
             offload=_offload(dos_jax.Stride(2) if impl == KERNEL else dos_jax.AllHost(),
                              impl)))
-    results.append(_trajectory(opt, params, steps=4, seed=3))
+    results.append(_trajectory(opt, params, steps=4, seed=seed))
   assert TARGET.search(results[0][2])
   kernel_state, xla_state = results[0][1][1].inner_state, results[1][1][1].inner_state
   assert np.isfinite(np.asarray(kernel_state.rows()[0])).all()
-  # Params bit for bit. The fp32 state within one ulp: with array-valued hyperparameters
-  # XLA contracts one product of the moment update into an FMA by how the rest of the
-  # program is fused, which the kernel cannot follow in every program.
+  # Params bit for bit. The fp32 state within one rounding of its terms: with
+  # array-valued hyperparameters XLA contracts one product of the moment update into an
+  # FMA by how the rest of the program is fused, which the kernel cannot follow in every
+  # program. One rounding of the terms is many ulps of a value that cancels to near
+  # zero, so the bound is one ulp of each field's (master, mu, nu) largest value.
   _assert_matches_xla_path(results[0][0], results[1][0])
   if _XLA_ROUNDS_AS_THE_KERNEL:
-    np.testing.assert_array_max_ulp(np.asarray(kernel_state.rows()[0]),
-                                    np.asarray(xla_state.rows()[0]), maxulp=1)
+    ours, ref = np.asarray(kernel_state.rows()[0]), np.asarray(xla_state.rows()[0])
+    bound = np.spacing(np.abs(ref).max(axis=(0, 2), keepdims=True))
+    assert (np.abs(ours - ref) <= bound).all(), np.abs(ours - ref).max(axis=(0, 2))
   else:
     _assert_matches_xla_path(kernel_state.rows()[0], xla_state.rows()[0])
 
@@ -175,29 +178,29 @@ def test_no_state_sized_temporary(policy):
     assert temps[KERNEL] <= rows_bytes + (1 << 16), (temps, rows_bytes)
 
 
-def test_mixed_gradient_dtypes_stay_on_the_xla_path():
+def test_mixed_gradient_dtypes_stay_on_the_xla_path(seed):
   """XLA rounds by the gradient's own dtype; with mixed leaves the XLA path is kept."""
-  params = random_tree(5)
+  params = random_tree(seed)
   params['emb'] = params['emb'].astype(jnp.bfloat16)
   opt = dos_jax.adamw(1e-2, offload=_offload(dos_jax.AllHost(), KERNEL))
-  assert not TARGET.search(_trajectory(opt, params, 1, 5)[2])
+  assert not TARGET.search(_trajectory(opt, params, 1, seed)[2])
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
-def test_accelerator_form_on_cpu(policy, dtype):
+def test_accelerator_form_on_cpu(policy, dtype, seed):
   """The accelerator program (host gradients copied to host memory piece by piece, the
   native call in a host region, out rows copied back), run on the CPU backend: the same
   results as the XLA path of the CPU program (its host rows and params bit for bit on
   jax 0.10; its streamed rows within an ulp)."""
-  params = random_tree(9, dtype)
+  params = random_tree(seed, dtype)
   results = []
   for impl in (KERNEL, XLA):
     # The device rows stay on XLA here; the Pallas device path has its own test.
     offload = dataclasses.replace(_offload(policy, impl), device_impl=XLA,
                                   platform='gpu' if impl == KERNEL else 'cpu')
     opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
-    results.append(_trajectory(opt, params, steps=4, seed=9))
+    results.append(_trajectory(opt, params, steps=4, seed=seed))
   assert 'dos_jax_adamw_host_leaves' in results[0][2]
   state, reference = results[0][1], results[1][1]
   host = list(policy.plan(state.layout.spec()).host)
@@ -213,21 +216,17 @@ def test_accelerator_form_on_cpu(policy, dtype):
                                atol=1e-7)
 
 
-@pytest.mark.parametrize('storage', [dos_jax.Storage.STACKED, dos_jax.Storage.PER_SUBGROUP],
-                         ids=lambda s: s.name)
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
-def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, storage,
-                                                              monkeypatch):
+def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, monkeypatch, seed):
   """The GPU program's form of the host update (the kernel writes the state in its
   argument's buffer, the region returns only the out rows), run on the CPU backend with
   the state donated, as a train step does: bit for bit the results of the same program
   returning the state from the region (what a CPU backend runs, see
   `fused.STATE_RESULT_PLATFORMS`), which `test_accelerator_form_on_cpu` compares with
   the XLA host path."""
-  params = random_tree(9, dtype)
-  offload = dataclasses.replace(_offload(policy, KERNEL), device_impl=XLA, storage=storage,
-                                platform='gpu')
+  params = random_tree(seed, dtype)
+  offload = dataclasses.replace(_offload(policy, KERNEL), device_impl=XLA, platform='gpu')
   opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
 
   def run(opt):
@@ -239,7 +238,7 @@ def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, stor
     p, state = params, opt.init(params)
     text = step.lower(p, state, p).as_text()
     for i in range(4):
-      p, state = step(p, state, random_grads(params, i, 9))
+      p, state = step(p, state, random_grads(params, i, seed))
     return (p, state.rows()), text
 
   with_result, text = run(opt)
@@ -252,17 +251,17 @@ def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, stor
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.Stride(1), dos_jax.Stride(2)], ids=repr)
-def test_pallas_device_path_matches_xla(policy, dtype):
+def test_pallas_device_path_matches_xla(policy, dtype, seed):
   """The accelerator program's device path: each streamed subgroup updated by the Pallas
   AdamW (interpret mode on the CPU backend), against the XLA path.
   Tolerance: the kernels agree with optax to rtol 1e-6 per step (kernel tests)."""
-  params = random_tree(11, dtype)
+  params = random_tree(seed, dtype)
   results = []
   for impl in (KERNEL, XLA):
     offload = dos_jax.Offload(subgroup_size=23, policy=policy, host_impl=XLA,
                               device_impl=impl, platform='gpu')
     opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
-    results.append(_trajectory(opt, params, steps=3, seed=11))
+    results.append(_trajectory(opt, params, steps=3, seed=seed))
   assert 'pallas' in results[0][2] or 'triton' in results[0][2].lower() or (
       results[0][2] != results[1][2])
   for x, y in zip(jax.tree.leaves((results[0][0], results[0][1].rows())),

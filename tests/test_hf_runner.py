@@ -54,15 +54,15 @@ def _one_error_line(capsys) -> str:
 
 
 @pytest.fixture(scope='module')
-def word_dataset(tmp_path_factory):
-  """A dataset prepared with a word-level tokenizer.json (seed 7 draws the text)."""
+def word_dataset(tmp_path_factory, module_seed):
+  """A dataset prepared with a word-level tokenizer.json (`module_seed` draws the text)."""
   root = tmp_path_factory.mktemp('words')
   vocab = {w: i for i, w in enumerate(['[UNK]', *WORDS])}
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='[UNK]'))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   tok.save(str(root / 'tokenizer.json'))
   (root / 'tokenizer_config.json').write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
-  rng = np.random.default_rng(7)
+  rng = np.random.default_rng(module_seed)
   (root / 'text.txt').write_text(' '.join(rng.choice(WORDS, 6000)))
   assert cli.main(['prepare', str(root / 'text.txt'), '--out', str(root / 'data'),
                    '--tokenizer', str(root / 'tokenizer.json'), '--val-fraction', '0.1']) == 0

@@ -124,8 +124,8 @@ def test_nesterov_and_one_element_rows_close_to_optax(groups, size, rows, nester
 
 
 @pytest.mark.parametrize('master', [True, False], ids=['master', 'no_master'])
-def test_only_listed_rows_change(master):
-  rng = np.random.default_rng(5)
+def test_only_listed_rows_change(master, seed):
+  rng = np.random.default_rng(seed)
   groups, size, rows = 7, 33_333, [6, 2, 3]
   slots = MASTER if master else NO_MASTER
   stacked = random_stacked(rng, groups, size, slots)
@@ -145,8 +145,8 @@ def test_only_listed_rows_change(master):
 
 
 @pytest.mark.parametrize('master', [True, False], ids=['master', 'no_master'])
-def test_indexed_form_equals_gathered_form(master):
-  rng = np.random.default_rng(8)
+def test_indexed_form_equals_gathered_form(master, seed):
+  rng = np.random.default_rng(seed)
   groups, size, rows = 6, 9_001, [5, 0, 3]
   slots = MASTER if master else NO_MASTER
   stacked = random_stacked(rng, groups, size, slots)
@@ -162,8 +162,8 @@ def test_indexed_form_equals_gathered_form(master):
   np.testing.assert_array_equal(_bits(gathered[1]), _bits(np.asarray(indexed[1])[order]))
 
 
-def test_thread_counts_and_isas_agree_bit_for_bit():
-  rng = np.random.default_rng(3)
+def test_thread_counts_and_isas_agree_bit_for_bit(seed):
+  rng = np.random.default_rng(seed)
   groups, size, rows = 4, 50_001, [2, 0, 3]
   stacked = random_stacked(rng, groups, size, MASTER)
   grads = jnp.asarray(rng.standard_normal((len(rows), size)) * 1e-2, jnp.bfloat16)
@@ -177,9 +177,9 @@ def test_thread_counts_and_isas_agree_bit_for_bit():
     np.testing.assert_array_equal(_bits(out), _bits(results[0][1]))
 
 
-def test_in_place_under_jit_with_donation():
+def test_in_place_under_jit_with_donation(seed):
   groups, size = 8, 50_000
-  rng = np.random.default_rng(2)
+  rng = np.random.default_rng(seed)
   scalars = step_scalars(Hyper(), 1)
 
   @functools.partial(jax.jit, donate_argnums=(0, 2))
@@ -201,10 +201,10 @@ def test_in_place_under_jit_with_donation():
   assert stacked.unsafe_buffer_pointer() == before
 
 
-def test_not_donated_copies_the_state_first():
+def test_not_donated_copies_the_state_first(seed):
   """Without donation XLA does not alias: the kernel copies the state, the input keeps
   its values and the result is the same as in place."""
-  rng = np.random.default_rng(4)
+  rng = np.random.default_rng(seed)
   stacked = jnp.asarray(random_stacked(rng, 3, 70_000, MASTER))
   grads = jnp.asarray(rng.standard_normal((3, 70_000)) * 1e-2, jnp.float32)
   keep = np.asarray(stacked).copy()
@@ -271,8 +271,8 @@ def _leaves_case(rng, master, grad_dtype):
 
 @pytest.mark.parametrize('master', [True, False], ids=['master', 'no_master'])
 @pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
-def test_leaves_form_equals_packed_rows(master, grad_dtype):
-  rng = np.random.default_rng(21)
+def test_leaves_form_equals_packed_rows(master, grad_dtype, seed):
+  rng = np.random.default_rng(seed)
   stacked, grads, params, (packed_g, packed_p), covered = _leaves_case(rng, master, grad_dtype)
   slots = MASTER if master else NO_MASTER
   lowp = jnp.bfloat16 if master else jnp.float32

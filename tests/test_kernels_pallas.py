@@ -75,10 +75,10 @@ class PallasAdamWTests:
       (jnp.float32, jnp.bfloat16, jnp.float32),
       (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
   ])
-  def test_matches_reference_and_host_kernel(self, grad_dtype, mu_dtype, lowp_dtype):
+  def test_matches_reference_and_host_kernel(self, grad_dtype, mu_dtype, lowp_dtype, seed):
     hyper = Hyper(eps_root=1e-10)
     size = self.SIZES[2]
-    rng = np.random.default_rng(12)
+    rng = np.random.default_rng(seed)
     state = random_state(rng, size, mu_dtype)
     grad = random_grad(rng, size, grad_dtype)
     kw = dict(decay_limit=size // 2, lowp_dtype=lowp_dtype, grad_scale=np.float32(0.5))
@@ -101,9 +101,9 @@ class PallasAdamWTests:
       assert_close_to_optax([x[:limit] for x in jax.device_get(got[:3])], list(host[0]),
                             hyper.lr)
 
-  def test_donated_call_is_in_place_and_compiles_once(self):
+  def test_donated_call_is_in_place_and_compiles_once(self, seed):
     size, hyper = self.SIZES[2], Hyper()
-    rng = np.random.default_rng(13)
+    rng = np.random.default_rng(seed)
 
     def step(state, grad, scalars):
       master, mu, nu, lowp = state
@@ -126,9 +126,9 @@ class PallasAdamWTests:
         assert [x.unsafe_buffer_pointer() for x in state] == pointers
     assert step._cache_size() == 1
 
-  def test_no_low_precision_copy_when_lowp_dtype_is_none(self):
+  def test_no_low_precision_copy_when_lowp_dtype_is_none(self, seed):
     size, hyper = self.SIZES[2], Hyper()
-    rng = np.random.default_rng(15)
+    rng = np.random.default_rng(seed)
     state, grad = random_state(rng, size), random_grad(rng, size)
     got = self._pallas(hyper, 2, state, grad, decay_limit=size, lowp_dtype=None)
     assert got[3] is None
@@ -136,9 +136,9 @@ class PallasAdamWTests:
     for g, w in zip(got[:3], want[:3]):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
-  def test_vmap_over_stacked_subgroups_uses_per_subgroup_scalars(self):
+  def test_vmap_over_stacked_subgroups_uses_per_subgroup_scalars(self, seed):
     size, hyper = self.SIZES[2], Hyper()
-    rng = np.random.default_rng(16)
+    rng = np.random.default_rng(seed)
     rows = [random_state(rng, size) for _ in range(2)]
     grads = jnp.stack([random_grad(rng, size) for _ in range(2)])
     scalars = jax.tree.map(lambda *x: jnp.stack([jnp.asarray(v, jnp.float32) for v in x]),
@@ -158,12 +158,12 @@ class PallasAdamWTests:
 
   @pytest.mark.parametrize('slots', [(0, 1, 2), (2, 0, 1), (-1, 0, 1)],
                            ids=['master_mu_nu', 'mu_nu_master', 'no_master'])
-  def test_rows_form_equals_the_flat_kernel_in_place(self, slots):
+  def test_rows_form_equals_the_flat_kernel_in_place(self, slots, seed):
     """`adamw_pallas_rows` on a (K, S) block gives the flat kernel's values (within the
     ulp two programs of the same math may differ by), in the block's own buffer
     (aliased), for any slot order and without a master row."""
     size, hyper = self.SIZES[2], Hyper(eps_root=1e-10)
-    rng = np.random.default_rng(17)
+    rng = np.random.default_rng(seed)
     master, mu, nu = random_state(rng, size)
     param = master if slots[0] < 0 else None
     rows = {slots[1]: mu, slots[2]: nu, **({} if param is not None else {slots[0]: master})}
@@ -191,9 +191,9 @@ class PallasAdamWTests:
     else:
       assert lowp is None
 
-  def test_rows_form_refuses_a_block_that_breaks_its_contract(self):
+  def test_rows_form_refuses_a_block_that_breaks_its_contract(self, seed):
     size, hyper = 64, Hyper()
-    rng = np.random.default_rng(18)
+    rng = np.random.default_rng(seed)
     block = jnp.stack(random_state(rng, size))
     call = functools.partial(kernels.adamw_pallas_rows, grad=random_grad(rng, size),
                              scalars=step_scalars(hyper, 1), decay_limit=size,

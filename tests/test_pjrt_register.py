@@ -538,13 +538,13 @@ def _compute_on():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('form', ['rows', 'rows_out_in', 'leaves'])
-def test_native_kernel_runs_in_a_gpu_host_region(form):
+def test_native_kernel_runs_in_a_gpu_host_region(form, seed):
   ok, why = host_adamw_rows.host_kernel_in_gpu_programs()
   assert ok, why
   gpu, cpu = jax.devices()[0], jax.devices('cpu')[0]
   assert gpu.platform == 'gpu'
   pinned = jax.sharding.SingleDeviceSharding(gpu, memory_kind='pinned_host')
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(seed)
   groups, size, slots, decayed_rows = 5, 1031, (0, 2, 1), 2
   rows = np.array([4, 0, 2], np.int32)
   stacked = random_stacked(rng, groups, size, slots)

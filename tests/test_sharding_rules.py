@@ -97,7 +97,7 @@ def test_sharded_forward_matches_unsharded(built, data, tensor):
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_gqa_and_tied_split_by_whole_kv_groups():
+def test_gqa_and_tied_split_by_whole_kv_groups(seed):
   # 8 query heads over 4 key/value heads, tensor=2 (data=2): each device holds 2 whole
   # groups, i.e. 4 query heads and their 2 key/value heads; the tied embedding is split
   # over the vocabulary. Seed 1 for the params, 2 for the tokens.
@@ -105,7 +105,7 @@ def test_gqa_and_tied_split_by_whole_kv_groups():
                           tie_embeddings=True, vocab_size=64, max_seq_len=16,
                           param_dtype='float32', compute_dtype='float32')
   apply, params = model.build_model(cfg, seed=1)
-  tokens = jax.random.randint(jax.random.key(2), (4, 16), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.key(seed), (4, 16), 0, cfg.vocab_size)
   expected = jax.jit(apply)(params, tokens)
   mesh = _mesh(2, 2)
   sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
@@ -118,9 +118,9 @@ def test_gqa_and_tied_split_by_whole_kv_groups():
     sharding.param_shardings(params, _mesh(1, 8))  # 4 KV heads cannot split 8 ways.
 
 
-def test_sharded_gradients_match_unsharded(built):
+def test_sharded_gradients_match_unsharded(built, seed):
   apply, params = built
-  tokens = jax.random.randint(jax.random.key(11), (4, 17), 0, CFG.vocab_size)
+  tokens = jax.random.randint(jax.random.key(seed), (4, 17), 0, CFG.vocab_size)
   grad_fn = jax.jit(jax.grad(lambda p, t: model.loss_fn(apply, p, t)[0]))
   expected = grad_fn(params, tokens)
 
