@@ -7,7 +7,7 @@ Times, on `--params` elements split into subgroups of `--subgroup-size`:
     (16-bit params: f32 master, mu, nu; bf16 gradients and bf16 out rows) and without
     (fp32 params: mu, nu; f32 gradients, params and update rows).
 (A row of the flat host kernel, `adamw_host`, was measured beside these until that
-kernel left the library: results_kernels2.md.)
+kernel left the library: notes/results_kernels2.md.)
 Each is the median of `--reps` runs after one warm-up.
 
   python experiments/bench_host_rows.py --params 50_000_000 --subgroup-size 10_000_000

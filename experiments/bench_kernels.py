@@ -15,7 +15,7 @@ parameter, like the AdamW) and against `jax.jit(optax.adamw)` (update + apply + 
 85% of the copy's.
 
   python experiments/bench_kernels.py                      # 64M params, prints a table
-  python experiments/bench_kernels.py --out experiments/results_kernels.md
+  python experiments/bench_kernels.py --out experiments/notes/results_kernels.md
   python experiments/bench_kernels.py --gpu-only --gpu-sizes 16,256 --json $OUT/pallas.json
   python experiments/bench_kernels.py --gpu-only --interpret --gpu-sizes 1   # smoke test, CPU
 """
@@ -109,7 +109,7 @@ def probe_cases(size: int) -> list[Case]:
   """Memory-bandwidth probes: bounds on what any AdamW can reach here.
 
   (The native AdamW-traffic probe, `p, m, v += g` threaded like the kernel, was part of
-  the flat host kernel's library and went with it; results_kernels*.md show its rows.)
+  the flat host kernel's library and went with it; notes/results_kernels*.md show its rows.)
   """
   cases = []
   a, b = np.ones(size, np.float32), np.ones(size, np.float32)

@@ -4,7 +4,7 @@ The library updates a subgroup's `(K, S)` state block in place
 (`dos_jax.kernels.adamw_pallas_rows`); this kernel takes master, m and v as three flat
 arrays instead. It stays here, out of the library, for what only the lab does with it:
 experiments/bench_kernels.py measures it against device copies of the same bytes (the
-numbers in experiments/results_kernels*.md), and tests/test_kernels_pallas.py checks it
+numbers in experiments/notes/results_kernels*.md), and tests/test_kernels_pallas.py checks it
 against optax and the block form against it. It computes with the library kernel's own
 math (`pallas_adamw._adam_math`, the IEEE division and square root), so both stay one
 computation.

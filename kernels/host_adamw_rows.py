@@ -94,7 +94,7 @@ def _warn_once(why: str) -> None:
   logging.getLogger(__name__).warning(
       "dos_jax: the native host AdamW cannot be used inside GPU programs (%s); host "
       "subgroups use XLA's host loop instead, several times slower (4-7x in "
-      "experiments/results_kernels2.md). The library was built against XLA FFI API %s.%s.",
+      "experiments/notes/results_kernels2.md). The library was built against XLA FFI API %s.%s.",
       why, *version)
 
 
