@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -156,47 +155,43 @@ def test_disk_full_names_no_space_leaves_no_debris_and_resumes_exactly(
 
 
 def test_read_only_checkpoint_folder_is_named_and_the_run_resumes_exactly(
-    dataset, reference, tmp_path, capsys
+    dataset, reference, jax_cache, tmp_path, capsys
 ):
   """The checkpoint folder turns read-only (a read-only bind mount over it) once the
-  first checkpoint is complete: a later save fails with one line naming the path and
-  'read-only', exit 1. A rerun while it is read-only is refused before writing (exit
-  2, the path named); once writable again, the rerun resumes exactly."""
+  first checkpoint is complete: the next save fails with one line naming the folder and
+  'read-only', exit 1, and the run ends at once. A rerun while it is read-only is
+  refused before writing (exit 2, the folder named); once writable again, the rerun
+  resumes exactly."""
   out = str(tmp_path / 'run')
   ckpt_dir = os.path.join(out, 'checkpoints')
-  first = os.path.join(ckpt_dir, str(EVERY), integrity.MANIFEST)
-  mounted = threading.Event()
-  failures = []
-
-  def make_read_only():
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not os.path.exists(first):
-      time.sleep(0.001)
+  proc = _start(dataset, out, jax_cache)
+  mounted = False
+  try:
+    complete = None
+    for step in range(EVERY, STEPS, EVERY):  # Between two saves: none in progress.
+      done = os.path.join(ckpt_dir, str(step), integrity.MANIFEST)
+      _stop_when(proc, lambda done=done: os.path.exists(done), f'checkpoint {step}')
+      if not any(n != str(step) and int(n.split('.')[0]) > step
+                 for n in _names(ckpt_dir) if n[0].isdigit()):
+        complete = step
+        break
+      proc.send_signal(signal.SIGCONT)
+    assert complete is not None, 'never stopped between two saves'
     try:
       _mount('--bind', ckpt_dir, ckpt_dir)
+      mounted = True
       _mount('-o', 'remount,bind,ro', ckpt_dir)
-      mounted.set()
     except (OSError, subprocess.CalledProcessError) as err:
-      failures.append(err)
-      _umount(ckpt_dir)
-
-  watcher = threading.Thread(target=make_read_only)
-  watcher.start()
-  try:
-    capsys.readouterr()
-    code = cli.main(_args(dataset, out))
-    err = capsys.readouterr().err
-    watcher.join()
-    if failures:
-      pytest.skip(f'cannot make a read-only bind mount here ({failures[0]!s:.80})')
-    assert mounted.is_set()
-    assert code == 1, err[-3000:]
+      pytest.skip(f'cannot make a read-only bind mount here ({getattr(err, "stderr", err)!s:.80})')
+    proc.send_signal(signal.SIGCONT)
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 1, err[-3000:]
     assert 'Traceback' not in err and 'ERROR:absl' not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith('dos-jax: error:')]
     assert len(lines) == 1, err[-3000:]
-    assert f'{ckpt_dir}' in lines[0] and 'is on a read-only file system' in lines[0], lines
-    assert 'the last complete checkpoint is ' in lines[0]
-    last = int(lines[0].split('the last complete checkpoint is ')[1].split()[0].split('/')[-1])
+    assert (f'{ckpt_dir} is on a read-only file system (writing checkpoint'
+            f' {complete + EVERY})') in lines[0], lines
+    assert f'the last complete checkpoint is {ckpt_dir}/{complete} ' in lines[0], lines
 
     code, err = _train(dataset, out, capsys)
     assert code == 2, err[-3000:]
@@ -205,11 +200,14 @@ def test_read_only_checkpoint_folder_is_named_and_the_run_resumes_exactly(
     assert (f'checkpoint.dir: {ckpt_dir} cannot be written ({ckpt_dir} is on a read-only'
             ' file system)') in lines[0], lines
   finally:
-    watcher.join()
-    _umount(ckpt_dir)
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+    if mounted:
+      _umount(ckpt_dir)
   code, err = _train(dataset, out, capsys)
   assert code == 0, err[-3000:]
-  assert f'resumed from {ckpt_dir} at step {last}' in err
+  assert f'resumed from {ckpt_dir} at step {complete}' in err
   assert _outcome(out) == reference['outcome']
   _no_debris(ckpt_dir)
 

@@ -226,6 +226,7 @@ class Checkpointer:
     self._saving = step
     self._pending.append((step, run))
     try:
+      self._probe()
       self._manager.save(
           step,
           args=ocp.args.Composite(
@@ -307,6 +308,16 @@ class Checkpointer:
       if threading.current_thread() is threading.main_thread():
         raise
       self._error = err
+
+  def _probe(self) -> None:
+    """Makes and removes a directory where orbax is about to make one. A folder that
+    is read-only, not writable or out of space fails here, as an OSError naming it:
+    orbax, when it cannot make its directory, leaves threads waiting minutes for it."""
+    probe = os.path.join(self.directory, f'.write-probe-{jax.process_index()}')
+    if os.path.isdir(probe):  # Left by a process killed between the two calls.
+      os.rmdir(probe)
+    os.mkdir(probe)
+    os.rmdir(probe)
 
   def _failed(self) -> SaveFailed:
     """Removes what the failed save left (orbax's temporary directories, and a

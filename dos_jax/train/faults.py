@@ -153,7 +153,7 @@ def describe(err: BaseException, cfg: Any) -> str | None:
             f'{need}{removed}; free space, lower checkpoint.keep or set checkpoint.dir'
             f' (now {ckpt_dir}) to a larger disk; {where}')
   if fault in (Fault.READ_ONLY, Fault.PERMISSION):
-    path = _culprit_path(err, ckpt_dir)
+    path = failed.directory if failed is not None else _culprit_path(err, ckpt_dir)
     cause = 'is on a read-only file system' if fault is Fault.READ_ONLY else (
         'cannot be written (permission denied)')
     return (f'{path} {cause} ({what}){removed}; make it writable or set train.out_dir'
