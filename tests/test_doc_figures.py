@@ -100,3 +100,19 @@ def test_results_md_rows_hold_the_same_figures():
   assert f'{one} ms -> {mean} ms ({gain}x)' in results
   within = paper_sentence().split(' cells')[0]
   assert f'{within} within 15%' in results
+
+
+def test_results_md_is_one_page_and_every_link_to_a_row_lands():
+  """RESULTS.md stays a page of current figures (the history is in experiments/notes/),
+  and every `RESULTS.md#anchor` link in the README, CONTRIBUTING.md and docs/ names a
+  row's anchor or a section heading there."""
+  text = (ROOT / 'experiments' / 'RESULTS.md').read_text(encoding='utf-8')
+  assert len(text.splitlines()) <= 400
+  anchors = set(re.findall(r'<a id="([\w-]+)"></a>', text))
+  anchors |= {re.sub(r'[^\w -]', '', h).strip().lower().replace(' ', '-')
+              for h in re.findall(r'^#+ (.*)$', text, re.M)}
+  documents = ['README.md', 'CONTRIBUTING.md', *sorted(
+      str(p.relative_to(ROOT)) for p in (ROOT / 'docs').glob('*.md'))]
+  for name in documents:
+    for anchor in re.findall(r'RESULTS\.md#([\w-]+)', (ROOT / name).read_text(encoding='utf-8')):
+      assert anchor in anchors, f'{name}: RESULTS.md#{anchor} names no row or section'
