@@ -153,14 +153,6 @@ def shared_profile() -> HardwareProfile | None:
   return Agreement().profile(None)[0]
 
 
-def max_counts(*counts: int) -> tuple[int, ...]:
-  """Each of `counts` as its maximum over the processes (the clip-rate counts that feed
-  a re-plan of the early host calls); the counts themselves on one process."""
-  if processes() == 1:
-    return tuple(counts)
-  return tuple(int(x) for x in _gather([float(c) for c in counts]).max(axis=0))
-
-
 def max_counts(rollbacks: int, steps: int) -> tuple[int, int]:
   """The largest rollback and step counts over the processes (a collective); the counts
   themselves with one process."""
