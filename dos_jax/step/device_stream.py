@@ -10,8 +10,9 @@ overlap in every schedule (docs/design.md, "Concurrent by construction").
 
 How much a group may hold (`GROUP_STREAM_CALLS`): the scheduler counts every
 asynchronous call in flight (host call, stream call, and the copies between host and
-device memory inside a stream call) against `xla_gpu_experimental_parallel_async_compute_limit`,
-2 unless set, and a group it cannot place whole within that limit stops the compile
+device memory inside a stream call) against
+`xla_gpu_experimental_parallel_async_compute_limit`, 2 unless set, and a group it
+cannot place whole within that limit stops the compile
 (`RET_CHECK ... Couldn't find an annotated node to schedule`). So a group holds the
 host call and one stream call whose copies run one after another; the other stream
 calls of a step carry the group only as `LANES_ATTRIBUTE`, which names them for the

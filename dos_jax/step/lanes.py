@@ -75,7 +75,8 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   new_blocks, rows = device_lanes(
       context, given, base_step=base_step,
       native=native and offload.device_impl is UpdateImpl.KERNEL,
-      lanes=stream_lanes(context.plan, part), group=group,
+      lanes=stream_lanes(context.plan, part, getattr(offload, 'stream_lanes', 0)),
+      group=group,
       barrier=barrier)
   new_tiers = dict(tiers)
   new_tiers[Tier.HOST] = host
@@ -106,12 +107,13 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
                   barrier: bool = False):
   """The device tiers' blocks `given`, lane by lane, each lane one stream region, the
   first `grouped_lanes` of them in scheduling group `group` and all of them named as
-  its lanes. Returns ({tier: new blocks}, [((tier, block), out rows)]). Within a lane
-  a row's state enters only once the lane's previous row is back in host memory: the
-  region runs its copies one after another anyway, and XLA then counts one copy in
-  flight for it (`grouped_lanes`). `barrier`: each region's results through an
-  optimization barrier (inside `shard_map`, read piecewise, they would each become a
-  stream call of their own)."""
+  its lanes. Returns ({tier: new blocks}, [((tier, block), out rows)]). With two lanes
+  or more, a row's state enters a lane only once the lane's previous row is back in
+  host memory: the region runs its copies one after another anyway, and XLA then
+  counts one copy in flight for it (`grouped_lanes`; one lane holding two rows in
+  flight does not compile under the scheduler alone). `barrier`: each region's
+  results through an optimization barrier (inside `shard_map`, read piecewise, they
+  would each become a stream call of their own)."""
   new_blocks = {t: [None] * len(blocks) for t, blocks in given.items()}
   rows_out = []
   grouped = grouped_lanes(len(lanes))
@@ -122,7 +124,8 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
       new, rows = [], []
       for (tier, indices), arrays in zip(work, blocks_in):
         tier_new, tier_outs = local.update_blocks(
-            tier, base_step, dict(zip(indices, arrays)), native, in_flight=1)
+            tier, base_step, dict(zip(indices, arrays)), native,
+            in_flight=1 if len(lanes) > 1 else None)
         new.append([tier_new[b] for b in indices])
         rows.append([tier_outs[b][0] for b in indices])
       return new, rows
