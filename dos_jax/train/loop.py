@@ -167,9 +167,7 @@ def train(
   except OSError as err:
     birth.undo()
     raise rundir.created_error(err, cfg) from None
-  except BaseException:
-    birth.undo()
-    raise
+  # On RunLocked nothing is undone: what looked new may be the other run's by now.
   try:
     return _train(cfg, birth, devices=devices, stream=stream)
   except BaseException:
@@ -179,9 +177,7 @@ def train(
     raise
   finally:
     lock.release()
-    out = cfg.train.out_dir
-    if birth.is_new(out) and os.path.isdir(out) and not os.listdir(out):
-      os.rmdir(out)  # Made only for the lock (e.g. nothing to do).
+    birth.remove_empty()  # Folders made only for the lock (e.g. nothing to do).
 
 
 def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device] | None,

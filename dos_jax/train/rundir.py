@@ -33,6 +33,14 @@ def _nearest_existing(path: str) -> str:
   return path
 
 
+def _outermost_new(path: str) -> str:
+  """The highest of `path` and its parents that does not exist yet (`path` if it does)."""
+  path = os.path.abspath(path)
+  while not os.path.exists(os.path.dirname(path)) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return path
+
+
 def _check_dir(key: str, path: str) -> None:
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(f'{key}: {path} exists and is not a directory')
@@ -66,11 +74,17 @@ class Birth:
 
   def __init__(self, cfg):
     self._paths = [cfg.checkpoint_dir, cfg.train.out_dir,
-                   os.path.join(cfg.train.out_dir, 'config.yaml'), cfg.metrics_path]
+                   os.path.join(cfg.train.out_dir, 'config.yaml'), cfg.metrics_path,
+                   _outermost_new(cfg.train.out_dir), _outermost_new(cfg.checkpoint_dir)]
     self._new = [p for p in self._paths if not os.path.exists(p)]
 
-  def is_new(self, path: str) -> bool:
-    return path in self._new
+  def remove_empty(self) -> None:
+    """Removes the directories this run created that are empty (deepest first)."""
+    for path in sorted({p for p in self._new if os.path.isdir(p)}, key=len, reverse=True):
+      try:
+        os.rmdir(path)
+      except OSError:
+        pass  # Not empty.
 
   def undo(self) -> None:
     """Removes the paths this run created: files first, then directories."""
