@@ -65,10 +65,10 @@ class PallasAdamWTests:
 
   @pytest.mark.parametrize('hyper', [Hyper(eps_root=1e-12, lr=3e-2), Hyper(nesterov=True)],
                            ids=['eps_root', 'nesterov'])
-  def test_matches_optax_across_a_decay_boundary(self, hyper):
+  def test_matches_optax_across_a_decay_boundary(self, hyper, seed):
     size = self.SIZES[2]
     limit = size // 3 + 5  # inside a block, not on a block edge
-    check_across_decay_boundary(self._pallas, hyper, size=size, limit=limit, seed=11, steps=2)
+    check_across_decay_boundary(self._pallas, hyper, size=size, limit=limit, seed=seed, steps=2)
 
   @pytest.mark.parametrize('grad_dtype, mu_dtype, lowp_dtype', [
       (jnp.bfloat16, jnp.float32, jnp.float16),

@@ -21,9 +21,9 @@ SMALL = model.ModelConfig(
 
 
 @pytest.fixture(scope='module')
-def small():
+def small(module_seed):
   """SMALL's jitted forward and parameters, built once for the module."""
-  apply, params = model.build_model(SMALL, seed=3)
+  apply, params = model.build_model(SMALL, seed=module_seed)
   return jax.jit(apply), params
 
 
@@ -79,7 +79,7 @@ def _np_forward(p, tokens, theta):
   return _np_rmsnorm(x, p['final_norm']['scale']) @ head
 
 
-def test_forward_matches_float64_reference(small):
+def test_forward_matches_float64_reference(small, seed):
   apply, params = small
   # Non-trivial norm scales, so a forgotten scale would show.
   params = jax.tree_util.tree_map_with_path(
@@ -87,27 +87,27 @@ def test_forward_matches_float64_reference(small):
       if str(path[-1]) == "['scale']" else x,
       params,
   )
-  tokens = _tokens(0, 3, 11, SMALL.vocab_size)
+  tokens = _tokens(seed, 3, 11, SMALL.vocab_size)
   logits = apply(params, tokens)
   assert logits.shape == (3, 11, SMALL.vocab_size) and logits.dtype == jnp.float32
   np.testing.assert_allclose(logits, _np_forward(params, tokens, SMALL.rope_theta),
                              rtol=1e-4, atol=1e-5)
 
 
-def test_gqa_and_tied_forward_match_float64_reference():
-  # 4 query heads over 2 key/value heads, output head = embedding^T; seed 5.
+def test_gqa_and_tied_forward_match_float64_reference(seed):
+  # 4 query heads over 2 key/value heads, output head = embedding^T.
   cfg = dataclasses.replace(SMALL, n_kv_heads=2, tie_embeddings=True)
-  apply, params = model.build_model(cfg, seed=5)
+  apply, params = model.build_model(cfg, seed=seed)
   assert params['blocks']['0']['attn']['wk'].shape == (32, 2, 8) and 'head' not in params
-  tokens = _tokens(5, 2, 13, cfg.vocab_size)
+  tokens = _tokens(seed + 1, 2, 13, cfg.vocab_size)
   np.testing.assert_allclose(jax.jit(apply)(params, tokens),
                              _np_forward(params, tokens, cfg.rope_theta), rtol=1e-4, atol=1e-5)
 
 
-def test_bf16_compute_stays_close_to_float32(small):
+def test_bf16_compute_stays_close_to_float32(small, seed):
   apply32, params = small
   apply16 = jax.jit(model.make_apply(dataclasses.replace(SMALL, compute_dtype='bfloat16')))
-  tokens = _tokens(1, 2, 16, SMALL.vocab_size)
+  tokens = _tokens(seed, 2, 16, SMALL.vocab_size)
   out32, out16 = apply32(params, tokens), apply16(params, tokens)
   assert out16.dtype == jnp.float32
   # bf16 keeps 8 mantissa bits: logits of size ~0.1 agree to a few 1e-3.
@@ -148,22 +148,22 @@ def test_block_names_sort_in_layer_order():
       jax.tree.map(lambda x: 0, params))
 
 
-def test_causality(small):
+def test_causality(small, seed):
   apply, params = small
-  tokens = _tokens(2, 2, 12, SMALL.vocab_size)
+  tokens = _tokens(seed, 2, 12, SMALL.vocab_size)
   changed = tokens.at[:, 7].set((tokens[:, 7] + 1) % SMALL.vocab_size)
   a, b = apply(params, tokens), apply(params, changed)
   np.testing.assert_allclose(a[:, :7], b[:, :7], rtol=0, atol=1e-6)
   assert np.all(np.abs(np.asarray(a[:, 7:] - b[:, 7:])).max(axis=-1) > 1e-4)
 
 
-def test_remat_gives_same_loss_and_grads(small):
+def test_remat_gives_same_loss_and_grads(small, seed):
   cfg = SMALL
   _, params = small
   apply = model.make_apply(cfg)
   assert cfg.n_layers == 2  # Remat wraps each block; two show that they chain.
   apply_remat = model.make_apply(dataclasses.replace(cfg, remat=True))
-  tokens = _tokens(5, 2, 13, cfg.vocab_size)
+  tokens = _tokens(seed, 2, 13, cfg.vocab_size)
   grad = lambda f: jax.jit(jax.value_and_grad(lambda p: model.loss_fn(f, p, tokens)[0]))
   (l0, g0), (l1, g1) = grad(apply)(params), grad(apply_remat)(params)
   # The recomputed forward runs the same float32 ops; only fusion order may differ.
@@ -171,9 +171,9 @@ def test_remat_gives_same_loss_and_grads(small):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g0)
 
 
-def test_loss_is_mean_cross_entropy(small):
+def test_loss_is_mean_cross_entropy(small, seed):
   apply, params = small
-  tokens = _tokens(6, 2, 9, SMALL.vocab_size)
+  tokens = _tokens(seed, 2, 9, SMALL.vocab_size)
   loss, metrics = jax.jit(lambda p, t: model.loss_fn(apply, p, t))(params, tokens)
   logits = np.asarray(apply(params, tokens[:, :-1]), np.float64)
   logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -187,10 +187,10 @@ def test_loss_is_mean_cross_entropy(small):
 
 
 @pytest.mark.parametrize('param_dtype', ['float32', 'bfloat16'])
-def test_adamw_on_a_repeated_batch_reduces_loss(param_dtype):
+def test_adamw_on_a_repeated_batch_reduces_loss(param_dtype, seed):
   # One block: the optimizer loop needs no depth, and compiles in half the time.
   cfg = dataclasses.replace(SMALL, n_layers=1, param_dtype=param_dtype, compute_dtype='bfloat16')
-  apply, params = model.build_model(cfg, seed=0)
+  apply, params = model.build_model(cfg, seed=seed)
   assert all(x.dtype == jnp.dtype(param_dtype) for x in jax.tree.leaves(params))
   opt = optax.adamw(3e-3)
   opt_state = opt.init(params)
@@ -202,7 +202,7 @@ def test_adamw_on_a_repeated_batch_reduces_loss(param_dtype):
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, grads
 
-  tokens = _tokens(7, 4, 16, cfg.vocab_size)
+  tokens = _tokens(seed + 1, 4, 16, cfg.vocab_size)
   losses = []
   for _ in range(25):
     params, opt_state, loss, grads = step(params, opt_state, tokens)

@@ -18,8 +18,8 @@ CFG = model.ModelConfig(
 
 
 @pytest.fixture(scope='module')
-def built():
-  return model.build_model(CFG, seed=0)
+def built(module_seed):
+  return model.build_model(CFG, seed=module_seed)
 
 
 def _mesh(data, tensor):
@@ -100,12 +100,12 @@ def test_sharded_forward_matches_unsharded(built, data, tensor):
 def test_gqa_and_tied_split_by_whole_kv_groups(seed):
   # 8 query heads over 4 key/value heads, tensor=2 (data=2): each device holds 2 whole
   # groups, i.e. 4 query heads and their 2 key/value heads; the tied embedding is split
-  # over the vocabulary. Seed 1 for the params, 2 for the tokens.
+  # over the vocabulary.
   cfg = model.ModelConfig(dim=64, ffn_dim=64, n_layers=2, n_heads=8, n_kv_heads=4,
                           tie_embeddings=True, vocab_size=64, max_seq_len=16,
                           param_dtype='float32', compute_dtype='float32')
-  apply, params = model.build_model(cfg, seed=1)
-  tokens = jax.random.randint(jax.random.key(seed), (4, 16), 0, cfg.vocab_size)
+  apply, params = model.build_model(cfg, seed=seed)
+  tokens = jax.random.randint(jax.random.key(seed + 1), (4, 16), 0, cfg.vocab_size)
   expected = jax.jit(apply)(params, tokens)
   mesh = _mesh(2, 2)
   sharded = jax.device_put(params, sharding.param_shardings(params, mesh))
@@ -132,15 +132,15 @@ def test_sharded_gradients_match_unsharded(built, seed):
                expected)
 
 
-def test_params_initialised_sharded_equal_the_unsharded_ones(built):
+def test_params_initialised_sharded_equal_the_unsharded_ones(built, module_seed):
   """`init_params` under jit with out_shardings (how large models start, each device
   making only its own slices) draws the same values as on one device."""
-  _, params = built
+  _, params = built  # drawn from module_seed
   mesh = _mesh(2, 4)
-  abstract = jax.eval_shape(lambda: model.init_params(CFG, 0))
+  abstract = jax.eval_shape(lambda: model.init_params(CFG, module_seed))
   init = jax.jit(model.init_params, static_argnums=0,
                  out_shardings=sharding.param_shardings(abstract, mesh))
-  sharded = init(CFG, 0)
+  sharded = init(CFG, module_seed)
   assert sharded['head'].sharding.spec == P(None, 'tensor')
   # Same random bits; XLA may fold `std *` into the jitted normal's own scaling, so values
   # can differ from eager ones in the last bit (a different draw would differ by O(std)).

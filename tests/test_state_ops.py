@@ -88,9 +88,9 @@ AXIS_TYPES = [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit]
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'], ids=['cpu-program', 'gpu-program'])
 @pytest.mark.parametrize('axis_type', AXIS_TYPES, ids=str)
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
-def test_jitted_init_places_the_state_like_eager_init(axis_type, dtype, platform):
+def test_jitted_init_places_the_state_like_eager_init(axis_type, dtype, platform, seed):
   mesh = _mesh(axis_type)
-  params = _sharded_params(mesh, dtype)
+  params = _sharded_params(mesh, dtype, seed)
   offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform=platform)
   eager = dos_jax.adamw(LR, offload=offload).init(params)
   jitted = jax.jit(dos_jax.adamw(LR, offload=offload).init)(params)
@@ -131,9 +131,9 @@ def test_sharded_training_from_a_jitted_init_equals_optax(axis_type, platform, s
 
 @pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 (virtual) devices')
 @pytest.mark.parametrize('abstract_params', [False, True], ids=['arrays', 'shapes'])
-def test_abstract_state_gives_the_shardings_and_memory_kinds_of_init(abstract_params):
+def test_abstract_state_gives_the_shardings_and_memory_kinds_of_init(abstract_params, seed):
   mesh = _mesh(jax.sharding.AxisType.Auto)
-  params = _sharded_params(mesh, jnp.bfloat16)
+  params = _sharded_params(mesh, jnp.bfloat16, seed)
   tx = dos_jax.adamw(LR, offload=dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2)))
   given = params
   if abstract_params:
