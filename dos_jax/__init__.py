@@ -5,9 +5,6 @@ that are updated partly on the device (streamed through free device memory) and
 partly on the host, in one jitted step.
 """
 
-import importlib as _importlib
-import warnings as _warnings
-
 from dos_jax.alias import adamw as adamw
 from dos_jax.planner.auto import Auto as Auto
 from dos_jax.planner.hardware import HardwareProfile as HardwareProfile
@@ -22,10 +19,7 @@ from dos_jax.compiler_options import GPU_COMPILER_OPTIONS as GPU_COMPILER_OPTION
 from dos_jax.host_memory import keep_freed_host_memory as keep_freed_host_memory
 from dos_jax.migration import migrate as migrate
 from dos_jax.offload import Offload as Offload
-from dos_jax.offload import PLATFORM_RENAMED as _PLATFORM_RENAMED
 from dos_jax.offload import Program as Program
-from dos_jax.offload import EarlyChunks as EarlyChunks
-from dos_jax.offload import Storage as Storage
 from dos_jax.offload import UpdateImpl as UpdateImpl
 from dos_jax.pinned_pool import check_pinned_pool as check_pinned_pool
 from dos_jax.pinned_pool import PinnedPoolError as PinnedPoolError
@@ -50,25 +44,3 @@ from dos_jax.step.construction import stream_regions as stream_regions
 
 __version__ = '0.1.0'
 
-
-# The state's internals, exported here until issue 30: each now only from its module.
-_MOVED = {
-    'Layout': ('dos_jax.geometry.layout', 'Layout'),
-    'spec_for': ('dos_jax.geometry.layout', 'spec_for'),
-    'Partition': ('dos_jax.geometry.partition', 'Partition'),
-    'Tier': ('dos_jax.geometry.partition', 'Tier'),
-}
-
-
-def __getattr__(name: str):
-  """Deprecated names, for one release: `Platform` (now `Program`), and the state's
-  internals that moved to their modules (`_MOVED`)."""
-  if name == 'Platform':
-    _warnings.warn(_PLATFORM_RENAMED, DeprecationWarning, stacklevel=2)
-    return Program
-  if name in _MOVED:
-    module, attr = _MOVED[name]
-    _warnings.warn(f'dos_jax.{name} is deprecated: use {module}.{attr} (not a public '
-                   'name of dos_jax from the next release)', DeprecationWarning, stacklevel=2)
-    return getattr(_importlib.import_module(module), attr)
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

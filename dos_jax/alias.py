@@ -160,7 +160,7 @@ def adamw(
   need: with fp32 gradients `optax.apply_updates` reproduces
   `master.astype(param_dtype)` exactly; with 16-bit ones too, except where a value
   changes by a large factor or crosses zero in one step (see
-  `transform._updates_from_leaves`). The master is exact either way.
+  `program._updates_from_leaves`). The master is exact either way.
 
   Args:
     learning_rate: a scalar or an optax schedule.

@@ -5,22 +5,24 @@ subgroup's row lives in. `dos_jax.migrate(opt_state, plan)` moves the rows, betw
 steps: a step whose plan needs other tiers than its state has refuses to trace (a
 donated step would otherwise pair a host-memory input buffer with a device-memory output
 of the same shape, which the runtime rejects by aborting). What a move costs depends on
-the storage (`Storage`, `Partition.per_subgroup`):
+the program:
 
-* Per subgroup: every row is its own buffer. A row whose memory stays the same (host
-  <-> streamed, both in pinned host memory) is handed to its new tier as it is, the
-  same array; a row that moves between host and device memory is copied once, to where
-  it goes. Nothing else is copied: the memory a plan change adds is the moved rows, and
-  their old buffers are freed with the old state.
-* Stacked: tiers whose subgroups stay put are handed over as they are; changed tiers
-  are rebuilt in one jitted program from runs of consecutive rows, each sliced where it
-  lives and copied straight into its new memory. An XLA array cannot grow or shrink in
-  place, so a changed tier's new array exists beside the old one until the old state is
-  dropped: the peak is the state plus the changed tiers.
+* The accelerator program stores every row as its own buffer. A row whose memory stays
+  the same (host <-> streamed, both in pinned host memory) is handed to its new tier as
+  it is, the same array; a row that moves between host and device memory is copied
+  once, to where it goes. Nothing else is copied: the memory a plan change adds is the
+  moved rows, and their old buffers are freed with the old state.
+* The one-memory program keeps one array; it changes tier only when a plan keeps every
+  subgroup resident or stops doing so, and is then rebuilt in one jitted program.
+
+The early host calls (`Partition.early`) are part of what a state is laid out for: a
+`migrate` that names other ones changes the static state only, and the next step is
+traced again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -47,34 +49,54 @@ def check_plan(plan: Plan, state: OffloadedState) -> None:
     )
 
 
-def migrate(opt_state: Any, plan: Plan) -> Any:
+def migrate(opt_state: Any, plan: Plan, *, early: tuple[int, ...] | None = None) -> Any:
   """`opt_state` with every `OffloadedState` in it laid out for `plan`.
 
   Call it between steps when the plan changes (the runner does, for `Auto`): the step
-  that then runs `update(..., plan=plan)` finds its tiers in place. When nothing moves,
-  `opt_state` itself is returned. See the module docstring for what is copied.
+  that then runs finds its tiers in place. `early`: the accelerator program's early host
+  calls (`Partition.early`, e.g. a cost model's `timeline.choose_early_chunks`); None
+  keeps the state's where its tiers stay, else takes the fixed rule. When nothing
+  changes, `opt_state` itself is returned. See the module docstring for what is copied.
+
+  >>> import jax, jax.numpy as jnp, dos_jax
+  >>> opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(
+  ...     policy=dos_jax.AllHost(), subgroup_size=4, platform='gpu'))
+  >>> params = jax.device_put({'w': jnp.zeros(16)}, jax.devices()[0])
+  >>> state = opt.init(params)
+  >>> state.partition.early
+  (1, 1, 1)
+  >>> dos_jax.migrate(state, state.partition.plan, early=(2,)).partition.early
+  (2,)
   """
   is_state = lambda x: isinstance(x, OffloadedState)
   states, treedef = jax.tree.flatten(opt_state, is_leaf=is_state)
-  moved = [migrate_state(x, plan) if is_state(x) else x for x in states]
+  moved = [migrate_state(x, plan, early) if is_state(x) else x for x in states]
   if all(a is b for a, b in zip(moved, states)):
     return opt_state  # nothing to move: the same object, so callers can tell
   return treedef.unflatten(moved)
 
 
-def partition_for(plan: Plan, state: OffloadedState) -> partition_lib.Partition:
-  """The partition `plan` runs on, in the program and storage of `state`."""
+def partition_for(plan: Plan, state: OffloadedState,
+                  early: tuple[int, ...] | None = None) -> partition_lib.Partition:
+  """The partition `plan` runs on, in the program of `state`, with `early` host calls
+  (None: the state's where the tiers stay as they are, else the fixed rule)."""
   old = state.partition
-  return partition_lib.for_plan(plan, old.split, per_subgroup=old.per_subgroup)
+  new = partition_lib.for_plan(plan, old.split, early=early)
+  if early is None and dataclasses.replace(new, early=old.early) == old:
+    return old
+  return new
 
 
-def migrate_state(state: OffloadedState, plan: Plan) -> OffloadedState:
+def migrate_state(state: OffloadedState, plan: Plan,
+                  early: tuple[int, ...] | None = None) -> OffloadedState:
   """One state laid out for `plan` (see `migrate`); traced, the moves are part of the
   program being traced."""
   check_plan(plan, state)
-  wanted = partition_for(plan, state)
+  wanted = partition_for(plan, state, early)
   if wanted == state.partition:
     return state
+  if all(wanted.blocks(t) == state.partition.blocks(t) for t in TIERS):
+    return state.with_tiers(state.tiers, wanted)  # the schedule alone changes
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
     return moved_in_trace(state, wanted)
   if wanted.per_subgroup:
@@ -85,18 +107,13 @@ def migrate_state(state: OffloadedState, plan: Plan) -> OffloadedState:
 def moved_in_trace(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
   """`state` with its rows in the tiers of `wanted`, as ops of the program being traced
   (see the module docstring)."""
-  if wanted.per_subgroup != state.partition.per_subgroup:
-    raise ValueError(
-        'dos_jax: a plan change keeps the storage of the state (stacked or per subgroup);'
-        f' the state is stored {_storage(state.partition)}, the plan asks for'
-        f' {_storage(wanted)}')
   if wanted.per_subgroup:
     return _move_blocks(state, wanted)
   return _rebuild(state, wanted)
 
 
 def _rebuild_concrete(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
-  """Stacked storage, between steps: the changed tiers rebuilt by one jitted program,
+  """The one-memory program's single array, between steps: the changed tiers rebuilt by one jitted program,
   the others handed over as they are."""
   old = state.partition
   changed = tuple(t for t in TIERS if wanted.blocks(t) != old.blocks(t))
@@ -119,7 +136,7 @@ def _rebuild_program(wanted: partition_lib.Partition, shardings: tuple) -> Calla
 
 
 def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
-  """Stacked storage: the changed tiers' blocks rebuilt from runs of consecutive rows
+  """One array per tier: the changed tiers' blocks rebuilt from runs of consecutive rows
   (host tiers sliced inside host regions in the accelerator program). Device memory
   holds moved rows only when they become resident."""
   old = state.partition
@@ -151,10 +168,6 @@ def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> Offloade
           rebuilt.append(region(lambda *p: jnp.concatenate(p))(*parts))
     tiers[tier] = tuple(rebuilt)
   return state.with_tiers(tiers, wanted)
-
-
-def _storage(part: partition_lib.Partition) -> str:
-  return 'per subgroup' if part.per_subgroup else 'stacked'
 
 
 def _move_blocks(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:

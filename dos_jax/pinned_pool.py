@@ -27,6 +27,7 @@ import jax
 from dos_jax.geometry import layout as layout_lib
 from dos_jax import meshes
 from dos_jax.offload import Offload
+from dos_jax.offload import Program
 
 ENV_VAR = 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'
 # XLA's default when the variable is unset (se_gpu_pjrt_client.cc: 64 << 30 bytes).
@@ -129,9 +130,9 @@ def check_pinned_pool(pinned_bytes: float, *, what: str = 'the optimizer state')
 def state_pinned_bytes(params: Any, offload: Offload, mask: Any = None,
                        mu_bytes: int = 4) -> float:
   """Pinned host bytes of the state `init(params)` will allocate in this process: the
-  host and streamed tiers of the plan the policy gives at `init` (and, with
-  `Offload.early_chunks`, the most their undo can take), each device's shard of the
-  data axis counted once per addressable device."""
+  host and streamed tiers of the plan the policy gives at `init` (and, on the
+  accelerator program, the most the early host calls' undo can take), each device's
+  shard of the data axis counted once per addressable device."""
   mesh = meshes.find_mesh(params, offload)
   shards = mesh.shape[offload.data_axis] if mesh is not None else 1
   layout = layout_lib.make_layout(
@@ -141,8 +142,8 @@ def state_pinned_bytes(params: Any, offload: Offload, mask: Any = None,
   plan = offload.policy.plan(spec)
   state_bytes = spec.state_bytes_per_element - 4 + mu_bytes
   rows = len(plan.streamed) + len(plan.host)
-  if offload.early_calls() > 1 and len(plan.host) > 1:
-    # Early host chunks may keep an undo of every host subgroup's state but the last's.
+  if offload.target() is Program.TWO_MEMORIES and len(plan.host) > 1:
+    # Early host calls may keep an undo of every host subgroup's state but the last's.
     rows += len(plan.host) - 1
   pinned = rows * spec.subgroup_size * state_bytes / shards
   local = 1

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Protocol, runtime_checkable
 
-_DEVICE_RENAMED = 'Plan.device is deprecated: use Plan.streamed (the same subgroups)'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +43,7 @@ class SubgroupSpec:
   decayed_rows: int | None = None
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """Where each subgroup's state lives and is updated in one step: three placements.
 
@@ -55,13 +53,11 @@ class Plan:
     host: subgroup indices updated in host memory by the host path, in this order.
     resident: subgroup indices whose state stays in device memory and is updated
       there, with no copies at all (every subgroup: the `AllDevice` baseline).
-    buffers: streamed subgroups in flight at once (double buffering = 2). A stacked
-      stream holds `buffers` subgroups of state in device memory; stored per subgroup
-      in stream regions, every streamed row is held until the regions are done
+    buffers: streamed subgroups in flight at once (double buffering = 2): the
+      accelerator program's stream lanes, each on a GPU stream of its own, that the
+      streamed rows go round-robin over (`dos_jax.step.lanes`). Every streamed row is
+      held in device memory until the lanes are done
       (`planner.costmodel.streamed_elements_held`).
-
-  `device` is the deprecated name of `streamed` (as a keyword and an attribute), kept
-  for one release.
   """
 
   streamed: tuple[int, ...]
@@ -69,21 +65,7 @@ class Plan:
   resident: tuple[int, ...] = ()
   buffers: int = 2
 
-  # Written out rather than generated (`init=False`) only to take the deprecated
-  # `device=`; back to the dataclass's own once that is gone.
-  def __init__(self, streamed: tuple[int, ...] | None = None,
-               host: tuple[int, ...] | None = None, resident: tuple[int, ...] = (),
-               buffers: int = 2, *, device: tuple[int, ...] | None = None):
-    if device is not None:
-      if streamed is not None:
-        raise TypeError('Plan: pass streamed= only (device= is its deprecated name)')
-      warnings.warn(_DEVICE_RENAMED, DeprecationWarning, stacklevel=2)
-      streamed = device
-    if streamed is None or host is None:
-      raise TypeError('Plan needs streamed= and host=, tuples of subgroup indices')
-    for name, value in (('streamed', streamed), ('host', host), ('resident', resident),
-                        ('buffers', buffers)):
-      object.__setattr__(self, name, value)
+  def __post_init__(self):
     self._check()
 
   def _check(self):
@@ -100,20 +82,6 @@ class Plan:
       )
     if self.buffers < 1:
       raise ValueError(f'Plan.buffers must be >= 1, got {self.buffers}')
-
-  def __setstate__(self, state: dict):
-    """Unpickles a plan, also one pickled when `streamed` was called `device`."""
-    state = dict(state)
-    if 'device' in state:
-      state['streamed'] = state.pop('device')
-    for name, value in state.items():
-      object.__setattr__(self, name, value)
-
-  @property
-  def device(self) -> tuple[int, ...]:
-    """Deprecated: `streamed`."""
-    warnings.warn(_DEVICE_RENAMED, DeprecationWarning, stacklevel=2)
-    return self.streamed
 
   @property
   def num_subgroups(self) -> int:

@@ -1,6 +1,6 @@
 """Early host calls issued as soon as their gradients are in host memory.
 
-An early host call (`Offload(early_chunks=K)`, `dos_jax.step.early_chunks`) runs beside
+An early host call (`Partition.early`, `dos_jax.step.early_chunks`) runs beside
 the backward work the GPU launches between its start and its done. The step's data
 dependencies put the start after the call's gradients, never *at* them: where it lands
 is XLA's latency-hiding scheduler's choice, which places a start, working back from its

@@ -98,12 +98,13 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
   return step, (params, rows, x), {}
 
 
-def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', storage: str = 'stacked',
-             policy: Any = None, clip: float | None = 1.0, batch: int = 64,
-             chunks: int = 0, early_chunks: int = 0,
-             stream_lanes: int = 0) -> tuple[Callable[..., Any], tuple, dict]:
+def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', policy: Any = None,
+             clip: float | None = 1.0, batch: int = 64,
+             early: tuple[int, ...] | None = None) -> tuple[Callable[..., Any], tuple, dict]:
   """A donated train step of an L x W MLP with `dos_jax.adamw` (one subgroup per layer,
-  `Stride(2)` by default, clipped), built as the accelerator program."""
+  `Stride(2)` by default, clipped), built as the accelerator program with nothing but
+  the policy set; `early`: other early host calls than the state's own
+  (`dos_jax.migrate(..., early=early)`; `()`: one host call)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
@@ -114,12 +115,14 @@ def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', storage: s
   x = jnp.asarray(np.random.default_rng(1).standard_normal((batch, width)), jnp.dtype(dtype))
   offload = dos_jax.Offload(
       subgroup_size=width * width + width,
-      policy=dos_jax.Stride(2) if policy is None else policy, platform='gpu',
-      storage=dos_jax.Storage(storage), chunks=chunks, early_chunks=early_chunks,
-      stream_lanes=stream_lanes)
+      policy=dos_jax.Stride(2) if policy is None else policy, platform='gpu')
   adamw = dos_jax.adamw(1e-3, offload=offload)
   opt = adamw if clip is None else dos_jax.chain(dos_jax.clip_by_global_norm(clip), adamw)
   state = opt.init(params)
+  if early is not None:
+    is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
+    found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
+    state = dos_jax.migrate(state, found[0].partition.plan, early=tuple(early))
 
   def step(p, s, x):
     loss, g = jax.value_and_grad(mlp_loss)(p, x)

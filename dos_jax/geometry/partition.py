@@ -8,10 +8,10 @@ host region and the device stream at the same time. Within a tier, rows are stor
 ascending subgroup order, so the weight-decayed subgroups (the layout packs them first)
 are the tier's leading rows and "decayed" stays one threshold per tier.
 
-A tier is stored in *blocks*, each one `(R_b, K, S)` array per dtype (see `slots`).
-Stacked storage keeps one block per tier: one array the row loop walks with a
-`fori_loop`. Per-subgroup storage keeps one block per subgroup: a plan change then moves
-only the rows that change tier, and a row that stays keeps its buffer (see `migration`).
+A tier is stored in *blocks*, each one `(R_b, K, S)` array per dtype (see `slots`). The
+accelerator program keeps one block per subgroup: a plan change then moves only the rows
+that change tier, and a row that stays keeps its buffer (see `migration`). The
+one-memory program keeps its state as one array (one block).
 
 `Piece`s describe a leaf's elements per tier: a contiguous run of a leaf that lands in
 consecutive elements of a tier's rows. Gradients leave the device piece by piece (a
@@ -60,23 +60,44 @@ TIERS = (Tier.HOST, Tier.STREAMED, Tier.RESIDENT)
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-  """The subgroups of each tier, ascending; every subgroup in exactly one tier.
+  """The subgroups of each tier, ascending, every subgroup in exactly one tier, and how
+  the accelerator program's step runs them: static metadata of the state (array shapes
+  depend on it), hashable, so that the step depends on the state alone.
 
-  Hashable: it is static metadata of the state (array shapes depend on it).
-  `per_subgroup`: each subgroup's rows are their own arrays (one block per subgroup)
-  rather than one stacked array per tier (see the module docstring). `split`: the
-  accelerator program's partition (see `for_plan`), so that a plan change can be
-  applied to a state alone. `stacks`: stacked storage keeps the streamed tier in this
-  many interleaved blocks, by position in `stream`, the stream's order (see `blocks`).
+  Attributes:
+    host, streamed, resident: the subgroups of each tier (see `Tier`), ascending.
+    split: the accelerator program's partition (see `for_plan`): every subgroup is
+      its own block. Otherwise the one-memory program's single array.
+    stream: the streamed subgroups in the order the stream reaches them (the plan's).
+    buffers: streamed rows in flight at once: the step's stream lanes.
+    early: host subgroups in each early host call, in backward order (the last
+      subgroups first); the last call takes the rest. `()`: one host call after the
+      backward pass. Chosen by `early_host_calls` or the policy's cost model.
   """
 
   host: tuple[int, ...]
   streamed: tuple[int, ...] = ()
   resident: tuple[int, ...] = ()
-  per_subgroup: bool = False
   split: bool = True
-  stacks: int = 1
   stream: tuple[int, ...] = ()
+  buffers: int = 2
+  early: tuple[int, ...] = ()
+
+  @property
+  def per_subgroup(self) -> bool:
+    """Each subgroup's rows are their own arrays: the accelerator program's storage."""
+    return self.split
+
+  @property
+  def plan(self) -> Plan:
+    """The plan this partition runs (its placements, stream order and buffers)."""
+    return Plan(streamed=self.stream or self.streamed, host=self.host,
+                resident=self.resident, buffers=self.buffers)
+
+  def with_early(self, early: tuple[int, ...] | None) -> 'Partition':
+    """This partition with other early host calls (None: `early_host_calls`' rule)."""
+    early = early_host_calls(len(self.host)) if early is None else tuple(early)
+    return dataclasses.replace(self, early=early if self.split else ())
 
   def __post_init__(self):
     for tier in TIERS:
@@ -101,29 +122,12 @@ class Partition:
 
   def blocks(self, tier: Tier) -> tuple[tuple[int, ...], ...]:
     """The subgroups of each of `tier`'s blocks, in storage order: one block per
-    subgroup, or the whole tier as one block (also when it is empty: its arrays then
-    have no row).
-
-    Stacked storage with `stacks` > 1 keeps the streamed tier's subgroups in `stacks`
-    interleaved blocks instead: block k holds the k-th, (k + stacks)-th, ... subgroup
-    of the stream (`stream`), ascending, so consecutive rows of the stream sit in
-    different arrays and a row's fetch never reads the array the row before it is
-    written back into (`paths.interleaved_loop`)."""
+    subgroup (the accelerator program), or the whole tier as one block (also when it is
+    empty: its arrays then have no row)."""
     ids = self.ids(tier)
     if self.per_subgroup:
       return tuple((g,) for g in ids)
-    if tier is Tier.STREAMED and self.stacks > 1 and len(ids) > 1:
-      count = min(self.stacks, len(ids))
-      return tuple(tuple(sorted(self.stream[k::count])) for k in range(count))
     return (ids,)
-
-  def stream_rows(self) -> tuple[tuple[int, ...], ...]:
-    """Interleaved streamed blocks: for each block, the row the stream reaches at each
-    of its positions (`blocks`)."""
-    blocks = self.blocks(Tier.STREAMED)
-    count = len(blocks)
-    return tuple(tuple(ids.index(g) for g in self.stream[k::count])
-                 for k, ids in enumerate(blocks))
 
   def locate(self, subgroup: int) -> tuple[Tier, int, int]:
     """`(tier, block, row)`: where `subgroup`'s state is stored."""
@@ -140,28 +144,43 @@ class Partition:
     raise ValueError(f'subgroup {subgroup} is in no tier of {self}')
 
 
-def for_plan(plan: Plan, split: bool, per_subgroup: bool = False) -> Partition:
+MAX_HOST_CALLS = 4
+
+
+def early_host_calls(host_subgroups: int) -> tuple[int, ...]:
+  """The fixed rule for the early host calls when no cost model chooses them: the host
+  subgroups in `min(H, MAX_HOST_CALLS)` calls of near-equal size (H host subgroups),
+  all but the last early; none for fewer than two host subgroups.
+
+  >>> early_host_calls(1), early_host_calls(2), early_host_calls(10)
+  ((), (1,), (3, 3, 2))
+  """
+  calls = min(host_subgroups, MAX_HOST_CALLS)
+  if calls < 2:
+    return ()
+  sizes = [host_subgroups // calls + (k < host_subgroups % calls) for k in range(calls)]
+  return tuple(sizes[:-1])
+
+
+def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None) -> Partition:
   """The partition a plan runs on.
 
   With `split` (the accelerator program) each of the plan's three placements is its
   own tier: resident subgroups in device memory, streamed and host subgroups in pinned
-  host memory, each tier its own array. Without it (one memory, the CPU program) every
-  subgroup takes the same path and the state is one array: the resident tier when the
-  plan keeps everything resident, else the host tier. `per_subgroup` (see `Partition`)
-  applies to the accelerator program only: the CPU program's state is one array.
+  host memory, one block per subgroup; `early` gives its early host calls (None: the
+  rule, `early_host_calls`). Without it (one memory, the CPU program) every subgroup
+  takes the same path and the state is one array: the resident tier when the plan keeps
+  everything resident, else the host tier.
   """
   everything = tuple(range(plan.num_subgroups))
-  per_subgroup = per_subgroup and split
   if plan.all_resident:
-    return Partition(host=(), resident=everything, per_subgroup=per_subgroup, split=split)
+    return Partition(host=(), resident=everything, split=split)
   if not split:
     return Partition(host=everything, split=False)
-  # Stacked, the stream is stored as `buffers` interleaved blocks: full duplex (see
-  # `Partition.blocks`).
-  stacks = 1 if per_subgroup or len(plan.streamed) < 2 else max(1, plan.buffers)
-  return Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.streamed)),
-                   resident=tuple(sorted(plan.resident)), per_subgroup=per_subgroup,
-                   stacks=stacks, stream=tuple(plan.streamed) if stacks > 1 else ())
+  part = Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.streamed)),
+                   resident=tuple(sorted(plan.resident)), stream=tuple(plan.streamed),
+                   buffers=plan.buffers)
+  return part.with_early(early)
 
 
 def stream_order(part: Partition, streamed: Sequence[int]) -> list[int]:

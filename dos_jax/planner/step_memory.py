@@ -24,7 +24,7 @@ RESULTS.md 2026-11-24): within 10% for the tiny and 125m presets at small scale.
 ZeRO-3 (`fsdp`) the backward moment is the last layer's MLP weight gradient, where XLA
 holds the MLP's gradients gathered over the whole batch (`memory.fsdp_gradient_bytes`):
 within 10% of the tiny model compiled for 2 and 4 H100s (tests/test_compiled_fsdp.py,
-RESULTS.md 2026-11-25). With the state packed shard-major (`offload.shard_major`) the
+RESULTS.md 2026-11-25). With the state packed shard-major (the two-memory program's) the
 update phase keeps its rows split, as modelled here, and ZeRO-3 has a third moment, the
 end of the forward pass: every layer's activations and gathered matrices and the whole
 batch's float32 logits (`forward_temp`). That is the peak of the paper's 7B, 13B and
@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from dos_jax.offload import Offload
-from dos_jax.offload import Storage
 from dos_jax.planner import costmodel
 from dos_jax.planner import memory
 from dos_jax.policies import Plan
@@ -124,8 +122,7 @@ def mesh_sizes(cfg, devices: int) -> tuple[int, int, int]:
   return data, mesh.fsdp, mesh.tensor
 
 
-def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
-                 stacked: bool | None = None, chunks: int | None = None) -> StepMemory:
+def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   """Predicted memory of the runner's compiled step for `cfg` on one device of a mesh
   of `devices` (`cfg.mesh`'s axes; pipeline stages are not modelled).
 
@@ -142,11 +139,6 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
     plan: the placement; default the configured policy's plan for the packed state
       (give it for `Auto`, whose plan needs a hardware profile).
     devices: the mesh's device count (1: one device, no split).
-    stacked: whether the streamed tier is stacked; default as `dos_jax.Offload` stores
-      it for the configured storage and policy (early chunks chosen at run time store
-      it per subgroup: pass False for the runner's step on a GPU).
-    chunks: the step's linked chunks (`Offload.chunks`, an unsharded state); default
-      `offload.chunks` where it is a number, else none.
   """
   shape = cfg.model.shape()
   data, fsdp, tensor = mesh_sizes(cfg, devices)
@@ -188,12 +180,8 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
   packing += dev_rows * own_master + len(plan.host) * size * pb
   # The device loop: its rows, the streamed state it holds at once (`buffers` rows, or
   # every row per subgroup in stream regions), every subgroup's new params.
-  if stacked is None:
-    stacked = not _per_subgroup(cfg.offload)
-  if chunks is None:
-    chunks = cfg.offload.chunks if isinstance(cfg.offload.chunks, int) else 0
-  regions, chunks = stream_construction(cfg, plan, devices, stacked, chunks)
-  streamed, _ = _stream_bytes(spec, plan, size, stacked, regions=regions, chunks=chunks)
+  streamed, _ = _stream_bytes(spec, plan, size,
+                              regions=stream_construction(cfg, plan, devices))
   loop = dev_rows * (gb + own_master) + streamed + spec.num_subgroups * size * pb
   update = max(packing, loop)
 
@@ -207,73 +195,55 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1,
                     forward_temp=float(forward))
 
 
-def stream_construction(cfg, plan: Plan, devices: int, stacked: bool, chunks: int
-                        ) -> tuple[bool, int]:
-  """`(regions, chunks)` of the runner's step for `cfg` on `devices` devices, as
-  `dos_jax.stream_regions` says of a built state: per subgroup, the
-  streamed rows run in stream regions on one device or for a state packed shard-major
-  over several (ZeRO-3 over fsdp, ZeRO-1 over data), with host subgroups beside them
-  (a mesh of several devices otherwise leaves the update to XLA's partitioner: no
-  regions); linked chunks apply on one device, with host and streamed subgroups."""
-  data, fsdp, _ = mesh_sizes(cfg, devices)
-  unsharded = devices <= 1
-  split = (fsdp if fsdp > 1 else data) > 1
-  if not (unsharded and plan.host and plan.streamed):
-    chunks = 0
-  regions = (costmodel.regions_by_default(plan, stacked=stacked)
-             and (unsharded or (split and cfg.offload.shard_major)))
-  return regions, chunks
+def stream_construction(cfg, plan: Plan, devices: int) -> bool:
+  """Whether the runner's step for `cfg` on `devices` devices holds its streamed rows in
+  stream regions, as `construction.stream_regions` says of a built state: on one
+  device, or for a state packed shard-major over several (the two-memory program
+  always is), with host subgroups beside them."""
+  del cfg, devices
+  return costmodel.regions_by_default(plan, stacked=False)
 
 
-def _stream_bytes(spec: SubgroupSpec, plan: Plan, size: int, stacked: bool, *,
-                  regions: bool | None = None, chunks: int = 0) -> tuple[float, int]:
+def _stream_bytes(spec: SubgroupSpec, plan: Plan, size: int, *,
+                  regions: bool | None = None) -> tuple[float, int]:
   """`(bytes, rows)`: the device memory the stream holds at once for rows of `size`
   elements (`costmodel.streamed_elements_held`), and how many streamed rows that is
   where they are held in stream regions (0: `buffers` rows of one loop); held row by
   row in the regions, each row also keeps the params it packs there."""
-  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=stacked,
-                                          chunks=chunks, regions=regions)
+  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=False,
+                                          regions=regions)
   if regions is None:
-    regions = costmodel.regions_by_default(plan, stacked=stacked)
+    regions = costmodel.regions_by_default(plan, stacked=False)
   rows = held // size if regions and plan.streamed else 0
   per_element = spec.state_bytes_per_element + (spec.param_bytes_per_element if rows else 0)
   return float(held * per_element), rows
 
 
-def stream_shortfall(cfg, plan: Plan, devices, *, stacked: bool,
-                     device_bytes: float | None = None, regions: bool | None = None,
-                     chunks: int = 0) -> str | None:
+def stream_shortfall(cfg, plan: Plan, devices, *, device_bytes: float | None = None,
+                     regions: bool | None = None) -> str | None:
   """One line when the update phase of `plan` (a run's fixed placement) does not fit the
   device memory left beside params, grads and the margin (`memory.run_budget`): the
   resident state plus the larger of the activations and what the stream holds at once
-  (`costmodel.streamed_elements_held`: in stream regions, every streamed row, or the
-  largest of `chunks` linked chunks'). None when it fits, or where the devices are the
-  host.
+  (`costmodel.streamed_elements_held`: in stream regions, every streamed row). None
+  when it fits, or where the devices are the host.
 
   `device_bytes` replaces the free memory read from the first device's allocator;
-  `regions` and `chunks` are what `dos_jax.stream_regions` says of the
-  run's state (`regions` None: `stream_construction`'s guess from the config)."""
-  need = _stream_need(cfg, plan, devices, stacked=stacked, device_bytes=device_bytes,
-                      regions=regions, chunks=chunks)
+  `regions` is what `construction.stream_regions` says of the run's state (None:
+  `stream_construction`'s guess from the config)."""
+  need = _stream_need(cfg, plan, devices, device_bytes=device_bytes, regions=regions)
   if need is None or need.fits:
     return None
   stream, rows = need.stream, need.rows
   if rows == len(plan.streamed):
     what = (f'stored per subgroup, the stream holds all {rows} streamed subgroups at once'
             f' ({memory.gib(stream)})')
-  elif rows:
-    what = (f'in {costmodel.chunk_count(plan, chunks)} linked chunks, the stream holds'
-            f' {rows} streamed subgroups at once ({memory.gib(stream)})')
   else:
     what = f'the stream holds {plan.buffers} rows ({memory.gib(stream)})'
-  hint = (', split the step into linked chunks (offload.chunks)'
-          if rows and chunk_fits(cfg, plan, devices, stacked=stacked,
-                                 device_bytes=device_bytes) else '')
   return (f'offload.policy={cfg.offload.policy}: the update needs {memory.gib(need.total)} of'
           f' device memory beside params and grads ({memory.gib(need.resident)} resident state'
           f' and the larger of the activations, {memory.gib(need.activations)}, and the'
           f' stream: {what}); {memory.gib(need.budget)} is free. Stream fewer subgroups'
-          f' (offload.stride, offload.fraction){hint} or let offload.policy: auto size the'
+          f' (offload.stride, offload.fraction) or let offload.policy: auto size the'
           ' stream')
 
 
@@ -296,8 +266,7 @@ class _Need:
     return self.total <= self.budget
 
 
-def _stream_need(cfg, plan: Plan, devices, *, stacked: bool, device_bytes, regions,
-                 chunks) -> _Need | None:
+def _stream_need(cfg, plan: Plan, devices, *, device_bytes, regions) -> _Need | None:
   """What the update of `plan` needs; None where nothing is checked (the devices are
   the host, or nothing is on the device)."""
   budget = memory.run_budget(cfg, devices, device_bytes)
@@ -309,37 +278,11 @@ def _stream_need(cfg, plan: Plan, devices, *, stacked: bool, device_bytes, regio
   spec = run_spec(cfg, shards)
   size = spec.subgroup_size // shards
   if regions is None:
-    regions, chunks = stream_construction(cfg, plan, len(devices), stacked, chunks)
-  stream, rows = _stream_bytes(spec, plan, size, stacked, regions=regions, chunks=chunks)
+    regions = stream_construction(cfg, plan, len(devices))
+  stream, rows = _stream_bytes(spec, plan, size, regions=regions)
   resident = spec.state_bytes_per_element * size * len(plan.resident)
   return _Need(resident=resident, activations=acts, stream=stream, rows=rows,
                budget=budget_bytes)
-
-
-def chunk_fits(cfg, plan: Plan, devices, *, stacked: bool = False,
-               device_bytes: float | None = None) -> int:
-  """The fewest linked chunks (`Offload.chunks`, 2 or more) in which the stream of
-  `plan` fits the device memory beside the model (`stream_shortfall`), or 0 where no
-  count does or chunks do not apply (stacked storage, a sharded state, no stream
-  regions, fewer than 2 host or streamed subgroups)."""
-  regions, can = stream_construction(cfg, plan, len(devices), stacked, 2)
-  if not (regions and can):
-    return 0
-  for k in range(2, min(len(plan.host), len(plan.streamed)) + 1):
-    need = _stream_need(cfg, plan, devices, stacked=stacked, device_bytes=device_bytes,
-                        regions=True, chunks=k)
-    if need is None or need.fits:
-      return k
-  return 0
-
-
-def _per_subgroup(offload) -> bool:
-  """Whether `Offload` stores the configured state per subgroup (`Offload.per_subgroup`,
-  for the config's storage, policy and a fixed `early_chunks`)."""
-  early = getattr(offload, 'early_chunks', 0)
-  return Offload(policy=offload.placement, storage=None if offload.storage is None
-                 else Storage(offload.storage),
-                 early_chunks=0 if early == 'auto' else early).per_subgroup()
 
 
 def _forward_end_bytes(cfg, shape, seq_len: int, micro_batch: int, compute_bytes: int,

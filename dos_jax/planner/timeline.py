@@ -2,7 +2,7 @@
 directions and the host are busy, for a plan whose host update runs in K chunks.
 
 `predict` gives the update phase as a roofline; this follows the order the step's
-construction forces (`dos_jax.step.chunked`, `paths`, `tier_updates`), so that it can be
+construction forces (`dos_jax.step.early_chunks`, `paths`, `tier_updates`), so that it can be
 put beside a compiled schedule's order of starts and dones:
 
 * the device runs the forward and backward passes. Host-bound gradients leave as the
@@ -78,7 +78,7 @@ class Timeline:
 
 def host_order(spec: SubgroupSpec, plan: Plan) -> list[int]:
   """The host subgroups in the order the step's host calls take them
-  (`dos_jax.step.chunked.host_blocks`): the last first, those past `spec.decayed_rows`
+  (`dos_jax.step.early_chunks.host_blocks`): the last first, those past `spec.decayed_rows`
   (the norm scales, complete at the end of the backward pass) last."""
   order = sorted(plan.host, reverse=True)
   if spec.decayed_rows is None:
@@ -167,7 +167,7 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
                    forward_seconds: float, backward_seconds: float, chunks,
                    rollback: bool = False, stacked: bool = False) -> Timeline:
   """The step of `plan` with its host tier in the host calls of
-  `Offload(early_chunks=chunks)` (an int K or a tuple of early call sizes; see
+  `chunks` (an int K or a tuple of early call sizes, `Partition.early`; see
   `dos_jax.step.early_chunks`):
 
   * early call k (all but the last) starts once its gradients are in host memory and
@@ -246,7 +246,7 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
 def expected_early_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
                            forward_seconds: float, backward_seconds: float, chunks,
                            clip_rate: float, stacked: bool = False) -> float:
-  """The mean step with the host calls of `early_chunks=chunks` when a fraction `clip_rate` of steps
+  """The mean step with the early host calls `chunks` when a fraction `clip_rate` of steps
   roll back (their clip factor is not 1)."""
   if not 0.0 <= clip_rate <= 1.0:
     raise ValueError(f'clip_rate must be in [0, 1], got {clip_rate}')
@@ -286,8 +286,9 @@ def choose_early_chunks(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan
 
 
 class EarlyChooser:
-  """`Offload(early_chunks=EarlyChooser(...))`: early host calls chosen for the plan of
-  any policy by `choose_early_chunks`, as `dos_jax.Auto.early_chunks` does for its own.
+  """The early host calls of any policy's plan, chosen by `choose_early_chunks`, as
+  `dos_jax.Auto.early_chunks` does for its own (the runner's, on a GPU:
+  `train/optimizer.choose_early_calls`).
 
   Example:
     >>> from dos_jax.planner import costmodel, timeline

@@ -10,7 +10,7 @@
   group with host regions;
 * `lanes` -- the device tiers in stream lanes beside the host tier, one call per lane
   (docs/design.md rules 1 and 3), per device for a state sharded shard-major;
-* `chunked` -- host and device tiers in K linked chunks, interleaved (`Offload.chunks`);
-* `early_chunks` -- host calls during the backward pass that speculate on the clip
-  factor (`Offload.early_chunks`, rule 6).
+* `construction` -- whether a state's step runs its halves on two streams;
+* `early_chunks` -- the host tier in host calls that start during the backward pass and
+  speculate on the clip factor (`Partition.early`, rule 6).
 """

@@ -1,10 +1,10 @@
 """The host tier in K host calls that start during the backward pass.
 
-With per-subgroup storage and `Offload(early_chunks=...)`, the host subgroups are split
-into chunks in backward order (the last subgroups first: the backward pass makes their
-gradients first; those without weight decay last, `chunked.host_blocks`): K near-equal ones for an int K, or early chunks of the given sizes and
-a last one with the rest (`split`; what `dos_jax.planner.timeline.choose_early_chunks`
-gives). All chunks but the last are *early*: each is its own host call whose inputs are
+The accelerator program splits the host subgroups into calls in backward order (the last
+subgroups first: the backward pass makes their gradients first; those without weight
+decay last, `host_blocks`): early calls of the sizes in `Partition.early` (what
+`dos_jax.planner.timeline.choose_early_chunks` or the fixed rule
+`partition.early_host_calls` gives) and a last one with the rest (`split`). All chunks but the last are *early*: each is its own host call whose inputs are
 its gradient pieces in host memory, the step's AdamW scalars and the link of the chunk
 before it, so it can start once its gradients have crossed, while the backward pass
 still runs (where the start lands is the latency-hiding scheduler's choice:
@@ -13,8 +13,7 @@ pass in one scheduling group with the device tiers' stream calls, as the unchunk
 does (`dos_jax.step.device_stream`: its stream lanes).
 
 The link keeps the calls apart: early chunk k's kernel reads a `(1,)` zero computed on
-the device from a token of chunk k-1's out rows (`dos_jax.step.chunked` says why a device op
-is needed: XLA regroups host instructions into calls and would merge them otherwise).
+the device from a token of chunk k-1's out rows (see below why a device op is needed).
 
 **Speculation.** Under `dos_jax.clip_by_global_norm` the clip factor needs every
 gradient, so an early chunk cannot know it. It updates with a factor of 1, and its
@@ -31,6 +30,12 @@ their params leave at once.
 The cost: a host copy of the early chunks' state (their undo), alive from the early
 call to the redo call, and, on a rollback step, the early chunks' host work twice
 (`dos_jax.planner.timeline`).
+
+Why a device op links the calls: XLA:GPU regroups the host instructions of a program into
+host calls, and includes one disconnected from the current call in it; one reachable
+only through a device instruction starts a new call (docs/design.md, JAX facts). The
+link is exactly zero (`zero_of`): the host kernel's row indices, and so its results, are
+those of one host call bit for bit.
 """
 
 from __future__ import annotations
@@ -45,10 +50,38 @@ import numpy as np
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.kernels import host_adamw_rows
-from dos_jax.step import chunked as chunked_lib
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import paths
+
+
+def host_blocks(part: partition_lib.Partition, decayed_rows: int | None = None) -> list[int]:
+  """The host blocks (one per subgroup) in the order their host calls run: the last
+  subgroups first, whose gradients the backward pass makes first. Given the layout's
+  `decayed_rows`, the blocks past them come last: they hold the leaves without weight
+  decay (the norm scales of every layer), whose gradients are complete only when the
+  backward pass reaches the first layer (and, split over a mesh, once their combined
+  reduction is done).
+
+  >>> import dos_jax
+  >>> from dos_jax.geometry import partition
+  >>> part = partition.for_plan(dos_jax.Plan(streamed=(0, 2, 4), host=(1, 3, 5)),
+  ...                           split=True)
+  >>> [part.blocks(partition.Tier.HOST)[b] for b in host_blocks(part, decayed_rows=5)]
+  [(3,), (1,), (5,)]
+  """
+  blocks = part.blocks(Tier.HOST)
+  order = list(range(len(blocks)))[::-1]
+  if decayed_rows is None:
+    return order
+  late = [b for b in order if min(blocks[b]) >= decayed_rows]
+  return [b for b in order if b not in late] + late
+
+
+def zero_of(x: jax.Array) -> jax.Array:
+  """An exact float32 zero computed from `x` (finite or not)."""
+  x = x.reshape(-1)[:1].astype(jnp.float32)
+  return jnp.where(jnp.isfinite(x), x, 0) * 0
 
 
 def split(items, early) -> list[list]:
@@ -193,10 +226,10 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
   part, layout = context.part, context.layout
   blocks = part.blocks(Tier.HOST)
   new = list(partition_lib.blocks_of(host_tier, len(blocks)))
-  parts = split(chunked_lib.host_blocks(part, layout.decayed_rows), chunks)
+  parts = split(host_blocks(part, layout.decayed_rows), chunks)
   redo = redo_flag(context.adam_scalars)
   redo_h = None if redo is None else redo_on_host(redo)
-  common = dict(adam_scalars=context.adam_scalars, num_threads=context.offload.host_threads)
+  common = dict(adam_scalars=context.adam_scalars, num_threads=context.options.host_threads)
   outs, pending, link = [], [], None
 
   def block_args(b):
@@ -227,7 +260,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
             step, context.fused, stacked=new[b], link=link, **piece_args, **common)
         pending.append((b, step, state, out, undo, piece_args))
         tokens.append(token)
-      link = paths.to_host(sum(chunked_lib.zero_of(t) for t in tokens))
+      link = paths.to_host(sum(zero_of(t) for t in tokens))
 
   with device_stream.in_group(group) if group is not None else contextlib.nullcontext():
     for b in parts[-1]:

@@ -9,10 +9,9 @@ wrapped optax transforms' *row update*
 
 and writes the new block back in place. The paths differ in where that happens:
 
-* `interleaved_loop` (stacked storage) and `streamed_loop` (a block at a time): the
-  streamed tier's rows are copied host -> device, updated, and copied back; the new
-  low-precision parameter rows stay on the device. The stream is software-pipelined:
-  the next `buffers - 1` rows are fetched while a row is updated.
+* `streamed_loop` (one subgroup's block): the streamed rows are copied host -> device,
+  updated, and copied back; the new low-precision parameter rows stay on the device.
+  `buffers` blocks are in flight at once (`tier_updates`, `lanes`).
 * `host_region_update`: the host tier's gradients arrive in host memory piece by piece
   (each piece leaves the device as soon as the backward pass has made it), the rows are
   assembled there and the loop runs in a `compute_on('device_host')` region; only the
@@ -213,9 +212,7 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
   each row is copied host -> device, updated, and copied back, one after the other;
   returns (stacked, out).
 
-  For a block of one row (per-subgroup storage, whose blocks `tier_updates` chains
-  `buffers` deep) or a stacked tier with one buffer. A stacked tier with more rows and
-  buffers is interleaved blocks, streamed full duplex by `interleaved_loop`.
+  For a block of one row: `tier_updates` and `lanes` chain the blocks `buffers` deep.
   """
   order = tuple(order)
 
@@ -227,67 +224,6 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
                        params=params, out=out, to_space=HOST)
 
   return lax.fori_loop(0, len(order), body, (stacked, out))
-
-
-def interleaved_loop(steps: Sequence[RowStep], *, stacks, scalars, grads, params, outs,
-                     orders: Sequence[Sequence[int]] | None = None):
-  """Updates a streamed tier stored as B interleaved blocks (`Partition.blocks`):
-  stream position p is in block p % B, at row `orders[p % B][p // B]` (by default
-  p // B). Returns (stacks, outs), per block.
-
-  `steps`, `stacks`, `grads`, `params` (None or per block) and `outs` are per block;
-  blocks are in position order and block 0 is the longest. Like `streamed_loop`,
-  software-pipelined B deep: position q is fetched while position q - B + 1 is
-  updated. That fetch reads block q % B, last written by position q - B's
-  write-back, B rows back; it never reads the array the row before it is written
-  into, and no write-back waits for a fetch. So no dependency keeps the link to one
-  direction at a time (full duplex); with one array (`streamed_loop`) each write-back
-  had to wait for the next row's fetch.
-
-  One loop iteration runs B positions (block k in turn), so every block is written
-  in place. Where B does not divide the row count, the last iteration's missing
-  positions update their block's last row again and write back what they fetched
-  (a masked update: one extra round trip of a row, never a peeled row); as in
-  `streamed_loop`, the fetches past the end read the last row again and are dropped.
-  """
-  count = len(stacks)
-  lengths = [x[0].shape[0] for x in stacks]
-  if count < 2 or sorted(lengths, reverse=True) != lengths or lengths[-1] < lengths[0] - 1:
-    raise ValueError(f'interleaved_loop needs >= 2 interleaved blocks, got rows {lengths}')
-  params = (None,) * count if params is None else tuple(params)
-  orders = [tuple(range(n)) for n in lengths] if orders is None else [tuple(o) for o in orders]
-  if sorted(len(o) for o in orders) != sorted(lengths):
-    raise ValueError(f'interleaved_loop: orders {orders} do not match rows {lengths}')
-
-  def row(k, j):
-    return _row_index(orders[k], jnp.minimum(j, lengths[k] - 1))
-
-  def fetch(stacks, k, j):
-    r = row(k, j)
-    return put(tuple(_row(x, r) for x in stacks[k]), DEVICE)
-
-  def body(i, carry):
-    stacks, outs, fetched = (list(c) for c in carry)
-    for k in range(count):
-      ahead = k + count - 1  # the position fetched now, relative to this iteration's first
-      fetched.append(fetch(stacks, ahead % count, i + ahead // count))
-      blocks = fetched.pop(0)
-      r = row(k, i)
-      param = None if params[k] is None else _row(params[k], r)
-      new_blocks, _, out_row = steps[k](blocks, scalars, _row(grads[k], r), param, r)
-      if lengths[k] < lengths[0]:  # the last iteration has no row for this block
-        valid = i < lengths[k]
-        new_blocks = tuple(jnp.where(valid, n, o.astype(n.dtype))
-                           for n, o in zip(new_blocks, blocks))
-        out_row = jnp.where(valid, out_row, _row(outs[k], r))
-      new_blocks = put(new_blocks, HOST)
-      stacks[k] = tuple(_set_row(x, b, r) for x, b in zip(stacks[k], new_blocks))
-      outs[k] = _set_row(outs[k], out_row, r)
-    return tuple(stacks), tuple(outs), tuple(fetched)
-
-  fetched = tuple(fetch(stacks, k, 0) for k in range(count - 1))
-  stacks, outs, _ = lax.fori_loop(0, lengths[0], body, (tuple(stacks), tuple(outs), fetched))
-  return stacks, outs
 
 
 def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pieces, runs,

@@ -1,7 +1,7 @@
 """How one step updates each tier of the state, block by block (see `partition`): the
 one place that chooses the path a tier takes, and the small function of each path.
 
-`transform.step_body` builds one `StepContext` per traced step and asks it for each
+`program.run_step` builds one `StepContext` per traced step and asks it for each
 tier's new arrays and output rows (`update_tier`). The path of a tier is chosen once,
 by `choose_path`, from the program (`Program`: one memory, or the accelerator program
 with its host and device memories), the tier and the implementation asked for; each
@@ -27,9 +27,9 @@ from dos_jax.step import fused as fused_lib
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.step import paths
+from dos_jax.step.options import StepOptions
 from dos_jax.capability import Kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
-from dos_jax.offload import Offload
 from dos_jax.offload import Program
 from dos_jax.offload import UpdateImpl
 from dos_jax.geometry.partition import Tier
@@ -76,7 +76,7 @@ class StepContext:
   layout: layout_lib.Layout
   part: partition_lib.Partition
   plan: Plan
-  offload: Offload
+  options: StepOptions  # what the step needs of `Offload`
   program: Program
   fused: fused_lib.FusedAdamW | None
   grad_leaves: list[Any]
@@ -117,16 +117,12 @@ class StepContext:
     """Updates one tier, block by block, on its path (`choose_path`); returns (its new
     arrays, `(out rows on the device, their pieces)` per block).
 
-    Per-subgroup streamed blocks go in the plan's stream order, each one's state let
-    into the program only once the block `buffers` before it is back in host memory
-    (an optimization barrier), so that at most `buffers` are in flight, as the stacked
-    tier's loop (`paths.interleaved_loop`) does.
+    Streamed blocks go in the plan's stream order, each one's state let into the
+    program only once the block `buffers` before it is back in host memory (an
+    optimization barrier), so that at most `buffers` are in flight.
     """
     blocks = self.part.blocks(tier)
     given = partition_lib.blocks_of(arrays, len(blocks))
-    path = choose_path(self.program, tier, native, self.mesh is not None)
-    if path is Path.STREAMED and not self.part.per_subgroup and len(blocks) > 1:
-      return self._interleaved(base_step, blocks, given)
     new, outs = self.update_blocks(tier, base_step, dict(enumerate(given)), native)
     return (tuple(x for b in range(len(blocks)) for x in new[b]),
             [outs[b] for b in range(len(blocks))])
@@ -138,8 +134,7 @@ class StepContext:
 
     Streamed blocks go in the plan's stream order, each one's state let into the
     program only once the block `in_flight` (default: the plan's `buffers`) before it
-    among `given` is back in host memory. Not for the stacked streamed tier's
-    interleaved blocks, which `update_tier` runs through one loop.
+    among `given` is back in host memory.
     """
     in_flight = self.plan.buffers if in_flight is None else in_flight
     update = self._path_update(choose_path(self.program, tier, native, self.mesh is not None))
@@ -192,7 +187,7 @@ class StepContext:
     resident = self.part.tier_of(ids[0]) is Tier.RESIDENT
     if self.mesh is not None:
       num_rows, size = arrays[0].shape[0], self.layout.subgroup_size
-      rows_sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
+      rows_sharding = NamedSharding(self.mesh, P(None, self.options.data_axis))
 
       def packed(leaves, dtype):
         shards = self.layout.shards
@@ -206,13 +201,13 @@ class StepContext:
       return fused_lib.sharded_update(
           step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
           grads=packed(self.grad_leaves, self.grad_dtype), params=params, mesh=self.mesh,
-          data_axis=self.offload.data_axis, resident=resident,
-          num_threads=self.offload.host_threads)
+          data_axis=self.options.data_axis, resident=resident,
+          num_threads=self.options.host_threads)
     leaves = fused_lib.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
                               params=self.param_leaves)
     return fused_lib.host_update(step, self.fused, stacked=arrays,
                                  adam_scalars=self.adam_scalars, leaves=leaves,
-                                 resident=resident, num_threads=self.offload.host_threads)
+                                 resident=resident, num_threads=self.options.host_threads)
 
   def _one_memory_xla(self, step, arrays, ids, runs):
     # The rows are packed where the gradients are and updated where the state is; no
@@ -232,14 +227,14 @@ class StepContext:
     arrays, out, _ = fused_lib.host_region_update(
         step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
         grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs,
-        num_threads=self.offload.host_threads, inputs_sink=self.host_inputs)
+        num_threads=self.options.host_threads, inputs_sink=self.host_inputs)
     return paths.put(arrays, paths.HOST), out
 
   def _host_native_sharded(self, step, arrays, ids, runs):
     """The native kernel per data shard (`fused.sharded_host_region_update`), on
     gradient rows sent to host memory one subgroup at a time (see `host_rows`)."""
     del runs
-    sharding = NamedSharding(self.mesh, P(None, self.offload.data_axis))
+    sharding = NamedSharding(self.mesh, P(None, self.options.data_axis))
     grad_rows = self.host_grad_pieces.get(tuple(ids))
     if grad_rows is None:
       grad_rows = host_rows(self.layout, ids, self.grad_leaves, self.grad_dtype, sharding)
@@ -249,7 +244,7 @@ class StepContext:
     arrays, out = fused_lib.sharded_host_region_update(
         step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
         grad_rows=grad_rows, param_rows=param_rows, mesh=self.mesh,
-        data_axis=self.offload.data_axis, num_threads=self.offload.host_threads,
+        data_axis=self.options.data_axis, num_threads=self.options.host_threads,
         inputs_sink=self.host_inputs)
     return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
 
@@ -270,26 +265,6 @@ class StepContext:
     out = jnp.zeros(grads.shape, step.out_dtype)
     return paths.streamed_loop(order, self._device_step(step), stacked=arrays,
                                scalars=self.scalars, grads=grads, params=params, out=out)
-
-  def _interleaved(self, base_step, blocks, given):
-    """The stacked streamed tier's interleaved blocks through one loop
-    (`paths.interleaved_loop`); returns what `update_tier` does."""
-    steps, grads, params, outs, all_runs = [], [], [], [], []
-    for ids, block in zip(blocks, given):
-      step = self.block_step(base_step, ids)
-      runs = partition_lib.pieces_of(self.layout, ids)
-      g, p = self._rows(step, block, runs)
-      steps.append(self._device_step(step))
-      grads.append(g)
-      params.append(p)
-      outs.append(jnp.zeros(g.shape, step.out_dtype))
-      all_runs.append(runs)
-    new, outs = paths.interleaved_loop(
-        steps, stacks=given, scalars=self.scalars, grads=grads,
-        params=None if params[0] is None else params, outs=outs,
-        orders=self.part.stream_rows())
-    return (tuple(x for block in new for x in block),
-            [(out, runs) for out, runs in zip(outs, all_runs)])
 
   def _resident(self, step, arrays, ids, runs):
     del ids
@@ -339,13 +314,13 @@ class StepContext:
   def _device_step(self, step):
     """The row update of a device tier: the Pallas AdamW where it is asked for
     (`Offload.device_impl`) and usable (`capability`), else XLA's."""
-    if (self.offload.device_impl is UpdateImpl.KERNEL
+    if (self.options.device_impl is UpdateImpl.KERNEL
         and capability_lib.capability(Kernel.PALLAS, self.fused, step, self.program).usable):
       # Shard-major, every device updates its own columns of the row (no gather).
       sharded = self.mesh is not None and self.layout.shards > 1
       return fused_lib.device_step(self.fused, step, self.adam_scalars, self.new_scalars,
                                    mesh=self.mesh if sharded else None,
-                                   axis=self.offload.data_axis if sharded else None)
+                                   axis=self.options.data_axis if sharded else None)
     return step
 
 

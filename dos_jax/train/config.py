@@ -86,44 +86,16 @@ class OffloadConfig:
     stride: k of the 'stride' policy.
     fraction: f of the 'device_fraction' policy.
     subgroup_size: elements per packed state subgroup; null takes dos_jax's default.
-    storage: 'stacked' or 'per_subgroup' (see dos_jax.Storage); null takes dos_jax's
-      default (per subgroup for 'auto', whose plan changes then move only the rows that
-      change memory; stacked otherwise).
-    early_chunks: the host tier's host calls that start during the backward pass
-      (dos_jax.Offload.early_chunks; the accelerator program with per-subgroup
-      storage): 'auto' (the placement policy chooses: `auto` weighs the backward pass
-      against the host work and the measured clip rate, logged as offload/rollbacks;
-      other policies run one host call), 0 (off), K (K calls of near-equal size) or a
-      list of early call sizes in subgroups.
-    chunks: on a GPU with per-subgroup storage, the step's host and streamed tiers
-      in this many linked chunks, each chunk's stream regions done before the next
-      chunk's start, so the device holds one chunk's streamed rows at a time instead of
-      every one (dos_jax.Offload.chunks; not with early_chunks, which it turns off):
-      'auto' (where a fixed policy's stream does not fit the device memory beside the
-      model, the fewest chunks that fit, else stacked storage if `storage` is unset;
-      the run prints what it chose), 0 (off) or a count.
-    stream_lanes: on a GPU with per-subgroup storage, the stream regions the streamed
-      rows go round-robin over, each on a CUDA stream of its own
-      (dos_jax.Offload.stream_lanes): 0 (the plan's buffers, the default) or a count;
-      1 runs every transfer in turn on one stream.
     keep_freed_host_memory: keep freed host memory in the process for the next step's
       buffers instead of faulting in and zeroing fresh pages every step (glibc only;
       see dos_jax.host_memory).
     platform: which program the optimizer builds: null (the backend's: the
       two-memory program on a GPU, the one-memory program on the CPU), 'gpu' (the
       two-memory program anywhere; on the CPU backend it runs with Pallas interpreted,
-      how the tests check it) or 'cpu' (dos_jax.Offload.platform).
-    shard_major: with the state split over several devices, pack it by each device's
-      shards of the params (`dos_jax.adamw(shard_dims=...)`, the sharding table's
-      fsdp dimension of each param): the update unpacks the new params and runs the
-      device kernel locally, gathering no whole row, and on a GPU each device runs
-      its host and device updates concurrently by construction, early host calls
-      included (docs/design.md rule 1). With ZeRO-3 (mesh.fsdp > 1) the params are
-      split alike; with ZeRO-1 (mesh.data > 1) they stay whole on each device and the
-      new params are gathered (RESULTS.md 2026-11-26). Off: the leaf-after-leaf
-      packing, partitioned by jit, whose row gathers are smaller than the gathered
-      activations XLA keeps, for small models, when no packing collective makes it
-      compute the weight gradients early.
+      how the tests check it) or 'cpu' (dos_jax.Offload.platform). With the state
+      split over several devices, the two-memory program packs it by each device's
+      shards of the params (the sharding table's fsdp dimension), so that each device
+      runs the one construction on its own columns (docs/design.md).
     placement: the policy value `policy` names, None for 'none' (derived, not read
       from YAML).
   """
@@ -132,23 +104,11 @@ class OffloadConfig:
   stride: int = field(2, check=POSITIVE)
   fraction: float = field(0.5, check=UNIT_INTERVAL)
   subgroup_size: int | None = field(None, check=POSITIVE)
-  storage: Literal['stacked', 'per_subgroup'] | None = None
-  early_chunks: Literal['auto'] | int | tuple[int, ...] = 'auto'
-  chunks: Literal['auto'] | int = 'auto'
-  stream_lanes: int = field(0, check=NON_NEGATIVE)
   keep_freed_host_memory: bool = True
   platform: Literal['cpu', 'gpu'] | None = None
-  shard_major: bool = False
   placement: Policy | None = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
-    early = self.early_chunks
-    if early != 'auto' and (early < 0 if isinstance(early, int) else
-                            not early or min(early) < 1):
-      raise ConfigError(f'offload.early_chunks: expected auto, an integer >= 0 or a list of'
-                        f' subgroup counts >= 1, got {early!r}')
-    if self.chunks != 'auto' and self.chunks < 0:
-      raise ConfigError(f'offload.chunks: expected auto or an integer >= 0, got {self.chunks!r}')
     object.__setattr__(self, 'placement', _placement(self))
 
 

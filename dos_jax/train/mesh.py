@@ -77,8 +77,8 @@ def state_axis(mesh: Mesh) -> str:
 
 
 def state_shard_dims(mesh: Mesh) -> Any:
-  """What the optimizer may pack its state by (`dos_jax.adamw`'s `shard_dims`, used
-  with `offload.shard_major`) where the state is split over several devices: each
+  """What the optimizer may pack its state by (`dos_jax.adamw`'s `shard_dims`, which the
+  two-memory program packs by) where the state is split over several devices: each
   param's `fsdp` dimension in the sharding table, split over `fsdp` with ZeRO-3 and
   over `data` with ZeRO-1 (the params whole on each device, each device updating its
   own shards); None where the state axis has one device."""

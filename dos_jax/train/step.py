@@ -78,18 +78,15 @@ def make_optimizer(
     mask: Callable[[Params], Any] | None = None,
     platform: Any = None,
     data_axis: str = 'data',
-    early_chooser: Any = None,
     shard_dims: Any = None,
 ) -> optax.GradientTransformation:
   """AdamW from the config: dos_jax's offloaded one, or plain `optax.adamw` when
   `offload` is None or its policy is 'none' (the baseline: state in device memory).
   `mask` (default `decay_mask`) says which leaves get weight decay. `platform` (a
-  `dos_jax.Program`, default the backend's) picks the program dos_jax builds.
-  `data_axis` is the params' mesh axis that shards the state ('fsdp' for ZeRO-3);
-  `shard_dims` (ZeRO-3, `mesh.state_shard_dims`) packs it by the params' shards
-  where `offload.shard_major` asks for it. `early_chooser` (a
-  `dos_jax.planner.timeline.EarlyChooser`) answers `offload.early_chunks: auto` for a
-  policy that does not choose its own.
+  `dos_jax.Program`, default the config's, else the backend's) picks the program dos_jax
+  builds. `data_axis` is the params' mesh axis that shards the state ('fsdp' for ZeRO-3);
+  `shard_dims` (`mesh.state_shard_dims`) packs the two-memory program's state by the
+  params' shards, so that each device runs the one construction on its own columns.
 
   Clipping is not part of the optimizer: the step computes the global norm once (it is
   also reported) and hands the clip factor to the dos_jax update as `grad_scale` (see
@@ -106,36 +103,19 @@ def make_optimizer(
   )
   if offload is None or offload.placement is None:
     return optax.adamw(**kwargs)
-  return dos_jax.adamw(**kwargs, offload=make_offload(offload, platform, data_axis,
-                                                      early_chooser),
-                       shard_dims=shard_dims if offload.shard_major else None)
+  made = make_offload(offload, platform, data_axis)
+  two_memories = made.target() is dos_jax.Program.TWO_MEMORIES
+  return dos_jax.adamw(**kwargs, offload=made,
+                       shard_dims=shard_dims if two_memories else None)
 
 
-def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'data',
-                 early_chooser: Any = None) -> Any:
-  """The `dos_jax.Offload` value for the configured policy, subgroup size, storage and
-  early chunks; the other arguments as in `make_optimizer`."""
+def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'data') -> Any:
+  """The `dos_jax.Offload` value for the configured policy and subgroup size; the other
+  arguments as in `make_optimizer`."""
   kwargs = {} if cfg.subgroup_size is None else {'subgroup_size': cfg.subgroup_size}
-  storage = None if cfg.storage is None else dos_jax.Storage(cfg.storage)
-  early = dos_jax.EarlyChunks.AUTO if cfg.early_chunks == 'auto' else cfg.early_chunks
-  chunks = cfg.chunks if isinstance(cfg.chunks, int) else 0
-  if chunks and cfg.early_chunks == 'auto':
-    early = 0  # linked chunks replace early host calls
-  if early is dos_jax.EarlyChunks.AUTO and early_chooser is not None and not callable(
-      getattr(cfg.placement, 'early_chunks', None)):
-    early = early_chooser
-  if chunks and storage is None:
-    storage = dos_jax.Storage.PER_SUBGROUP  # what linked chunks need
-  try:
-    return dos_jax.Offload(policy=cfg.placement, storage=storage,
-                           platform=cfg.platform if platform is None else platform,
-                           data_axis=data_axis, early_chunks=early, chunks=chunks,
-                           stream_lanes=cfg.stream_lanes, **kwargs)
-  except ValueError as e:
-    key = next((k for k in ('chunks', 'early_chunks') if f'Offload.{k}' in str(e)), None)
-    if key is None:
-      raise
-    raise ConfigError(f'offload.{key}: {e}') from None
+  return dos_jax.Offload(policy=cfg.placement,
+                         platform=cfg.platform if platform is None else platform,
+                         data_axis=data_axis, **kwargs)
 
 
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:

@@ -1,0 +1,194 @@
+"""The step proper: one update of a state already in its plan's partition.
+
+`run_step` builds what the state's partition says, and nothing else decides it: the
+one-memory program's single call, or the accelerator program's one construction (the
+early host calls in backward order, the last host call grouped with the device tiers'
+stream lanes: docs/design.md, "One construction"). `transform.update_fn` checks the
+inputs and calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dos_jax import capability as capability_lib
+from dos_jax import meshes
+from dos_jax import validate as validate_lib
+from dos_jax.capability import Kernel
+from dos_jax.geometry import layout as layout_lib
+from dos_jax.geometry import partition as partition_lib
+from dos_jax.geometry.partition import Tier
+from dos_jax.geometry.partition import TIERS
+from dos_jax.geometry.state import OffloadedState
+from dos_jax.geometry.state import ShardedOver
+from dos_jax.offload import Program
+from dos_jax.offload import UpdateImpl
+from dos_jax.step import construction
+from dos_jax.step import early_chunks
+from dos_jax.step import fused as fused_lib
+from dos_jax.step import lanes as lanes_lib
+from dos_jax.step import paths
+from dos_jax.step import state_init
+from dos_jax.step import tier_updates
+from dos_jax.step.options import StepOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKernels:
+  """What one transform's steps share: its row update, AdamW's hyperparameters for the
+  kernels (None: not AdamW, XLA's ops only) and the step options."""
+
+  row_update: Callable[..., Any]
+  fused: fused_lib.FusedAdamW | None
+  options: StepOptions
+
+
+def _common_dtype(leaves, fallback) -> jnp.dtype:
+  dtypes = {jnp.result_type(x) for x in leaves}
+  return jnp.dtype(dtypes.pop()) if len(dtypes) == 1 else jnp.dtype(fallback)
+
+
+def run_step(kernels: StepKernels, grad_leaves, param_leaves, state: OffloadedState,
+             grad_scale, sharded, where: state_init.Placement):
+  """`(new param or update leaves, new state)`: the step on checked leaves. `sharded` is
+  the state's, or, inside `auto_axes`, its Explicit-axes view (made Auto here)."""
+  options = kernels.options
+  if sharded is not None and meshes.is_explicit(sharded.mesh):
+    # Inside `auto_axes`: the context mesh has the same axes, as Auto axes; the
+    # outputs' shardings are `auto_axes`'s to set.
+    sharded = ShardedOver(jax.sharding.get_abstract_mesh(),
+                          (None,) * len(sharded.param_shardings))
+    where = state_init.placement(sharded.mesh, options.data_axis)
+  mesh = construction.step_mesh(sharded)  # a one-device mesh: built as unsharded
+  context, base_step, native = _context(kernels, grad_leaves, param_leaves, state,
+                                        grad_scale, mesh)
+  new_tiers, outs = _update_tiers(context, base_step, state, native)
+  layout = state.layout
+  scalars = tuple(jax.device_put(x, paths.DEVICE) for x in context.new_scalars)
+  new_leaves = _updates_from_leaves(
+      partition_lib.leaves_from_blocks(outs, layout), layout, param_leaves,
+      validate_lib.update_dtypes(layout, grad_leaves))
+  if sharded is not None:
+    # Inside jit a device_put to the same memory kind is a no-op that sharding
+    # propagation may override; a constraint pins the ZeRO-1 layout.
+    new_tiers, scalars = state_init.place(new_tiers, scalars, where, constrain=True)
+    new_leaves = _constrain_like(new_leaves, sharded.param_shardings)
+  return new_leaves, OffloadedState(
+      host=new_tiers[Tier.HOST], streamed=new_tiers[Tier.STREAMED],
+      resident=new_tiers[Tier.RESIDENT], scalars=scalars, layout=layout,
+      slots=state.slots, partition=state.partition, sharded=state.sharded)
+
+
+def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale, mesh):
+  """`(StepContext, base RowStep, native)`: what every tier's update shares, with the
+  host-bound gradients sent to host memory where no early host call takes them."""
+  options, layout, part = kernels.options, state.layout, state.partition
+  program = Program.TWO_MEMORIES if part.split else Program.ONE_MEMORY
+  grad_dtype = _common_dtype(grad_leaves, layout.state_dtype)
+  # Shard-major (ZeRO-3): the leaves as each device's own shards (see `layout`).
+  views = functools.partial(layout_lib.shard_views, layout=layout, mesh=mesh,
+                            axis=options.data_axis)
+  grad_leaves = views(grad_leaves)
+  state_dtype = jnp.dtype(layout.state_dtype)
+  base_step = paths.RowStep(
+      row_update=kernels.row_update, slots=state.slots, has_master=layout.needs_master,
+      decayed_rows=layout.decayed_rows, state_dtype=state_dtype,
+      out_dtype=layout.lowp_dtype if layout.needs_master else state_dtype,
+      grad_scale=grad_scale)
+  native = capability_lib.capability(
+      Kernel.NATIVE_HOST, kernels.fused, base_step, program, grad_leaves).usable
+  host_grad_pieces = {}
+  if part.split and not _runs_early(options, part, layout, mesh, native) and not (
+      construction.on_two_streams(part, layout, mesh) and mesh is not None):
+    # A sharded state's native host path takes its gradients as rows split over the
+    # data axis (see `tier_updates.host_rows`).
+    rows = None
+    if native and options.host_impl is UpdateImpl.KERNEL and mesh is not None:
+      rows = (grad_dtype, NamedSharding(mesh, P(None, options.data_axis)))
+    host_grad_pieces, grad_leaves = tier_updates.gate_device_update(
+        layout, part, grad_leaves, rows=rows)
+  # The scalar state's update (step counts) and the kernels' AdamW scalars: once per
+  # step, apart from both paths.
+  scalar_update = paths.scalar_update(base_step, state.scalars)
+  context = tier_updates.StepContext(
+      layout=layout, part=part, plan=part.plan, options=options, program=program,
+      fused=kernels.fused, grad_leaves=grad_leaves,
+      param_leaves=None if layout.needs_master or param_leaves is None else views(param_leaves),
+      grad_dtype=grad_dtype, scalars=state.scalars, new_scalars=scalar_update[2],
+      adam_scalars=None if kernels.fused is None else fused_lib.step_scalars(
+          kernels.fused, base_step, scalar_update),
+      mesh=mesh, host_grad_pieces=host_grad_pieces)
+  return context, base_step, native
+
+
+def _runs_early(options: StepOptions, part, layout, mesh, native: bool) -> bool:
+  """Whether the host tier runs in early host calls (`Partition.early`): the native
+  kernel, two host blocks or more, unsharded or inside the shard-major construction."""
+  return (part.split and bool(part.early) and native
+          and options.host_impl is UpdateImpl.KERNEL and len(part.blocks(Tier.HOST)) > 1
+          and (mesh is None or construction.on_two_streams(part, layout, mesh)))
+
+
+def _update_tiers(context, base_step, state: OffloadedState, native: bool):
+  """`(new tiers, out rows per block)`: the one construction, or tier after tier where
+  it does not apply (the one-memory program; see `construction.on_two_streams`)."""
+  part, layout, mesh, options = context.part, context.layout, context.mesh, context.options
+  run_early = _runs_early(options, part, layout, mesh, native)
+  host_update = None
+  if run_early and mesh is None:  # the host tier in early calls (`step.early_chunks`)
+    host_update = functools.partial(early_chunks.update_host, context, base_step,
+                                    state.tier(Tier.HOST), part.early)
+  if construction.on_two_streams(part, layout, mesh):
+    sharded_host = None
+    if run_early and mesh is not None:  # each device's early calls, inside shard_map
+      sharded_host = lambda local, step, host: functools.partial(
+          early_chunks.update_host, local, step, host, part.early)
+    return lanes_lib.update_on_two_streams(context, base_step, state.tiers, native, options,
+                                           host_update, sharded_host=sharded_host)
+  new_tiers, outs = dict(state.tiers), []
+  if run_early:
+    new_tiers[Tier.HOST], outs = host_update()
+  for tier in TIERS:
+    if not part.ids(tier) or (run_early and tier is Tier.HOST):
+      continue
+    impl = options.host_impl if tier is Tier.HOST else options.device_impl
+    if tier is not Tier.HOST:
+      context = context.gate()  # the device update waits for the host call's inputs
+    new_tiers[tier], tier_outs = context.update_tier(
+        tier, base_step, state.tier(tier), native=native and impl is UpdateImpl.KERNEL)
+    outs.extend(tier_outs)
+  return new_tiers, outs
+
+
+def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,
+                         param_leaves: list[jax.Array] | None,
+                         dtypes: list[jnp.dtype]) -> list[jax.Array]:
+  """Optax update leaves, in `dtypes` (see `validate.update_dtypes`), from the new
+  parameter leaves (master case: `new_lowp - p` in the state dtype, which
+  `optax.apply_updates` turns back into `new_lowp`; docs/design.md, JAX facts, says when
+  exactly and by how much otherwise) or the raw updates."""
+  if not layout.needs_master:
+    return [leaf.astype(d) for leaf, d in zip(leaves, dtypes)]
+  state_dtype = jnp.dtype(layout.state_dtype)
+  return [
+      (leaf.astype(dtype).astype(state_dtype) - p.astype(state_dtype)).astype(d)
+      for leaf, dtype, p, d in zip(leaves, layout.dtypes, param_leaves, dtypes)
+  ]
+
+
+def _constrain_like(leaves: list[jax.Array], shardings) -> list[jax.Array]:
+  def pin(leaf, s):
+    if s is None:
+      return leaf
+    if isinstance(s, NamedSharding) and meshes.is_explicit(s.mesh):
+      return jax.device_put(leaf, s)
+    return jax.lax.with_sharding_constraint(leaf, s)
+
+  return [pin(leaf, s) for leaf, s in zip(leaves, shardings)]

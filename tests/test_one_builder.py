@@ -1,0 +1,88 @@
+"""One builder: what `dos-jax train` runs on a GPU is what is compiled and timed.
+
+`trainer.build` (the run), `gpu_program.build_step` (`experiments/compile_gpu.py`,
+`gpu_check.sh`, the compiled tests) take the optimizer, its state and the early host
+calls from `optimizer.build_optimizer`. These tests build the step for the runner's
+GPU configs both ways, with one injected hardware profile, and compare the offload, the
+plan and the host calls; and check that the runner goes through the builder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+import dos_jax
+from dos_jax.planner import costmodel
+from dos_jax.planner import timeline
+from dos_jax.train import config as config_lib
+from dos_jax.train import gpu_program
+from dos_jax.train import mesh as mesh_lib
+from dos_jax.train import model as model_lib
+from dos_jax.train import optimizer as optimizer_lib
+from dos_jax.train import trainer as trainer_lib
+
+PROFILE = costmodel.PROFILE_PRESETS['h100-pcie5']
+
+
+def _config(name: str, layers: int) -> config_lib.RunConfig:
+  # Fewer layers than the preset: the same widths and subgroup size, a faster build.
+  return config_lib.load(f'configs/{name}.yaml', [f'model.n_layers={layers}'])
+
+
+def _runner_state(cfg: config_lib.RunConfig) -> dos_jax.OffloadedState:
+  """The state as `trainer.build` makes it on one GPU: its mesh and param placement,
+  then the one builder for the accelerator program."""
+  cfg = dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model, attention=cfg.model.attention_impl('gpu')))
+  mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1])
+  shapes = jax.eval_shape(lambda: model_lib.init_params(cfg.model, 0))
+  shardings = mesh_lib.param_shardings(mesh, shapes)
+  params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        shapes, shardings)
+  built = optimizer_lib.build_optimizer(cfg, mesh, params, abstract=True, profile=PROFILE,
+                                        platform=dos_jax.Program.TWO_MEMORIES)
+  return _state(built.opt_state)
+
+
+def _state(opt_state) -> dos_jax.OffloadedState:
+  is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+  assert len(found) == 1
+  return found[0]
+
+
+@pytest.mark.parametrize('name,layers', [('125m', 12), ('7b-1gpu', 4)])
+def test_compile_gpu_builds_the_runners_step(name, layers):
+  cfg = _config(name, layers)
+  compiled = gpu_program.build_step(cfg, abstract=True, profile=PROFILE).offloaded_state
+  runner = _runner_state(cfg)
+  assert compiled.partition == runner.partition  # plan, stream order, buffers, host calls
+  assert compiled.layout == runner.layout
+  assert compiled.partition.split and compiled.partition.per_subgroup
+  # The host calls are the cost model's for this profile and the run's backward pass.
+  chooser = timeline.EarlyChooser(PROFILE, backward_seconds=optimizer_lib.backward_seconds(
+      cfg, 1))
+  plan = compiled.partition.plan
+  assert compiled.partition.early == chooser.early_chunks(compiled.layout.spec(), plan)
+
+
+def test_the_runner_builds_through_the_one_builder(monkeypatch, tmp_path):
+  calls = []
+  real = optimizer_lib.build_optimizer
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(optimizer_lib, 'build_optimizer', spy)
+  cfg = config_lib.load(None, ['train.steps=2', f'train.out_dir={tmp_path}/run',
+                               'offload.policy=stride', 'offload.platform=gpu'])
+  trainer = trainer_lib.build(cfg, devices=jax.devices()[:1])
+  assert len(calls) == 1
+  state = _state(trainer.opt_state)
+  assert state.partition.split  # offload.platform=gpu: the accelerator program
+  assert state.partition.early == dos_jax.geometry.partition.early_host_calls(
+      len(state.partition.host))  # on a CPU backend: the fixed rule
