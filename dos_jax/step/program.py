@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.shard_alike import shard_alike
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -79,7 +80,8 @@ def run_step(kernels: StepKernels, grad_leaves, param_leaves, state: OffloadedSt
     # Inside jit a device_put to the same memory kind is a no-op that sharding
     # propagation may override; a constraint pins the ZeRO-1 layout.
     new_tiers, scalars = state_init.place(new_tiers, scalars, where, constrain=True)
-    new_leaves = _constrain_like(new_leaves, sharded.param_shardings)
+    new_leaves = _constrain_like(new_leaves, sharded.param_shardings,
+                                 param_leaves if param_leaves is not None else grad_leaves)
   return new_leaves, OffloadedState(
       host=new_tiers[Tier.HOST], streamed=new_tiers[Tier.STREAMED],
       resident=new_tiers[Tier.RESIDENT], scalars=scalars, layout=layout,
@@ -183,12 +185,15 @@ def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,
   ]
 
 
-def _constrain_like(leaves: list[jax.Array], shardings) -> list[jax.Array]:
-  def pin(leaf, s):
+def _constrain_like(leaves: list[jax.Array], shardings, like: list[jax.Array]
+                    ) -> list[jax.Array]:
+  """`leaves` in the params' `shardings`; where one is not known (a state built under
+  jit, from tracers), sharded as the leaf of `like` (the params, else the gradients)."""
+  def pin(leaf, s, other):
     if s is None:
-      return leaf
+      return shard_alike(leaf, other)[0] if leaf.shape == other.shape else leaf
     if isinstance(s, NamedSharding) and meshes.is_explicit(s.mesh):
       return jax.device_put(leaf, s)
     return jax.lax.with_sharding_constraint(leaf, s)
 
-  return [pin(leaf, s) for leaf, s in zip(leaves, shardings)]
+  return [pin(leaf, s, other) for leaf, s, other in zip(leaves, shardings, like)]
