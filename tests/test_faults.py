@@ -9,9 +9,9 @@ skip with one line. Runs that must be killed or run beside another are subproces
 the rest, and every resume, run in this process through `dos-jax train` itself.
 """
 
+import doctest
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,8 +21,8 @@ import time
 import pytest
 
 from dos_jax import cli
-from dos_jax.train import checkpoint, data, integrity, rundir
-from dos_jax.train.progress import read_metrics
+from dos_jax.train import checkpoint, data, faults, integrity, rundir
+from dos_jax.train.progress import MetricsLog, read_metrics
 from tests.test_runner_reliability import SMALL
 
 STEPS, EVERY = 8, 2
@@ -143,6 +143,8 @@ def test_disk_full_names_no_space_leaves_no_debris_and_resumes_exactly(
     log = line.split('(details in ')[1].rstrip(')')
   with open(log, encoding='utf-8') as f:
     assert 'No space left on device' in f.read()
+  if not fits:
+    os.unlink(log)
   _no_debris(ckpt_dir)
 
   _mount('-o', 'remount,size=64m', where)  # Space freed; the files stay.
@@ -371,3 +373,43 @@ def _check_restart(err: str, left: list[str], ckpt_dir: str) -> None:
               and integrity.has_manifest(os.path.join(ckpt_dir, n))]
   if complete:
     assert f'resumed from {ckpt_dir} at step {max(complete)}' in err, err[-3000:]
+
+
+def test_lock_names_its_holder_and_is_released_with_the_file(tmp_path):
+  """In one process, as across processes: flock locks belong to the open file, so a
+  second RunLock on the folder is refused while the first is held."""
+  held = rundir.RunLock(str(tmp_path / 'run'))
+  with pytest.raises(rundir.RunLocked) as refused:
+    rundir.RunLock(str(tmp_path / 'run'))
+  assert (f'train.out_dir: {tmp_path / "run"} is in use by another run (pid {os.getpid()}'
+          f' on host {socket.gethostname()}, since ') in str(refused.value)
+  other = rundir.RunLock(str(tmp_path / 'run'), process_index=1)  # Same run, process 1.
+  assert sorted(os.listdir(tmp_path / 'run')) == ['run.lock', 'run.lock.1']
+  other.release()
+  held.release()
+  assert os.listdir(tmp_path / 'run') == []
+  rundir.RunLock(str(tmp_path / 'run')).release()
+
+
+def test_metrics_are_cut_back_in_place_on_resume(tmp_path):
+  """A resume at step 2 cuts the records of steps 3-4 and a line cut short by a kill off
+  the end of the same file (same inode: truncated, not rewritten), then appends."""
+  path = str(tmp_path / 'metrics.jsonl')
+  log = MetricsLog(path, resume_step=0)
+  for step in range(1, 5):
+    log.write({'step': step, 'loss': 1.0 / step})
+  log.close()
+  with open(path, 'a', encoding='utf-8') as f:
+    f.write('{"step": 5, "lo')
+  inode = os.stat(path).st_ino
+  MetricsLog(path, resume_step=2).close()
+  assert os.stat(path).st_ino == inode
+  records = read_metrics(path)
+  assert [r.get('step', r.get('resumed_from')) for r in records] == [1, 2, 2]
+  assert records[:2] == [{'step': 1, 'loss': 1.0}, {'step': 2, 'loss': 0.5}]
+
+
+@pytest.mark.parametrize('module', [faults, rundir], ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+  result = doctest.testmod(module)
+  assert result.attempted > 0 and result.failed == 0
