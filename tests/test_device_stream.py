@@ -1,5 +1,5 @@
 """`dos_jax.step.device_stream`: a function staged out as one call for a GPU stream of its own,
-in a scheduling group with the host call (`Offload.device_stream`).
+in a scheduling group with the host call (the device tiers' stream lanes).
 
 On the CPU the call is a call: the region's results are the function's, and the
 accelerator program's step with the device tiers on their stream is the step without,
@@ -23,9 +23,6 @@ from dos_jax.step import lanes as lanes_lib
 from tests.test_adamw import decay_mask
 from tests.test_adamw import random_grads
 from tests.test_adamw import random_tree
-
-# (None where per-subgroup storage is the only one and `Storage` is gone.)
-PER_SUBGROUP = getattr(getattr(dos_jax, 'Storage', None), 'PER_SUBGROUP', None)
 
 
 def _ops_with(text: str, attribute: str) -> list[str]:
@@ -64,9 +61,8 @@ def test_only_the_call_carries_the_stream_and_the_group():
   assert len(_ops_with(text, 'stablehlo.get_tuple_element')) == 2
 
 
-def test_groups_are_distinct_and_a_region_with_effects_is_refused():
-  assert device_stream.next_group() != device_stream.next_group()
-
+def test_a_region_with_effects_is_refused():
+  # (Distinct group ids within one program: test_group_ids_are_numbered_per_traced_program.)
   def effectful(x):
     jax.debug.print('{}', x)
     return x
@@ -85,15 +81,12 @@ def test_group_ids_are_numbered_per_traced_program(seed):
   """The same step traced and lowered twice in one process is the same program text:
   scheduling-group ids count from the same start in every trace (`next_group`), so a
   retrace finds the persistent compilation cache. Two groups of one program differ."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
-  fields = {f.name for f in dataclasses.fields(dos_jax.Offload)}
-  construction = {'storage': PER_SUBGROUP} if 'storage' in fields else {}
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   grads = random_grads(params, 0, seed)
   opt = dos_jax.chain(dos_jax.clip_by_global_norm(0.5), dos_jax.adamw(
       3e-2, weight_decay=0.05, mask=decay_mask, offload=dos_jax.Offload(
           subgroup_size=23, policy=dos_jax.Stride(2), platform='gpu',
-          device_impl=dos_jax.UpdateImpl.XLA, **construction)))  # no Pallas: no GPU here
+          device_impl=dos_jax.UpdateImpl.XLA)))  # no Pallas: no GPU here
   state = opt.init(params)
   first = _lower_for_cuda(opt, params, state, grads)
   device_stream.next_group()  # a group asked for between two traces changes nothing
@@ -108,12 +101,21 @@ def test_group_ids_are_numbered_per_traced_program(seed):
   assert len(set(re.findall(r'_scheduling_group_id = "(\d+)"', text))) == 2, text
 
 
-def _pair(stream: bool, storage=PER_SUBGROUP, policy=None, chunks=0, lanes=0):
+def _pair(policy=None):
   offload = dos_jax.Offload(subgroup_size=23, policy=policy or dos_jax.Stride(2),
-                            platform='gpu', storage=storage, device_stream=stream,
-                            chunks=chunks, stream_lanes=lanes)
+                            platform='gpu')
   return dos_jax.chain(dos_jax.clip_by_global_norm(0.5), dos_jax.adamw(
       3e-2, weight_decay=0.05, mask=decay_mask, offload=offload))
+
+
+def _lanes(monkeypatch, count: int) -> None:
+  """Every step traced from now on runs `count` stream lanes (0: the library's choice);
+  -1: no stream region at all (the device tiers left to XLA's scheduler)."""
+  if count < 0:
+    monkeypatch.setattr(device_stream, 'available', lambda: False)
+  elif count:
+    monkeypatch.setattr(lanes_lib, 'lane_count',
+                        lambda plan, rows, lanes=0: max(1, min(lanes or count, rows)))
 
 
 def _step(opt):
@@ -133,38 +135,44 @@ def _uses_stream(opt, params, state, grads) -> bool:
   return _regions(opt, params, state, grads) > 0
 
 
-@pytest.mark.parametrize('policy, chunks', [
-    (dos_jax.Stride(2), 0), (dos_jax.ResidentFraction(0.3, then=dos_jax.Stride(3)), 0),
-    (dos_jax.Stride(2), 3)], ids=repr)
-def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, chunks, seed):
-  """The accelerator program (run on the CPU backend), per-subgroup storage, clipping
-  that fires: 4 steps with the device tiers on their streams (in `buffers` = 2 lanes,
-  in one region, in 3 lanes) and without, unchunked and in 3 chunks (each chunk's
-  device part its own stream calls)."""
+@pytest.mark.parametrize('policy', [
+    dos_jax.Stride(2), dos_jax.ResidentFraction(0.3, then=dos_jax.Stride(3))], ids=repr)
+@pytest.mark.parametrize('lanes', [-1, 1, 3])
+def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, lanes, seed,
+                                                                 monkeypatch):
+  """The accelerator program (run on the CPU backend), clipping that fires: 4 steps with
+  the device tiers on their streams in the library's lanes (2), against the same step
+  without stream regions, in one region, or in 3 lanes."""
   params = jax.device_put(random_tree(seed), jax.devices()[0])
-  results = []
-  for stream, lanes in ((False, 0), (True, 0), (True, 1), (True, 3)):
-    opt = _pair(stream, policy=policy, chunks=chunks, lanes=lanes)
+
+  def run():
+    opt = _pair(policy=policy)
     p, s = params, opt.init(params)
-    assert _uses_stream(opt, p, s, random_grads(p, 0, seed)) is (
-        stream and device_stream.available())
+    regions = _regions(opt, p, s, random_grads(p, 0, seed))
     step = jax.jit(_step(opt))
     for i in range(4):
       p, s = step(p, s, jax.tree.map(lambda g: 3 * g, random_grads(p, i, seed)))
-    results.append((p, s))
-  (p0, s0), *others = results
-  for p1, s1 in others:
-    for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p0, s0))):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return regions, (p, s)
+
+  regions, ours = run()
+  assert (regions > 0) is device_stream.available()
+  with monkeypatch.context() as patch:
+    _lanes(patch, lanes)
+    other_regions, theirs = run()
+  if lanes < 0:
+    assert other_regions == 0
+  for a, b in zip(jax.tree.leaves(theirs), jax.tree.leaves(ours)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
 @pytest.mark.parametrize('lanes, regions', [(0, 2), (1, 1), (2, 2), (3, 3), (50, 0)])
-def test_streamed_rows_go_round_robin_over_the_lanes(lanes, regions, seed):
-  """One stream region per lane: `stream_lanes` (0: the plan's 2 buffers), at most one
+def test_streamed_rows_go_round_robin_over_the_lanes(lanes, regions, seed, monkeypatch):
+  """One stream region per lane (0: the library's, the plan's 2 buffers), at most one
   per streamed row (`regions` 0: as many as the plan streams)."""
   params = jax.device_put(random_tree(seed), jax.devices()[0])
-  opt = _pair(True, lanes=lanes)
+  _lanes(monkeypatch, lanes)
+  opt = _pair()
   state = opt.init(params)
   streamed = len(state[1].partition.ids(Tier.STREAMED))
   assert streamed >= 4, streamed
@@ -181,26 +189,14 @@ def test_streamed_rows_go_round_robin_over_the_lanes(lanes, regions, seed):
 
 
 @pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
-def test_it_applies_to_per_subgroup_storage_with_host_and_device_tiers(seed):
+def test_it_applies_with_host_and_device_tiers(seed):
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   grads = random_grads(params, 0, seed)
 
   def uses(**kwargs):
-    opt = _pair(True, **kwargs)
+    opt = _pair(**kwargs)
     return _uses_stream(opt, params, opt.init(params), grads)
 
   assert uses()
-  assert not uses(storage=dos_jax.Storage.STACKED)  # see device_stream / docs/design.md
   assert not uses(policy=dos_jax.AllHost())  # nothing to run beside the host call
   assert not uses(policy=dos_jax.AllDevice())
-
-
-@pytest.mark.parametrize('lanes', [-1, 1.5, True, '2'])
-def test_stream_lanes_must_be_a_count(lanes):
-  with pytest.raises(ValueError, match='Offload.stream_lanes must be an integer >= 0'):
-    dos_jax.Offload(stream_lanes=lanes)
-
-
-def test_device_stream_must_be_a_bool():
-  with pytest.raises(TypeError, match='Offload.device_stream must be True or False'):
-    dos_jax.Offload(device_stream='yes')

@@ -22,12 +22,12 @@ from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.partition import Tier
-from dos_jax.offload import Offload
 from dos_jax.offload import UpdateImpl
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import paths
 from dos_jax.step import tier_updates
+from dos_jax.step.options import StepOptions
 
 
 # The most stream lanes a step runs in unless told (`lane_count`): the grouped lane and
@@ -47,7 +47,7 @@ def lane_count(plan, streamed_rows: int, lanes: int = 0) -> int:
 
 
 def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
-                           tiers: dict[Tier, tuple], native: bool, offload: Offload,
+                           tiers: dict[Tier, tuple], native: bool, options: StepOptions,
                            host_update=None, barrier: bool = False, sharded_host=None):
   """The accelerator program's tiers, host and device halves concurrent by construction:
   the host tier in host regions and the device tiers (streamed, resident) in stream
@@ -60,7 +60,7 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   (`sharded_two_streams`, `sharded_host` making each device's `host_update`;
   `barrier`: each region's results through an optimization barrier, which that needs)."""
   if context.mesh is not None:
-    return sharded_two_streams(context, base_step, tiers, native, offload, sharded_host)
+    return sharded_two_streams(context, base_step, tiers, native, options, sharded_host)
   group = device_stream.next_group()
   if host_update is not None:
     host, outs = host_update(group)
@@ -68,14 +68,14 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
     with device_stream.in_group(group):
       host, outs = context.update_tier(
           Tier.HOST, base_step, tiers[Tier.HOST],
-          native=native and offload.host_impl is UpdateImpl.KERNEL)
+          native=native and options.host_impl is UpdateImpl.KERNEL)
   part = context.part
   given = {t: partition_lib.blocks_of(tiers[t], len(part.blocks(t)))
            for t in (Tier.STREAMED, Tier.RESIDENT) if part.ids(t)}
   new_blocks, rows = device_lanes(
       context, given, base_step=base_step,
-      native=native and offload.device_impl is UpdateImpl.KERNEL,
-      lanes=stream_lanes(context.plan, part, getattr(offload, 'stream_lanes', 0)),
+      native=native and options.device_impl is UpdateImpl.KERNEL,
+      lanes=stream_lanes(context.plan, part),
       group=group,
       barrier=barrier)
   new_tiers = dict(tiers)
@@ -144,7 +144,7 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
 
 
 def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
-                         tiers: dict[Tier, tuple], native: bool, offload: Offload,
+                         tiers: dict[Tier, tuple], native: bool, options: StepOptions,
                          host=None):
   """`update_on_two_streams` on each device's own columns, inside `shard_map`: a state
   packed shard-major holds, on device d, exactly the rows one shard's layout packs
@@ -152,7 +152,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   `host(local context, step, local host tier)`, if given, makes its `host_update` (the
   early chunks). Jit's partitioning would split a stream region into several calls
   (tests/test_compiled_sharded_region.py)."""
-  mesh, axis = context.mesh, offload.data_axis
+  mesh, axis = context.mesh, options.data_axis
   rows_spec, view_spec, whole = P(None, None, axis), P(axis, None), P()
   local_layout = layout_lib.local(context.layout)
   names = [t for t in TIERS if tiers[t]]
@@ -177,7 +177,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
     local_tiers = {t: () for t in TIERS}
     local_tiers.update(zip(names, arrays))
     host_update = None if host is None else host(local, step, local_tiers[Tier.HOST])
-    new_tiers, outs = update_on_two_streams(local, step, local_tiers, native, offload,
+    new_tiers, outs = update_on_two_streams(local, step, local_tiers, native, options,
                                              host_update, barrier=True)
     pieces[:] = [runs for _, runs in outs]
     return [new_tiers[t] for t in names], [o for o, _ in outs]
