@@ -34,19 +34,10 @@ if not device_stream.available():
 
 
 def offload_for(policy, subgroup_size: int):
-  """The optimizer's `Offload` for these tests: per-subgroup storage and two host
-  calls where the `Offload` still has those fields, else its defaults (which are
-  those)."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
+  """The optimizer's `Offload` for these tests: nothing beyond the policy (the one
+  construction, per subgroup, with its early host calls by the rule)."""
   import dos_jax  # pylint: disable=import-outside-toplevel
-  fields = {f.name for f in dataclasses.fields(dos_jax.Offload)}
-  construction = {}
-  if 'storage' in fields:
-    construction['storage'] = dos_jax.Storage.PER_SUBGROUP
-  if 'early_chunks' in fields:
-    construction['early_chunks'] = 2
-  return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, platform='gpu',
-                         **construction)
+  return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, platform='gpu')
 
 
 def _mlp_step(layers: int, width: int, dtype: str, policy):
