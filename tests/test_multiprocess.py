@@ -195,12 +195,7 @@ def _profile_cache(root, profile) -> str:
 
 @pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 (virtual) devices')
-@pytest.mark.parametrize('mesh', [['mesh.data=2'], pytest.param(
-    ['mesh.data=1', 'mesh.fsdp=2'], marks=pytest.mark.xfail(strict=True, reason=(
-        'the two-memory program under Auto (per-subgroup tiers) with fsdp=2 over two'
-        ' processes runs collectives of different sizes in its update step ("gloo:'
-        ' Received data size doesn\'t match expected size", 65536 vs 16384), with the'
-        ' same profile on both processes too; Stride(2) stacked runs')))],
+@pytest.mark.parametrize('mesh', [['mesh.data=2'], ['mesh.data=1', 'mesh.fsdp=2']],
                          ids=['data2', 'fsdp2'])
 def test_auto_takes_process_0s_plan_from_different_profiles_and_resumes(
     dataset, tmp_path, mesh, monkeypatch):
