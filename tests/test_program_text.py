@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+from dos_jax.step import device_stream
+
 _BUILD = textwrap.dedent('''
     import hashlib, jax, jax.numpy as jnp, optax, dos_jax
     from dos_jax.dataflow import probes
@@ -50,7 +52,8 @@ def _digest(text: str) -> str:
 def test_two_traces_and_a_changed_policy_give_one_program():
   auto, text = namespace['build']()
   first = text()
-  assert 'dos_jax_stream_region' in first or '_scheduling_group_id' in first
+  if device_stream.available():  # the grouped construction, whose group ids are numbered
+    assert '_scheduling_group_id' in first
   assert text() == first, 'a second trace in the same process changed the program'
   # The policy object learns and re-plans between steps; the state keeps the plan the
   # step runs until the runner moves it (`dos_jax.migrate`).
