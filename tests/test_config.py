@@ -65,7 +65,7 @@ def _error(path, overrides=()):
         ('offload.policy=gpu', "offload.policy: expected one of 'all_host'"),
         ('offload.fraction=1.5', 'offload.fraction: expected a float in [0, 1], got 1.5'),
         ('offload.subgroup_size=0', 'offload.subgroup_size: expected a positive integer'),
-        ('offload.storage=rows', "offload.storage: expected one of 'stacked', 'per_subgroup'"),
+        ('offload.storage=stacked', 'offload.storage: unknown key'),
         ('train.microbatches=4', 'train.microbatches: 4 needs mesh.pipeline > 1'),
         ('mesh.data=0', 'mesh.data: expected a positive integer or -1'),
         ('data.seq_len=4096', 'data.seq_len: 4096 exceeds model.max_seq_len (256)'),
@@ -146,11 +146,15 @@ def test_policy_names_parse_once_into_policy_values():
     )
     assert offload.placement == expected
   assert isinstance(from_dict(config.OffloadConfig, {'policy': 'auto'}).placement, dos_jax.Auto)
-  # The storage key reaches the Offload; unset, the library's default decides.
-  for storage in dos_jax.Storage:
-    offload = step_lib.make_offload(from_dict(config.OffloadConfig, {'storage': storage.value}))
-    assert offload.storage is storage
-  assert step_lib.make_offload(from_dict(config.OffloadConfig, {})).storage is None
+  # The platform key reaches the Offload; unset, the backend decides at init.
+  offload = step_lib.make_offload(from_dict(config.OffloadConfig, {'platform': 'gpu'}))
+  assert offload.platform is dos_jax.Program.TWO_MEMORIES
+  assert step_lib.make_offload(from_dict(config.OffloadConfig, {})).platform is None
+  # What chose among constructions is no config key (issue 40): the library decides.
+  for key, value in (('storage', 'per_subgroup'), ('early_chunks', 2), ('chunks', 2),
+                     ('stream_lanes', 1), ('shard_major', True)):
+    with pytest.raises(ConfigError, match=f'offload.{key}: unknown key'):
+      from_dict(config.OffloadConfig, {key: value}, key='offload')
 
 
 def test_configs_are_frozen():

@@ -1,20 +1,20 @@
-"""The host tier in early chunks (`Offload.early_chunks`, `dos_jax.step.early_chunks`) on the
-CPU backend (the accelerator program's numbers; Pallas in interpret mode), per-subgroup
-storage, fp32 and bf16 params.
+"""The host tier in early host calls (`Partition.early`, `dos_jax.step.early_chunks`) on
+the CPU backend (the accelerator program's numbers; Pallas in interpret mode), stored per
+subgroup, fp32 and bf16 params. A test picks the early calls of a state with
+`dos_jax.migrate(state, plan, early=...)` (`_with_early`).
 
-Under `dos_jax.clip_by_global_norm` the early chunks speculate on a clip factor of 1 and
-are redone when it is not: the step must equal the unspeculated one (`early_chunks=0`)
+Under `dos_jax.clip_by_global_norm` the early calls speculate on a clip factor of 1 and
+are redone when it is not: the step must equal the unspeculated one (no early call)
 bit for bit, on steps where the clip fires, where it does not, and on steps with a NaN
 gradient (alone, and under `optax.apply_if_finite`, which skips them). The gradients of
 each step are scaled so that the clip fires on chosen steps (`FIRES`). Against optax the
 suite's tolerance holds (tests/test_adamw.py).
 
-Seeds: each test derives its seed from its name (`zlib.crc32`), printed on failure.
+Seeds: the `seed` fixture (tests/conftest.py).
 """
 
 import dataclasses
 import functools
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ import optax
 import pytest
 
 import dos_jax
+from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import early_chunks
 from dos_jax.step import fused
@@ -35,19 +36,36 @@ MAX_NORM = 1.0
 FIRES = (1, 2, 5)  # steps whose gradients are scaled past MAX_NORM (norm ~17 vs ~0.2)
 
 
-def _seed(request) -> int:
-  return zlib.crc32(request.node.name.encode()) % (1 << 30)
+def _offload(policy=dos_jax.Stride(2)):
+  return dos_jax.Offload(subgroup_size=23, policy=policy, platform='gpu')
 
 
-def _offload(early: int, **kwargs):
-  return dos_jax.Offload(subgroup_size=23, policy=dos_jax.Stride(2), platform='gpu',
-                         storage=dos_jax.Storage.PER_SUBGROUP, early_chunks=early, **kwargs)
-
-
-def _opt(early: int, clip: bool = True, **kwargs):
+def _opt(clip: bool = True, policy=dos_jax.Stride(2)):
   adamw = dos_jax.adamw(learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask,
-                        offload=_offload(early, **kwargs))
+                        offload=_offload(policy))
   return dos_jax.chain(dos_jax.clip_by_global_norm(MAX_NORM), adamw) if clip else adamw
+
+
+def _offloaded(state) -> dos_jax.OffloadedState:
+  is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
+  return next(x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x))
+
+
+def _with_early(state, early):
+  """`state` with its host tier in `early` host calls: an int K, K calls of near-equal
+  size (0 or 1: one call after the backward pass, nothing speculates), or a tuple of
+  early call sizes (`Partition.early`)."""
+  part = _offloaded(state).partition
+  if isinstance(early, int):
+    early = tuple(len(c) for c in early_chunks.split(range(len(part.host)), early)[:-1])
+  moved = dos_jax.migrate(state, part.plan, early=early)
+  assert _offloaded(moved).partition.early == early
+  return moved
+
+
+def _host_calls(text: str) -> int:
+  """The native host kernel's calls in a lowered step (speculated, plain and redo)."""
+  return text.count('dos_jax_adamw_host_leaves')
 
 
 def _grads(params, t, seed, nan_at):
@@ -59,13 +77,16 @@ def _grads(params, t, seed, nan_at):
   return grads
 
 
-def _run(opt, params, seed, steps, nan_at=(), lowered=None, placed=False):
+def _run(opt, params, seed, steps, nan_at=(), lowered=None, placed=False, early=None):
   """`steps` jitted steps, the state donated as a train step does; the lowered step's
   text goes to `lowered` (a list) if given. `placed`: the params are already where
-  they should be (else on the first device)."""
+  they should be (else on the first device). `early`: the state's early host calls
+  (`_with_early`; None: those `init` chose)."""
   if not placed:
     params = jax.device_put(params, jax.devices()[0])
   state = opt.init(params)
+  if early is not None:
+    state = _with_early(state, early)
 
   def step(p, s, g):
     u, s = opt.update(g, s, p)
@@ -85,104 +106,116 @@ def _assert_identical(want, got, message):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=message)
 
 
+
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-def test_speculated_steps_are_the_unspeculated_steps_bit_for_bit(dtype, request):
-  seed = _seed(request)
+def test_speculated_steps_are_the_unspeculated_steps_bit_for_bit(dtype, seed):
   params = random_tree(seed, jnp.dtype(dtype))
-  want = _run(_opt(0), params, seed, steps=7)
+  one = []
+  want = _run(_opt(), params, seed, steps=7, early=0, lowered=one)
   for early in (2, 3, 7):
-    got = _run(_opt(early), params, seed, steps=7)
-    _assert_identical(want, got, f'seed {seed}, early_chunks {early}, clip fires at {FIRES}')
+    texts = []
+    got = _run(_opt(), params, seed, steps=7, early=early, lowered=texts)
+    # The early path was built: each early block is redone in a host call of its own
+    # (on the CPU backend), so the step has one more host call per early block.
+    state = _with_early(_opt().init(jax.device_put(params, jax.devices()[0])), early)
+    early_blocks = sum(_offloaded(state).partition.early)
+    assert early_blocks > 0 and _host_calls(texts[0]) == _host_calls(one[0]) + early_blocks, (
+        early, early_blocks, _host_calls(texts[0]), _host_calls(one[0]))
+    _assert_identical(want, got, f'seed {seed}, early calls {early}, clip fires at {FIRES}')
 
 
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-def test_the_accelerator_form_speculates_in_place_and_redoes(dtype, request, monkeypatch):
+def test_the_accelerator_form_speculates_in_place_and_redoes(dtype, seed, monkeypatch):
   """The GPU program's form (the early kernels update the donated state in its buffer
   and keep an undo; the redo kernel puts it back and updates again in place, its out
   rows a result that crosses to the device only on a rollback), run on the CPU backend:
   bit for bit the unspeculated step, clip firing or not."""
-  seed = _seed(request)
   params = random_tree(seed, jnp.dtype(dtype))
-  want = _run(_opt(0), params, seed, steps=7)
+  want = _run(_opt(), params, seed, steps=7, early=0)
   monkeypatch.setattr(fused, 'STATE_RESULT_PLATFORMS', ())
   texts = []
-  got = _run(_opt(3), params, seed, steps=7, lowered=texts)
+  got = _run(_opt(), params, seed, steps=7, lowered=texts, early=3)
   assert 'dos_jax_adamw_host_leaves_state_arg_undo' in texts[0]
   assert 'dos_jax_adamw_host_leaves_redo' in texts[0]
   _assert_identical(want, got, f'seed {seed}, clip fires at {FIRES}')
 
 
-def test_params_on_a_one_device_mesh_take_the_unsharded_step(request):
+def test_params_on_a_one_device_mesh_take_the_unsharded_step(seed):
   """The runner puts a one-device run's params on a one-device mesh (a `NamedSharding`
   with the state's axis). Such a mesh splits nothing: the step is the one built for
-  plain arrays, its early chunks included (as many host kernel calls in the lowered
+  plain arrays, its early calls included (as many host kernel calls in the lowered
   step), bit for bit over 7 steps with the clip firing on some."""
-  seed = _seed(request)
   params = random_tree(seed)
   plain_text, mesh_text = [], []
-  want = _run(_opt(3), params, seed, steps=7, lowered=plain_text)
+  want = _run(_opt(), params, seed, steps=7, lowered=plain_text, early=3)
   mesh = jax.sharding.Mesh(jax.devices()[:1], ('data',))
   on_mesh = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  got = _run(_opt(3), on_mesh, seed, steps=7, lowered=mesh_text, placed=True)
+  got = _run(_opt(), on_mesh, seed, steps=7, lowered=mesh_text, placed=True, early=3)
   assert got[1][-1].sharded is not None  # the state kept the mesh
-  calls = [t.count('dos_jax_adamw_host_leaves') for t in (plain_text[0], mesh_text[0])]
+  calls = [_host_calls(t) for t in (plain_text[0], mesh_text[0])]
   assert calls[0] == calls[1] > 0, calls
   _assert_identical(want, got, f'seed {seed}, clip fires at {FIRES}')
 
 
-def test_each_early_block_is_redone_on_the_cpu_backend(request):
+def test_each_early_block_is_redone_on_the_cpu_backend(seed):
   """On a CPU backend the speculated blocks are updated again, from the state before
   the step, in a kernel call of their own: one more call per early block."""
-  seed = _seed(request)
   params = random_tree(seed)
   counts = []
   for early in (0, 3):
     texts = []
-    _run(_opt(early), params, seed, steps=1, lowered=texts)
-    counts.append(texts[0].count('dos_jax_adamw_host_leaves'))
-  state = _opt(0).init(jax.device_put(params, jax.devices()[0]))[-1]
+    _run(_opt(), params, seed, steps=1, lowered=texts, early=early)
+    counts.append(_host_calls(texts[0]))
+  state = _opt().init(jax.device_put(params, jax.devices()[0]))[-1]
   blocks = len(state.partition.blocks(Tier.HOST))
   early_blocks = blocks - len(np.array_split(np.arange(blocks), 3)[-1])
   assert counts[1] == counts[0] + early_blocks, (counts, blocks)
 
 
-def test_a_nan_step_is_the_unspeculated_nan_step(request):
-  seed = _seed(request)
+def test_a_nan_step_is_the_unspeculated_nan_step(seed):
   params = random_tree(seed)
-  want = _run(_opt(0), params, seed, steps=4, nan_at=(2,))
-  got = _run(_opt(3), params, seed, steps=4, nan_at=(2,))
+  want = _run(_opt(), params, seed, steps=4, nan_at=(2,), early=0)
+  got = _run(_opt(), params, seed, steps=4, nan_at=(2,), early=3)
   assert np.isnan(np.asarray(jax.tree.leaves(got[0])[0])).any(), f'seed {seed}'
   _assert_identical(want, got, f'seed {seed}, NaN at step 2')
 
 
-def test_apply_if_finite_skips_a_nan_step_as_unspeculated(request):
-  seed = _seed(request)
+def test_apply_if_finite_skips_a_nan_step_as_unspeculated(seed):
   params = random_tree(seed)
-  make = lambda early: optax.apply_if_finite(_opt(early), 5)
-  want = _run(make(0), params, seed, steps=5, nan_at=(1, 3))
-  got = _run(make(3), params, seed, steps=5, nan_at=(1, 3))
+  make = lambda: optax.apply_if_finite(_opt(), 5)
+  want = _run(make(), params, seed, steps=5, nan_at=(1, 3), early=0)
+  got = _run(make(), params, seed, steps=5, nan_at=(1, 3), early=3)
   assert np.isfinite(np.asarray(jax.tree.leaves(got[0])[0])).all(), f'seed {seed}'
   _assert_identical(want, got, f'seed {seed}, NaN at steps 1 and 3')
 
 
-def test_early_chunks_without_clipping_are_the_one_call_step(request):
-  seed = _seed(request)
+def test_early_calls_without_clipping_are_the_one_call_step(seed):
   params = random_tree(seed, jnp.bfloat16)
-  want = _run(_opt(0, clip=False), params, seed, steps=4)
-  got = _run(_opt(3, clip=False), params, seed, steps=4)
+  want = _run(_opt(clip=False), params, seed, steps=4, early=0)
+  got = _run(_opt(clip=False), params, seed, steps=4, early=3)
   _assert_identical(want, got, f'seed {seed}')
 
 
-def test_early_chunks_under_clipping_match_optax(request):
-  seed = _seed(request)
+def test_early_calls_under_clipping_match_optax(seed):
   params = random_tree(seed)
-  got, _ = _run(_opt(3), params, seed, steps=7)
+  got, _ = _run(_opt(), params, seed, steps=7, early=3)
   ref = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(
       learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask))
   want, _ = _run(ref, params, seed, steps=7)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7,
                                err_msg=f'seed {seed}')
+
+
+def test_host_call_order_follows_the_backward_pass():
+  plan = dos_jax.Plan(streamed=(0, 2, 4, 6), host=(1, 3, 5, 7))
+  part = partition_lib.for_plan(plan, split=True)
+  blocks = part.blocks(Tier.HOST)
+  assert [blocks[b] for b in early_chunks.host_blocks(part)] == [(7,), (5,), (3,), (1,)]
+  # The blocks without weight decay (the norm scales, complete at the end of the
+  # backward pass) come last.
+  assert [blocks[b] for b in early_chunks.host_blocks(part, decayed_rows=6)] == [
+      (5,), (3,), (1,), (7,)]
 
 
 def test_the_redo_flag_is_the_clip_factor_not_one():
@@ -195,16 +228,6 @@ def test_the_redo_flag_is_the_clip_factor_not_one():
     assert bool(flag) is want, factor
 
 
-@pytest.mark.parametrize('kwargs, culprit', [
-    (dict(early_chunks=-1), 'Offload.early_chunks must be an integer >= 0'),
-    (dict(early_chunks=2, chunks=2), 'do not combine'),
-    (dict(early_chunks=2, storage=dos_jax.Storage.STACKED), 'needs per-subgroup storage'),
-])
-def test_bad_early_chunks_name_the_setting(kwargs, culprit):
-  with pytest.raises(ValueError, match=culprit):
-    dos_jax.Offload(policy=dos_jax.Stride(2), **{'storage': dos_jax.Storage.PER_SUBGROUP,
-                                                 **kwargs})
-
 
 @dataclasses.dataclass(frozen=True)
 class _Chooses(dos_jax.Stride):
@@ -215,32 +238,26 @@ class _Chooses(dos_jax.Stride):
     return (1, 2) if len(plan.host) > 3 else ()
 
 
-def test_early_chunks_auto_takes_the_policys_choice(request, monkeypatch):
-  seed = _seed(request)
+def test_init_takes_the_policys_early_calls(seed, monkeypatch):
   params = random_tree(seed)
-  want = _run(_opt(0), params, seed, steps=3)
+  want = _run(_opt(), params, seed, steps=3, early=0)
   monkeypatch.setattr(fused, 'STATE_RESULT_PLATFORMS', ())
-  offload = dos_jax.Offload(subgroup_size=23, policy=_Chooses(2), platform='gpu',
-                            storage=dos_jax.Storage.PER_SUBGROUP,
-                            early_chunks=dos_jax.EarlyChunks.AUTO)
-  adamw = dos_jax.adamw(learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask,
-                        offload=offload)
   texts = []
-  got = _run(dos_jax.chain(dos_jax.clip_by_global_norm(MAX_NORM), adamw), params, seed,
-             steps=3, lowered=texts)
+  opt = _opt(policy=_Chooses(2))
+  assert _offloaded(opt.init(jax.device_put(params, jax.devices()[0]))).partition.early == (1, 2)
+  got = _run(opt, params, seed, steps=3, lowered=texts)
   # Three early blocks (1 + 2), each redone in place.
   assert texts[0].count('dos_jax_adamw_host_leaves_redo') == 3, seed
   _assert_identical(want[1][-1].host, got[1][-1].host, f'seed {seed}')
 
 
-def test_the_undo_and_redo_kernels_against_the_plain_kernel(request):
+def test_the_undo_and_redo_kernels_against_the_plain_kernel(seed):
   """The native kernels alone (jit, state donated): `keep_undo` returns the elements it
   overwrote; the redo with the flag set puts them back and updates again, equal to the
   plain kernel's update of the old state with the redo's scalars; with the flag clear
   it leaves the state as the speculated call left it."""
   from dos_jax.kernels import AdamWScalars  # pylint: disable=import-outside-toplevel
   from dos_jax.kernels import host_adamw_rows  # pylint: disable=import-outside-toplevel
-  seed = _seed(request)
   rng = np.random.default_rng(seed)
   groups, size = 3, 1000
   state = rng.standard_normal((groups, 3, size)).astype(np.float32)
@@ -286,21 +303,13 @@ def test_the_undo_and_redo_kernels_against_the_plain_kernel(request):
   np.testing.assert_array_equal(np.asarray(again_state), want_redo, err_msg=f'seed {seed}')
   np.testing.assert_array_equal(np.asarray(again)[covered], want_redo_out[covered])
 
-
-def test_early_chunks_default_to_per_subgroup_storage():
-  assert dos_jax.Offload(policy=dos_jax.AllHost(), early_chunks=3).per_subgroup()
-  assert dos_jax.Offload(policy=dos_jax.AllHost(), early_chunks=(1, 1)).per_subgroup()
-  assert not dos_jax.Offload(policy=dos_jax.AllHost()).per_subgroup()
-  assert not dos_jax.Offload(policy=dos_jax.AllHost(),
-                             early_chunks=dos_jax.EarlyChunks.AUTO).per_subgroup()
-
-
-def test_inits_pool_check_counts_the_undo(request):
+def test_inits_pool_check_counts_the_undo(seed):
+  """The two-memory program may speculate (early host calls): its pinned bytes hold an
+  undo of every host subgroup's state but the last's; the one-memory program's do not."""
   from dos_jax import pinned_pool  # pylint: disable=import-outside-toplevel
-  params = random_tree(_seed(request))
-  plain = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(),
-                          storage=dos_jax.Storage.PER_SUBGROUP)
-  early = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(), early_chunks=3)
+  params = random_tree(seed)
+  plain = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(), platform='cpu')
+  early = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(), platform='gpu')
   host = len(plain.policy.plan(dos_jax.geometry.layout.spec_for(params, 23)).host)
   extra = (host - 1) * 23 * 8  # fp32 params: mu and nu, 8 B per element
   assert pinned_pool.state_pinned_bytes(params, early) == (

@@ -1,5 +1,5 @@
-"""Early host chunks in the planner: `timeline.early_timeline`, `choose_early_chunks`,
-`Auto.early_chunks`, `dos-jax plan`'s line, and the runner's `offload.early_chunks`.
+"""Early host calls in the planner: `timeline.early_timeline`, `choose_early_chunks`,
+`Auto.early_chunks`, `dos-jax plan`'s line, and the runner's pinned pool.
 
 The model's inputs are presets and round numbers (no randomness): a 70-subgroup model on
 the h100-pcie5 profile, whose AllHost step is host-bound and whose Stride(2) step is
@@ -19,7 +19,6 @@ from dos_jax.policies import AllHost
 from dos_jax.policies import SubgroupSpec
 from dos_jax.train import config as config_lib
 from dos_jax.train import configlib
-from dos_jax.train import step as step_lib
 
 PROFILE = costmodel.PROFILE_PRESETS['h100-pcie5']
 SPEC = SubgroupSpec(num_subgroups=70, subgroup_size=10**8, num_elements=70 * 10**8)
@@ -35,17 +34,16 @@ def test_split_takes_sizes_in_backward_order_and_keeps_a_last_call():
 
 def test_the_timeline_takes_the_host_rows_in_the_steps_order():
   """`timeline.host_order` is the order the step's host calls take the host blocks
-  (`chunked.host_blocks`): the last first, the rows without weight decay last. Those
+  (`early_chunks.host_blocks`): the last first, the rows without weight decay last. Those
   arrive once the backward pass is over, so an early call that held one would start
   then: with them last the first early call starts during the backward pass."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
-  from dos_jax.step import chunked  # pylint: disable=import-outside-toplevel
   spec = dataclasses.replace(SPEC, decayed_rows=68)  # rows 68 and 69: the norm scales
   plan = AllHost().plan(spec)
-  part = partition.for_plan(plan, split=True, per_subgroup=True)
+  part = partition.for_plan(plan, split=True)
   blocks = part.blocks(partition.Tier.HOST)
-  want = [blocks[b][0] for b in chunked.host_blocks(part, spec.decayed_rows)]
+  want = [blocks[b][0] for b in early_chunks.host_blocks(part, spec.decayed_rows)]
   assert timeline.host_order(spec, plan) == want
   assert want[-2:] == [69, 68] and want[0] == 67
   early = timeline.early_timeline(PROFILE, spec, plan, chunks=(2, 2), **TIMES)
@@ -90,7 +88,9 @@ def test_auto_chooses_early_chunks_from_its_backward_pass_and_measured_clip_rate
   plan = AllHost().plan(SPEC)
   auto = dos_jax.Auto(PROFILE, backward_seconds=2.0, clip_rate=0.0)
   assert auto.early_chunks(SPEC, plan)
-  assert dos_jax.Auto(PROFILE).early_chunks(SPEC, plan) == ()  # no backward pass known
+  # No backward pass known: no choice, the state takes the fixed rule
+  # (`partition.early_host_calls`).
+  assert dos_jax.Auto(PROFILE).early_chunks(SPEC, plan) is None
   auto.observe_rollbacks(10, 10)
   assert auto.clip_rate == 1.0
   assert sum(auto.early_chunks(SPEC, plan)) <= sum(
@@ -109,36 +109,21 @@ def test_plan_prints_the_gain_of_early_host_chunks():
   assert bad.returncode == 2 and '--clip-rate' in bad.stderr, bad.stderr
 
 
-@pytest.mark.parametrize('value, want', [
-    ('auto', dos_jax.EarlyChunks.AUTO), (0, 0), (3, 3), ([1, 2], (1, 2))])
-def test_the_runner_key_becomes_the_offload_value(value, want):
-  cfg = configlib.from_dict(config_lib.OffloadConfig, {
-      'policy': 'stride', 'storage': 'per_subgroup', 'early_chunks': value})
-  assert step_lib.make_offload(cfg).early_chunks == want
+def test_the_construction_keys_are_gone_from_the_runner_config():
+  """The early host calls are the library's choice (issue 40): no config key."""
+  with pytest.raises(configlib.ConfigError, match='offload.early_chunks: unknown key'):
+    configlib.from_dict(config_lib.OffloadConfig, {'early_chunks': 3}, key='offload')
 
 
-@pytest.mark.parametrize('value', [-1, [0], 'soon'])
-def test_a_bad_runner_key_names_itself(value):
-  with pytest.raises(configlib.ConfigError, match='offload.early_chunks'):
-    configlib.from_dict(config_lib.OffloadConfig, {'early_chunks': value}, key='offload')
-
-
-def test_explicit_early_chunks_with_stacked_storage_is_refused_in_one_line():
-  cfg = configlib.from_dict(config_lib.OffloadConfig, {
-      'policy': 'stride', 'storage': 'stacked', 'early_chunks': 3})
-  with pytest.raises(configlib.ConfigError, match='offload.early_chunks: .*per-subgroup'):
-    step_lib.make_offload(cfg)
-
-
-def test_the_pinned_pool_counts_the_undo_where_early_chunks_may_speculate():
+def test_the_pinned_pool_counts_the_undo_where_early_calls_may_speculate():
   from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
   size = lambda *sets: memory.run_pinned_bytes(config_lib.load(None, list(sets)))
   cfg = config_lib.load(None, [])  # the packaged tiny config
   state_bytes = 12 if str(cfg.model.param_dtype) in ('bfloat16', 'float16') else 8
   undo = state_bytes * cfg.model.shape().num_params()
-  off = size('offload.policy=auto', 'offload.early_chunks=0')
+  off = size('offload.policy=auto', 'optim.clip_norm=null')  # nothing to speculate
   assert size('offload.policy=auto') == off + undo
-  assert size('offload.policy=stride', 'offload.early_chunks=4') == off + undo
-  assert size('offload.policy=stride') == off + undo  # auto: a GPU run may choose them
-  assert size('offload.policy=stride', 'offload.early_chunks=0') == off
-  assert size('offload.policy=auto', 'optim.clip_norm=null') == off  # nothing to speculate
+  assert size('offload.policy=stride') == off + undo  # a GPU run gets early calls
+  assert size('offload.policy=stride', 'offload.platform=gpu') == off + undo
+  assert size('offload.policy=stride', 'offload.platform=cpu') == off  # one memory
+  assert size('offload.policy=stride', 'optim.clip_norm=null') == off

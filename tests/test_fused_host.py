@@ -191,8 +191,8 @@ def test_mixed_gradient_dtypes_stay_on_the_xla_path(seed):
 def test_accelerator_form_on_cpu(policy, dtype, seed):
   """The accelerator program (host gradients copied to host memory piece by piece, the
   native call in a host region, out rows copied back), run on the CPU backend: the same
-  results as the XLA path of the CPU program (its host rows and params bit for bit on
-  jax 0.10; its streamed rows within an ulp)."""
+  results as the XLA path of the CPU program (its host rows and their params bit for
+  bit on jax 0.10; its streamed rows and their params within an ulp)."""
   params = random_tree(seed, dtype)
   results = []
   for impl in (KERNEL, XLA):
@@ -206,14 +206,20 @@ def test_accelerator_form_on_cpu(policy, dtype, seed):
   host = list(policy.plan(state.layout.spec()).host)
   streamed = [g for g in range(state.layout.spec().num_subgroups) if g not in host]
   pick = lambda rows, ids: tuple(np.asarray(r)[ids] for r in rows)
-  _assert_matches_xla_path((results[0][0], pick(state.rows(), host)),
-                           (results[1][0], pick(reference.rows(), host)))
-  # The streamed rows run XLA's row update in the device loop, which XLA compiles with
-  # other FMA contractions than the one-memory program (the loop carries the prefetched
-  # block, so the fetch is not fused with the moments' arithmetic): within an ulp.
+  # The params by subgroup: a (G, S) array, each row the params of one subgroup.
+  param_rows = lambda p: np.asarray(dos_jax.geometry.layout.pack(p, state.layout, dtype))
+  _assert_matches_xla_path((param_rows(results[0][0])[host], pick(state.rows(), host)),
+                           (param_rows(results[1][0])[host], pick(reference.rows(), host)))
+  # The streamed rows run XLA's row update in the stream lanes, which XLA compiles with
+  # other FMA contractions than the one-memory program (the fetch is not fused with the
+  # moments' arithmetic): within an ulp, and so are their params.
   for got, want in zip(pick(state.rows(), streamed), pick(reference.rows(), streamed)):
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-5,
                                atol=1e-7)
+  ulp = max(1e-5, 2.0 ** -jnp.finfo(dtype).nmant)
+  np.testing.assert_allclose(param_rows(results[0][0])[streamed].astype(np.float32),
+                             param_rows(results[1][0])[streamed].astype(np.float32),
+                             rtol=ulp, atol=1e-7)
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])

@@ -11,12 +11,12 @@ The layers, bottom to top:
               of the optimizer state.
 * core     -- every other top-level module of `dos_jax`, with `dos_jax.geometry` (the
               state: layout, slots, partition, state) and `dos_jax.step` (transform,
-              tier_updates, paths, fused, device_stream, chunked, early_chunks): the
-              optimizer transform and its state, with policies, offload, capability,
-              migration, alias, clipping, ... A jitted step is built from this layer
-              and the kernels alone. The core knows a placement policy only as
-              `policies.Policy` (and `policies.AdaptivePolicy`, one that re-plans as it
-              runs), never the planner's `Auto`.
+              tier_updates, paths, fused, device_stream, construction, lanes,
+              early_chunks): the optimizer transform and its state, with policies,
+              offload, capability, migration, alias, clipping, ... A jitted step is
+              built from this layer and the kernels alone. The core knows a placement
+              policy only as `policies.Policy` (and `policies.AdaptivePolicy`, one that
+              re-plans as it runs), never the planner's `Auto`.
 * planner  -- `dos_jax.planner`: the cost model and `Auto`, which choose the core's
               `Plan`s; `dos-jax plan`. With `dos_jax.model_shapes`, the transformer
               size presets that `dos-jax plan` and the runner read (the step never does).

@@ -1,5 +1,5 @@
-"""Per-subgroup storage (`Storage.PER_SUBGROUP`): every subgroup's state its own
-buffers, so that a plan change moves only the rows that change tier and holds no tier
+"""Per-subgroup storage, the accelerator program's one storage: every subgroup's state
+its own buffers, so that a plan change moves only the rows that change tier and holds no tier
 twice. The math against optax for every placement mix, exact moves that copy only the
 rows changing memory, donated steps across plan changes (the runner's way), one
 program per plan, checkpoints and state tools, and the GPU program's streamed rows
@@ -14,7 +14,6 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax import migration as migration_lib
 from dos_jax.dataflow import OpKind
 from dos_jax.geometry.partition import Tier
 from dos_jax.train import config
@@ -30,7 +29,6 @@ from tests.test_gpu_program import _update_graph
 from tests.test_three_tiers import MIXES
 from tests.test_three_tiers import distinct_state
 
-PER_SUBGROUP = dos_jax.Storage.PER_SUBGROUP
 ALL = MIXES + [dos_jax.AllHost(), dos_jax.AllDevice(), dos_jax.Stride(2)]
 
 
@@ -44,7 +42,7 @@ def _plans(layout_spec):
     *((p, dos_jax.UpdateImpl.KERNEL) for p in ALL),
     *((p, dos_jax.UpdateImpl.XLA) for p in ALL[:2])], ids=repr)
 def test_every_mix_matches_optax_fp32(policy, impl, seed):
-  ours, ref = make_pair(policy, impl=impl, platform='gpu', storage=PER_SUBGROUP)
+  ours, ref = make_pair(policy, impl=impl, platform='gpu')
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)
   part = state.partition
@@ -61,16 +59,17 @@ def test_every_mix_matches_optax_fp32(policy, impl, seed):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_storage_default_follows_the_policy_and_the_cpu_program_stays_stacked():
-  auto = dos_jax.Auto(dos_jax.planner.costmodel.H100_PCIE_GEN5_NODE)
-  assert dos_jax.Offload(policy=auto).per_subgroup()
-  assert not dos_jax.Offload(policy=dos_jax.Stride(2)).per_subgroup()
-  assert dos_jax.Offload(storage=PER_SUBGROUP).per_subgroup()
-  assert not dos_jax.Offload(policy=auto, storage=dos_jax.Storage.STACKED).per_subgroup()
-  with pytest.raises(TypeError, match='Offload.storage'):
-    dos_jax.Offload(storage='per_subgroup')
-  ours, _ = make_pair(dos_jax.Stride(2), platform='cpu', storage=PER_SUBGROUP)
-  assert not ours.init(random_tree(0)).partition.per_subgroup
+@pytest.mark.parametrize('policy', [dos_jax.Stride(2), dos_jax.AllHost(), MIXES[0]], ids=repr)
+def test_the_two_memory_program_is_per_subgroup_and_the_one_memory_program_one_array(
+    policy, seed):
+  """No field chooses the storage: the program does."""
+  params = random_tree(seed)
+  gpu, _ = make_pair(policy, platform='gpu')
+  assert gpu.init(params).partition.per_subgroup
+  cpu, _ = make_pair(policy, platform='cpu')
+  state = cpu.init(params)
+  assert not state.partition.per_subgroup
+  assert all(len(state.partition.blocks(t)) == 1 for t in dos_jax.geometry.partition.TIERS)
 
 
 class _Alternating:
@@ -84,25 +83,25 @@ class _Alternating:
     return plan
 
 
-def test_any_policy_that_re_plans_as_it_runs_is_stored_per_subgroup():
-  """The storage default asks the policy (`AdaptivePolicy`: it has `observe`), not
-  whether it is the planner's `Auto`."""
+def test_a_policy_that_re_plans_as_it_runs_is_stored_per_subgroup(seed):
+  """A user's own adaptive policy (`AdaptivePolicy`: it has `observe`), not the
+  planner's `Auto`, gets the same storage."""
   assert isinstance(_Alternating(), dos_jax.AdaptivePolicy)
   assert isinstance(dos_jax.Auto(dos_jax.planner.costmodel.H100_PCIE_GEN5_NODE),
                     dos_jax.AdaptivePolicy)
   assert not isinstance(dos_jax.Stride(2), dos_jax.AdaptivePolicy)
-  assert dos_jax.Offload(policy=_Alternating()).per_subgroup()
-  assert dos_jax.Offload(policy=_Alternating(), chunks=2).chunks == 2
+  ours, _ = make_pair(_Alternating(), platform='gpu')
+  assert ours.init(random_tree(seed)).partition.per_subgroup
 
 
 def test_migration_is_exact_moves_only_the_rows_that_change_memory(seed):
   """`dos_jax.migrate` copies a row only when it changes memory (host <-> device), bit
   for bit; every other row is handed to its new tier as the same array, so a plan
   change holds no tier twice."""
-  state, rows = distinct_state(seed, PER_SUBGROUP)
+  state, rows = distinct_state(seed)
   groups = len(state.slots.groups)
   for plan in _plans(state.layout.spec()):
-    wanted = dos_jax.geometry.partition.for_plan(plan, split=True, per_subgroup=True)
+    wanted = dos_jax.geometry.partition.for_plan(plan, split=True)
     old, state = state, dos_jax.migrate(state, plan)
     assert state.partition == wanted
     before = old.by_subgroup()
@@ -117,11 +116,10 @@ def test_migration_is_exact_moves_only_the_rows_that_change_memory(seed):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize('storage', list(dos_jax.Storage), ids=lambda s: s.value)
-def test_donated_steps_across_plan_changes_keep_optax_math_and_compile_once_per_plan(storage, seed):
+def test_donated_steps_across_plan_changes_keep_optax_math_and_compile_once_per_plan(seed):
   """The runner's way: params and state donated, `dos_jax.migrate` between steps when
   the plan changes (host <-> device included), one program per plan."""
-  ours, ref = make_pair(dos_jax.AllHost(), platform='gpu', storage=storage)
+  ours, ref = make_pair(dos_jax.AllHost(), platform='gpu')
   params = jax.device_put(random_tree(seed), jax.devices()[0])  # committed, as outputs are
   ref_params = jax.tree.map(jnp.copy, params)  # ours are donated
   state, ref_state = ours.init(params), ref.init(ref_params)
@@ -140,46 +138,70 @@ def test_donated_steps_across_plan_changes_keep_optax_math_and_compile_once_per_
     params, state = step(params, state, grads, plan=plan)
     ref_params, ref_state = ref_step(ref_params, ref_state, grads)
     assert state.partition.resident == plan.resident
-    assert state.partition.per_subgroup == (storage is PER_SUBGROUP)
+    assert state.partition.per_subgroup
   assert step._cache_size() == len(plans)  # pylint: disable=protected-access
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_traced_step_refuses_a_state_laid_out_for_another_plan():
-  ours, _ = make_pair(dos_jax.AllHost(), platform='gpu', storage=PER_SUBGROUP)
-  params = random_tree(0)
+def test_a_traced_step_refuses_a_state_laid_out_for_another_plan(seed):
+  ours, _ = make_pair(dos_jax.AllHost(), platform='gpu')
+  params = random_tree(seed)
   state = ours.init(params)
   plan = dos_jax.Stride(2).plan(state.layout.spec())
   update = jax.jit(lambda g, s, p: ours.update(g, s, p, plan=plan))
   with pytest.raises(ValueError, match=r'dos_jax.migrate\(opt_state, plan\)'):
-    update(random_grads(params, 0, 0), state, params)
+    update(random_grads(params, 0, seed), state, params)
   # Eagerly, the update moves the rows itself.
-  _, new = ours.update(random_grads(params, 0, 0), state, params, plan=plan)
+  _, new = ours.update(random_grads(params, 0, seed), state, params, plan=plan)
   assert new.partition.streamed == tuple(sorted(plan.streamed))
 
 
-def test_a_plan_change_keeps_the_storage():
-  ours, _ = make_pair(dos_jax.AllHost(), platform='gpu', storage=PER_SUBGROUP)
-  state = ours.init(random_tree(0))
-  stacked = dos_jax.geometry.partition.for_plan(dos_jax.Stride(2).plan(state.layout.spec()), True)
-  with pytest.raises(ValueError, match='stored per subgroup, the plan asks for stacked'):
-    migration_lib.moved_in_trace(state, stacked)
+@dataclasses.dataclass(frozen=True)
+class _Backwards:
+  """Every other subgroup streamed, last first (the backward pass's order); the rest on
+  the host."""
+
+  buffers: int = 2
+
+  def plan(self, spec):
+    n = spec.num_subgroups
+    return dos_jax.Plan(streamed=tuple(range(n - 1, -1, -2)),
+                        host=tuple(range(n - 2, -1, -2)), buffers=self.buffers)
+
+
+@pytest.mark.parametrize('buffers', [2, 3])
+@pytest.mark.parametrize('impl', list(dos_jax.UpdateImpl), ids=lambda i: i.value)
+def test_a_stream_in_any_order_and_lanes_matches_optax(impl, buffers, seed):
+  """A stream out of ascending order, over 2 or 3 lanes (`buffers`), 4 streamed rows
+  (random_tree's 284 elements in subgroups of 41, decayed and not: 8 subgroups): the
+  state keeps the stream's order and the numbers are optax's."""
+  ours, ref = make_pair(_Backwards(buffers), subgroup_size=41, impl=impl, platform='gpu')
+  params = ref_params = jax.device_put(random_tree(seed), jax.devices()[0])
+  state, ref_state = ours.init(params), ref.init(params)
+  assert state.partition.stream == (7, 5, 3, 1) and state.partition.buffers == buffers
+  step, ref_step = jit_step(ours), jit_step(ref)
+  for i in range(3):
+    grads = random_grads(params, i, seed)
+    params, state = step(params, state, grads)
+    ref_params, ref_state = ref_step(ref_params, ref_state, grads)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('buffers', [1, 2, 3])
-def test_gpu_program_streams_rows_at_most_buffers_deep(buffers):
+def test_gpu_program_streams_rows_at_most_buffers_deep(buffers, seed):
   """Lowered for 'cuda': the streamed rows form `buffers` chains (row k + buffers
   starts only once row k is back in host memory), so at most `buffers` are in flight
   while rows of different chains are free to overlap; the host region stays
   independent of every one of them."""
-  graph = _update_graph(dos_jax.Stride(1, buffers=buffers), jnp.bfloat16, storage=PER_SUBGROUP)
+  graph = _update_graph(dos_jax.Stride(1, buffers=buffers), jnp.bfloat16, seed)
   stream = graph.with_kind(OpKind.PALLAS)
   assert len(stream) >= buffers + 3
   for k, row in enumerate(stream):
     for j, earlier in enumerate(stream[:k]):
       assert graph.depends(row, earlier) == ((k - j) % buffers == 0), (k, j)
-  mixed = _update_graph(dos_jax.Stride(2, buffers=buffers), jnp.float32, storage=PER_SUBGROUP)
+  mixed = _update_graph(dos_jax.Stride(2, buffers=buffers), jnp.float32, seed)
   host, stream = mixed.with_kind(OpKind.HOST_REGION), mixed.with_kind(OpKind.PALLAS)
   assert host and stream
   for h in host:
@@ -194,25 +216,18 @@ def dataset(tmp_path_factory):
   return out
 
 
-@pytest.mark.parametrize('storage', list(dos_jax.Storage), ids=lambda s: s.value)
-def test_the_trainer_moves_the_state_when_the_plan_changes(dataset, storage, monkeypatch):
+def test_the_trainer_moves_the_state_when_the_plan_changes(dataset):
   """The runner's steps (params and state donated, output shardings pinned) across
   plan changes of the accelerator program, host <-> device included: the state is moved
   before the step that needs it (timed as `migrate_s`), one program per plan and form,
   and the training is optax's."""
   cfg = config.load(None, [f'data.path={dataset}', *SMALL, 'model.compute_dtype=float32',
                            'model.n_layers=1', 'offload.subgroup_size=20000',
-                           'optim.clip_norm=0.5'])
-  make_offload = step_lib.make_offload
-  monkeypatch.setattr(step_lib, 'make_offload',
-                      lambda c, platform=None, data_axis='data', early_chooser=None:
-                      dataclasses.replace(make_offload(c, data_axis=data_axis,
-                                                       early_chooser=early_chooser),
-                                          platform=dos_jax.Program.TWO_MEMORIES, storage=storage))
+                           'optim.clip_norm=0.5', 'offload.platform=gpu'])
   run = trainer.build(cfg, devices=jax.devices()[:1])
   ref = trainer.build(cfg, devices=jax.devices()[:1],
                       tx=step_lib.make_optimizer(cfg.optim, None, cfg.train.steps))
-  assert run.opt_state.partition.per_subgroup == (storage is PER_SUBGROUP)
+  assert run.opt_state.partition.per_subgroup
   spec = run.opt_state.layout.spec()
   assert spec.num_subgroups >= 4
   plans = [p.plan(spec) for p in (
@@ -237,9 +252,12 @@ def test_checkpoint_forms_and_state_tools_work_per_subgroup(seed):
   from flax import serialization  # pylint: disable=import-outside-toplevel
   master = random_tree(seed)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
-  ours, _ = make_pair(MIXES[0], platform='gpu', storage=PER_SUBGROUP)
-  # A three-tier target on either side (the target's tiers differ in memory space).
-  stacked, _ = make_pair(dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(3)), platform='gpu')
+  ours, _ = make_pair(MIXES[0], platform='gpu')
+  # A three-tier target on either side (the target's tiers differ in memory space), and
+  # the one-memory program's single array.
+  other_plan, _ = make_pair(dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(3)),
+                            platform='gpu')
+  one_array, _ = make_pair(MIXES[0], platform='cpu')
   state = ours.init(params)
   step = jit_step(ours)
   for i in range(2):
@@ -247,11 +265,12 @@ def test_checkpoint_forms_and_state_tools_work_per_subgroup(seed):
   rows = [np.asarray(x) for x in state.rows()]
 
   trees = dos_jax.state_to_pytrees(state, params)
-  other = dos_jax.state_from_pytrees(trees, params, stacked)
-  back = dos_jax.state_from_pytrees(dos_jax.state_to_pytrees(other, params), params, ours)
-  assert not other.partition.per_subgroup and back.partition == state.partition
-  for a, b in zip(back.rows(), rows):
-    np.testing.assert_array_equal(np.asarray(a), b)
+  for target in (other_plan, one_array):
+    other = dos_jax.state_from_pytrees(trees, params, target)
+    back = dos_jax.state_from_pytrees(dos_jax.state_to_pytrees(other, params), params, ours)
+    assert other.partition != state.partition and back.partition == state.partition
+    for a, b in zip(back.rows(), rows):
+      np.testing.assert_array_equal(np.asarray(a), b)
   assert {x.sharding.memory_kind for x in back.host + back.streamed} == {'pinned_host'}
 
   restored = serialization.from_bytes(state, serialization.to_bytes(state))

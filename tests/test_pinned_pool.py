@@ -102,13 +102,16 @@ def test_adamw_init_on_gpu_raises_before_allocating(monkeypatch):
 def test_run_pinned_bytes_is_the_whole_state_per_process():
   sets = ['model.preset=7b', 'model.param_dtype=bfloat16', 'model.max_seq_len=2048',
           'data.seq_len=2048']
-  cfg = config.load(None, sets + ['offload.early_chunks=0'])
+  cfg = config.load(None, sets + ['optim.clip_norm=null'])  # nothing speculates
   n = cfg.model.shape().num_params()
   assert memory.run_pinned_bytes(cfg) == n * (12 + 2 + 2)
   assert memory.run_pinned_bytes(cfg, processes=4) == n * 16 / 4
   assert memory.run_pinned_bytes(config.load(None, ['offload.policy=all_device'])) == 0
-  # Early host chunks under clipping (the default) may keep an undo of the state.
+  # Early host calls under clipping (the default) may keep an undo of the state; the
+  # one-memory program has none.
   assert memory.run_pinned_bytes(config.load(None, sets)) == n * (12 + 12 + 2 + 2)
+  assert memory.run_pinned_bytes(config.load(None, sets + ['offload.platform=cpu'])) == (
+      n * (12 + 2 + 2))
 
 
 def test_plan_prints_the_pool_value():

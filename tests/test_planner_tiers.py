@@ -170,16 +170,17 @@ def test_runner_gives_auto_the_device_budget_of_its_run(seed):
   check (device memory less margin, params and grads) and the activations, so a run
   whose state fits keeps subgroups resident; on the CPU backend Auto gets none."""
   import jax  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import config, trainer  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import config  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import optimizer  # pylint: disable=import-outside-toplevel
 
   devices = jax.devices()[:1]
   cfg = config.load(None, ['offload.policy=auto', 'model.preset=125m'])
-  trainer.budget_auto(cfg, devices)
+  optimizer.budget_auto(cfg, devices)
   assert cfg.offload.placement.budget_bytes is None  # CPU: the device is the host.
 
   cfg = config.load(None, ['offload.policy=auto', 'model.preset=125m'])
   device_bytes = float(np.random.default_rng(seed).uniform(8, 80)) * 2**30
-  trainer.budget_auto(cfg, devices, device_bytes)
+  optimizer.budget_auto(cfg, devices, device_bytes)
   auto_policy = cfg.offload.placement
   size = memory._run_sizing(cfg, 1)  # pylint: disable=protected-access
   assert auto_policy.budget_bytes == pytest.approx(memory.device_budget(device_bytes, size))

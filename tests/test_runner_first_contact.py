@@ -193,7 +193,7 @@ def test_the_gpu_checks_step_part_runs_on_this_machines_backend(tmp_path):
   """`experiments/gpu_check.sh` parts 4 and 11 run `compile_gpu.py --run`, which must also
   run on a CPU (`gpu_check.sh --small`, the smoke test): the step's attention is resolved
   for this backend, not for a GPU (cuDNN is not on a CPU). Two steps of the packaged
-  tiny config, per subgroup with early host chunks, timed and written as JSON."""
+  tiny config (the accelerator program's one construction), timed and written as JSON."""
   import json  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
@@ -201,8 +201,7 @@ def test_the_gpu_checks_step_part_runs_on_this_machines_backend(tmp_path):
   script = pathlib.Path(__file__).parents[1] / 'experiments' / 'compile_gpu.py'
   out = tmp_path / 'step.json'
   done = subprocess.run(
-      [sys.executable, str(script), '--run', '2', '--policy', 'stride', '--storage',
-       'per_subgroup', '--set', 'offload.early_chunks=2', '--json', str(out)],
+      [sys.executable, str(script), '--run', '2', '--policy', 'stride', '--json', str(out)],
       capture_output=True, text=True, timeout=600, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   report = json.loads(out.read_text())

@@ -24,6 +24,7 @@ from tests.test_adamw import random_grads
 from tests.test_dropin import assert_close
 from tests.test_dropin import memory_kinds
 from tests.test_dropin import unpacked_master
+from tests.test_early_chunks import _with_early
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 (virtual) devices')
 
@@ -170,10 +171,11 @@ def test_the_zero1_update_is_optaxs_and_keeps_the_params_whole(platform, seed):
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('whole', [False, True], ids=['zero3', 'zero1'])
 def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, dtype, whole,
-                                                                       seed):
-  """Per-subgroup storage, the accelerator program: with the device stream on, each
-  device runs the host regions and the stream lanes on its own columns inside
-  `shard_map` (`lanes.sharded_two_streams`); with it off, jit partitions the step.
+                                                                       seed, monkeypatch):
+  """The accelerator program: where stream regions are available, each device runs
+  the host regions (early host calls included) and the stream lanes on its own columns
+  inside `shard_map` (`lanes.sharded_two_streams`); on a jax without them
+  (`device_stream.available()` False, patched here), jit partitions the step.
   Clipping that fires, 3 steps: the same numbers, bit for bit, and every split kept.
   ZeRO-1 (the params whole on every device, the state split shard-major) alike."""
   from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
@@ -181,15 +183,17 @@ def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, d
   params = _params(seed, dtype, mesh, whole=whole)
   shardings = jax.tree.map(lambda x: x.sharding, params)
   results = []
+  available = device_stream.available()
   for stream in (True, False):
-    offload = dos_jax.Offload(subgroup_size=40, policy=policy, platform='gpu',
-                              storage=dos_jax.Storage.PER_SUBGROUP, device_stream=stream)
+    if not stream:
+      monkeypatch.setattr(device_stream, 'available', lambda: False)
+    offload = dos_jax.Offload(subgroup_size=40, policy=policy, platform='gpu')
     state, step = _clipped_step(offload, params)
     grads = [jax.device_put(jax.tree.map(lambda x: 3 * x, random_grads(params, i, seed)),
                             shardings) for i in range(3)]
     regions = str(jax.make_jaxpr(step)(params, state, grads[0])).count(
         'dos_jax_stream_region[')
-    assert (regions > 0) is (stream and device_stream.available()), regions
+    assert (regions > 0) is (stream and available), regions
     results.append(_run(step, params, state, grads))
   _assert_bit_for_bit(*results, params)
 
@@ -323,7 +327,8 @@ def test_the_sharding_table_gives_each_params_fsdp_dimension():
                                   ['mesh.data=4'], ['mesh.data=2', 'mesh.tensor=2']],
                          ids=['fsdp4', 'fsdp2xtensor2', 'data4', 'data2xtensor2'])
 def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh, tmp_path):
-  """`offload.shard_major` on mesh.fsdp=4 (and 2 x tensor=2) against one device, 6
+  """The accelerator program's shard-major packing on mesh.fsdp=4 (and 2 x tensor=2)
+  (`offload.platform=gpu` on the CPU backend) against one device, 6
   steps (fp32 compute; tolerances as tests/test_fsdp.py: 1e-4 relative on losses, 1e-4
   absolute on params). With ZeRO-1 (mesh.data=4, and 2 x tensor=2) the params are whole
   on each data shard and the state is packed by the same table's dimensions, split over
@@ -335,7 +340,7 @@ def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh
   common = [f'data.path={out}', 'model.n_layers=2', 'model.compute_dtype=float32',
             'data.seq_len=32', 'data.batch_size=8', 'optim.lr=3e-3', 'train.steps=6',
             'train.eval_every=0', 'offload.subgroup_size=100000', 'offload.policy=stride',
-            'offload.shard_major=true']
+            'offload.platform=gpu']
   one = trainer.build(config.load(None, common + ['mesh.data=1']), devices=jax.devices()[:1])
   zero3 = trainer.build(config.load(None, common + ['mesh.data=1', *mesh]),
                         devices=jax.devices()[:4])
@@ -353,7 +358,7 @@ def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 def test_the_zero3_early_chunks_are_the_one_call_step_bit_for_bit(dtype, seed):
-  """Early host chunks on a state sharded shard-major: each device runs them inside
+  """Early host calls on a state sharded shard-major: each device runs them inside
   `shard_map`, on its own columns (`lanes.sharded_two_streams`). Against the same step
   with one host call: bit for bit over 4 steps, with clipping that fires (a rollback)
   on steps 0 and 2 and not on 1 and 3, and every split kept."""
@@ -368,9 +373,9 @@ def test_the_zero3_early_chunks_are_the_one_call_step_bit_for_bit(dtype, seed):
                           shardings) for i, k in enumerate(scales)]
   results = []
   for early in (2, 0):
-    offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform='gpu',
-                              storage=dos_jax.Storage.PER_SUBGROUP, early_chunks=early)
+    offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform='gpu')
     state, step = _clipped_step(offload, params)
+    state = _with_early(state, early)
     text = str(jax.make_jaxpr(step)(params, state, grads[0]))
     assert ('shard_map' in text) and ('dos_jax_stream_region[' in text)
     lowered = step.lower(params, state, grads[0]).as_text()

@@ -12,14 +12,16 @@ import dos_jax
 from tests.test_adamw import random_grads
 
 
-PER_SUBGROUP = dict(platform='gpu', storage=dos_jax.Storage.PER_SUBGROUP)
+# The accelerator program (stored per subgroup), run on the CPU backend; `{}`: the
+# backend's, the one-memory program (one array).
+TWO_MEMORIES = dict(platform='gpu')
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 (virtual) devices')
 @pytest.mark.parametrize('policy, extra', [
     (dos_jax.AllHost(), {}), (dos_jax.Stride(2), {}),
     # The accelerator program stored per subgroup, moved to AllHost after two steps.
-    (dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(2)), PER_SUBGROUP)], ids=repr)
+    (dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(2)), TWO_MEMORIES)], ids=repr)
 def test_sharded_matches_unsharded(policy, extra, seed):
   rng = np.random.default_rng(seed)
   params = {'w1': jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
@@ -64,7 +66,7 @@ def test_sharded_matches_unsharded(policy, extra, seed):
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 (virtual) devices')
-@pytest.mark.parametrize('extra', [{}, PER_SUBGROUP], ids=['stacked', 'per-subgroup'])
+@pytest.mark.parametrize('extra', [{}, TWO_MEMORIES], ids=['one-memory', 'two-memories'])
 def test_explicit_axes_mesh_is_accepted(extra):
   """Explicit mesh axes (jax.make_mesh's default) shard the state like Auto ones; the
   steps' numbers are checked in tests/test_dropin.py."""
@@ -133,11 +135,9 @@ def test_sharded_state_runs_the_native_kernel_per_shard(policy, dtype, seed):
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 (virtual) devices')
-@pytest.mark.parametrize('storage', [None, dos_jax.Storage.PER_SUBGROUP],
-                         ids=['stacked', 'per-subgroup'])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
-def test_sharded_accelerator_program_runs_the_native_kernel_per_shard(policy, dtype, storage, seed):
+def test_sharded_accelerator_program_runs_the_native_kernel_per_shard(policy, dtype, seed):
   """The accelerator program (platform='gpu', run on the CPU backend) on data=2 x
   tensor=2: the host tier's data shards are updated by the native host AdamW, one call
   per shard inside a host region; the result is optax's, and the host tier is bit for
@@ -177,8 +177,7 @@ def test_sharded_accelerator_program_runs_the_native_kernel_per_shard(policy, dt
       p, state = step(p, state, put(random_grads(params, i, seed)))
     return p, state, text
 
-  offload = dos_jax.Offload(subgroup_size=150, policy=policy, platform='gpu',
-                            storage=storage)
+  offload = dos_jax.Offload(subgroup_size=150, policy=policy, platform='gpu')
   p, state, text = train(dos_jax.adamw(lr, weight_decay=0.1, mask=mask, offload=offload))
   assert 'dos_jax_adamw_host_leaves' in text
   one_p, one_state, _ = train(dos_jax.adamw(lr, weight_decay=0.1, mask=mask, offload=offload),

@@ -3,7 +3,6 @@ and the cost model's exposed last gradient, against hand counts, the packed layo
 optimizer really builds, and (where the CUDA plugin is installed) the step compiled for
 an H100."""
 
-import dataclasses
 
 import jax
 import pytest
@@ -75,9 +74,15 @@ def test_host_temp_and_update_phase_by_hand():
   # The host rows' gradient pieces (bf16); the state is updated in its own buffer.
   assert got.host_temp_bytes == 7 * s * 2
   # Packing: every gradient leaf, the flat device-bound gradients and their rows, and
-  # the host rows' new params; the device loop holds less.
+  # the host rows' new params. The device loop: its rows' gradients, the stream (stored
+  # per subgroup in stream regions, every streamed row's state and the params it packs;
+  # on a jax without stream regions, `buffers` rows of state) and every subgroup's new
+  # params. The update phase holds the larger.
+  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   n = 918656
-  assert got.update_temp == n * 2 + 2 * 8 * s * 2 + 7 * s * 2
+  packing = n * 2 + 2 * 8 * s * 2 + 7 * s * 2
+  stream = 8 * s * (12 + 2) if device_stream.available() else 2 * s * 12
+  assert got.update_temp == max(packing, 8 * s * 2 + stream + 15 * s * 2)
   assert got.arguments == n * 2 + 4 * 32 * 129
   assert got.device_bytes == got.arguments + got.backward_temp  # activations dominate
   # AllHost in fp32: the host pulls gradients and params, and nothing is packed.
@@ -157,8 +162,7 @@ def _update_bound_cfg(*overrides):
   if not device_stream.available():
     pytest.skip('this jax builds no stream region')
   return _cfg('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
-              'optim.clip_norm=1.0', 'offload.early_chunks=0', 'data.seq_len=32',
-              'data.batch_size=2', 'offload.storage=per_subgroup', *overrides)
+              'optim.clip_norm=1.0', 'data.seq_len=32', 'data.batch_size=2', *overrides)
 
 
 def _compile(cfg):
@@ -172,145 +176,24 @@ def test_per_subgroup_stream_holds_every_streamed_row(subgroup_size):
   """Stored per subgroup, the device tiers run in stream regions, and XLA keeps each
   value of a region live until its done: the update phase holds every streamed row's
   state (and the params it packs), not `buffers` rows. An update-bound step (short
-  sequences, bf16, Stride(2)) compiled for an H100 is within 10% of that prediction;
-  the `buffers`-row model misses it by more than 40%."""
+  sequences, bf16, Stride(2)) compiled for an H100 is within 10% of that prediction."""
   cfg = _update_bound_cfg(f'offload.subgroup_size={subgroup_size}')
   compiled = _compile(cfg).memory.device_peak_bytes
   assert step_memory.predict_step(cfg).device_bytes == pytest.approx(compiled, rel=0.10)
-  assert step_memory.predict_step(cfg, stacked=True).device_bytes < 0.6 * compiled
-
-
-@pytest.mark.compiled_gpu
-@pytest.mark.parametrize('chunks', [2, 3])
-def test_linked_chunks_hold_one_chunks_rows(chunks):
-  """In `offload.chunks` linked chunks, chunk k+1's stream regions start after chunk
-  k's are done: the update holds the largest chunk's streamed rows. The update-bound
-  step above compiled for an H100 is within 10% of that prediction and well under the
-  unchunked step's."""
-  cfg = _update_bound_cfg('offload.subgroup_size=16384', f'offload.chunks={chunks}')
-  program = _compile(cfg)
-  assert len(program.schedule.host_calls) == chunks, program.schedule.host_calls
-  compiled = program.memory.device_peak_bytes
-  assert step_memory.predict_step(cfg).device_bytes == pytest.approx(compiled, rel=0.10)
-  assert compiled < 0.85 * step_memory.predict_step(cfg, chunks=0).device_bytes
-
-
-class _Gpu:
-  """A device of the accelerator program, as `trainer.fit_stream` reads one: only its
-  platform (this machine has none; the memory is passed as `device_bytes`)."""
-
-  platform = 'gpu'
-
-
-def _tight(cfg, spare: float) -> float:
-  """Device bytes that leave `spare` bytes beside the model and the margin."""
-  budget, _ = memory.run_budget(cfg, [_Gpu()], 1e12)
-  model_bytes = 1e12 * (1 - memory.MARGIN) - budget  # params and grads
-  return (model_bytes + spare) / (1 - memory.MARGIN)
-
-
-def _state(cfg):
-  params = jax.eval_shape(lambda: model_lib.init_params(cfg.model, 0))
-  tx = step_lib.make_optimizer(cfg.optim, cfg.offload, cfg.train.steps,
-                               platform=dos_jax.Program.TWO_MEMORIES)
-  return dos_jax.abstract_state(tx, params)
-
-
-def test_a_stream_that_does_not_fit_runs_in_the_fewest_linked_chunks_that_do():
-  """`offload.chunks: auto` (the default) on a GPU: a fixed policy whose per-subgroup
-  stream holds every streamed row and does not fit runs in the fewest linked chunks
-  that fit, early host calls off, and says so in one line; the built state then passes
-  the memory check, which stops the same run with chunks off. A budget that fits
-  changes nothing."""
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import trainer  # pylint: disable=import-outside-toplevel
-  from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region: the stream holds `buffers` rows')
-  cfg = _cfg('offload.policy=stride', 'model.n_layers=4', 'offload.subgroup_size=16384',
-             'data.seq_len=32', 'data.batch_size=2')
-  spec = step_memory.run_spec(cfg)
-  plan = cfg.offload.placement.plan(spec)
-  row = (spec.state_bytes_per_element + spec.param_bytes_per_element) * spec.subgroup_size
-  assert len(plan.streamed) >= 4 and len(plan.host) >= 2
-  acts = memory.run_budget(cfg, [_Gpu()], 1e12)[1]
-  # Room for half the streamed rows beside the activations' share, not for all.
-  tight = _tight(cfg, max(acts, row * (len(plan.streamed) + 1) // 2))
-  fitted, note = trainer.fit_stream(cfg, [_Gpu()], device_bytes=tight)
-  assert fitted.offload.chunks == 2 and fitted.offload.early_chunks == 0, fitted.offload
-  assert note is not None and 'the step runs in 2 linked chunks' in note, note
-  trainer.check_stream_memory(fitted, _state(fitted), [_Gpu()], device_bytes=tight)
-  off = dataclasses.replace(fitted, offload=dataclasses.replace(fitted.offload, chunks=0,
-                                                                storage='per_subgroup'))
-  with pytest.raises(ConfigError, match='split the step into linked chunks'):
-    trainer.check_stream_memory(off, _state(off), [_Gpu()], device_bytes=tight)
-  roomy, note = trainer.fit_stream(cfg, [_Gpu()], device_bytes=1e12)
-  assert roomy.offload.chunks == 0 and roomy.offload.early_chunks == 'auto' and note is None
-  # On the CPU backend nothing is fitted.
-  cpu, note = trainer.fit_stream(cfg, jax.devices()[:1], device_bytes=tight)
-  assert cpu.offload.chunks == 0 and note is None
-
-
-def test_where_no_chunk_count_applies_the_state_is_stacked():
-  """One host subgroup leaves nothing to chunk: with `offload.storage` unset the run's
-  state is stacked (the stream holds `buffers` rows, one host call); with
-  `per_subgroup` asked for, or early host calls given, nothing changes and the memory
-  check names `offload.policy`."""
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import trainer  # pylint: disable=import-outside-toplevel
-  from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region: the stream holds `buffers` rows')
-  cfg = _cfg('offload.policy=device_fraction', 'offload.fraction=0.9', 'model.n_layers=4',
-             'offload.subgroup_size=65536', 'data.seq_len=32', 'data.batch_size=2')
-  spec = step_memory.run_spec(cfg)
-  plan = cfg.offload.placement.plan(spec)
-  assert len(plan.host) == 1 and len(plan.streamed) > 3, plan
-  row = (spec.state_bytes_per_element + spec.param_bytes_per_element) * spec.subgroup_size
-  acts = memory.run_budget(cfg, [_Gpu()], 1e12)[1]
-  tight = _tight(cfg, max(acts, 3 * row))
-  stacked, note = trainer.fit_stream(cfg, [_Gpu()], device_bytes=tight)
-  assert stacked.offload.storage == 'stacked' and stacked.offload.chunks == 0, stacked.offload
-  assert note is not None and 'the state is stacked' in note, note
-  trainer.check_stream_memory(stacked, _state(stacked), [_Gpu()], device_bytes=tight)
-  for given in ('offload.storage=per_subgroup', 'offload.early_chunks=[1]'):
-    asked = _cfg('offload.policy=device_fraction', 'offload.fraction=0.9',
-                 'model.n_layers=4', 'offload.subgroup_size=65536', 'data.seq_len=32',
-                 'data.batch_size=2', given)
-    same, note = trainer.fit_stream(asked, [_Gpu()], device_bytes=tight)
-    assert note is None and same.offload.chunks == 0, (given, same.offload)
-    with pytest.raises(ConfigError, match='^offload.policy=device_fraction: '):
-      trainer.check_stream_memory(same, _state(same), [_Gpu()], device_bytes=tight)
-
-
-def test_chunks_that_cannot_apply_are_one_line_naming_the_key():
-  """`offload.chunks` below 0, with stacked storage, or beside early host calls: one
-  `ConfigError` naming `offload.chunks`."""
-  from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
-  with pytest.raises(ConfigError, match='offload.chunks: expected auto or an integer'):
-    _cfg('offload.chunks=-1')
-  for given in ('offload.storage=stacked', 'offload.early_chunks=[1]'):
-    cfg = _cfg('offload.policy=stride', 'offload.chunks=2', given)
-    with pytest.raises(ConfigError, match=r'^offload\.chunks: Offload\.'):
-      step_lib.make_offload(cfg.offload, dos_jax.Program.TWO_MEMORIES)
-  cfg = _cfg('offload.policy=stride', 'offload.chunks=2')
-  made = step_lib.make_offload(cfg.offload, dos_jax.Program.TWO_MEMORIES)
-  assert made.chunks == 2 and made.per_subgroup() and made.early_chunks == 0
 
 
 def test_a_stream_that_does_not_fit_is_named_before_xla_allocates():
   """A fixed placement whose per-subgroup stream (every streamed row at once) does not
   fit the device memory beside the model fails up front with one line naming
-  `offload.policy`; the same plan fits with room to spare, and stacked storage, which
-  holds `buffers` rows, needs less. The accelerator program's state, built abstractly;
-  the device memory is given."""
+  `offload.policy`; the same plan fits with room to spare, and a stream without stream
+  regions (a jax that builds none), which holds `buffers` rows, needs less. The
+  accelerator program's state, built abstractly; the device memory is given."""
   from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import trainer  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import optimizer as optimizer_lib  # pylint: disable=import-outside-toplevel
   from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
   if not device_stream.available():
     pytest.skip('this jax builds no stream region: the stream holds `buffers` rows')
   cfg = _cfg('offload.policy=stride', 'model.n_layers=4', 'offload.subgroup_size=16384',
-             'offload.storage=per_subgroup', 'offload.early_chunks=0',
              'data.seq_len=32', 'data.batch_size=2')
   devices = jax.devices()[:1]
   params = jax.eval_shape(lambda: model_lib.init_params(cfg.model, 0))
@@ -325,13 +208,12 @@ def test_a_stream_that_does_not_fit_is_named_before_xla_allocates():
   budget, _ = memory.run_budget(cfg, devices, 1e12)
   model_bytes = 1e12 * (1 - memory.MARGIN) - budget  # params and grads
   tight = (model_bytes + 4e6) / (1 - memory.MARGIN)  # 4 MB beside the model
-  line = step_memory.stream_shortfall(cfg, plan, devices, stacked=False, device_bytes=tight)
+  line = step_memory.stream_shortfall(cfg, plan, devices, device_bytes=tight)
   assert line is not None and line.startswith('offload.policy=stride:'), line
   assert f'all {len(plan.streamed)} streamed subgroups' in line, line
-  assert step_memory.stream_shortfall(cfg, plan, devices, stacked=False,
-                                      device_bytes=1e12) is None
-  assert step_memory.stream_shortfall(cfg, plan, devices, stacked=True,
-                                      device_bytes=tight) is None
+  assert step_memory.stream_shortfall(cfg, plan, devices, device_bytes=1e12) is None
+  assert step_memory.stream_shortfall(cfg, plan, devices, device_bytes=tight,
+                                      regions=False) is None
   with pytest.raises(ConfigError, match='offload.policy=stride'):
-    trainer.check_stream_memory(cfg, opt_state, devices, device_bytes=tight)
-  trainer.check_stream_memory(cfg, opt_state, devices, device_bytes=1e12)
+    optimizer_lib.check_stream_memory(cfg, opt_state, devices, device_bytes=tight)
+  optimizer_lib.check_stream_memory(cfg, opt_state, devices, device_bytes=1e12)

@@ -315,11 +315,11 @@ def run_pinned_bytes(cfg, processes: int = 1, local_devices: int | None = None) 
 
 
 def _may_speculate(cfg) -> bool:
-  """Whether a run's early host chunks may keep an undo copy of host state: a clip
-  norm, and early chunks set or left to the run (`auto`: on a GPU every offloading
-  policy may get them, `dos_jax.train.trainer.early_chooser`)."""
-  early = getattr(cfg.offload, 'early_chunks', 0)
-  return cfg.optim.clip_norm is not None and early != 0
+  """Whether a run's early host calls may keep an undo copy of host state: a clip norm,
+  on the two-memory program (a GPU run, or `offload.platform: gpu`), where every
+  offloading policy gets them (`Partition.early`); the one-memory program
+  (`offload.platform: cpu`) has none."""
+  return cfg.optim.clip_norm is not None and cfg.offload.platform != 'cpu'
 
 
 def check_run(cfg) -> str | None:
