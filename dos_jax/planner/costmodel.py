@@ -9,18 +9,17 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
 
 * device subgroups go through a pipeline of `plan.buffers` device buffers: state in
   (H2D), the device AdamW, state out (D2H); row i+1's fetch never waits for row i's
-  write-back (`paths.interleaved_loop`; checked on the program compiled for an H100).
-  Stored per subgroup, the rows go round-robin over `buffers` stream lanes, each a
+  write-back (checked on the program compiled for an H100). The rows go round-robin
+  over min(`buffers`, 2) stream lanes, each a
   stream region running its rows' H2D, AdamW and D2H in turn (XLA runs a region's
   copies one after another), consecutive rows on different streams, so the two
   directions run at once and the steady-state period per subgroup is
-  `max(h, c, d, (h + c + d) / buffers)`. Stacked (`stacked=True`), the
-  stream is stored as `buffers` interleaved blocks (`paths.interleaved_loop`): the
+  `max(h, c, d, (h + c + d) / buffers)`. `stacked=True` models the stream of a
+  stacked tier, which the step no longer builds (its history: experiments/notes): the
   same full-duplex period, plus the `buffers - 1` extra fetches of the last row the
   loop makes and, where `buffers` does not divide the row count, one masked round trip
   per missing position. Either way, one first subgroup's latency fills the pipeline.
-  In device memory the stacked stream holds `buffers` rows; stored per subgroup in stream
-  regions it holds every streamed row until the regions are done
+  In device memory the stream regions hold every streamed row until the regions are done
   (`streamed_elements_held`), within the memory the backward pass frees;
 * host subgroups need their gradients D2H, the host AdamW, and their new low-precision
   params H2D. The gradients leave the device piece by piece as the backward pass makes
@@ -212,8 +211,9 @@ def stream_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
 
 
 def chunk_count(plan: Plan, chunks: int) -> int:
-  """How many linked chunks `Offload(chunks=chunks)` runs `plan` in: at most `chunks`,
-  each with a host and a streamed subgroup at least (`dos_jax.step.chunked`)."""
+  """How many linked chunks a `chunks`-chunk step would run `plan` in (a model only:
+  the step no longer builds linked chunks): at most `chunks`, each with a host and a
+  streamed subgroup at least."""
   return max(1, min(chunks, len(plan.host), len(plan.streamed)))
 
 
@@ -231,8 +231,8 @@ def streamed_elements_held(plan: Plan, dev_sizes: list[int], *, stacked: bool,
   each value of an asynchronous computation live until its done (`HloLiveRange`), so a
   lane's region holds all of its rows; chaining one region per row would need a data
   edge between grouped calls, which XLA 0.11 rejects ("annotation groups with gaps";
-  RESULTS.md, 2026-11-26, ninth session). In `chunks` linked chunks
-  (`Offload(chunks=...)`, `dos_jax.step.chunked`) chunk k+1's regions start after
+  RESULTS.md, 2026-11-26, ninth session). In `chunks` linked chunks (a model only:
+  the step no longer builds them) chunk k+1's regions start after
   chunk k's are done, so the stream holds the largest chunk's rows (`dev_sizes` in
   stream order). `regions`: whether the step runs the rows in stream regions
   (`dos_jax.stream_regions` says for a built state); None: where they
@@ -270,11 +270,10 @@ def predict(
       matmul (the runner's model: the input embedding's); its host-bound share (the
       host subgroups' share of the elements) leaves the device with nothing to hide
       behind.
-    stacked: the streamed tier is stacked (`Storage.STACKED`, the default of fixed
-      policies) rather than an array per subgroup (see the module docstring).
-    chunks: per subgroup, the step's linked chunks (`Offload.chunks`): the device
-      memory the stream holds (`streamed_elements_held`); their time is
-      `timeline.timeline`'s.
+    stacked: model a stacked streamed tier (see the module docstring; the step stores
+      per subgroup).
+    chunks: model linked chunks (a model only): the device memory the stream holds
+      (`streamed_elements_held`); their time is `timeline.timeline`'s.
   """
   if plan.num_subgroups != spec.num_subgroups:
     raise ValueError(
@@ -405,8 +404,8 @@ def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan
   Rows that become resident cross H2D, rows that leave the resident tier cross D2H,
   and rows moving between the two host tiers are copied in host memory (read + write,
   at the host AdamW's memory rate: 28 bytes per param it streams), except with
-  `per_subgroup` storage (`dos_jax.Storage`), where such a row keeps its buffer and
-  costs nothing. Stacked, a streamed row whose interleaved block changes (its
+  `per_subgroup` storage (the accelerator program's), where such a row keeps its buffer
+  and costs nothing. Stacked, a streamed row whose interleaved block changes (its
   position in the stream modulo `buffers`, `Partition.blocks`) is copied in host
   memory too; otherwise the order within a tier does not matter.
   """

@@ -373,8 +373,8 @@ def handler(args) -> int:
   print(f'  pinned host (node): optimizer state {_gib(on_host)} of {_gib(host_state)}'
         f' ({state_bytes} B/param) in {_gib(host_mem) if host_mem else "unknown"}')
   # Every subgroup on the host pins the most: the state, gradients in, new params out,
-  # and the undo of early host chunks speculating on the clip factor (at most the state
-  # once more; `offload.early_chunks: 0` drops it).
+  # and the undo of early host calls speculating on the clip factor (at most the state
+  # once more; the two-memory program without clipping has none).
   pool = size.num_elements * devices * (2 * state_bytes + 2 * param_bytes)
   print(f'  pinned host pool: {pinned_pool.ENV_VAR}={pinned_pool.required_gib(pool)} per'
         f' process, one process per node ({_gib(pool)} for any plan with early host chunks'
@@ -464,7 +464,7 @@ def _chunk_line(profile, spec, name, plan, fwd, bwd, clip_rate: float) -> str:
   calls = f'{len(early)} early host call' + ('s' if len(early) > 1 else '')
   undo = sum(early) * spec.subgroup_size * spec.state_bytes_per_element
   return (line + f'; {calls} of {early[0]} subgroup{"s" if early[0] > 1 else ""}'
-          f' during the backward pass (offload.early_chunks: [{early[0]}] x {len(early)}),'
+          f' during the backward pass (Partition.early: ({early[0]},) x {len(early)}),'
           f' speculating on the clip factor: {_ms(calm)}, {_ms(fired)} on a step that rolls'
           f' back, mean {_ms(mean)} at a clip rate of {clip_rate:g} ({one / mean:.2f}x);'
           f' their undo copy takes {_gib(undo)} of pinned host memory')
