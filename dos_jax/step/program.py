@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.shard_alike import shard_alike
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -185,13 +184,23 @@ def _updates_from_leaves(leaves: list[jax.Array], layout: layout_lib.Layout,
   ]
 
 
+def _shard_alike(leaf, other):
+  """`leaf` sharded as `other` (`jax.experimental.shard_alike`, which jax 0.11 removed:
+  there `leaf` as it is, and XLA's sharding propagation decides)."""
+  try:
+    from jax.experimental.shard_alike import shard_alike  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return leaf
+  return shard_alike(leaf, other)[0]
+
+
 def _constrain_like(leaves: list[jax.Array], shardings, like: list[jax.Array]
                     ) -> list[jax.Array]:
   """`leaves` in the params' `shardings`; where one is not known (a state built under
   jit, from tracers), sharded as the leaf of `like` (the params, else the gradients)."""
   def pin(leaf, s, other):
     if s is None:
-      return shard_alike(leaf, other)[0] if leaf.shape == other.shape else leaf
+      return _shard_alike(leaf, other) if leaf.shape == other.shape else leaf
     if isinstance(s, NamedSharding) and meshes.is_explicit(s.mesh):
       return jax.device_put(leaf, s)
     return jax.lax.with_sharding_constraint(leaf, s)
