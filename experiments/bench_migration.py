@@ -1,16 +1,21 @@
-"""What a plan change costs: `dos_jax.migrate` with stacked against per-subgroup storage.
+"""What a plan change costs: `dos_jax.migrate` against a full copy of the state.
 
-For each storage (`dos_jax.Storage`), the state of `--params` elements is made under the
-first of `--plans`, then moved through the others in order, twice round (the first
-round compiles the stacked rebuild programs; the second is reported). Each move is
-timed and the memory it adds is measured while the old state is still held, as a
-caller holds it until the move returns: the bytes of the new arrays that share no
-buffer with the old state (exact), the change in the process's resident memory (host
-memory, pinned included, and on a CPU-only machine device memory too; the allocator
-can hide some of it by reusing memory it freed before) and, on an accelerator, the
-device's bytes in use. Per-subgroup storage should add only the rows that change
-memory; stacked storage adds every tier whose subgroups change. The ratio column is
-per-subgroup over stacked for the same move, measured in the same run.
+The accelerator program stores its state per subgroup (one block per subgroup), so a
+plan change moves only the subgroups whose tier changes. The state of `--params`
+elements is made under the first of `--plans`, then moved through the others in order,
+twice round (the first round compiles whatever needs compiling; the second is
+reported). Each move is timed and the memory it adds is measured while the old state
+is still held, as a caller holds it until the move returns: the bytes of the new
+arrays that share no buffer with the old state (exact), the change in the process's
+resident memory (host memory, pinned included, and on a CPU-only machine device memory
+too; the allocator can hide some of it by reusing memory it freed before) and, on an
+accelerator, the device's bytes in use. The reference is a full copy of the state
+before the move (every array copied where it is, `jax.device_put(..., may_alias=False)`),
+timed the same way: the ratio columns are the move over the copy. A move should add
+only the rows that change memory.
+
+(Stacked storage of the accelerator program, which this compared before, is gone:
+issue 40.)
 
   python experiments/bench_migration.py --params 2e8 --subgroup-size 1e7 --platform gpu
   python experiments/bench_migration.py --params 1e9 --subgroup-size 1e8 --dtype bf16 \\
@@ -72,10 +77,16 @@ def moved_rows(old: Partition, new: Partition) -> tuple[int, int]:
   return crossing, within
 
 
-def run_storage(storage: dos_jax.Storage, params, policies, args) -> list[dict]:
-  """Every move of two rounds through `policies`; the second round's rows."""
+def full_copy(state):
+  """Every array of `state` copied where it is (same sharding and memory kind)."""
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+
+
+def run_moves(params, policies, args) -> list[dict]:
+  """Every move of two rounds through `policies`, each with a full copy of the state it
+  starts from; the second round's rows."""
   offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policies[0][1],
-                            platform=args.platform, storage=storage)
+                            platform=args.platform)
   state = jax.block_until_ready(dos_jax.adamw(1e-3, offload=offload).init(params))
   spec = state.layout.spec()
   row_bytes = sum(x.nbytes for x in jax.tree.leaves(state)) / spec.num_subgroups
@@ -83,6 +94,11 @@ def run_storage(storage: dos_jax.Storage, params, policies, args) -> list[dict]:
   rows = []
   for round_ in range(2):
     for name, policy in order:
+      start = time.perf_counter()
+      copy = jax.block_until_ready(full_copy(state))
+      copy_seconds = time.perf_counter() - start
+      copy_bytes = new_buffer_bytes(state, copy)
+      del copy
       plan = policy.plan(spec)
       host0, dev0 = resident_bytes(), device_bytes()
       start = time.perf_counter()
@@ -95,6 +111,7 @@ def run_storage(storage: dos_jax.Storage, params, policies, args) -> list[dict]:
             'to': name, 'seconds': seconds, 'new_bytes': new_buffer_bytes(state, new),
             'host_added': host1 - host0,
             'device_added': None if dev0 is None else dev1 - dev0,
+            'copy_seconds': copy_seconds, 'copy_bytes': copy_bytes,
             'rows_crossing': crossing, 'rows_within_host': within, 'row_bytes': row_bytes})
       state = new  # the old state goes now, as a caller's would
   return rows
@@ -124,25 +141,22 @@ def main(argv=None) -> int:
             f' {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__},'
             f' platform {args.platform or "backend"}')
   print(header)
-  results = {s.value: run_storage(s, params, policies, args) for s in dos_jax.Storage}
-  stacked, per = results['stacked'], results['per_subgroup']
+  rows = run_moves(params, policies, args)
   mib = lambda b: 'n/a' if b is None else f'{b / 2**20:8.1f}'
-  print(f'{"move to":<22} {"rows x/in":>9}  {"stacked s":>9} {"new MiB":>8} {"RSS MiB":>8}   '
-        f'{"per-sub s":>9} {"new MiB":>8} {"RSS MiB":>8}   {"time":>5} {"new":>5}')
-  for a, b in zip(stacked, per):
-    ratio_s = b['seconds'] / a['seconds'] if a['seconds'] else float('nan')
-    ratio_m = b['new_bytes'] / a['new_bytes'] if a['new_bytes'] else float('nan')
-    print(f'{a["to"]:<22} {a["rows_crossing"]:>4}/{a["rows_within_host"]:<4}  '
-          f'{a["seconds"]:9.3f} {mib(a["new_bytes"])} {mib(a["host_added"])}   '
-          f'{b["seconds"]:9.3f} {mib(b["new_bytes"])} {mib(b["host_added"])}   '
-          f'{ratio_s:5.2f}x {ratio_m:5.2f}x')
-    if a['device_added'] is not None:
-      print(f'{"":<22} device MiB added: stacked {mib(a["device_added"])},'
-            f' per subgroup {mib(b["device_added"])}')
-  print(f'one row (subgroup) of state: {mib(stacked[0]["row_bytes"]).strip()} MiB')
+  print(f'{"move to":<22} {"rows x/in":>9}  {"move s":>9} {"new MiB":>8} {"RSS MiB":>8}   '
+        f'{"copy s":>9} {"new MiB":>8}   {"time":>5} {"new":>5}')
+  for r in rows:
+    ratio_s = r['seconds'] / r['copy_seconds'] if r['copy_seconds'] else float('nan')
+    ratio_m = r['new_bytes'] / r['copy_bytes'] if r['copy_bytes'] else float('nan')
+    print(f'{r["to"]:<22} {r["rows_crossing"]:>4}/{r["rows_within_host"]:<4}  '
+          f'{r["seconds"]:9.3f} {mib(r["new_bytes"])} {mib(r["host_added"])}   '
+          f'{r["copy_seconds"]:9.3f} {mib(r["copy_bytes"])}   {ratio_s:5.2f}x {ratio_m:5.2f}x')
+    if r['device_added'] is not None:
+      print(f'{"":<22} device MiB added: {mib(r["device_added"])}')
+  print(f'one row (subgroup) of state: {mib(rows[0]["row_bytes"]).strip()} MiB')
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump({'header': header, 'config': vars(args), 'results': results}, f, indent=1)
+      json.dump({'header': header, 'config': vars(args), 'results': rows}, f, indent=1)
   return 0
 
 

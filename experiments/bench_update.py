@@ -22,6 +22,11 @@ it measured.
 On a CPU-only machine every "device" is the CPU, so the policies differ only in the
 loop structure and memory kinds; only a GPU can rank them (see RESULTS.md).
 
+The accelerator program splits its host tier into early host calls by the rule
+(`partition.early_host_calls`: here, with no backward pass to overlap, they only cut
+the host work in calls); `--early none` times one host call instead
+(`dos_jax.migrate(..., early=())`), `--early both` each in the same run.
+
 `--mesh 2x2` runs on a (data, tensor) mesh of that many (virtual, on CPU) devices with
 the state sharded over `data` (ZeRO-1); params are replicated, optax likewise.
 """
@@ -74,11 +79,15 @@ def synthetic(num_params: int, dtype):
   return params, grads
 
 
-def time_step(opt, params, grads, reps: int, plan=None, warmup: int = 2) -> dict:
-  """Seconds of `opt.init`, of each warm-up step and the median of `reps` timed steps."""
+def time_step(opt, params, grads, reps: int, plan=None, warmup: int = 2,
+              early: tuple[int, ...] | None = None) -> dict:
+  """Seconds of `opt.init`, of each warm-up step and the median of `reps` timed steps;
+  `early`: other early host calls than the state's (`dos_jax.migrate`)."""
   start = time.perf_counter()
   state = jax.block_until_ready(opt.init(params))
   init_s = time.perf_counter() - start
+  if early is not None and isinstance(state, dos_jax.OffloadedState):
+    state = dos_jax.migrate(state, state.partition.plan, early=early)
   kwargs = {} if plan is None else {'plan': plan}
 
   def step(p, s, g):
@@ -121,16 +130,11 @@ def main(argv=None) -> int:
   parser.add_argument('--impl', choices=[i.value for i in dos_jax.UpdateImpl], default='kernel')
   parser.add_argument('--platform', choices=['cpu', 'gpu'], default=None,
                       help="Offload(platform=...); default: the backend's own program")
-  parser.add_argument('--storage', choices=[s.value for s in dos_jax.Storage], default=None,
-                      help='Offload(storage=...); default: per subgroup for Auto, else stacked')
   parser.add_argument('--mesh', default=None,
                       help="DATAxTENSOR, e.g. 2x2: shard the state over a 'data' axis")
-  parser.add_argument('--device-stream', choices=['on', 'off', 'both'], default='on',
-                      help="Offload.device_stream (per-subgroup storage); 'both' times each"
-                      ' policy with and without, in the same run')
-  parser.add_argument('--stream-lanes', default='0',
-                      help='Offload.stream_lanes with the device stream on, comma-separated'
-                      ' to time each in the same run (0: the plan\'s buffers; 1: one region)')
+  parser.add_argument('--early', choices=['rule', 'none', 'both'], default='rule',
+                      help="the accelerator program's early host calls: the rule's, none"
+                      " (one host call), or 'both' to time each in the same run")
   parser.add_argument('--json', default=None, help='write the results here as JSON too')
   args = parser.parse_args(argv)
   specs = [s.strip() for s in re.findall(r'[^,(]+(?:\([^)]*\))?', args.policies) if s.strip()]
@@ -197,24 +201,18 @@ def main(argv=None) -> int:
       return time_step(optax.adamw(1e-3), master, grads, args.reps, warmup=args.warmup)
     attempt('jit(optax.adamw)', baseline)
   impl = dos_jax.UpdateImpl(args.impl)
-  streams = {'on': (True,), 'off': (False,), 'both': (True, False)}[args.device_stream]
-  lane_counts = [int(x) for x in args.stream_lanes.split(',')]
-  forms = [(stream, lanes) for stream in streams for lanes in (lane_counts if stream else [0])]
+  forms = {'rule': [None], 'none': [()], 'both': [None, ()]}[args.early]
   for spec, policy in zip(specs, policies):
-    for stream, lanes in forms:
+    for early in forms:
       offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policy,
                                 device_impl=impl, host_impl=impl, mesh=mesh,
-                                platform=args.platform,
-                                storage=args.storage and dos_jax.Storage(args.storage),
-                                device_stream=stream, stream_lanes=lanes)
+                                platform=args.platform)
       name = spec
-      if len(streams) > 1:
-        name += f' stream={"on" if stream else "off"}'
-      if stream and len(lane_counts) > 1:
-        name += f' lanes={lanes or "buffers"}'
-      attempt(name, lambda offload=offload: time_step(
+      if len(forms) > 1:
+        name += ' one host call' if early == () else ' early calls'
+      attempt(name, lambda offload=offload, early=early: time_step(
           dos_jax.adamw(1e-3, offload=offload), params, grads, args.reps,
-          warmup=args.warmup))
+          warmup=args.warmup, early=early))
 
   rows = record['rows']
   # Not fitting is a result for the baselines (optax, AllDevice), a failure for the rest.

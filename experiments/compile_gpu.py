@@ -10,6 +10,13 @@ for an H100 or H200, and reports what the schedule does:
                                            and how many have device compute in flight
   device_update_inside_host_call          device update work issued between the host
                                            call's start and done
+  host_calls, host_calls_starting_before_last_gemm
+                                           the host calls (early ones included) and how
+                                           many start during the backward pass
+  device_updates_outside_host_calls       device updates no host call runs beside
+  streamed_fetches_after_previous_write_back
+                                           fetches that wait for a write-back (0: full
+                                           duplex)
   large_host_to_host_copies (+ _bytes)    host->host copies of 1 MiB or more
   memory                                  device / host argument, output, alias, temp bytes
   compile_s                               the XLA compile time
@@ -35,6 +42,9 @@ On a machine with a GPU, `--run N` instead compiles the runner's step for that G
 JAX (with the options the runner uses there), reports the same schedule facts from the
 program the GPU runs, and times N steps on random tokens (median step time, tokens/s).
 On a CPU it runs the accelerator program on the CPU backend (a smoke test).
+
+`--early none` builds the step with one host call (no early host calls: the state
+migrated with `dos_jax.migrate(..., early=())`) instead of the builder's choice.
 """
 
 from __future__ import annotations
@@ -65,7 +75,9 @@ def _parse(argv):
   parser.add_argument('--dtype', choices=('bfloat16', 'float32'), default=None,
                       help='parameter dtype (bf16 params keep an fp32 master); default: the'
                       ' config\'s, else bfloat16')
-  parser.add_argument('--storage', choices=('stacked', 'per_subgroup'), default=None)
+  parser.add_argument('--early', choices=('default', 'none'), default='default',
+                      help="the step's early host calls: as the runner's builder chose them,"
+                      " or none (one host call: dos_jax.migrate(..., early=()))")
   parser.add_argument('--subgroup-size', type=int, default=None,
                       help='default: the config\'s, else 65536')
   parser.add_argument('--devices', type=int, default=1,
@@ -98,9 +110,33 @@ def _config(args, extra=()):
     overrides.append(f'offload.subgroup_size={pick("subgroup_size")}')
   if args.no_clip or not given:
     overrides.append(f'optim.clip_norm={"null" if args.no_clip else 1.0}')
-  if args.storage:
-    overrides.append(f'offload.storage={args.storage}')
   return config_lib.load(args.config, overrides + args.overrides + list(extra))
+
+
+def _one_host_call(opt_state):
+  """`opt_state` with no early host calls (`--early none`)."""
+  import jax
+  import dos_jax
+  is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
+  for state in jax.tree.leaves(opt_state, is_leaf=is_state):
+    if is_state(state):
+      opt_state = dos_jax.migrate(opt_state, state.partition.plan, early=())
+  return opt_state
+
+
+def _compile_step(args, cfg, target, options, devices=None):
+  """The runner's step for `cfg` compiled for `target` (`gpu_program.compile_step`),
+  with one host call under `--early none`."""
+  from dos_jax import dataflow
+  from dos_jax.train import gpu_program
+  if args.early == 'default':
+    return gpu_program.compile_step(cfg, target, compiler_options=options, devices=devices)
+  native = dataflow.compile.prepare(target)
+  program = gpu_program.build_step(cfg, devices)
+  lowered = dataflow.lower_for_gpu(
+      program.step, program.params, _one_host_call(program.opt_state), program.tokens,
+      target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
+  return dataflow.compile_lowered(lowered, target, options, native_host_kernel=native)
 
 
 def _sharded(args, target, options) -> dict:
@@ -108,7 +144,6 @@ def _sharded(args, target, options) -> dict:
   `--extrapolate A,B` layers extended linearly to the config's depth."""
   import jax
   from dos_jax.planner import step_memory
-  from dos_jax.train import gpu_program
   devices = jax.devices()[:args.devices]
   if len(devices) < args.devices:
     raise ValueError(f'--devices {args.devices}: only {len(devices)} CPU devices')
@@ -119,8 +154,7 @@ def _sharded(args, target, options) -> dict:
   for layers in counts:
     layer_cfg = _config(args, [f'model.n_layers={layers}'])
     start = time.perf_counter()
-    program = gpu_program.compile_sharded_step(layer_cfg, devices, target,
-                                               compiler_options=options)
+    program = _compile_step(args, layer_cfg, target, options, devices)
     points.append({'layers': layers, 'compile_s': round(program.compile_s, 1),
                    'build_and_compile_s': round(time.perf_counter() - start, 1),
                    'device_peak_bytes': program.memory.device_peak_bytes,
@@ -187,6 +221,7 @@ def _run_here(args, cfg) -> dict:
   backend = jax.default_backend()
   options = None if args.default_schedule else step_lib.compiler_options_for(backend)
   program = gpu_program.build_step(cfg, compiler_options=options, platform=backend)
+  opt_state = program.opt_state if args.early == 'default' else _one_host_call(program.opt_state)
   rng = np.random.default_rng(0)
   vocab = cfg.model.shape().vocab_size
 
@@ -194,7 +229,7 @@ def _run_here(args, cfg) -> dict:
     return jax.numpy.asarray(rng.integers(0, vocab, program.tokens.shape), jax.numpy.int32)
 
   start = time.perf_counter()
-  lowered = program.step.lower(program.params, program.opt_state, tokens(), plan=None)
+  lowered = program.step.lower(program.params, opt_state, tokens(), plan=None)
   # As the runner compiles on a GPU: early host calls with their profiled latency.
   compiled = lowered.compile() if args.default_schedule else early_windows.compile_step(lowered)
   compile_s = time.perf_counter() - start
@@ -202,7 +237,7 @@ def _run_here(args, cfg) -> dict:
   if backend == 'gpu':
     facts = Schedule.from_text(compiled.as_text()).summary()
     facts.pop('device_work_inside_host_call', None)
-  params, opt_state, times = program.params, program.opt_state, []
+  params, times = program.params, []
   for i in range(args.run + 1):
     batch = tokens()
     t0 = time.perf_counter()
@@ -227,7 +262,6 @@ def main(argv=None) -> int:
                                  f' --xla_force_host_platform_device_count={args.devices}')
   import jax
   from dos_jax import dataflow
-  from dos_jax.train import gpu_program
   try:
     target = dataflow.GpuTarget.parse(args.target)
   except ValueError as e:
@@ -239,7 +273,7 @@ def main(argv=None) -> int:
       return 2
     cfg = _config(args)
     report = {'policy': cfg.offload.policy, 'dtype': cfg.model.param_dtype,
-              'jax': jax.__version__, **_run_here(args, cfg)}
+              'early': args.early, 'jax': jax.__version__, **_run_here(args, cfg)}
     if args.json:
       with open(args.json, 'w', encoding='utf-8') as f:
         json.dump(report, f, indent=1)
@@ -275,14 +309,14 @@ def main(argv=None) -> int:
   cfg = _config(args)
   start = time.perf_counter()
   if args.program == 'step':
-    program = gpu_program.compile_step(cfg, target, compiler_options=options)
+    program = _compile_step(args, cfg, target, options)
   else:
     program = _update_program(cfg, target, options)
   wall_s = time.perf_counter() - start
   summary = program.schedule.summary()
   report = {
       'target': target.value, 'program': args.program, 'policy': cfg.offload.policy,
-      'dtype': cfg.model.param_dtype, 'storage': args.storage,
+      'dtype': cfg.model.param_dtype, 'early': args.early,
       'clip': cfg.optim.clip_norm is not None,
       'subgroup_size': cfg.offload.subgroup_size, 'compiler_options': options,
       'model': cfg.model.preset, 'jax': jax.__version__,
@@ -304,7 +338,12 @@ def main(argv=None) -> int:
         f'schedule): compiled in {program.compile_s:.1f} s')
   print(f'  gradient copies overlapping compute: '
         f'{summary["gradient_copies_overlapping_compute"]} of {summary["gradient_copies"]}')
-  print(f'  device update inside the host call: {summary["device_update_inside_host_call"]}')
+  print(f'  host calls: {summary["host_calls"]}, '
+        f'{summary["host_calls_starting_before_last_gemm"]} starting during the backward pass')
+  print(f'  device update inside a host call: {summary["device_update_inside_host_call"]} '
+        f'({summary["device_updates_outside_host_calls"]} device updates outside)')
+  print(f'  streamed rows: {summary["streamed_row_fetches"]}, fetches after a write-back: '
+        f'{summary["streamed_fetches_after_previous_write_back"]}')
   print(f'  large host->host copies: {summary["large_host_to_host_copies"]} '
         f'({mib(summary["large_host_to_host_copy_bytes"])})')
   print(f'  device: arguments {mib(m.argument_bytes)}, temp {mib(m.temp_bytes)}, outputs '

@@ -1,6 +1,6 @@
 """Where the early host calls start, with and without their profiled latency.
 
-Compiles steps with early host chunks for an H100 (CUDA plugin, no GPU) twice: as XLA's
+Compiles steps with early host calls for an H100 (CUDA plugin, no GPU) twice: as XLA's
 scheduler places them by its own latency estimate (`early_windows=False`), and as
 dos_jax compiles them (`dataflow.early_windows`: each early call given a latency no step
 covers, a second compile). For each it prints the host calls' (start, done) positions,
@@ -11,7 +11,11 @@ when JAX is upgraded, with `host_chunks_probe.py`.
 
   JAX_PLATFORMS=cpu python3.12 experiments/early_windows.py --mlp
   JAX_PLATFORMS=cpu python3.12 experiments/early_windows.py --runner configs/125m.yaml \
-      --set data.batch_size=1 --set offload.early_chunks=4
+      --set data.batch_size=1 --calls 4
+
+The MLP family takes K host calls of near-equal size (`dos_jax.migrate(..., early=...)`);
+a runner config takes the early calls its builder chose (`train.optimizer.build_optimizer`),
+or `--calls K`.
 """
 
 from __future__ import annotations
@@ -44,32 +48,59 @@ def facts(program) -> str:
           f' {program.memory.device_peak_bytes / 1e6:.1f} MB; {program.compile_s:.1f} s')
 
 
+def _early(host, calls: int) -> tuple[int, ...]:
+  """The early calls' sizes of `calls` near-equal host calls over the host subgroups."""
+  from dos_jax.step import early_chunks  # pylint: disable=import-outside-toplevel
+  return tuple(len(p) for p in early_chunks.split(host, calls)[:-1])
+
+
+def _runner_program(cfg, calls: int | None, profiled: bool):
+  """The runner's step compiled as `gpu_program.compile_step` does, with `calls` host
+  calls of near-equal size moved in (None: the builder's)."""
+  import dos_jax  # pylint: disable=import-outside-toplevel
+  from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
+  if calls is None:
+    return gpu_program.compile_step(cfg, early_windows=profiled)
+  native = dataflow.compile.prepare()
+  program = gpu_program.build_step(cfg)
+  part = program.offloaded_state.partition
+  opt_state = dos_jax.migrate(program.opt_state, part.plan, early=_early(part.host, calls))
+  lowered = dataflow.lower_for_gpu(program.step, program.params, opt_state, program.tokens,
+                                   kwargs={'plan': None})
+  return dataflow.compile_lowered(lowered, 'h100_sxm', step_lib.compiler_options_for('gpu'),
+                                  native_host_kernel=native, early_windows=profiled)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--mlp', action='store_true', help='the MLP family of the tests')
   parser.add_argument('--runner', action='append', default=[], help='a runner config')
   parser.add_argument('--set', dest='overrides', action='append', default=[])
+  parser.add_argument('--calls', type=int, default=None,
+                      help="a runner config's host calls (default: its builder's choice)")
   args = parser.parse_args(argv)
 
   from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
   from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
 
   if args.mlp:
     for layers, width, dtype, chunks in MLP_SHAPES:
-      fn, fn_args, jit_kwargs = probes.mlp_step(layers, width, dtype=dtype,
-                                                storage='per_subgroup', early_chunks=chunks)
-      print(f'== {layers} x {width} {dtype}, early_chunks={chunks}')
+      early = _early(range(layers // 2), chunks)  # Stride(2): layers // 2 host subgroups
+      fn, fn_args, jit_kwargs = probes.mlp_step(layers, width, dtype=dtype, early=early)
+      print(f'== {layers} x {width} {dtype}, {chunks} host calls (early={early})')
       for profiled in (False, True):
         program = dataflow.compile_for_gpu(fn, *fn_args, early_windows=profiled, **jit_kwargs)
         print(f'  {"profiled" if profiled else "XLA alone"}: {facts(program)}')
       sys.stdout.flush()
   for path in args.runner:
-    cfg = config_lib.load(path, ['offload.storage=per_subgroup', *args.overrides])
-    print(f'== {path} {" ".join(args.overrides)}')
+    cfg = config_lib.load(path, args.overrides)
+    print(f'== {path} {" ".join(args.overrides)}'
+          + (f' --calls {args.calls}' if args.calls else ''))
     for profiled in (False, True):
-      program = gpu_program.compile_step(cfg, early_windows=profiled)
+      program = _runner_program(cfg, args.calls, profiled)
       print(f'  {"profiled" if profiled else "XLA alone"}: {facts(program)}')
     sys.stdout.flush()
   return 0

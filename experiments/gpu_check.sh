@@ -18,17 +18,17 @@
 #   7. update   bench_update.py per policy on 1B bf16 params vs jit(optax.adamw)
 #   8. overlap  a jax.profiler trace of one Stride(2) step (1B bf16) and how long host
 #               and device update work overlapped in it (trace_overlap.py)
-#   9. migrate  what a plan change costs, stacked vs per-subgroup storage: time, new
+#   9. migrate  what a plan change costs against a full copy of the state: time, new
 #               buffers, host and device memory added (bench_migration.py, 1B bf16)
-#  10. storage  bench_update with per-subgroup storage (Stride(2), a resident mix), the
-#               device tiers on their own streams (Offload.device_stream) in `buffers`
-#               lanes and in one region (Offload.stream_lanes=1), and not
-#  11. early    the runner's step, per-subgroup storage, early host chunks off and on
+#  10. early_update bench_update (Stride(2), a resident mix): the early host calls by the
+#               rule against one host call (--early both)
+#  11. early_step the runner's step, early host calls off (one host call, `early=()` via
+#               dos_jax.migrate: compile_gpu.py --early none) and as built (the default)
 #  12. train    `dos-jax train` itself on this GPU: 30 steps of the packaged tiny config,
-#               Stride(2), per subgroup, 2 early host calls (the trainer's own path)
+#               Stride(2) (the trainer's own path: the one construction)
 # Writes under $OUT (default experiments/gpu_check_out/, git-ignored): report.md (each
 # part's output and wall time, a summary table at the end), logs/, update.json,
-# pallas.json, migration.json, storage.json, trace/ and step.hlo.txt. Exits 1 if any part failed.
+# pallas.json, migration.json, early_update.json, trace/ and step.hlo.txt. Exits 1 if any part failed.
 #
 #   bash experiments/gpu_check.sh            # the GPU machine
 #   bash experiments/gpu_check.sh --small    # smoke test on any machine, CPU included:
@@ -225,35 +225,32 @@ part update "7. bench_update per policy, bf16 params" 240 \
 part overlap "8. host/device overlap in a profiled Stride(2) step" 150 \
   python3 experiments/trace_overlap.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
   "${TRACE_ARGS[@]}" --out "$OUT"
-part migrate "9. plan change: stacked vs per-subgroup storage" 90 \
+part migrate "9. plan change against a full copy of the state" 90 \
   python3 experiments/bench_migration.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
   --dtype bf16 "${MIGRATE_ARGS[@]}" --json "$OUT/migration.json"
-part storage "10. bench_update, per-subgroup storage, device tiers in lanes, one region, or not on a stream" 180 \
+part early_update "10. bench_update, early host calls by the rule against one host call" 180 \
   python3 experiments/bench_update.py --params "$PARAMS" --subgroup-size "$SUBGROUP" \
-  --dtype bf16 --storage per_subgroup --policies 'Stride(2),ResidentFraction(0.3)' \
-  --device-stream both --stream-lanes 0,1 \
-  "${UPDATE_ARGS[@]}" --json "$OUT/storage.json"
-early_runs() {  # the runner's step with one host call and with early host chunks
+  --dtype bf16 --policies 'Stride(2),ResidentFraction(0.3)' --early both \
+  "${UPDATE_ARGS[@]}" --json "$OUT/early_update.json"
+early_runs() {  # the runner's step with one host call and as built (early calls)
   local rc=0 policy early
   for policy in all_host stride; do
-    for early in 0 4; do
+    for early in none default; do
       python3 experiments/compile_gpu.py --run "$STEP_RUNS" --policy "$policy" \
-        --storage per_subgroup --set "offload.early_chunks=$early" $STEP_ARGS_STR \
-        --json "$OUT/early_${policy}_$early.json" || rc=1
+        --early "$early" $STEP_ARGS_STR --json "$OUT/early_${policy}_$early.json" || rc=1
     done
   done
   return $rc
 }
 export -f early_runs
-part early "11. the runner's step, per-subgroup storage, early host chunks off (0) and on (4)" 240 \
+part early_step "11. the runner's step, early host calls off (one host call) and the default" 240 \
   bash -c 'early_runs'
 # The trainer itself, as a user runs it on one GPU: the params on a one-device mesh, the
 # step built as unsharded (stream lanes and early host calls), compiled twice for the
-# early windows, the memory check and `offload.chunks: auto`; loss and metrics logged.
-part train "12. dos-jax train on this GPU: 30 steps, Stride(2), per subgroup, early calls" 120 \
+# early windows, the memory check; loss and metrics logged.
+part train "12. dos-jax train on this GPU: 30 steps, Stride(2), the one construction" 120 \
   dos-jax train --set train.steps=30 --set train.eval_every=0 --set train.log_every=10 \
-  --set offload.policy=stride --set offload.storage=per_subgroup \
-  --set offload.early_chunks=2 --set "train.out_dir=$OUT/train"
+  --set offload.policy=stride --set "train.out_dir=$OUT/train"
 
 {
   echo; echo "## Summary"; echo

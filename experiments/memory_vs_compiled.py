@@ -14,16 +14,17 @@ Compiled figures are cached in `--cache` (JSON, one entry per config), so the co
 can be redone without compiling again.
 
 `--fsdp` compares ZeRO-3 instead: the `FSDP_CONFIGS` family compiled over 2 or 4 GPUs
-(`gpu_program.compile_sharded_step`, cuDNN attention, bf16, Stride(2)) against
+(`gpu_program.compile_step` over the mesh, cuDNN attention, bf16, Stride(2)) against
 `predict_step(cfg, devices=N)`, device bytes only.
 
-`--chunks` compares the per-subgroup stream in linked chunks (`offload.chunks`): an
-update-bound tiny step (4 layers, 32 tokens, bf16, Stride(2), clipping, per subgroup)
-with 0, 2 and 3 chunks, against `predict_step(cfg)`, device bytes and host calls.
+`--early` compares the early host calls: an update-bound tiny step (4 layers, 32
+tokens, bf16, Stride(2), clipping) with 1, 2 and 3 host calls of near-equal size
+(`dos_jax.migrate(..., early=...)`), against `predict_step(cfg)`, device bytes and
+host calls. (Linked chunks, the `--chunks` of before, are gone with `offload.chunks`.)
 
   JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --cache /tmp/mem.json
   JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --fsdp --cache /tmp/fsdp.json
-  JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --chunks --cache /tmp/chunks.json
+  JAX_PLATFORMS=cpu python3.12 experiments/memory_vs_compiled.py --early --cache /tmp/early.json
 """
 
 from __future__ import annotations
@@ -60,11 +61,9 @@ FSDP_CONFIGS = (
     ('tiny L2 s256 B16', 4, ('model.n_layers=2', 'data.seq_len=256', 'data.batch_size=16')),
     ('tiny L3 s128 B8', 2, ('model.n_layers=3', 'data.batch_size=8')),
     ('tiny L2 s128 B4', 4, ('model.n_layers=2', 'data.batch_size=4')),
+    # Packed shard-major, as the two-memory program always is where the state is split.
     ('125m L2 s128 B8', 4, ('model.preset=125m', 'model.n_layers=2', 'data.batch_size=8',
                             'offload.subgroup_size=4194304')),
-    ('125m L2 s128 B8 shard-major', 4, ('model.preset=125m', 'model.n_layers=2',
-                                        'data.batch_size=8', 'offload.subgroup_size=4194304',
-                                        'offload.shard_major=true')),
 )
 POLICIES = ('all_host', 'stride', 'device_fraction')
 DTYPES = ('bfloat16', 'float32')
@@ -121,8 +120,8 @@ def compile_fsdp(fsdp: int, extra) -> dict:
   import jax
   from dos_jax.train import gpu_program
   start = time.perf_counter()
-  program = gpu_program.compile_sharded_step(fsdp_cfg(fsdp, extra), jax.devices()[:fsdp],
-                                             'h100_sxm')
+  program = gpu_program.compile_step(fsdp_cfg(fsdp, extra), 'h100_sxm',
+                                    devices=jax.devices()[:fsdp])
   return {'memory': dataclasses.asdict(program.memory),
           'device_peak_bytes': program.memory.device_peak_bytes,
           'compile_s': round(time.perf_counter() - start, 1)}
@@ -148,26 +147,42 @@ def main_fsdp(cache: dict, args) -> int:
   return 0
 
 
-CHUNK_BASE = ('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
-              'optim.clip_norm=1.0', 'offload.early_chunks=0', 'data.seq_len=32',
-              'data.batch_size=2', 'offload.storage=per_subgroup')
+EARLY_BASE = ('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
+              'optim.clip_norm=1.0', 'data.seq_len=32', 'data.batch_size=2')
 
 
-def main_chunks(cache: dict, args) -> int:
+def compile_with_calls(cfg, calls: int):
+  """The runner's step compiled as `gpu_program.compile_step` does, with `calls` host
+  calls of near-equal size moved in (`dos_jax.migrate(..., early=...)`)."""
+  import dos_jax
+  from dos_jax import dataflow
+  from dos_jax.step import early_chunks
+  from dos_jax.train import gpu_program
+  from dos_jax.train import step as step_lib
+  native = dataflow.compile.prepare()
+  program = gpu_program.build_step(cfg)
+  part = program.offloaded_state.partition
+  early = tuple(len(p) for p in early_chunks.split(part.host, calls)[:-1])
+  opt_state = dos_jax.migrate(program.opt_state, part.plan, early=early)
+  lowered = dataflow.lower_for_gpu(program.step, program.params, opt_state, program.tokens,
+                                   kwargs={'plan': None})
+  return dataflow.compile_lowered(lowered, 'h100_sxm', step_lib.compiler_options_for('gpu'),
+                                  native_host_kernel=native)
+
+
+def main_early(cache: dict, args) -> int:
   from dos_jax.planner import step_memory
   from dos_jax.train import config as config_lib
-  from dos_jax.train import gpu_program
   mib = lambda b: b / 2**20
-  print('| subgroup size | chunks | host calls | compiled device MiB | predicted device MiB |'
+  print('| subgroup size | host calls | compiled device MiB | predicted device MiB |'
         ' ratio |')
-  print('|---|---|---|---|---|---|')
+  print('|---|---|---|---|---|')
   for size in (16384, 65536):
-    for chunks in (0, 2, 3):
-      key = f'chunks {size} {chunks}'
-      cfg = config_lib.load(None, [*CHUNK_BASE, f'offload.subgroup_size={size}',
-                                   f'offload.chunks={chunks}'])
+    for calls in (1, 2, 3):
+      key = f'early {size} {calls}'
+      cfg = config_lib.load(None, [*EARLY_BASE, f'offload.subgroup_size={size}'])
       if key not in cache and not args.no_compile:
-        program = gpu_program.compile_step(cfg, 'h100_sxm')
+        program = compile_with_calls(cfg, calls)
         cache[key] = {'device_peak_bytes': program.memory.device_peak_bytes,
                       'host_calls': len(program.schedule.host_calls)}
         with open(args.cache, 'w', encoding='utf-8') as f:
@@ -176,7 +191,7 @@ def main_chunks(cache: dict, args) -> int:
         continue
       got = cache[key]['device_peak_bytes']
       pred = step_memory.predict_step(cfg).device_bytes
-      print(f'| {size} | {chunks} | {cache[key]["host_calls"]} | {mib(got):.2f} |'
+      print(f'| {size} | {cache[key]["host_calls"]} | {mib(got):.2f} |'
             f' {mib(pred):.2f} | {pred / got:.3f} |', flush=True)
   return 0
 
@@ -187,8 +202,8 @@ def main(argv=None) -> int:
   parser.add_argument('--full', action='store_true', help='every policy x dtype per config')
   parser.add_argument('--no-compile', action='store_true', help='use only cached figures')
   parser.add_argument('--fsdp', action='store_true', help='the ZeRO-3 family instead')
-  parser.add_argument('--chunks', action='store_true',
-                      help='the per-subgroup stream in linked chunks instead')
+  parser.add_argument('--early', action='store_true',
+                      help='1, 2 and 3 host calls of an update-bound step instead')
   args = parser.parse_args(argv)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   if args.fsdp:  # the mesh's devices, before JAX starts its CPU backend
@@ -200,8 +215,8 @@ def main(argv=None) -> int:
       cache = json.load(f)
   if args.fsdp:
     return main_fsdp(cache, args)
-  if args.chunks:
-    return main_chunks(cache, args)
+  if args.early:
+    return main_early(cache, args)
   if not args.no_compile:
     for name, preset, extra, policy, dtype in runs(args.full):
       key = f'{name} {policy} {dtype}'

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
   for path in args.config:
     cfg = config_lib.load(path, args.overrides)
     devices = jax.devices()[:1]  # abstract arguments: a 1.3b state needs no memory here
-    built = gpu_program.build_sharded_step(cfg, devices)
+    built = gpu_program.build_step(cfg, devices)
     state = built.offloaded_state
     spec = state.layout.spec()
     part = state.partition
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     params = spec.num_elements
     tokens = cfg.data.seq_len * cfg.data.batch_size
     forward = 2 * params * tokens / (_TFLOPS * 1e12)
-    program = gpu_program.compile_sharded_step(cfg, devices, args.target)
+    program = gpu_program.compile_step(cfg, args.target, devices=devices)
     print(f'== {path} {" ".join(args.overrides)}: {params:,} params, {spec.num_subgroups}'
           f' subgroups ({len(plan.streamed)} streamed, {len(plan.host)} host),'
           f' {part.stacks if not part.per_subgroup else "per-subgroup"} stream block(s),'

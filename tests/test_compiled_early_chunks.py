@@ -1,7 +1,8 @@
-"""Early host chunks (`Offload(early_chunks=K)`, `dos_jax.step.early_chunks`) compiled for an
-H100, over a family of MLP shapes (`dos_jax.dataflow.probes.mlp_step`: one subgroup per
-layer, Stride(2), `dos_jax.clip_by_global_norm(1.0)`, native host kernel, per-subgroup
-storage).
+"""Early host calls (`Partition.early`, `dos_jax.step.early_chunks`) compiled for an H100,
+over a family of MLP shapes (`dos_jax.dataflow.probes.mlp_step`: one subgroup per layer,
+Stride(2), `dos_jax.clip_by_global_norm(1.0)`, native host kernel, the one construction),
+with K host calls of near-equal size set through `dos_jax.migrate(..., early=...)` (the
+rule's own K is `min(H, 4)`; tests/test_compiled_family.py checks the default).
 
 What the construction holds in every program
 (`test_early_host_chunks_hold_their_construction`):
@@ -31,6 +32,7 @@ import pytest
 from dos_jax import dataflow
 from dos_jax.dataflow import early_windows
 from dos_jax.step import device_stream
+from dos_jax.step import early_chunks
 from dos_jax.dataflow import probes
 from tests import compiled
 
@@ -39,8 +41,8 @@ pytestmark = pytest.mark.compiled_gpu
 compiled.skip_without_gpu_compiler()
 
 # (layers, width, dtype, chunks): 2-8 host subgroups, 256-4096 wide, odd and even
-# layer counts, both dtypes, 1 to 4 early calls (experiments/schedule_family.py
-# --early-chunks 4 prints a whole family).
+# layer counts, both dtypes, 1 to 4 early calls (experiments/schedule_family.py prints
+# the default's whole family).
 SHAPES = ((5, 4096, 'float32', 2), (7, 512, 'float32', 3), (8, 1024, 'bfloat16', 4),
           (16, 256, 'bfloat16', 4), (16, 1024, 'float32', 4), (6, 2048, 'bfloat16', 2),
           (10, 1024, 'float32', 2), (4, 256, 'float32', 2), (14, 768, 'bfloat16', 2),
@@ -48,11 +50,17 @@ SHAPES = ((5, 4096, 'float32', 2), (7, 512, 'float32', 3), (8, 1024, 'bfloat16',
 _CACHE = {}
 
 
+def _early(layers, chunks) -> tuple[int, ...]:
+  """The early calls of `chunks` near-equal host calls over Stride(2)'s `layers // 2`
+  host subgroups (`early_chunks.split`, as `Offload(early_chunks=K)` did)."""
+  return tuple(len(p) for p in early_chunks.split(range(layers // 2), chunks)[:-1])
+
+
 def _schedule(layers, width, dtype, chunks):
   key = (layers, width, dtype, chunks)
   if key not in _CACHE:
     fn, args, jit_kwargs = probes.mlp_step(layers, width, dtype=dtype,
-                                           storage='per_subgroup', early_chunks=chunks)
+                                           early=_early(layers, chunks))
     _CACHE[key] = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
   return _CACHE[key]
 

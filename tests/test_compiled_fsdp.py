@@ -1,5 +1,5 @@
 """The runner's ZeRO-3 step (fsdp=4, cuDNN attention) compiled for 4 H100s with no GPU,
-from abstract arguments (`gpu_program.compile_sharded_step`), against the planner's
+from abstract arguments (`gpu_program.compile_step` over several devices), against the planner's
 `step_memory.predict_step(cfg, devices=4)`: the tiny model's family, the 125m width, and
 the paper's 7B, 13B and 20B at 2 layers (20B also at 4) with the state packed shard-major.
 
@@ -29,7 +29,7 @@ def _compiled(cfg, devices=4):
   if jax.default_backend() != 'cpu' or jax.device_count() < 4:
     pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu and 4 CPU devices')
   from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
-  return gpu_program.compile_sharded_step(cfg, jax.devices()[:devices], 'h100_sxm')
+  return gpu_program.compile_step(cfg, 'h100_sxm', devices=jax.devices()[:devices])
 
 
 @pytest.fixture(scope='module')
@@ -62,8 +62,7 @@ FAMILY = {
     # The 125m width packed shard-major: its peak is the whole batch's float32 logits
     # gradient (RESULTS.md 2026-11-26).
     'fsdp4 125m L2 s128 b8 shard-major': ['model.preset=125m', 'model.n_layers=2',
-                                          'data.batch_size=8', 'offload.subgroup_size=4194304',
-                                          'offload.shard_major=true'],
+                                          'data.batch_size=8', 'offload.subgroup_size=4194304'],
 }
 
 
@@ -76,7 +75,8 @@ def test_the_prediction_is_within_10_percent_for_more_fsdp_shapes(name):
 
 
 # The paper's steps (configs/paper/*.yaml: fsdp=4, Stride(2), 1e8-element subgroups,
-# `offload.shard_major`) at 2 layers, and the 20B at 4 (RESULTS.md 2026-11-26).
+# packed shard-major, as the two-memory program always is where the state is split) at 2
+# layers, and the 20B at 4 (RESULTS.md 2026-11-26).
 PAPER = os.path.join(os.path.dirname(__file__), '..', 'configs', 'paper')
 # A whole row of the state, or a device's quarter of one (1e8 / 4): no collective
 # may carry either (packed leaf after leaf, the update gathered whole rows of new params
@@ -92,7 +92,6 @@ def _row_collectives(hlo_text: str) -> list[str]:
 @pytest.mark.parametrize('model,layers', [('7b', 2), ('13b', 2), ('20b', 2), ('20b', 4)])
 def test_the_paper_steps_gather_no_row_and_are_predicted_within_10_percent(model, layers):
   cfg = config_lib.load(os.path.join(PAPER, f'{model}.yaml'), [f'model.n_layers={layers}'])
-  assert cfg.offload.shard_major
   program = _compiled(cfg)
   assert not _row_collectives(program.hlo_text)
   predicted = step_memory.predict_step(cfg, devices=4)

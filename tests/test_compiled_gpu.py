@@ -8,13 +8,14 @@ prove what the compiled schedule *does*:
 
 * weight-gradient copies to host memory run while backward compute is issued (all but
   at most one: the last gradient the backward pass makes has nothing left to overlap);
-* the device update (streamed or resident tiers) is issued between the host call's
-  start and done, for every plan with device subgroups;
+* the host tier runs in the host calls its state says (`Partition.early`: the early
+  calls the cost model chose, and the last);
+* the device update (streamed or resident tiers) runs on stream lanes whose windows
+  overlap a host call's, for every plan with device subgroups;
 * with XLA's default options neither holds, which is why the runner compiles with
   `dos_jax.GPU_COMPILER_OPTIONS`.
 """
 
-import functools
 import os
 import re
 
@@ -30,6 +31,7 @@ from dos_jax.step import device_stream
 from dos_jax.dataflow import probes
 from dos_jax.train import config as config_lib
 from dos_jax.train import gpu_program
+from tests import compiled
 
 pytestmark = pytest.mark.compiled_gpu
 
@@ -42,12 +44,23 @@ if jax.default_backend() != 'cpu':  # a GPU machine compiles for its own GPU els
 DEVICE_PLANS = ('stride', 'device_fraction')
 
 
-def _runner_step(policy: str, dtype: str, options=None, clip: bool = True, overrides=()):
-  cfg = config_lib.load(None, [
+def _config(policy: str, dtype: str, clip: bool = True, overrides=()):
+  return config_lib.load(None, [
       f'offload.policy={policy}', f'model.param_dtype={dtype}',
       'offload.subgroup_size=65536', f'optim.clip_norm={1.0 if clip else "null"}',
       *overrides])
-  return gpu_program.compile_step(cfg, 'h100_sxm', compiler_options=options)
+
+
+def _runner_step(policy: str, dtype: str, options=None, clip: bool = True, overrides=()):
+  return gpu_program.compile_step(_config(policy, dtype, clip, overrides), 'h100_sxm',
+                                  compiler_options=options)
+
+
+def _host_calls(policy: str, dtype: str, clip: bool = True, overrides=()) -> int:
+  """The host calls the runner's step for this config makes: one per early call its
+  state holds (`gpu_program.build_step`, the one builder), and the last."""
+  state = gpu_program.build_step(_config(policy, dtype, clip, overrides)).offloaded_state
+  return 1 + len(state.partition.early)
 
 
 @pytest.mark.parametrize('target', list(dataflow.GpuTarget), ids=lambda t: t.value)
@@ -64,27 +77,24 @@ def test_runner_step_overlaps_copies_and_updates(policy, dtype):
   program = _runner_step(policy, dtype)
   schedule = program.schedule
   assert program.native_host_kernel, 'the native kernel is registered for host regions'
-  copies = schedule.gradient_copies()
+  copies = compiled.gradient_copies(program)
   assert copies, 'host-bound weight gradients leave the device'
   late = [c.name for c in copies if not c.overlaps_compute]
   assert len(late) <= 1, f'{len(late)} of {len(copies)} gradient copies overlap nothing: {late}'
-  assert len(schedule.host_calls) == 1
+  assert len(schedule.host_calls) == _host_calls(policy, dtype), schedule.host_calls
   if policy in DEVICE_PLANS:
     assert schedule.device_update_inside_host_call(), schedule.host_calls
     assert schedule.streamed_rows and schedule.stream_full_duplex(), schedule.streamed_rows
   assert not schedule.large_host_copies()
 
 
-@pytest.mark.parametrize('storage', ['stacked', 'per_subgroup'])
-def test_streamed_rows_stream_full_duplex_with_one_block_each(storage):
+def test_streamed_rows_stream_full_duplex_with_one_block_each():
   """The runner's Stride(2) step (bf16): no streamed row's host->device fetch waits for
   the previous row's write-back and no write-back for the next row's fetch (full
-  duplex), for both storages;
-  no device copy of a state block is made (the Pallas kernel updates the fetched (3, S)
-  block where it lands), and no host->host copy either."""
+  duplex); no device copy of a state block is made (the Pallas kernel updates the
+  fetched (3, S) block where it lands), and no host->host copy either."""
   cfg = config_lib.load(None, [
-      'offload.policy=stride', 'model.param_dtype=bfloat16', 'offload.subgroup_size=65536',
-      f'offload.storage={storage}'])
+      'offload.policy=stride', 'model.param_dtype=bfloat16', 'offload.subgroup_size=65536'])
   program = gpu_program.compile_step(cfg, 'h100_sxm')
   schedule = program.schedule
   assert len(schedule.streamed_rows) >= 2, schedule.streamed_rows
@@ -97,48 +107,39 @@ def test_streamed_rows_stream_full_duplex_with_one_block_each(storage):
   assert not schedule.large_host_copies(min_bytes=block)
 
 
-@functools.lru_cache(maxsize=None)
-def _two_layer_step():
-  return _runner_step('stride', 'bfloat16', overrides=['model.n_layers=2'])
-
-
-def test_a_row_count_the_buffers_do_not_divide_stays_one_full_duplex_loop():
-  """2 layers: 5 streamed rows, 2 buffers, stored as interleaved blocks of 3 and 2
-  rows. The loop's last iteration masks its missing position (`paths.interleaved_loop`):
-  one loop, no peeled row, full duplex, one host call."""
-  program = _two_layer_step()
-  rows = re.findall(r'opt_state_streamed_\d+_\S* = f32\[(\d+),3,65536\]', program.hlo_text)
-  assert sorted(set(int(r) for r in rows)) == [2, 3], rows
-  schedule = program.schedule
-  assert len(schedule.host_calls) == 1
-  assert len(schedule.device_updates()) == 1, schedule.update_positions
-  assert schedule.streamed_rows and schedule.stream_full_duplex(), schedule.streamed_rows
-
-
-def test_the_2_layer_stacked_loop_lands_inside_the_host_call():
-  """Stacked storage's loop inside the host call's window is the scheduler's choice (no
-  stream region for stacked storage: docs/design.md). With GPU_COMPILER_OPTIONS' async
-  compute limit of 3 it chooses so here; with XLA's default limit it issued the loop
-  just before the start (RESULTS.md, 2026-11-25, fifth and sixth sessions)."""
-  schedule = _two_layer_step().schedule
-  assert schedule.device_update_inside_host_call(), schedule.host_calls
+def test_a_row_count_the_lanes_do_not_divide_streams_full_duplex_beside_the_host_call():
+  """2 layers: 5 streamed rows over 2 stream lanes (3 and 2 rows, round-robin in
+  stream order): one stream call per lane, every device update beside a host call,
+  full duplex."""
+  if not device_stream.available():
+    pytest.skip(f'jax {jax.__version__} builds no stream region (device_stream.available())')
+  overrides = ['model.n_layers=2']
+  schedule = _runner_step('stride', 'bfloat16', overrides=overrides).schedule
+  assert len(schedule.streamed_rows) == 5, schedule.streamed_rows
+  assert len(schedule.host_calls) == _host_calls('stride', 'bfloat16', overrides=overrides)
+  assert schedule.device_updates_on_streams() == 2, schedule.stream_calls
+  assert not schedule.device_updates_outside_host_calls(), (
+      schedule.host_calls, schedule.stream_calls)
+  assert schedule.stream_full_duplex(), schedule.streamed_rows
 
 
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float32'])
 @pytest.mark.parametrize('policy', DEVICE_PLANS)
-def test_per_subgroup_runner_steps_run_the_device_tiers_beside_the_host_call(policy, dtype):
-  """Per-subgroup storage (Auto's default): the device tiers are calls on GPU streams
-  of their own, whose window overlaps the host call's (`Offload.device_stream`), and
-  the host-bound gradients still leave during the backward pass."""
+def test_runner_steps_run_the_device_tiers_beside_the_host_call(policy, dtype):
+  """The one construction: the device tiers are calls on GPU streams of their own
+  (`dos_jax.step.lanes`), whose windows overlap a host call's, and the host-bound
+  gradients still leave during the backward pass."""
   if not device_stream.available():
     pytest.skip(f'jax {jax.__version__} builds no stream region (device_stream.available())')
-  schedule = _runner_step(policy, dtype, overrides=['offload.storage=per_subgroup']).schedule
+  program = _runner_step(policy, dtype)
+  schedule = program.schedule
   lanes = max(1, min(2, len(schedule.streamed_rows)))  # one stream region per lane
-  assert len(schedule.host_calls) == 1 and schedule.device_updates_on_streams() == lanes, (
+  assert len(schedule.host_calls) == _host_calls(policy, dtype), schedule.host_calls
+  assert schedule.device_updates_on_streams() == lanes, (
       schedule.host_calls, schedule.stream_calls)
   assert schedule.device_update_inside_host_call()
   assert not schedule.device_updates_outside_host_calls()
-  copies = schedule.gradient_copies()
+  copies = compiled.gradient_copies(program)
   assert copies and sum(not c.overlaps_compute for c in copies) <= 1, copies
 
 

@@ -84,22 +84,23 @@ def test_a_region_inside_shard_map_stays_one_stream_call():
 MESHES = {'zero3': ('mesh.data=1', 'mesh.fsdp=4'), 'zero1': ('mesh.data=4',)}
 
 
-def _runners_zero3_step(*overrides, zero='zero3'):
+def _runners_zero3_step(*overrides, zero='zero3', early=None):
   """The runner's tiny step over fsdp=4 (or, `zero1`, data=4: the params whole on each
   device, the state split over `data`), bf16, the state packed shard-major and per
-  subgroup, Stride(2), clipping, compiled for 4 H100s (skips where this jax builds no
-  stream region or there are not 4 CPU devices)."""
+  subgroup (the two-memory program always is, where it is split), Stride(2),
+  clipping, with the early host calls `early` (None: the builder's), compiled for 4
+  H100s (skips where this jax builds no stream region or there are not 4 CPU
+  devices)."""
   if not device_stream.available():
     pytest.skip('this jax builds no stream region (device_stream.available())')
   if jax.device_count() < 4:
     pytest.skip('needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)')
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(None, [
       *MESHES[zero], 'model.param_dtype=bfloat16', 'model.attention=xla',
       'offload.subgroup_size=65536', 'optim.clip_norm=1.0', 'offload.policy=stride',
-      'offload.storage=per_subgroup', 'offload.shard_major=true', *overrides])
-  return gpu_program.compile_sharded_step(cfg, jax.devices()[:4], 'h100_sxm')
+      *overrides])
+  return compiled.compile_runner_step(cfg, jax.devices()[:4], early=early)
 
 
 @pytest.mark.parametrize('zero', sorted(MESHES))
@@ -108,7 +109,7 @@ def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group(zero):
   Stride(2), clipping: one host call, both stream lanes overlapping it, no device
   update outside it, and every host-bound gradient piece leaving during the backward
   pass (pieces of under 64 KiB here: each device sends its own shard of each leaf)."""
-  schedule = _runners_zero3_step('offload.early_chunks=0', zero=zero).schedule
+  schedule = _runners_zero3_step(zero=zero, early=()).schedule
   (call,) = schedule.host_calls
   lanes = schedule.stream_calls
   assert len(lanes) == 2 and all(c.updates and c.overlaps(call) for c in lanes), lanes
@@ -120,14 +121,14 @@ def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group(zero):
 
 @pytest.mark.parametrize('zero', sorted(MESHES))
 def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_pass(zero):
-  """The same step with early host chunks (`offload.early_chunks=3`): each device runs
-  them inside `shard_map` on its own columns, each chunk sending its own gradient pieces
+  """The same step with three host calls of near-equal size: each device runs the early
+  ones inside `shard_map` on its own columns, each chunk sending its own gradient pieces
   (no barrier over all of them), and the step is compiled with the early calls'
   profiled latency (`dataflow.early_windows`). Three host calls, chained; the last one
   overlaps both stream lanes; every early call profiled and none held back; an early
   window holds backward gemms; no device update outside a host call."""
   from dos_jax.dataflow import early_windows  # pylint: disable=import-outside-toplevel
-  program = _runners_zero3_step('model.n_layers=4', 'offload.early_chunks=3', zero=zero)
+  program = _runners_zero3_step('model.n_layers=4', zero=zero, early=3)
   schedule = program.schedule
   calls = schedule.host_calls
   assert len(calls) == 3 and all(a.done < b.start for a, b in zip(calls, calls[1:])), calls
@@ -143,18 +144,17 @@ def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_
 def test_the_runners_step_on_one_device_builds_the_unsharded_construction():
   """On one GPU the runner places the params on a one-device mesh, and the state keeps
   that mesh. A one-device mesh splits nothing, so the step is built as for an unsharded
-  state: early host calls (here 2) and the device tiers in stream lanes grouped with the
-  last call, none outside a host call. Before, the mesh alone made the step take the
-  sharded path: one host call and every device update outside it."""
+  state: early host calls (here 2 of near-equal size) and the device tiers in stream
+  lanes grouped with the last call, none outside a host call. Before, the mesh alone
+  made the step take the sharded path: one host call and every device update outside
+  it."""
   if not device_stream.available():
     pytest.skip('this jax builds no stream region (device_stream.available())')
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(None, [
       'model.param_dtype=bfloat16', 'model.attention=xla', 'model.n_layers=4',
-      'offload.subgroup_size=65536', 'optim.clip_norm=1.0', 'offload.policy=stride',
-      'offload.storage=per_subgroup', 'offload.early_chunks=2'])
-  schedule = gpu_program.compile_sharded_step(cfg, jax.devices()[:1], 'h100_sxm').schedule
+      'offload.subgroup_size=65536', 'optim.clip_norm=1.0', 'offload.policy=stride'])
+  schedule = compiled.compile_runner_step(cfg, jax.devices()[:1], early=2).schedule
   calls = schedule.host_calls
   assert len(calls) == 2 and calls[0].done < calls[1].start, calls
   lanes = schedule.stream_calls
