@@ -24,8 +24,9 @@ _BUILD = textwrap.dedent('''
       params = jax.device_put(probes.mlp_params(layers, width, jnp.bfloat16), jax.devices()[0])
       x = jnp.ones((8, width), jnp.bfloat16)
       auto = dos_jax.Auto(profile=costmodel.PROFILE_PRESETS['h100-pcie5'])
+      # XLA's device update: Pallas needs an abstract GPU device to lower on jax 0.11+.
       offload = dos_jax.Offload(subgroup_size=width * width + width, policy=auto,
-                                platform='gpu')
+                                platform='gpu', device_impl=dos_jax.UpdateImpl.XLA)
       opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0),
                           dos_jax.adamw(1e-3, offload=offload))
       state = opt.init(params)
