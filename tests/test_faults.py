@@ -21,20 +21,14 @@ import time
 import pytest
 
 from dos_jax import cli
-from dos_jax.train import checkpoint, data, faults, integrity, rundir
+from dos_jax.train import checkpoint, faults, integrity, rundir
 from dos_jax.train.progress import MetricsLog, read_metrics
+from tests.test_runner_reliability import dataset  # pylint: disable=unused-import  (the fixture)
 from tests.test_runner_reliability import SMALL
 
 STEPS, EVERY = 8, 2
 # One run of the module: checkpoints at 2, 4, 6, 8; loss and eval loss compared bit for bit.
 RUN = [*SMALL, f'train.steps={STEPS}', f'checkpoint.every={EVERY}', 'checkpoint.keep=3']
-
-
-@pytest.fixture(scope='module')
-def dataset(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp('tokens'))
-  data.prepare(None, out, val_fraction=0.05, max_bytes=200_000, progress=False)
-  return out
 
 
 def _args(dataset, out_dir, *extra):
