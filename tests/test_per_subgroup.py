@@ -14,7 +14,6 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax.step import device_stream
 from dos_jax.dataflow import OpKind
 from dos_jax.geometry.partition import Tier
 from dos_jax.train import config
@@ -191,16 +190,11 @@ def test_a_stream_in_any_order_and_lanes_matches_optax(impl, buffers, seed):
 
 
 @pytest.mark.parametrize('buffers', [1, 2, 3])
-def test_gpu_program_streams_rows_at_most_buffers_deep(buffers, seed, request):
+def test_gpu_program_streams_rows_at_most_buffers_deep(buffers, seed):
   """Lowered for 'cuda': the streamed rows form `buffers` chains (row k + buffers
   starts only once row k is back in host memory), so at most `buffers` are in flight
   while rows of different chains are free to overlap; the host region stays
   independent of every one of them."""
-  if not device_stream.available():
-    request.node.add_marker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        'without stream regions (jax 0.12) the device update is gated on the last host '
-        "call's inputs, which include the early host calls' link: it waits for the early "
-        'calls')))
   graph = _update_graph(dos_jax.Stride(1, buffers=buffers), jnp.bfloat16, seed)
   stream = graph.with_kind(OpKind.PALLAS)
   assert len(stream) >= buffers + 3

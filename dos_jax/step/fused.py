@@ -246,7 +246,9 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
 
   args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h, link)
   if inputs_sink is not None:
-    inputs_sink.extend(jax.tree.leaves(args[1:]))
+    # Not the link: what gates on these inputs (a device update) must not wait for the
+    # earlier host calls the link comes from.
+    inputs_sink.extend(jax.tree.leaves(args[1:-1]))
   spaces = (paths.HOST, paths.DEVICE)
 
   def in_place(*args):
