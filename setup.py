@@ -1,10 +1,12 @@
-"""Builds the native host AdamW library (kernels/host_adamw_rows.cc) of dos_jax.kernels,
-and the probe of the instruction sets its loop can use here (kernels/host_isa.cc).
+"""Builds the native host AdamW libraries of dos_jax.kernels (kernels/host_adamw_rows.cc,
+the state in memory; kernels/host_adamw_disk.cc, the state in files), and the probe of
+the instruction sets their loop can use here (kernels/host_isa.cc).
 
 Everything else about the package lives in pyproject.toml. The XLA FFI headers come from
 the jaxlib installed in the build environment (a build requirement), located without
-importing it. The extension is optional: where it cannot be compiled the package still
-installs and `dos_jax.kernels.rows_kernel_available()` says why it is missing.
+importing it. The extensions are optional: where one cannot be compiled the package still
+installs and `dos_jax.kernels.rows_kernel_available()` (or
+`host_adamw_disk.disk_kernel_available()`) says why it is missing.
 
 Which headers, and why. A handler reports the XLA FFI API version of the headers it was
 compiled with, and an XLA runtime accepts only versions it knows: jaxlib 0.10.2 accepts
@@ -81,7 +83,7 @@ def _native_extension(name: str, *sources: str) -> Extension:
   return Extension(
       f'dos_jax.kernels.{name}',
       sources=[f'kernels/{source}' for source in sources],
-      depends=['kernels/adamw_loop.h', 'kernels/adamw_common.h'],
+      depends=['kernels/adamw_loop.h', 'kernels/adamw_common.h', 'kernels/adamw_rows.h'],
       include_dirs=[_ffi_include_dir()],
       extra_compile_args=_compile_args(),
       extra_link_args=['-pthread'],
@@ -162,6 +164,8 @@ setup(
         # The loop over rows of the stacked state (the core's host path), and its
         # registration inside a GPU PJRT plugin, for GPU programs' host regions.
         _native_extension('_host_adamw_rows', 'host_adamw_rows.cc', 'pjrt_register.cc'),
+        # The same loop over subgroups whose state is in files (the disk tier).
+        _native_extension('_host_adamw_disk', 'host_adamw_disk.cc'),
         # Which instruction sets that loop can use on this CPU (adamw_common.h's answer).
         _native_extension('_host_isa', 'host_isa.cc'),
     ],

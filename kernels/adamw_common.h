@@ -2,8 +2,8 @@
 // instruction sets and their run-time choice, one instantiation of a loop per
 // instruction set, denormal flushing, and the split of work over threads.
 //
-// Included (through adamw_loop.h) by host_adamw_rows.cc, and by host_isa.cc for
-// SupportedIsaMask; internal to those translation units.
+// Included (through adamw_loop.h) by host_adamw_rows.cc and host_adamw_disk.cc, and by
+// host_isa.cc for SupportedIsaMask; internal to those translation units.
 
 #ifndef DOS_JAX_KERNELS_ADAMW_COMMON_H_
 #define DOS_JAX_KERNELS_ADAMW_COMMON_H_

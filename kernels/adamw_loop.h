@@ -12,7 +12,8 @@
 // This loop was first the flat host kernel's (host_adamw.cc, since removed: only
 // benchmarks used it); the row-wise kernel's notes still call it that.
 //
-// Included by host_adamw_rows.cc; internal to that translation unit.
+// Included by host_adamw_rows.cc and host_adamw_disk.cc (through adamw_rows.h); internal
+// to those translation units.
 
 #ifndef DOS_JAX_KERNELS_ADAMW_LOOP_H_
 #define DOS_JAX_KERNELS_ADAMW_LOOP_H_
