@@ -9,7 +9,8 @@ One path through it, in order:
 * prediction -- `costmodel.predict` turns a profile, the packed state's shape
                 (`SubgroupSpec`) and a `Plan` (resident / streamed / host subgroups)
                 into a `Prediction` of the update phase, and `costmodel.migration` the
-                one-off cost of a change of plan; `memory` sizes each tier, and
+                one-off cost of a change of plan; `disk.predict` adds the disk tier
+                (the host subgroups beyond a host-memory budget); `memory` sizes each tier, and
                 `memory.check_run` checks a run against the memory this machine has
                 before anything is allocated; `step_memory.predict_step` predicts
                 what XLA's memory analysis of the compiled step reports.

@@ -34,6 +34,7 @@ import math
 import statistics
 
 from dos_jax.planner import costmodel
+from dos_jax.planner import disk
 from dos_jax.planner import fitting
 from dos_jax.planner import timeline
 from dos_jax.planner.costmodel import HardwareProfile
@@ -148,27 +149,28 @@ def rank(
     activation_bytes: float = 0.0,
     resident: bool = True,
     last_grad_bytes: float = 0.0,
+    host_memory_bytes: float | None = None,
 ) -> list[Choice]:
   """Every candidate with its prediction, the fitting ones first, fastest first.
 
   A plan fits when its resident state plus the larger of `activation_bytes` and its
   streamed buffers stays within `budget_bytes` (device memory beyond params and grads).
   `resident` adds plans that keep subgroups resident (see `resident_counts`).
-  `last_grad_bytes`: the gradient made last, never hidden (`costmodel.predict`)."""
+  `last_grad_bytes`: the gradient made last, never hidden (`costmodel.predict`).
+  `host_memory_bytes`: host memory per device for the optimizer; the host subgroups
+  beyond it go to disk, and a plan fits only where it holds the rest (`disk`)."""
   if plans is None:
     counts = resident_counts(spec, budget_bytes, activation_bytes) if resident else (0,)
     plans = candidates(spec, resident=counts)
-  choices = [
-      Choice(p, pred, pred.device_bytes_beside(activation_bytes) <= budget_bytes)
-      for p in plans
-      for pred in [costmodel.predict(profile, spec, p, backward_seconds=backward_seconds,
-                                     last_grad_bytes=last_grad_bytes)]
-  ]
+  def choice(p: Plan) -> Choice:
+    pred = disk.predict(profile, spec, p, backward_seconds=backward_seconds,
+                        last_grad_bytes=last_grad_bytes, host_memory_bytes=host_memory_bytes)
+    return Choice(p, pred, pred.device_bytes_beside(activation_bytes) <= budget_bytes
+                  and disk.host_fits(profile, spec, p, host_memory_bytes))
+  choices = [choice(p) for p in plans]
   order = {id(c): i for i, c in enumerate(choices)}
-  return sorted(
-      choices,
-      key=lambda c: (not c.fits, c.prediction.update_seconds, c.prediction.device_peak_bytes, order[id(c)]),
-  )
+  return sorted(choices, key=lambda c: (not c.fits, c.prediction.update_seconds,
+                                        c.prediction.device_peak_bytes, order[id(c)]))
 
 
 def choose(
@@ -218,6 +220,7 @@ class Auto:
       patience: int = 3,
       warmup: int = 1,
       last_grad_bytes: float = 0.0,
+      host_memory_bytes: float | None = None,
   ):
     """Args:
       profile: the machine; None calibrates this one on first use (cached as JSON).
@@ -237,6 +240,7 @@ class Auto:
       warmup: observations ignored after each change of plan (they include compiling).
       last_grad_bytes: bytes of the gradient the backward pass makes last, whose copy
         nothing hides (`costmodel.predict`; `last_grad_bytes` below gives the runner's).
+      host_memory_bytes: host memory per device for the optimizer, beyond it disk (`rank`).
     """
     if not 0 < tolerance < 10:
       raise ValueError(f'Auto.tolerance must be in (0, 10), got {tolerance!r}')
@@ -268,6 +272,7 @@ class Auto:
     if not (math.isfinite(last_grad_bytes) and last_grad_bytes >= 0):
       raise ValueError(f'Auto.last_grad_bytes must be >= 0, got {last_grad_bytes!r}')
     self.last_grad_bytes = last_grad_bytes
+    self.host_memory_bytes = host_memory_bytes
     # Several processes: what takes every choice alike on each (`agree`), and this
     # process's own profile where it differs from the agreed one.
     self.agreement = None
@@ -309,7 +314,12 @@ class Auto:
     budget = profile.device_free_bytes if self.budget_bytes is None else self.budget_bytes
     return rank(profile, self.spec, budget, backward_seconds=self.backward_seconds,
                 activation_bytes=self.activation_bytes, resident=self.budget_bytes is not None,
-                last_grad_bytes=self.last_grad_bytes)
+                last_grad_bytes=self.last_grad_bytes, host_memory_bytes=self.host_memory_bytes)
+
+  def _predict(self, plan: Plan) -> Prediction:
+    return disk.predict(self.profile, self.spec, plan, backward_seconds=self.backward_seconds,
+                        last_grad_bytes=self.last_grad_bytes,
+                        host_memory_bytes=self.host_memory_bytes)
 
   def _choose(self, ranking: list[Choice] | None = None) -> Plan:
     self.ranking = ranking or self._rank(self.profile)
@@ -371,10 +381,7 @@ class Auto:
     if self._skip > 0:
       self._skip -= 1
       return self.current
-    predicted = costmodel.predict(
-        self.profile, self.spec, plan, backward_seconds=self.backward_seconds,
-        last_grad_bytes=self.last_grad_bytes,
-    ).update_seconds
+    predicted = self._predict(plan).update_seconds
     self._remember(plan, measured_update_seconds)
     if abs(measured_update_seconds - predicted) <= self.tolerance * predicted:
       self._departures = []
@@ -428,10 +435,7 @@ class Auto:
     from dos_jax.planner import report  # pylint: disable=import-outside-toplevel
     if self.spec is None or self.current is None:
       raise ValueError('Auto.record called before Auto.plan(spec)')
-    prediction = costmodel.predict(
-        self.profile, self.spec, self.current, backward_seconds=self.backward_seconds,
-        last_grad_bytes=self.last_grad_bytes,
-    )
+    prediction = self._predict(self.current)
     migration, self.last_migration = self.last_migration, None
     return report.StepRecord.of(step, self.current, prediction, measured_update_seconds,
                                 migration=migration)

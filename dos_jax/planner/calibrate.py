@@ -7,10 +7,19 @@ on an accelerator) and over device memory, and the host update timed again while
 second thread keeps the copies busy. On the CPU backend the memory kinds are nominal:
 copies inside a program cost (almost) nothing, both "paths" run on the same cores, and
 the profile says so (`device_is_host=True`).
+
+`calibrate_disk` measures a directory's disk for the disk tier: a file written, read
+back, and one read while another is written, with `O_DIRECT` where the filesystem takes
+it (else buffered, with `fsync` after writing and the file's pages dropped from the page
+cache before reading); `with_disk` puts the rates into a profile.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import mmap
 import os
 import socket
 import statistics
@@ -262,3 +271,136 @@ def cached_profile(
   profile = calibrate(seconds_budget, sizes)
   profile.to_json(path)
   return profile
+
+
+# The disk probe's default file size: small enough for a quick calibration, large enough
+# for a few dozen of its blocks.
+DISK_PROBE_BYTES = 256 << 20
+_DISK_BLOCK = 8 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskRates:
+  """A directory's disk bandwidths, GB/s (see `HardwareProfile.disk_read_gbps`)."""
+
+  read_gbps: float
+  write_gbps: float
+  mixed_gbps: float
+  directory: str
+  direct_io: bool
+
+
+def _open(path: str, flags: int) -> tuple[int, bool]:
+  """`path` opened with O_DIRECT where the filesystem takes it: (fd, direct)."""
+  direct = getattr(os, 'O_DIRECT', 0)
+  if direct:
+    try:
+      return os.open(path, flags | direct, 0o600), True
+    except OSError:
+      pass  # tmpfs and some others refuse it
+  return os.open(path, flags, 0o600), False
+
+
+def _write_file(path: str, size: int, block: mmap.mmap) -> bool:
+  """Writes `size` bytes of `block` repeated to `path`, to the disk; returns whether
+  with O_DIRECT."""
+  fd, direct = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  try:
+    for offset in range(0, size, len(block)):
+      os.pwrite(fd, block, offset)
+    os.fsync(fd)
+    if not direct and hasattr(os, 'posix_fadvise'):
+      os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)  # read it from the disk
+  finally:
+    os.close(fd)
+  return direct
+
+
+def _read_file(path: str, size: int, block: mmap.mmap) -> None:
+  fd, direct = _open(path, os.O_RDONLY)
+  try:
+    if not direct and hasattr(os, 'posix_fadvise'):
+      os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+    for offset in range(0, size, len(block)):
+      os.preadv(fd, [block], offset)
+  finally:
+    os.close(fd)
+
+
+def calibrate_disk(directory: str | os.PathLike, size_bytes: int = DISK_PROBE_BYTES
+                   ) -> DiskRates:
+  """Measures the disk under `directory` (which must exist): writes a file of
+  `size_bytes` (rounded up to 8 MiB blocks), reads it back, then reads it while a
+  second thread writes another, and removes both files. ValueError naming the
+  directory when it is missing or cannot be written."""
+  directory = os.path.abspath(os.fspath(directory))
+  if not os.path.isdir(directory):
+    raise ValueError(f'not a directory: {directory}')
+  if size_bytes < 1:
+    raise ValueError(f'calibrate_disk: size_bytes must be positive, got {size_bytes!r}')
+  block_bytes = min(_DISK_BLOCK, -(-size_bytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+  size = -(-size_bytes // block_bytes) * block_bytes
+  # Page-aligned buffers, as O_DIRECT needs; random bytes, so that no disk compresses them.
+  write_block, read_block = mmap.mmap(-1, block_bytes), mmap.mmap(-1, block_bytes)
+  write_block[:] = np.random.default_rng(0).bytes(block_bytes)
+  paths_made = [os.path.join(directory, f'.dos_jax_disk_probe.{os.getpid()}.{i}')
+                for i in range(2)]
+  try:
+    t0 = time.perf_counter()
+    direct = _write_file(paths_made[0], size, write_block)
+    write = size / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    _read_file(paths_made[0], size, read_block)
+    read = size / (time.perf_counter() - t0)
+    writer = threading.Thread(target=_write_file, args=(paths_made[1], size, write_block))
+    t0 = time.perf_counter()
+    writer.start()
+    _read_file(paths_made[0], size, read_block)
+    writer.join()
+    mixed = 2 * size / (time.perf_counter() - t0)
+  except OSError as e:
+    raise ValueError(f'cannot measure the disk at {directory}: {e.strerror or e}') from None
+  finally:
+    for path in paths_made:
+      try:
+        os.remove(path)
+      except FileNotFoundError:
+        pass
+    write_block.close()
+    read_block.close()
+  return DiskRates(read_gbps=read / 1e9, write_gbps=write / 1e9, mixed_gbps=mixed / 1e9,
+                   directory=directory, direct_io=direct)
+
+
+def with_disk(profile: HardwareProfile, rates: DiskRates) -> HardwareProfile:
+  """`profile` with `rates` as its disk bandwidths, measured on `rates.directory`."""
+  how = 'direct I/O' if rates.direct_io else 'buffered I/O, fsync and FADV_DONTNEED'
+  return dataclasses.replace(
+      profile, disk_read_gbps=rates.read_gbps, disk_write_gbps=rates.write_gbps,
+      disk_mixed_gbps=rates.mixed_gbps, disk_dir=rates.directory,
+      source=f'{profile.source}; disk: calibrate_disk({rates.directory}) with {how}'.lstrip('; '))
+
+
+def cached_disk(profile: HardwareProfile, directory: str | os.PathLike, *,
+                refresh: bool = False, size_bytes: int = DISK_PROBE_BYTES) -> HardwareProfile:
+  """`profile` with the disk bandwidths of `directory`: the profile's own when it was
+  measured there, else those cached for this host and directory, else measured now
+  (`calibrate_disk`) and cached beside this machine's profile."""
+  directory = os.path.abspath(os.fspath(directory))
+  if not refresh and profile.has_disk and profile.disk_dir == directory:
+    return profile
+  key = hashlib.sha256(directory.encode()).hexdigest()[:16]
+  path = os.path.join(str(cache.cache_dir()), f'disk-{socket.gethostname()}-{key}.json')
+  if not refresh and os.path.exists(path):
+    try:
+      with open(path, encoding='utf-8') as f:
+        return with_disk(profile, DiskRates(**json.load(f)))
+    except (ValueError, TypeError, OSError):
+      pass  # an unreadable or outdated cache: measure again
+  rates = calibrate_disk(directory, size_bytes)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f'{path}.tmp{os.getpid()}'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    json.dump(dataclasses.asdict(rates), f, indent=2)
+  os.replace(tmp, path)
+  return with_disk(profile, rates)

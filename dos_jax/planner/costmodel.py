@@ -40,6 +40,8 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
 * assembling the device subgroups' gradient rows before the stream, and unpacking the
   new rows into the params after, cost device-memory traffic (`layout_bytes`) outside
   both paths; the host subgroups' rows are assembled in host memory;
+* host subgroups whose state is on disk (`planner.disk`) are updated by a host call of
+  their own after the others, whose time `disk.predict` adds to the host path;
 * the update phase lasts as long as the slowest path or link. On a machine whose
   "device" is the host itself (`device_is_host`, the CPU backend) `dos_jax` builds the
   CPU program: every subgroup, whatever the plan, is updated by the same host call,
@@ -54,17 +56,21 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 # The profile lives in `hardware`; re-exported so callers need one import.
 from dos_jax.planner.hardware import A100_PCIE_GEN4_NODE as A100_PCIE_GEN4_NODE
 from dos_jax.planner.hardware import ADAMW_BYTES_PER_PARAM as ADAMW_BYTES_PER_PARAM
 from dos_jax.planner.hardware import H100_PCIE_GEN5_NODE as H100_PCIE_GEN5_NODE
 from dos_jax.planner.hardware import HardwareProfile as HardwareProfile
 from dos_jax.planner.hardware import PROFILE_PRESETS as PROFILE_PRESETS
+# The inter-node collectives live in `internode`; re-exported likewise.
+from dos_jax.planner.internode import Internode as Internode
+from dos_jax.planner.internode import internode as internode
+# What the stream holds in device memory lives in `stream_memory`; re-exported likewise.
+from dos_jax.planner.stream_memory import chunk_count as chunk_count
+from dos_jax.planner.stream_memory import regions_by_default as regions_by_default
+from dos_jax.planner.stream_memory import streamed_elements_held as streamed_elements_held
 from dos_jax.policies import Plan
 from dos_jax.policies import SubgroupSpec
-from dos_jax.step import device_stream
 
 _GB = 1e9
 
@@ -86,11 +92,13 @@ class Prediction:
       hides behind the backward pass.
     device_peak_bytes: device memory the update needs beyond params and grads: the
       resident tier's state plus the streamed path's buffers.
-    bound: what limits the update: 'device stream', 'host', 'H2D link', 'D2H link',
-      'resident' or 'serialized' (device_is_host).
+    bound: what limits the update: 'device stream', 'host', 'host + disk', 'H2D link',
+      'D2H link', 'resident' or 'serialized' (device_is_host).
     layout_seconds: packing gradients (and fp32 params) into subgroup rows before the
       paths run, and unpacking the new rows into updates applied to the params after;
       part of `update_seconds`.
+    disk_seconds: the disk subgroups' host call, on the host path after the others
+      (`planner.disk`); 0 without a disk tier.
   """
 
   update_seconds: float
@@ -103,6 +111,7 @@ class Prediction:
   bound: str
   layout_seconds: float = 0.0
   resident_bytes: float = 0.0
+  disk_seconds: float = 0.0
 
   @property
   def buffer_bytes(self) -> float:
@@ -210,44 +219,6 @@ def stream_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
   return stream
 
 
-def chunk_count(plan: Plan, chunks: int) -> int:
-  """How many linked chunks a `chunks`-chunk step would run `plan` in (a model only:
-  the step no longer builds linked chunks): at most `chunks`, each with a host and a
-  streamed subgroup at least."""
-  return max(1, min(chunks, len(plan.host), len(plan.streamed)))
-
-
-def regions_by_default(plan: Plan, *, stacked: bool) -> bool:
-  """Whether an unsharded state's step runs the streamed rows of `plan` in stream
-  regions: stored per subgroup, on a jax that builds them, beside host subgroups."""
-  return not stacked and device_stream.available() and bool(plan.host)
-
-
-def streamed_elements_held(plan: Plan, dev_sizes: list[int], *, stacked: bool,
-                           chunks: int = 0, regions: bool | None = None) -> int:
-  """Elements of streamed state in device memory at once during the update: the
-  stream's `buffers` rows, or, stored per subgroup where the step runs the device
-  tiers in stream regions (`device_stream.available()`), every streamed row. XLA keeps
-  each value of an asynchronous computation live until its done (`HloLiveRange`), so a
-  lane's region holds all of its rows; chaining one region per row would need a data
-  edge between grouped calls, which XLA 0.11 rejects ("annotation groups with gaps";
-  RESULTS.md, 2026-11-26, ninth session). In `chunks` linked chunks (a model only:
-  the step no longer builds them) chunk k+1's regions start after
-  chunk k's are done, so the stream holds the largest chunk's rows (`dev_sizes` in
-  stream order). `regions`: whether the step runs the rows in stream regions
-  (`dos_jax.stream_regions` says for a built state); None: where they
-  are stored per subgroup, this jax builds regions and the plan has host subgroups (an
-  unsharded state)."""
-  if not dev_sizes:
-    return 0
-  if regions is None:
-    regions = regions_by_default(plan, stacked=stacked)
-  if regions:
-    parts = np.array_split(np.asarray(dev_sizes, np.int64), chunk_count(plan, chunks))
-    return int(max(part.sum() for part in parts))
-  return plan.buffers * max(dev_sizes)
-
-
 def predict(
     profile: HardwareProfile,
     spec: SubgroupSpec,
@@ -257,6 +228,8 @@ def predict(
     last_grad_bytes: float = 0.0,
     stacked: bool = False,
     chunks: int = 0,
+    disk_subgroups: tuple[int, ...] = (),
+    disk_seconds: float = 0.0,
 ) -> Prediction:
   """Predicts the update phase of `plan` on `profile` (see the module docstring).
 
@@ -274,6 +247,8 @@ def predict(
       per subgroup).
     chunks: model linked chunks (a model only): the device memory the stream holds
       (`streamed_elements_held`); their time is `timeline.timeline`'s.
+    disk_subgroups, disk_seconds: host subgroups whose state is on disk, and their own
+      host call's time, which follows the in-memory host work (`planner.disk.predict`).
   """
   if plan.num_subgroups != spec.num_subgroups:
     raise ValueError(
@@ -284,16 +259,18 @@ def predict(
   gb = host_pull_bytes(spec)
   u_dev = profile.device_adamw_gparams * _GB
   u_host = profile.host_adamw_gparams() * _GB
+  disk_elements = sum(sizes[i] for i in disk_subgroups)
 
   if profile.device_is_host:
     # The CPU program: one host call over every subgroup, whatever the plan; it reads
     # the gradient leaves in place, so only the unpacking remains outside it.
-    seconds = sum(sizes) / u_host
+    seconds = (sum(sizes) - disk_elements) / u_host + disk_seconds
     layout = spec.num_elements * layout_bytes(spec, 0.0) / (profile.device_memory_gbps * _GB)
     return Prediction(
         update_seconds=seconds + layout, device_stream_seconds=0.0, host_seconds=seconds,
         bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
         device_peak_bytes=0.0, bound='serialized', layout_seconds=layout,
+        disk_seconds=disk_seconds,
     )
   on_device = plan.streamed + plan.resident
   device_fraction = sum(sizes[i] for i in on_device) / max(1, sum(sizes))
@@ -331,7 +308,7 @@ def predict(
   param_seconds = pb * host_elements / h2d_bw
   host = 0.0
   if plan.host:
-    work = host_elements / u_host
+    work = (host_elements - disk_elements) / u_host
     compute = work if serial else _slowed(work, stream_alone, profile.host_copy_slowdown)
     first, last = sizes[plan.host[0]], sizes[plan.host[-1]]
     # The first subgroup's exposed gradients must arrive before its update starts, and
@@ -341,7 +318,7 @@ def predict(
     if serial:
       host = exposed + work + param_seconds
     else:
-      host = fill + max(exposed, compute, param_seconds) + drain
+      host = fill + max(exposed, compute, param_seconds) + disk_seconds + drain
 
   bytes_h2d = float(sb * sum(dev_sizes) + pb * host_elements)
   bytes_d2h = float(sb * sum(dev_sizes) + gb * host_elements)
@@ -352,7 +329,8 @@ def predict(
     d2h_link = (bytes_d2h - gb * host_elements * (hidden / grad_seconds if grad_seconds else 0)) / d2h_bw
     device_label = 'device stream' if dev_sizes else 'resident'
     update, bound = max(
-        (stream, device_label), (host, 'host'), (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
+        (stream, device_label), (host, 'host + disk' if disk_seconds else 'host'),
+        (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
         key=lambda item: item[0],
     )
   peak = float(sb * streamed_elements_held(plan, dev_sizes, stacked=stacked,
@@ -361,7 +339,7 @@ def predict(
       update_seconds=update + layout, device_stream_seconds=stream, host_seconds=host,
       bytes_h2d=bytes_h2d, bytes_d2h=bytes_d2h, grad_transfer_hidden_seconds=hidden,
       device_peak_bytes=peak + resident_bytes, bound=bound, layout_seconds=layout,
-      resident_bytes=resident_bytes,
+      resident_bytes=resident_bytes, disk_seconds=disk_seconds,
   )
 
 
@@ -445,46 +423,3 @@ def predict_iteration(
   update = predict(profile, spec, plan, backward_seconds=backward_seconds,
                    last_grad_bytes=last_grad_bytes)
   return IterationPrediction(forward_seconds, backward_seconds, update)
-
-
-@dataclasses.dataclass(frozen=True)
-class Internode:
-  """The data-parallel collectives of one step across nodes, over the inter-node link.
-
-  Attributes:
-    nodes: nodes taking part.
-    link_bytes: bytes each node sends (and receives) over its inter-node link.
-    reduce_scatter_seconds: the gradients' reduce-scatter (the state, and so the update
-      of each slice, is sharded over every device of every node).
-    all_gather_seconds: the new parameters' all-gather after the update (together with
-      the reduce-scatter: the traffic of an all-reduce).
-  """
-
-  nodes: int
-  link_bytes: float
-  reduce_scatter_seconds: float
-  all_gather_seconds: float
-
-  @property
-  def seconds(self) -> float:
-    return self.reduce_scatter_seconds + self.all_gather_seconds
-
-
-def internode(profile: HardwareProfile, nodes: int, *, grad_bytes: float,
-              param_bytes: float) -> Internode:
-  """The inter-node part of a step's data-parallel collectives on `nodes` nodes.
-
-  `grad_bytes`, `param_bytes`: the whole model's gradients and params (every replica
-  holds them whole or in slices). A ring over the nodes moves (N-1)/N of each tensor
-  through every node's link each way, at `profile.internode_gbps`; the exchange among
-  the devices of a node (NVLink or PCIe) is not counted, nor any overlap with the
-  backward pass (XLA may start the reduce-scatter of early gradients while it runs):
-  an upper bound on what the link adds to a step. One node: nothing."""
-  if nodes < 1:
-    raise ValueError(f'nodes must be >= 1, got {nodes}')
-  share = (nodes - 1) / nodes
-  rate = profile.internode_gbps * _GB
-  return Internode(nodes=nodes, link_bytes=share * (grad_bytes + param_bytes),
-                   reduce_scatter_seconds=share * grad_bytes / rate,
-                   all_gather_seconds=share * param_bytes / rate)
-

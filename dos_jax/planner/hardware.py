@@ -2,9 +2,11 @@
 
 A profile holds the handful of rates that decide an offloaded update phase: PCIe
 bandwidth each way (alone and with both directions busy), host and device AdamW
-throughput, the device memory free for the update, and how much the host update slows
-while copies compete with it for host memory bandwidth. `dos_jax.planner.calibrate` measures
-one for this machine; the presets describe the paper's nodes, with their sources.
+throughput, the device memory free for the update, how much the host update slows
+while copies compete with it for host memory bandwidth, and, for the disk tier, a
+disk's read, write and mixed bandwidth (None until measured on a directory or stated).
+`dos_jax.planner.calibrate` measures one for this machine; the presets describe the
+paper's nodes, with their sources.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ class HardwareProfile:
       way, for the data-parallel collectives of a multi-node run (`dos-jax plan
       --nodes`). Default 25: one 200 Gb/s InfiniBand HDR port at line rate (400 Gb/s
       NDR: 50). A calibration does not measure it.
+    disk_read_gbps: the disk tier's read bandwidth, GB/s, on `disk_dir` (direct I/O
+      where the filesystem takes it); None: no disk measured.
+    disk_write_gbps: its write bandwidth, GB/s; None with `disk_read_gbps`.
+    disk_mixed_gbps: bytes read plus bytes written per second while one thread reads a
+      file and another writes one, GB/s (the disk tier's update does both at once);
+      None: not measured, the two counted one after the other.
+    disk_dir: the directory the disk bandwidths were measured on (None: stated).
   """
 
   name: str
@@ -60,6 +69,10 @@ class HardwareProfile:
   source: str = ''
   device_copy_gbps: float | None = None
   internode_gbps: float = 25.0
+  disk_read_gbps: float | None = None
+  disk_write_gbps: float | None = None
+  disk_mixed_gbps: float | None = None
+  disk_dir: str | None = None
 
   def __post_init__(self):
     rates = {
@@ -81,6 +94,13 @@ class HardwareProfile:
     positive.update({f'host_adamw_gparams_by_threads[{t}]': r for t, r in rates.items()})
     if self.device_copy_gbps is not None:
       positive['device_copy_gbps'] = self.device_copy_gbps
+    disk = {'disk_read_gbps': self.disk_read_gbps, 'disk_write_gbps': self.disk_write_gbps,
+            'disk_mixed_gbps': self.disk_mixed_gbps}
+    positive.update({k: v for k, v in disk.items() if v is not None})
+    if (self.disk_read_gbps is None) != (self.disk_write_gbps is None) or (
+        self.disk_mixed_gbps is not None and self.disk_read_gbps is None):
+      raise ValueError(f'HardwareProfile {self.name!r}: disk_read_gbps and disk_write_gbps'
+                       ' come together (and disk_mixed_gbps only with them)')
     for key, value in positive.items():
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f'HardwareProfile {self.name!r}: {key} must be a positive number, got {value!r}')
@@ -106,6 +126,11 @@ class HardwareProfile:
     if threads is None:
       return max(self.host_adamw_gparams_by_threads.values())
     return self.host_adamw_gparams_by_threads[threads]
+
+  @property
+  def has_disk(self) -> bool:
+    """Whether the profile knows a disk's bandwidths (measured or stated)."""
+    return self.disk_read_gbps is not None
 
   @property
   def device_memory_gbps(self) -> float:

@@ -14,6 +14,9 @@ checkpointing, params, grads and state sharded over the node's devices (ZeRO-3).
 `--nodes N`: the run spans N such nodes, the state sharded over every device of all of
 them; the step then counts the data-parallel collectives over the inter-node link
 (`costmodel.internode`), and host memory is given per node.
+
+`--disk DIR` or `--disk-gbps READ,WRITE` adds the disk tier: the host subgroups' state
+beyond the node's host memory (`--host-memory-gib`) goes to disk (`plan_disk`).
 """
 
 from __future__ import annotations
@@ -22,16 +25,23 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 import sys
 from typing import Callable
 
 from dos_jax.planner import auto
 from dos_jax.planner import costmodel
-from dos_jax.planner import timeline
+from dos_jax.planner import disk
 from dos_jax.planner import memory
+from dos_jax.planner import plan_disk
+from dos_jax.planner import plan_steps
 from dos_jax import model_shapes
 from dos_jax import pinned_pool
+from dos_jax.planner.plan_args import fraction as _fraction
+from dos_jax.planner.plan_args import gib as _gib
+from dos_jax.planner.plan_args import ms as _ms
+from dos_jax.planner.plan_args import parse_bytes as parse_bytes
+from dos_jax.planner.plan_args import positive_float as _positive_float
+from dos_jax.planner.plan_args import positive_int as _positive_int
 from dos_jax.planner.costmodel import HardwareProfile
 from dos_jax.policies import AllDevice
 from dos_jax.policies import AllHost
@@ -47,53 +57,6 @@ _THIS = 'this'
 # the paper's 20B run achieved (2NT FLOPs forward in 288 ms and 4NT backward in 852 ms
 # per GPU, ~190-280 TFLOP/s); A100: assumed, ~1/3 of its 312 TFLOP/s bf16 peak.
 _DEFAULT_TFLOPS = {'h100-pcie5': 200.0, 'a100-pcie4': 100.0}
-
-_UNITS = {
-    '': 1, 'b': 1, 'kb': 1e3, 'mb': 1e6, 'gb': 1e9, 'tb': 1e12,
-    'kib': 2**10, 'mib': 2**20, 'gib': 2**30, 'tib': 2**40,
-}
-
-
-def parse_bytes(text: str) -> float:
-  """'80GB', '79GiB', '8e10' -> bytes."""
-  match = re.fullmatch(r'\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgt]i?b|b)?\s*', text.lower())
-  if not match:
-    raise argparse.ArgumentTypeError(f'not a memory size: {text!r} (e.g. 80GB, 79GiB, 8e10)')
-  value = float(match.group(1)) * _UNITS[match.group(2) or '']
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f'memory size must be positive, got {text!r}')
-  return value
-
-
-def _positive_int(text: str) -> int:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'not a number: {text!r}') from None
-  if value < 1 or value != int(value):
-    raise argparse.ArgumentTypeError(f'must be a positive integer, got {text!r}')
-  return int(value)
-
-
-def _fraction(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'not a number: {text!r}') from None
-  if not 0.0 <= value <= 1.0:
-    raise argparse.ArgumentTypeError(f'must be in [0, 1], got {text!r}')
-  return value
-
-
-def _positive_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'not a number: {text!r}') from None
-  if not (math.isfinite(value) and value > 0):
-    raise argparse.ArgumentTypeError(f'must be a positive number, got {text!r}')
-  return value
-
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
@@ -173,6 +136,7 @@ def register(subparsers,
                  help='inter-node link per node, GB/s each way (default: the profile\'s'
                  ' internode_gbps: 50 for h100-pcie5, 400 Gb/s InfiniBand; 25, 200 Gb/s,'
                  ' otherwise)')
+  plan_disk.add_arguments(p)
   p.set_defaults(handler=handler, config_settings=config_settings)
 
 
@@ -232,16 +196,6 @@ def _load_profile(name: str) -> HardwareProfile:
   )
 
 
-def _gib(n: float) -> str:
-  return f'{n / 2**30:,.1f} GiB'
-
-
-def _ms(s: float) -> str:
-  if s < 0.1:
-    return f'{s * 1e3:.3g} ms'
-  return f'{s * 1e3:,.0f} ms' if s < 10 else f'{s:,.1f} s'
-
-
 def _count(n: float) -> str:
   return f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'
 
@@ -260,12 +214,13 @@ class _Row:
   fits: bool
 
 
-def _best_resident_only(profile, spec, budget, acts, bwd, last) -> Plan:
+def _best_resident_only(profile, spec, budget, acts, bwd, last, host_state) -> Plan:
   """The fastest `Resident(r)` (the rest on the host, nothing streamed) that fits."""
   best = None
   for r in range(spec.num_subgroups + 1):
     plan = Resident(r).plan(spec)
-    pred = costmodel.predict(profile, spec, plan, backward_seconds=bwd, last_grad_bytes=last)
+    pred = disk.predict(profile, spec, plan, backward_seconds=bwd, last_grad_bytes=last,
+                        host_memory_bytes=host_state)
     if pred.device_bytes_beside(acts) > budget:
       break
     if best is None or pred.update_seconds < best[1]:
@@ -276,7 +231,7 @@ def _best_resident_only(profile, spec, budget, acts, bwd, last) -> Plan:
 def handler(args) -> int:
   try:
     settings = _load_settings(args)
-    profile = _load_profile(args.profile)
+    profile = plan_disk.disk_profile(args, _load_profile(args.profile))
   except ValueError as e:
     return _error(str(e))
   preset_profile = args.profile in costmodel.PROFILE_PRESETS
@@ -323,7 +278,10 @@ def handler(args) -> int:
       decayed_rows=max(count - 1, 1),
   )
   device_mem = args.device_memory or profile.device_free_bytes
-  host_mem = args.host_memory or profile.host_memory_bytes
+  host_mem = plan_disk.host_memory(args, profile)
+  on_disk = plan_disk.enabled(args)
+  host_cap = plan_disk.per_device_memory(host_mem, devices) if on_disk else None
+  node_profile, profile = profile, plan_disk.shared(profile, devices)
   tflops = args.achieved_tflops or _DEFAULT_TFLOPS.get(profile.name if preset_profile else '')
   fwd = bwd = 0.0
   if tflops:
@@ -339,7 +297,7 @@ def handler(args) -> int:
         f' {run.attention} attention, {"remat" if run.remat else "no remat"}; params, grads'
         f' and state sharded over the {devices * nodes} device(s)')
   print(f'profile: {profile.name} (device memory {_gib(device_mem)}, host memory'
-        f' {_gib(host_mem) if host_mem else "unknown"})')
+        f' {_gib(host_mem) if host_mem else "unknown"}{plan_disk.profile_note(node_profile)})')
 
   base = size.params + size.grads
   backward_peak = base + size.activations
@@ -349,7 +307,7 @@ def handler(args) -> int:
     short.append(f'device memory short by {_gib(backward_peak - device_mem)} per device'
                  f' (params {_gib(size.params)} + grads {_gib(size.grads)} + activations'
                  f' {_gib(size.activations)} > {_gib(device_mem)})')
-  if host_mem and host_state > host_mem:
+  if host_mem and host_state > host_mem and not on_disk:
     short.append(f'pinned host memory short by {_gib(host_state - host_mem)} per node'
                  f' (optimizer state {_gib(host_state)} > {_gib(host_mem)})')
 
@@ -359,7 +317,7 @@ def handler(args) -> int:
   last = auto.last_grad_bytes(shape.vocab_size, shape.dim, param_bytes, devices * nodes)
   # The runner's `Auto`, given what the runner gives it: the plan printed is its plan.
   chooser = auto.Auto(profile, budget_bytes=budget, activation_bytes=acts,
-                      backward_seconds=bwd, last_grad_bytes=last)
+                      backward_seconds=bwd, last_grad_bytes=last, host_memory_bytes=host_cap)
   chooser.plan(spec)
   chosen = chooser.ranking[0]
   pred = chosen.prediction
@@ -369,7 +327,8 @@ def handler(args) -> int:
         f' ~{_gib(acts)} (fwd/bwd), resident state {_gib(pred.resident_bytes)}, update'
         f' buffers {_gib(pred.buffer_bytes)} -> peak {_gib(base + pred.device_bytes_beside(acts))}'
         f' of {_gib(device_mem)} ({memory.MARGIN:.0%} kept free)')
-  on_host = sb * subgroup * (len(chosen.plan.streamed) + len(chosen.plan.host)) * devices
+  kept = disk.split(profile, spec, chosen.plan, host_cap).in_memory  # the host tier in memory
+  on_host = sb * subgroup * (len(chosen.plan.streamed) + len(kept)) * devices
   print(f'  pinned host (node): optimizer state {_gib(on_host)} of {_gib(host_state)}'
         f' ({state_bytes} B/param) in {_gib(host_mem) if host_mem else "unknown"}')
   # Every subgroup on the host pins the most: the state, gradients in, new params out,
@@ -380,6 +339,14 @@ def handler(args) -> int:
         f' process, one process per node ({_gib(pool)} for any plan with early host chunks'
         f' under clipping, + margin; XLA\'s default is {pinned_pool.DEFAULT_GIB}; dos-jax'
         f' train sets it)')
+  if pred.device_bytes_beside(acts) > budget and not short:
+    short.append(f'device memory: no plan fits beside the activations (the fastest,'
+                 f' {chosen.plan.describe()}, needs {_gib(pred.device_bytes_beside(acts))}'
+                 f' beside params and grads, {_gib(budget)} free after the margin)')
+  disk_dir = args.disk if args.profile == _THIS else None
+  if on_disk:
+    print('\n'.join(plan_disk.lines(profile, spec, chosen.plan, host_mem, devices, args.disk)))
+    short += plan_disk.disk_short(profile, spec, chosen.plan, host_mem, devices, disk_dir)
   if per_stage:
     print()
     print('\n'.join(stages.report(per_stage, microbatches=args.microbatches, gib=_gib)))
@@ -394,20 +361,24 @@ def handler(args) -> int:
         f' {len(plan.streamed) / n:.0%} streamed), order: {_order(plan)}')
   statics = [('AllHost', AllHost().plan(spec)), ('Stride(2)', Stride(2).plan(spec)),
              ('DeviceFraction(0.5)', DeviceFraction(0.5).plan(spec))]
-  best_resident = _best_resident_only(profile, spec, budget, acts, bwd, last)
+  best_resident = _best_resident_only(profile, spec, budget, acts, bwd, last, host_cap)
   statics.append((f'Resident({len(best_resident.resident)}) (best resident-only)', best_resident))
   statics.append(('AllDevice', AllDevice().plan(spec)))
   rows = []
   for name, p in [('Auto (chosen)', plan)] + statics:
-    it = costmodel.predict_iteration(profile, spec, p, forward_seconds=fwd, backward_seconds=bwd,
-                                     last_grad_bytes=last)
-    rows.append(_Row(name, p, it, it.update.device_bytes_beside(acts) <= budget))
+    it = costmodel.IterationPrediction(fwd, bwd, disk.predict(
+        profile, spec, p, backward_seconds=bwd, last_grad_bytes=last,
+        host_memory_bytes=host_cap))
+    fits = (it.update.device_bytes_beside(acts) <= budget
+            and disk.host_fits(profile, spec, p, host_cap))
+    rows.append(_Row(name, p, it, fits))
   print(f'\n  {"plan":40} {"update":>9} {"iteration":>10}  {"resident":>9} {"buffers":>9}'
         f' {"host/node":>10}  bound')
   for row in rows:
     u = row.iteration.update
     iteration = _ms(row.iteration.iteration_seconds) if tflops else '-'
-    host = sb * subgroup * (len(row.plan.streamed) + len(row.plan.host)) * devices
+    kept = disk.split(profile, spec, row.plan, host_cap).in_memory
+    host = sb * subgroup * (len(row.plan.streamed) + len(kept)) * devices
     name = row.name if row.fits else row.name + ' (no fit)'
     print(f'  {name:40} {_ms(u.update_seconds):>9} {iteration:>10}  {_gib(u.resident_bytes):>9}'
           f' {_gib(u.buffer_bytes):>9} {_gib(host):>10}  {u.bound}')
@@ -415,59 +386,18 @@ def handler(args) -> int:
     print(f'\n(forward {_ms(fwd)} + backward {_ms(bwd)} estimated at {tflops:g} TFLOP/s per device)')
     shown = [(n, p) for n, p in [('Auto (chosen)', plan)] + statics if p.host and p.streamed]
     shown += [(n, p) for n, p in statics if p.host and not p.streamed][:1]  # AllHost
+    if chosen.prediction.disk_seconds:  # the timeline has no disk call
+      shown = []
     for name, shown_plan in shown[:1] + shown[-1:] if len(shown) > 1 else shown:
-      print(_chunk_line(profile, spec, name, shown_plan, fwd, bwd, args.clip_rate))
+      print(plan_steps.chunk_line(profile, spec, name, shown_plan, fwd, bwd, args.clip_rate))
   if nodes > 1:
-    for line in _across_nodes(profile, shape, nodes, devices, param_bytes,
-                              rows[0].iteration if tflops else None, host_state, pool):
+    for line in plan_steps.across_nodes(profile, shape, nodes, devices, param_bytes,
+                                            rows[0].iteration if tflops else None,
+                                            host_state, pool):
       print(line)
   for line in _why(rows, budget, acts):
     print(line)
   return 0
-
-
-def _across_nodes(profile, shape, nodes: int, devices: int, param_bytes: int, iteration,
-                  host_state: float, pool: float) -> list[str]:
-  """The step across `nodes` nodes (`costmodel.internode`), and host memory per node."""
-  n = shape.num_params()
-  link = costmodel.internode(profile, nodes, grad_bytes=n * param_bytes,
-                             param_bytes=n * param_bytes)
-  out = [f'\nacross {nodes} nodes ({nodes * devices} devices; inter-node link'
-         f' {profile.internode_gbps:g} GB/s per node each way, ring collectives over the'
-         ' nodes):',
-         f'  gradient reduce-scatter {_ms(link.reduce_scatter_seconds)} + new params'
-         f' all-gather {_ms(link.all_gather_seconds)} ({_gib(link.link_bytes)} through each'
-         ' node\'s link per step: an all-reduce\'s traffic)']
-  if iteration is not None:
-    step = iteration.iteration_seconds + link.seconds
-    out.append(f'  step (Auto\'s plan): iteration {_ms(iteration.iteration_seconds)} +'
-               f' collectives {_ms(link.seconds)} = {_ms(step)}, counted exposed (no'
-               f' overlap with the backward pass: an upper bound)')
-  out.append(f'  host memory per node: optimizer state {_gib(host_state)}, pinned pool'
-             f' {_gib(pool)} ({pinned_pool.ENV_VAR}={pinned_pool.required_gib(pool)} with'
-             f' one process per node)')
-  return out
-
-
-def _chunk_line(profile, spec, name, plan, fwd, bwd, clip_rate: float) -> str:
-  """A plan's step as the program runs it (`timeline`): its host update in one host call,
-  and in the early host chunks `choose_early_chunks` picks at `clip_rate`."""
-  times = dict(forward_seconds=fwd, backward_seconds=bwd)
-  one = timeline.timeline(profile, spec, plan, chunks=1, **times).seconds
-  early, mean = timeline.choose_early_chunks(profile, spec, plan, clip_rate=clip_rate, **times)
-  line = (f'{name} as the step runs it (dos_jax.planner.timeline): one host call after the'
-          f' backward pass {_ms(one)}')
-  if not early:
-    return line + f'; early host chunks do not help at a clip rate of {clip_rate:g}'
-  calm, fired = (timeline.early_timeline(profile, spec, plan, chunks=early, rollback=r,
-                                         **times).seconds for r in (False, True))
-  calls = f'{len(early)} early host call' + ('s' if len(early) > 1 else '')
-  undo = sum(early) * spec.subgroup_size * spec.state_bytes_per_element
-  return (line + f'; {calls} of {early[0]} subgroup{"s" if early[0] > 1 else ""}'
-          f' during the backward pass (Partition.early: ({early[0]},) x {len(early)}),'
-          f' speculating on the clip factor: {_ms(calm)}, {_ms(fired)} on a step that rolls'
-          f' back, mean {_ms(mean)} at a clip rate of {clip_rate:g} ({one / mean:.2f}x);'
-          f' their undo copy takes {_gib(undo)} of pinned host memory')
 
 
 def _this_is_a_gpu() -> bool:
