@@ -107,6 +107,7 @@ def test_prepare_writes_a_dataset_the_runner_accepts(tmp_path, capsys):
   assert trainer.dataset_dir_for(cfg.data) == out
 
 
+@pytest.mark.slow
 def test_default_run_from_any_directory_writes_its_outputs(tmp_path, monkeypatch, capsys):
   """`dos-jax train` with no CONFIG runs the packaged tiny config from any directory: the
   default corpus is prepared into the cache on first use (here a temporary XDG cache);

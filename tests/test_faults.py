@@ -150,6 +150,7 @@ def test_disk_full_names_no_space_leaves_no_debris_and_resumes_exactly(
   _no_debris(ckpt_dir)
 
 
+@pytest.mark.slow
 def test_read_only_checkpoint_folder_is_named_and_the_run_resumes_exactly(
     dataset, reference, jax_cache, tmp_path, capsys
 ):

@@ -41,6 +41,7 @@ def _cfg(dataset, *overrides):
   return config.load(None, [f'data.path={dataset}', *SMALL, *overrides])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('policy', ['all_host', 'stride', 'auto'])
 def test_fsdp4_and_data4_match_one_device_over_20_steps(dataset, policy, tmp_path,
                                                        monkeypatch):
@@ -111,6 +112,7 @@ def _metrics(out_dir):
           if 'loss' in r}
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_under_fsdp4_resumes_under_data2_and_on_one_device(dataset, tmp_path):
   common = ['offload.policy=stride', 'checkpoint.every=4', 'checkpoint.async_save=false',
             'train.log_every=1']

@@ -251,6 +251,7 @@ def _env():
   return env
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_143(dataset, tmp_path):
   out = tmp_path / 'run'
   cmd = [sys.executable, '-m', 'dos_jax.cli', *_args(dataset, out, 'train.steps=100000',

@@ -323,6 +323,7 @@ def test_the_sharding_table_gives_each_params_fsdp_dimension():
   assert (block['mlp']['w_gate'], block['mlp']['w_down']) == (0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh', [['mesh.fsdp=4'], ['mesh.fsdp=2', 'mesh.tensor=2'],
                                   ['mesh.data=4'], ['mesh.data=2', 'mesh.tensor=2']],
                          ids=['fsdp4', 'fsdp2xtensor2', 'data4', 'data2xtensor2'])

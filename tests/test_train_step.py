@@ -58,6 +58,7 @@ def test_schedule_warms_up_then_decays_to_the_floor():
   np.testing.assert_allclose(float(flat(30)), 1e-3, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_four_devices_match_one(dataset):
   """data=2 x tensor=2 on 4 CPU devices against 1 device, fp32 compute so that only the
   order of reductions differs: losses to 1e-5 relative, params to 1e-5 absolute."""
@@ -178,6 +179,7 @@ def test_one_program_step_matches_the_two_program_form(dataset):
   assert runs['mix'].compile_counts() == {'fused': 1, 'grad': 1, 'update': 1}
 
 
+@pytest.mark.slow
 def test_split_form_hands_the_clip_factor_to_the_update(dataset):
   """The gradient program does not scale the gradients for dos_jax (the update does,
   as `grad_scale`), but does for `optax.adamw`, which has no `grad_scale`."""
