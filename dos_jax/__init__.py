@@ -18,6 +18,7 @@ from dos_jax.clipping import is_offloaded as is_offloaded
 from dos_jax.compiler_options import GPU_COMPILER_OPTIONS as GPU_COMPILER_OPTIONS
 from dos_jax.host_memory import keep_freed_host_memory as keep_freed_host_memory
 from dos_jax.migration import migrate as migrate
+from dos_jax.offload import Disk as Disk
 from dos_jax.offload import Offload as Offload
 from dos_jax.offload import Program as Program
 from dos_jax.offload import UpdateImpl as UpdateImpl

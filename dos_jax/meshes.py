@@ -62,7 +62,7 @@ def state_specs(state: OffloadedState, mesh, data_axis: str) -> OffloadedState:
       host=tuple(rows for _ in state.host), streamed=tuple(rows for _ in state.streamed),
       resident=tuple(rows for _ in state.resident), scalars=tuple(P() for _ in state.scalars),
       layout=state.layout, slots=state.slots, partition=state.partition,
-      sharded=state.sharded)
+      sharded=state.sharded, disk_gen=None if state.disk_gen is None else P())
 
 
 def is_explicit(mesh) -> bool:

@@ -81,7 +81,7 @@ def partition_for(plan: Plan, state: OffloadedState,
   """The partition `plan` runs on, in the program of `state`, with `early` host calls
   (None: the state's where the tiers stay as they are, else the fixed rule)."""
   old = state.partition
-  new = partition_lib.for_plan(plan, old.split, early=early)
+  new = partition_lib.for_plan(plan, old.split, early=early, disk=old.spill)
   if early is None and dataclasses.replace(new, early=old.early) == old:
     return old
   return new
@@ -95,6 +95,11 @@ def migrate_state(state: OffloadedState, plan: Plan,
   wanted = partition_for(plan, state, early)
   if wanted == state.partition:
     return state
+  if wanted.disk != state.partition.disk:
+    raise ValueError(
+        f'dos_jax: the plan ({plan.describe()}) moves subgroups between disk and memory '
+        f'(disk {state.partition.disk} -> {wanted.disk}); restore a checkpoint into a '
+        'state built with the new plan instead')
   if all(wanted.blocks(t) == state.partition.blocks(t) for t in TIERS):
     return state.with_tiers(state.tiers, wanted)  # the schedule alone changes
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
@@ -173,7 +178,9 @@ def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> Offloade
 def _move_blocks(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
   """Per-subgroup storage: each row's block handed to its new tier, copied into that
   tier's memory only when its memory changes (see the module docstring)."""
-  old, rows = state.partition, state.by_subgroup()
+  old = state.partition
+  rows = dict(zip([g for g in range(old.num_subgroups) if g not in old.disk],
+                  state.by_subgroup()))
   tiers = {}
   for tier in TIERS:
     arrays = []

@@ -40,6 +40,39 @@ class Program(enum.Enum):
     return cls.ONE_MEMORY if backend == 'cpu' else cls.TWO_MEMORIES
 
 
+@dataclasses.dataclass(frozen=True)
+class Disk:
+  """The disk tier: host-updated subgroups whose state lives in files, not in memory.
+
+  Attributes:
+    directory: where the state files go (local NVMe for speed); made if missing. Each
+      disk subgroup has two files, the current step's and the next one's
+      (`dos_jax.kernels.host_adamw_disk`), so a step that fails midway leaves the
+      state at the step before.
+    host_state_bytes: host memory the host tier's state may take; the host subgroups
+      beyond it go to disk (the first layers' first: their gradients come last, so the
+      early host calls keep theirs in memory). None: every host subgroup on disk.
+    direct_io: open the files with O_DIRECT where the filesystem takes it (no page
+      cache: the state passes through memory once per step).
+
+  Example:
+    >>> import dos_jax
+    >>> dos_jax.Offload(disk=dos_jax.Disk('/tmp/state', host_state_bytes=2**30)).disk.directory
+    '/tmp/state'
+  """
+
+  directory: str
+  host_state_bytes: int | None = None
+  direct_io: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.directory, str) or not self.directory:
+      raise ValueError(f'Disk.directory must be a non-empty path, got {self.directory!r}')
+    cap = self.host_state_bytes
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+      raise ValueError(f'Disk.host_state_bytes must be None or bytes >= 0, got {cap!r}')
+
+
 class UpdateImpl(enum.Enum):
   """Which implementation runs the AdamW update on one path.
 
@@ -69,6 +102,8 @@ class Offload:
     host_impl: implementation of the host-path update (`UpdateImpl.XLA`: optax's own
       ops in one host region, the reference).
     host_threads: threads for the native host update (None: the cores available).
+    disk: the disk tier (`Disk`): host subgroups beyond a host-memory budget keep
+      their state in files. None: none.
     platform: which program to build (`Program`, or its value 'cpu' / 'gpu'); None
       follows the backend `init` runs on (`jax.default_backend()`). The state keeps
       the choice: every step of it builds that program. 'gpu' on the CPU backend runs
@@ -94,6 +129,7 @@ class Offload:
   device_impl: UpdateImpl = UpdateImpl.KERNEL
   host_impl: UpdateImpl = UpdateImpl.KERNEL
   host_threads: int | None = None
+  disk: Disk | None = None
   platform: Program | None = None
 
   def __post_init__(self):
@@ -127,6 +163,9 @@ class Offload:
         or self.host_threads < 1
     ):
       raise ValueError(f'Offload.host_threads must be >= 1, got {self.host_threads!r}')
+
+    if self.disk is not None and not isinstance(self.disk, Disk):
+      raise TypeError(f'Offload.disk must be None or a dos_jax.Disk, got {self.disk!r}')
 
   def target(self) -> Program:
     """The program a state built now is for: `platform`, or the default backend's."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
@@ -39,6 +40,8 @@ def _unpack_state(state: OffloadedState) -> dict[str, Any]:
   """Unpacks in the state's own memory: host memory for an offloaded state, so a
   checkpoint never moves 12 bytes per parameter through the device."""
   layout = state.layout
+  if state.partition.disk:
+    return _unpack_with_disk(state)
   resident = not (state.partition.host or state.partition.streamed)
   space = paths.DEVICE if resident else paths.HOST
 
@@ -57,6 +60,21 @@ def _unpack_state(state: OffloadedState) -> dict[str, Any]:
   tiers = {t: paths.put(arrays, space) for t, arrays in state.tiers.items()}
   scalars = state.scalars if resident else paths.to_host(state.scalars)
   return jax.jit(_in_host_memory(unpack_all, resident))(tiers, scalars)
+
+
+def _unpack_with_disk(state: OffloadedState) -> dict[str, Any]:
+  """A state with a disk tier, unpacked from its files and arrays read back whole
+  (`OffloadedState.rows`): the state must fit in memory once."""
+  layout = state.layout
+  master, inner = slots_lib.join(state.rows(), state.scalars, state.slots, axis=1)
+
+  def to_tree(x):
+    if jnp.ndim(x) == 2:
+      return layout.treedef.unflatten(layout_lib.unpack(x, layout))
+    return x
+
+  return {'inner': jax.tree.map(to_tree, inner),
+          'master': None if master is None else to_tree(master)}
 
 
 def state_to_pytrees(opt_state: PyTree, params: PyTree) -> PyTree:
@@ -98,14 +116,22 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
     # nothing of the template state is read.
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                           (target.tiers, target.scalars))
-    template_full = jax.eval_shape(
-        lambda tiers, sc: slots_lib.join(partition_lib.merge_tiers(tiers, part), sc, slots,
-                                         axis=1), *shapes)
+    if part.disk:  # the whole state's rows, the disk tier's included
+      rows = tuple(jax.ShapeDtypeStruct((part.num_subgroups, k, layout.subgroup_size),
+                                        jnp.dtype(g))
+                   for g, k in zip(slots.groups, slots.group_sizes))
+      template_full = jax.eval_shape(
+          lambda rows, sc: slots_lib.join(rows, sc, slots, axis=1), rows, shapes[1])
+    else:
+      template_full = jax.eval_shape(
+          lambda tiers, sc: slots_lib.join(partition_lib.merge_tiers(tiers, part), sc, slots,
+                                           axis=1), *shapes)
     master_source = None
     if template_full[0] is not None:
       master_source = saved['master'] if saved['master'] is not None else params
 
-    def pack_all(saved_inner, master_source):
+    def pack_rows(saved_inner, master_source):
+      """`((G, K, S) rows per dtype, scalars)` in subgroup order."""
       _, template_inner = template_full
       targets, treedef = jax.tree.flatten(template_inner)
       sources = treedef.flatten_up_to(saved_inner) if targets else []
@@ -115,7 +141,10 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
       master = None
       if master_source is not None:
         master = layout_lib.pack(master_source, layout, template_full[0].dtype)
-      rows, scalars = slots_lib.split((master, inner), slots, axis=1)
+      return slots_lib.split((master, inner), slots, axis=1)
+
+    def pack_all(saved_inner, master_source):
+      rows, scalars = pack_rows(saved_inner, master_source)
       return partition_lib.split_tiers(rows, part), scalars
 
     def build(saved_inner, master_source):
@@ -130,8 +159,37 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
     out_shardings = ({t: tuple(x.sharding for x in arrays)
                       for t, arrays in target.tiers.items()},
                      tuple(x.sharding for x in target.scalars))
+    if part.disk:
+      def whole_rows(saved_inner, master_source):  # in device memory: all of the state
+        move = lambda tree: paths.put(jax.tree.map(jnp.atleast_1d, tree), paths.DEVICE)
+        return pack_rows(_move_rows(saved_inner, template_full[1], move), move(master_source))
+
+      return _rebuild_with_disk(target, whole_rows, saved['inner'], master_source,
+                                out_shardings)
     tiers, scalars = jax.jit(build, out_shardings=out_shardings)(saved['inner'], master_source)
     return dataclasses.replace(target, host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED],
                                resident=tiers[Tier.RESIDENT], scalars=scalars)
 
   return jax.tree.map(rebuild, template, trees, is_leaf=_is_offloaded)
+
+
+def _rebuild_with_disk(target: OffloadedState, pack_rows, saved_inner, master_source,
+                       out_shardings) -> OffloadedState:
+  """`target` (with a disk tier) filled from saved trees: packed whole in memory (the
+  state must fit there once), the disk subgroups' rows written to their files at the
+  target's generation, the others placed like the target's arrays."""
+  from dos_jax.step import disk_tier  # pylint: disable=import-outside-toplevel
+  part = target.partition
+  # Packed whole in one device's memory, then placed like the target.
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind='device')
+  rows, scalars = jax.jit(pack_rows)(
+      *jax.tree.map(lambda x: jax.device_put(x, one), (saved_inner, master_source)))
+  parity = int(target.disk_gen) % 2
+  for g in part.disk:
+    disk_tier.write_rows(part, g, parity, np.asarray(rows[0][g]))
+  tiers = partition_lib.split_tiers(rows, part)
+  tiers = {t: tuple(jax.device_put(x, sh) for x, sh in zip(tiers[t], out_shardings[0][t]))
+           for t in tiers}
+  scalars = tuple(jax.device_put(x, sh) for x, sh in zip(scalars, out_shardings[1]))
+  return dataclasses.replace(target, host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED],
+                             resident=tiers[Tier.RESIDENT], scalars=scalars)

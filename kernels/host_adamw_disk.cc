@@ -65,10 +65,18 @@ std::string IoError(const char* doing, const std::string& path, int err) {
   return std::string(kName) + "cannot " + doing + " " + path + ": " + ErrorText(err);
 }
 
-std::string StatePath(std::string_view directory, int64_t g, int64_t parity) {
-  char name[48];
-  std::snprintf(name, sizeof(name), "/sg%06lld.%lld", static_cast<long long>(g),
-                static_cast<long long>(parity));
+// Subgroup g's file in half `parity`; with `shards` > 1, that of data shard `shard`
+// (its columns of the subgroup's rows).
+std::string StatePath(std::string_view directory, int64_t g, int64_t parity, int64_t shard,
+                      int64_t shards) {
+  char name[64];
+  if (shards > 1) {
+    std::snprintf(name, sizeof(name), "/sg%06lld.s%03lld.%lld", static_cast<long long>(g),
+                  static_cast<long long>(shard), static_cast<long long>(parity));
+  } else {
+    std::snprintf(name, sizeof(name), "/sg%06lld.%lld", static_cast<long long>(g),
+                  static_cast<long long>(parity));
+  }
   return std::string(directory) + name;
 }
 
@@ -241,18 +249,21 @@ struct Stages {
   std::vector<std::thread> threads;
 };
 
-ffi::Error DiskImpl(ffi::Buffer<ffi::S32> gen, ffi::AnyBuffer grads,
+ffi::Error DiskImpl(ffi::Buffer<ffi::S32> gen, ffi::Buffer<ffi::S32> shard_in, ffi::AnyBuffer grads,
                     ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::F32> coeffs,
                     ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::S32> gen_out,
                     std::string_view directory, ffi::Span<const int64_t> subgroups,
                     int64_t K, int64_t master_k, int64_t mu_k, int64_t nu_k,
                     int64_t decayed_rows, int64_t num_threads, bool nesterov, int64_t isa,
-                    bool direct_io) {
+                    bool direct_io, int64_t shards) {
   // Checks, as the in-memory kernel's Prepare makes them.
   if (gen.element_count() != 1 || gen_out->element_count() != 1) {
     return Invalid("gen must be an int32 scalar");
   }
   const int32_t generation = gen.typed_data()[0];
+  if (shard_in.element_count() != 1) return Invalid("shard must be an int32 scalar");
+  const int64_t shard = shard_in.typed_data()[0];
+  if (shards < 1 || shard < 0 || shard >= shards) return Invalid("shard out of range");
   if (generation < 0 || generation == INT32_MAX) return Invalid("gen out of range");
   const auto dims = grads.dimensions();
   if (dims.size() != 2) return Invalid("grads must be (D, S)");
@@ -317,7 +328,7 @@ ffi::Error DiskImpl(ffi::Buffer<ffi::S32> gen, ffi::AnyBuffer grads,
       for (int64_t j = 0; j < D; ++j) {
         if (!pipe.Wait([&] { return pipe.written >= j - (kBuffers - 1); })) return;
         const std::string error =
-            ReadState(StatePath(dir, subgroups[j], parity), buffer(j), file_bytes, direct_io);
+            ReadState(StatePath(dir, subgroups[j], parity, shard, shards), buffer(j), file_bytes, direct_io);
         if (!error.empty()) return pipe.Fail(error);
         pipe.Advance(pipe.read);
       }
@@ -326,7 +337,7 @@ ffi::Error DiskImpl(ffi::Buffer<ffi::S32> gen, ffi::AnyBuffer grads,
       for (int64_t j = 0; j < D; ++j) {
         if (!pipe.Wait([&] { return pipe.updated > j; })) return;
         std::memset(buffer(j) + state_bytes, 0, file_bytes - state_bytes);
-        const std::string error = WriteState(StatePath(dir, subgroups[j], next_parity),
+        const std::string error = WriteState(StatePath(dir, subgroups[j], next_parity, shard, shards),
                                              buffer(j), file_bytes, direct_io);
         if (!error.empty()) return pipe.Fail(error);
         pipe.Advance(pipe.written);
@@ -381,6 +392,7 @@ ffi::Error DiskImpl(ffi::Buffer<ffi::S32> gen, ffi::AnyBuffer grads,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWDiskRows, DiskImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>() /* gen () */
+                                  .Arg<ffi::Buffer<ffi::S32>>() /* shard () */
                                   .Arg<ffi::AnyBuffer>() /* grads (D, S) */
                                   .Arg<ffi::Buffer<ffi::F32>>() /* params (D, S) or (0,) */
                                   .Arg<ffi::Buffer<ffi::F32>>() /* coefficients */
@@ -396,7 +408,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWDiskRows, DiskImpl,
                                   .Attr<int64_t>("num_threads")
                                   .Attr<bool>("nesterov")
                                   .Attr<int64_t>("isa")
-                                  .Attr<bool>("direct_io"));
+                                  .Attr<bool>("direct_io")
+                                  .Attr<int64_t>("shards"));
 
 DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWDiskRows)
 

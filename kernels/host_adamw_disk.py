@@ -55,13 +55,15 @@ def disk_kernel_unavailable_reason() -> str:
   return _load()[1]
 
 
-def state_path(directory: str, g: int, parity: int) -> str:
-  """The file of subgroup `g`'s state in half `parity` (0 or 1)."""
+def state_path(directory: str, g: int, parity: int, shard: int | None = None) -> str:
+  """The file of subgroup `g`'s state in half `parity` (0 or 1); with `shard`, that of
+  one data shard (its columns of the rows) of a state split over several devices."""
   if parity not in (0, 1):
     raise ValueError(f'parity must be 0 or 1, got {parity!r}')
   if int(g) < 0:
     raise ValueError(f'subgroup ids are non-negative, got {g}')
-  return os.path.join(os.fspath(directory), f'sg{int(g):06d}.{parity}')
+  part = '' if shard is None else f'.s{int(shard):03d}'
+  return os.path.join(os.fspath(directory), f'sg{int(g):06d}{part}.{parity}')
 
 
 def file_bytes(num_slots: int, size: int) -> int:
@@ -77,14 +79,15 @@ def _sync_directory(directory: str) -> None:
     os.close(fd)
 
 
-def write_state(directory: str, g: int, parity: int, rows: np.ndarray) -> None:
+def write_state(directory: str, g: int, parity: int, rows: np.ndarray,
+                shard: int | None = None) -> None:
   """Writes subgroup `g`'s `(K, S)` float32 state as its file in half `parity`,
   atomically: into `{path}.tmp` (a new file), synced, renamed over `{path}`; then the
   directory is synced. A hard link to the file it replaces keeps the old bytes."""
   rows = np.asarray(rows)
   if rows.ndim != 2 or rows.dtype != np.float32:
     raise ValueError(f'rows must be float32 (K, S), got {rows.dtype}{list(rows.shape)}')
-  path = state_path(directory, g, parity)
+  path = state_path(directory, g, parity, shard)
   tmp = path + '.tmp'
   try:
     os.unlink(tmp)  # a stale one: never write into a file that may have other links
@@ -100,14 +103,15 @@ def write_state(directory: str, g: int, parity: int, rows: np.ndarray) -> None:
   _sync_directory(os.path.dirname(path) or '.')
 
 
-def read_state(directory: str, g: int, parity: int, num_slots: int, size: int) -> np.ndarray:
+def read_state(directory: str, g: int, parity: int, num_slots: int, size: int,
+               shard: int | None = None) -> np.ndarray:
   """Subgroup `g`'s `(num_slots, size)` float32 state from its file in half `parity`.
 
   Raises:
     FileNotFoundError: there is no such file.
     ValueError: the file's size is not `file_bytes(num_slots, size)`.
   """
-  path = state_path(directory, g, parity)
+  path = state_path(directory, g, parity, shard)
   found, want = os.stat(path).st_size, file_bytes(num_slots, size)
   if found != want:
     raise ValueError(f'{path} has {found} bytes, expected {want} for a ({num_slots}, {size}) '
@@ -150,7 +154,7 @@ def adamw_disk_rows(gen, grads, params, scalars: AdamWScalars, *, directory: str
                     subgroups: Sequence[int], slots: tuple[int, int, int], num_slots: int,
                     decayed_rows: int, lowp_dtype: Any, nesterov: bool = False,
                     num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO,
-                    direct_io: bool = True):
+                    direct_io: bool = True, shard=None, shards: int = 1):
   """One AdamW step on subgroups whose state is in files; the same bits as
   `adamw_host_rows` on that state in memory.
 
@@ -178,6 +182,9 @@ def adamw_disk_rows(gen, grads, params, scalars: AdamWScalars, *, directory: str
       available), besides one reader and one writer thread.
     isa: instruction set of the loop; all give identical results.
     direct_io: O_DIRECT reads and writes (buffered where the filesystem refuses it).
+    shard, shards: a state split over `shards` devices (shards > 1): this call's data
+      shard (an int32 scalar, e.g. `lax.axis_index` under `shard_map`), whose files
+      hold its columns of the rows (`state_path(..., shard=)`).
 
   Returns:
     `(out, new_gen)`: the `(D, S)` out rows in `lowp_dtype` and `gen + 1`.
@@ -229,10 +236,14 @@ def adamw_disk_rows(gen, grads, params, scalars: AdamWScalars, *, directory: str
       (jax.ShapeDtypeStruct((rows, size), jnp.dtype(lowp_dtype)),
        jax.ShapeDtypeStruct((), jnp.int32)),
       has_side_effect=True)
+  if not isinstance(shards, (int, np.integer)) or shards < 1:
+    raise ValueError(f'shards must be a positive int, got {shards!r}')
+  shard = jnp.zeros((), jnp.int32) if shard is None else jnp.asarray(shard, jnp.int32)
   out, new_gen = call(
-      jnp.asarray(gen, jnp.int32), grads, params, packed, directory=directory,
+      jnp.asarray(gen, jnp.int32), shard, grads, params, packed, directory=directory,
       subgroups=np.asarray(subgroups, np.int64), K=np.int64(num_slots),
       master_k=np.int64(master_k), mu_k=np.int64(mu_k), nu_k=np.int64(nu_k),
       decayed_rows=np.int64(decayed_rows), num_threads=np.int64(threads),
-      nesterov=bool(nesterov), isa=np.int64(int(isa)), direct_io=bool(direct_io))
+      nesterov=bool(nesterov), isa=np.int64(int(isa)), direct_io=bool(direct_io),
+      shards=np.int64(shards))
   return out, new_gen

@@ -216,6 +216,7 @@ def dataset(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 def test_the_trainer_moves_the_state_when_the_plan_changes(dataset):
   """The runner's steps (params and state donated, output shardings pinned) across
   plan changes of the accelerator program, host <-> device included: the state is moved

@@ -102,20 +102,6 @@ def test_disk_time_is_bytes_over_bandwidth(seed):
       pytest.approx(adamw, rel=1e-12))
 
 
-def test_the_rule_is_the_states(seed):
-  """The planner's spill is the one the state's partition applies."""
-  from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
-  if not hasattr(partition, 'spill_to_disk'):
-    pytest.skip('this tree\'s partition has no disk tier')
-  rng = np.random.default_rng(seed)
-  for _ in range(20):
-    n = int(rng.integers(1, 30))
-    host = tuple(sorted(rng.choice(40, size=n, replace=False).tolist()))
-    keep = int(rng.integers(0, n + 2))
-    assert disk.spill(host, keep) == partition.spill_to_disk(
-        host, partition.DiskSpill('/d', in_memory=keep))
-
-
 def test_a_budget_that_holds_everything_gives_no_disk_tier(capsys):
   spec = _spec()
   profile = dataclasses.replace(costmodel.H100_PCIE_GEN5_NODE, disk_read_gbps=1.0,

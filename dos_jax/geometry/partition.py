@@ -39,11 +39,14 @@ class Tier(enum.Enum):
   HOST: pinned host memory, updated there (the host path).
   STREAMED: pinned host memory, copied to the device, updated there and copied back.
   RESIDENT: device memory, updated there (the `AllDevice` baseline).
+  DISK: files on disk (`dos_jax.Disk`), updated on the host as they stream through
+    memory; the state holds no array of them (not in `TIERS`).
   """
 
   HOST = 'host'
   STREAMED = 'streamed'
   RESIDENT = 'resident'
+  DISK = 'disk'
 
   @property
   def memory_kind(self) -> str:
@@ -73,6 +76,11 @@ class Partition:
     early: host subgroups in each early host call, in backward order (the last
       subgroups first); the last call takes the rest. `()`: one host call after the
       backward pass. Chosen by `early_host_calls` or the policy's cost model.
+    disk: host-updated subgroups whose state is in files (`Tier.DISK`), ascending; not
+      in `host` (`spill_to_disk` chooses them).
+    disk_dir, direct_io: the disk tier's directory and I/O mode (`dos_jax.Disk`).
+    disk_shards: the data shards of a state split over devices (ZeRO-1): each writes
+      its own files, of its columns of the rows.
   """
 
   host: tuple[int, ...]
@@ -82,6 +90,10 @@ class Partition:
   stream: tuple[int, ...] = ()
   buffers: int = 2
   early: tuple[int, ...] = ()
+  disk: tuple[int, ...] = ()
+  disk_dir: str | None = None
+  direct_io: bool = True
+  disk_shards: int = 1
 
   @property
   def per_subgroup(self) -> bool:
@@ -91,20 +103,33 @@ class Partition:
   @property
   def plan(self) -> Plan:
     """The plan this partition runs (its placements, stream order and buffers)."""
-    return Plan(streamed=self.stream or self.streamed, host=self.host,
-                resident=self.resident, buffers=self.buffers)
+    return Plan(streamed=self.stream or self.streamed,
+                host=tuple(sorted(self.host + self.disk)), resident=self.resident,
+                buffers=self.buffers)
+
+  @property
+  def spill(self) -> 'DiskSpill | None':
+    """The disk tier's rule as this partition keeps it (as many host subgroups in
+    memory as it has), or None without a disk tier."""
+    if not self.disk:
+      return None
+    return DiskSpill(self.disk_dir, len(self.host), self.direct_io, self.disk_shards)
 
   def with_early(self, early: tuple[int, ...] | None) -> 'Partition':
     """This partition with other early host calls (None: `early_host_calls`' rule)."""
+    if early is not None and sum(early) >= len(self.host):
+      early = None  # chosen for more host subgroups in memory than this partition has
     early = early_host_calls(len(self.host)) if early is None else tuple(early)
     return dataclasses.replace(self, early=early if self.split else ())
 
   def __post_init__(self):
-    for tier in TIERS:
+    for tier in TIERS + (Tier.DISK,):
       ids = self.ids(tier)
       if list(ids) != sorted(set(ids)):
         raise ValueError(f'Partition.{tier.value} must be ascending and distinct: {ids}')
-    everything = sorted(self.host + self.streamed + self.resident)
+    if self.disk and not self.disk_dir:
+      raise ValueError(f'Partition.disk needs a disk_dir: {self}')
+    everything = sorted(self.host + self.streamed + self.resident + self.disk)
     if everything != list(range(len(everything))):
       raise ValueError(f'Partition must name every subgroup exactly once: {self}')
 
@@ -113,7 +138,7 @@ class Partition:
 
   @property
   def num_subgroups(self) -> int:
-    return len(self.host) + len(self.streamed) + len(self.resident)
+    return len(self.host) + len(self.streamed) + len(self.resident) + len(self.disk)
 
   def local(self, tier: Tier, subgroups: Sequence[int]) -> tuple[int, ...]:
     """Rows of `tier`'s array that hold `subgroups` (which must all be in it)."""
@@ -138,7 +163,7 @@ class Partition:
     raise AssertionError(subgroup)  # every subgroup of a tier is in one of its blocks
 
   def tier_of(self, subgroup: int) -> Tier:
-    for tier in TIERS:
+    for tier in TIERS + (Tier.DISK,):
       if subgroup in self.ids(tier):
         return tier
     raise ValueError(f'subgroup {subgroup} is in no tier of {self}')
@@ -162,7 +187,8 @@ def early_host_calls(host_subgroups: int) -> tuple[int, ...]:
   return tuple(sizes[:-1])
 
 
-def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None) -> Partition:
+def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None,
+             disk: 'DiskSpill | None' = None) -> Partition:
   """The partition a plan runs on.
 
   With `split` (the accelerator program) each of the plan's three placements is its
@@ -170,17 +196,55 @@ def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None) -> P
   host memory, one block per subgroup; `early` gives its early host calls (None: the
   rule, `early_host_calls`). Without it (one memory, the CPU program) every subgroup
   takes the same path and the state is one array: the resident tier when the plan keeps
-  everything resident, else the host tier.
+  everything resident, else the host tier. `disk` moves the host subgroups beyond its
+  budget to the disk tier (`spill_to_disk`).
   """
   everything = tuple(range(plan.num_subgroups))
   if plan.all_resident:
     return Partition(host=(), resident=everything, split=split)
   if not split:
-    return Partition(host=everything, split=False)
-  part = Partition(host=tuple(sorted(plan.host)), streamed=tuple(sorted(plan.streamed)),
+    host, on_disk = spill_to_disk(everything, disk)
+    return Partition(host=host, split=False, **_disk_fields(on_disk, disk))
+  host, on_disk = spill_to_disk(tuple(sorted(plan.host)), disk)
+  part = Partition(host=host, streamed=tuple(sorted(plan.streamed)),
                    resident=tuple(sorted(plan.resident)), stream=tuple(plan.streamed),
-                   buffers=plan.buffers)
+                   buffers=plan.buffers, **_disk_fields(on_disk, disk))
   return part.with_early(early)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskSpill:
+  """What decides the disk tier: its directory and I/O mode, and how many host
+  subgroups may stay in memory (None: none; `dos_jax.Disk.host_state_bytes` over one
+  subgroup's state bytes)."""
+
+  directory: str
+  in_memory: int | None = None
+  direct_io: bool = True
+  shards: int = 1
+
+
+def spill_to_disk(host: tuple[int, ...], disk: DiskSpill | None
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """`(in memory, on disk)`: the host subgroups (ascending) split by `disk`'s budget.
+  The last subgroups stay in memory: their gradients come first, for the early host
+  calls; the first ones, whose gradients come last, go to disk.
+
+  >>> spill_to_disk((0, 2, 3, 5), DiskSpill('/d', in_memory=1))
+  ((5,), (0, 2, 3))
+  """
+  if disk is None:
+    return host, ()
+  keep = 0 if disk.in_memory is None else min(disk.in_memory, len(host))
+  cut = len(host) - keep
+  return host[cut:], host[:cut]
+
+
+def _disk_fields(on_disk: tuple[int, ...], disk: DiskSpill | None) -> dict:
+  if not on_disk:
+    return {}
+  return dict(disk=on_disk, disk_dir=disk.directory, direct_io=disk.direct_io,
+              disk_shards=disk.shards)
 
 
 def stream_order(part: Partition, streamed: Sequence[int]) -> list[int]:

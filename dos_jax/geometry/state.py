@@ -75,6 +75,10 @@ class OffloadedState:
       (`Partition.split`) (static metadata).
     sharded: the mesh the state is split over and the params' shardings, or None for
       a state on one device (static metadata).
+    disk_gen: the disk tier's generation (an int32 scalar: which of each disk
+      subgroup's two files holds the current state, `dos_jax.kernels.host_adamw_disk`),
+      or None without a disk tier (`partition.disk` empty). Its files are the state;
+      this scalar is all the program carries of them.
   """
 
   host: tuple[jax.Array, ...]
@@ -85,6 +89,7 @@ class OffloadedState:
   slots: slots_lib.Slots
   partition: partition_lib.Partition
   sharded: ShardedOver | None = None
+  disk_gen: jax.Array | None = None
   # What a pytree round trip brought at the children that hold no array (empty tiers,
   # the scalars when there are none), given back as they came: tools that treat empty
   # nodes as leaves (orbax) put their own values there and expect them back.
@@ -103,24 +108,37 @@ class OffloadedState:
     return OffloadedState(
         host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
         scalars=self.scalars, layout=self.layout, slots=self.slots, partition=partition,
-        sharded=self.sharded)
+        sharded=self.sharded, disk_gen=self.disk_gen)
 
   def by_subgroup(self) -> tuple[tuple[jax.Array, ...], ...]:
-    """Per-subgroup storage: each subgroup's arrays (one per dtype), in subgroup order."""
+    """Per-subgroup storage: each subgroup's arrays (one per dtype), in subgroup order;
+    the disk tier's subgroups, which have no arrays, are left out."""
     part = self.partition
     rows: dict[int, tuple] = {}
     for tier in TIERS:
       blocks = part.blocks(tier)
       for (g,), block in zip(blocks, partition_lib.blocks_of(self.tier(tier), len(blocks))):
         rows[g] = block
-    return tuple(rows[g] for g in range(part.num_subgroups))
+    return tuple(rows[g] for g in range(part.num_subgroups) if g in rows)
 
   def rows(self) -> tuple[jax.Array, ...]:
     """The whole per-element state, one `(G, K, S)` array per dtype in subgroup order.
     A copy in device memory: for inspection and checkpoints, not for the training step."""
     moved = {t: tuple(to_memory(x, Tier.RESIDENT) for x in arrays)
              for t, arrays in self.tiers.items()}
-    return partition_lib.merge_tiers(moved, self.partition)
+    part = self.partition
+    if not part.disk:
+      return partition_lib.merge_tiers(moved, part)
+    # The disk tier's files read back, with the tiers in memory (one f32 group: the
+    # disk tier's only form).
+    from dos_jax.step import disk_tier  # pylint: disable=import-outside-toplevel
+    rows = dict(disk_tier.read_rows(part, self.slots, self.layout.subgroup_size,
+                                    self.disk_gen))
+    for tier in TIERS:
+      blocks = part.blocks(tier)
+      for ids, block in zip(blocks, partition_lib.blocks_of(moved[tier], len(blocks))):
+        rows.update((g, block[0][i]) for i, g in enumerate(ids))
+    return (jnp.stack([jnp.asarray(rows[g]) for g in range(part.num_subgroups)]),)
 
   def unstacked(self) -> tuple[jax.Array | None, Any]:
     """`(master, inner_state)` as the wrapped transforms define it, with `(G, S)`
@@ -187,6 +205,8 @@ def moment_rows(state: 'OffloadedState', group: int, k: int) -> jax.Array:
   """One per-element leaf of the wrapped transforms' state (row `k` of stacked array
   `group`) as a `(G, S)` array in subgroup order, in its own dtype: a copy in device
   memory of that leaf only."""
+  if state.partition.disk:
+    return state.rows()[group][:, k]
   width = len(state.slots.groups)
   moved = {t: tuple(to_memory(x[:, k:k + 1] if j % width == group else x[:, :0], Tier.RESIDENT)
                     for j, x in enumerate(arrays))
@@ -299,15 +319,17 @@ def _children(state: OffloadedState, moments: bool = True) -> tuple:
   view = scalar_view(state.scalars, state.slots, state if moments else None)
   if not state.scalars and raw[3] is not None:
     view = raw[3]
+  disk = (state.disk_gen,) if part.disk else ()
   if part.per_subgroup:
-    return (state.by_subgroup(), view)
+    return (state.by_subgroup(), view) + disk
   tiers = tuple(state.tier(t) if part.ids(t) else (() if r is None else r)
                 for t, r in zip(TIERS, raw))
-  return tiers + (view,)
+  return tiers + (view,) + disk
 
 
 def _child_names(part: partition_lib.Partition) -> tuple[str, ...]:
-  return ('subgroups', 'scalars') if part.per_subgroup else _ARRAY_FIELDS + ('scalars',)
+  names = ('subgroups', 'scalars') if part.per_subgroup else _ARRAY_FIELDS + ('scalars',)
+  return names + (('disk_gen',) if part.disk else ())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -339,8 +361,12 @@ def _flatten(state: OffloadedState):
 
 def _unflatten(aux, children) -> OffloadedState:
   layout, slots, partition, sharded = aux
+  disk_gen = children[-1] if partition.disk else None
+  children = children[:-1] if partition.disk else children
   if partition.per_subgroup:
     rows, view = children
+    in_memory = [g for g in range(partition.num_subgroups) if g not in partition.disk]
+    rows = dict(zip(in_memory, rows))
     tiers = [tuple(x for g in partition.ids(t) for x in rows[g]) for t in TIERS]
     scalars = scalars_from_view(view, slots)
     raw = (None, None, None, None if scalars else view)
@@ -352,7 +378,7 @@ def _unflatten(aux, children) -> OffloadedState:
     raw += (None if scalars else children[3],)
   return OffloadedState(host=tiers[0], streamed=tiers[1], resident=tiers[2],
                         scalars=scalars, layout=layout, slots=slots, partition=partition,
-                        sharded=sharded, empty_children=raw)
+                        sharded=sharded, disk_gen=disk_gen, empty_children=raw)
 
 
 jax.tree_util.register_pytree_with_keys(OffloadedState, _flatten_with_keys, _unflatten,

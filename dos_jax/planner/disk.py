@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dos_jax.geometry import partition as partition_lib
 from dos_jax.planner import costmodel
 from dos_jax.planner.hardware import HardwareProfile
 from dos_jax.policies import Plan
@@ -111,8 +112,7 @@ def io_seconds(profile: HardwareProfile, read_bytes: float, write_bytes: float) 
 def spill(host: tuple[int, ...], in_memory: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """`(in memory, on disk)`: the ascending `host` subgroups with the last `in_memory`
   kept in memory, the state's rule (`dos_jax.geometry.partition.spill_to_disk`)."""
-  cut = len(host) - max(0, min(in_memory, len(host)))
-  return host[cut:], host[:cut]
+  return partition_lib.spill_to_disk(host, partition_lib.DiskSpill('', max(0, in_memory)))
 
 
 def split(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,

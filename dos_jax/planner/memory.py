@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 
 # Fraction of device (and host) memory kept free: allocator fragmentation, XLA's
 # workspace and temporaries the model does not count.
@@ -335,14 +336,42 @@ def check_run(cfg) -> str | None:
   size = _run_sizing(cfg, count)
   device_is_host = devices[0].platform == 'cpu'
   free = None if device_is_host else device_available_bytes(devices[0])
+  disk_dir = getattr(cfg.offload, 'disk_dir', None)
+  on_disk = 0.0
+  if disk_dir is not None:  # the state beyond offload.host_state_gib goes to disk
+    state = size.state_per_device * count
+    cap = cfg.offload.host_state_gib
+    in_host = 0.0 if cap is None else min(state, cap * _GIB)
+    on_disk = state - in_host
+    size = dataclasses.replace(size, state_per_device=in_host / count)
   short = shortfalls(size, devices=count, device_bytes=free or math.inf,
                      host_bytes=host_available_bytes(), device_is_host=device_is_host)
+  if on_disk:
+    space = disk_free_bytes(disk_dir)
+    if space and 2 * on_disk > space * (1 - MARGIN):  # two generations of each file
+      short.append(Shortfall(f'disk at offload.disk_dir={disk_dir}', 2 * on_disk,
+                             space * (1 - MARGIN), 'two generations of the state on disk'))
   if not short:
     return None
   shape = cfg.model.shape()
   name = f'model.preset={cfg.model.preset}' if cfg.model.preset else 'the model'
+  hint = ''
+  if disk_dir is None and any('host' in s.memory for s in short):
+    hint = ' (offload.disk_dir puts the state beyond host memory on disk)'
   return (f'{name} ({shape.num_params() / 1e9:.2f}B params) does not fit this machine: '
-          + '; '.join(s.line() for s in short))
+          + '; '.join(s.line() for s in short) + hint)
+
+
+def disk_free_bytes(directory: str) -> float:
+  """Free bytes of the filesystem that holds `directory` (or would: its nearest existing
+  parent); 0 when unknown."""
+  path = os.path.abspath(directory)
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  try:
+    return float(shutil.disk_usage(path).free)
+  except OSError:
+    return 0.0
 
 
 def run_budget(cfg, devices, device_bytes: float | None = None) -> tuple[float, float] | None:

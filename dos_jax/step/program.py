@@ -31,6 +31,7 @@ from dos_jax.geometry.state import ShardedOver
 from dos_jax.offload import Program
 from dos_jax.offload import UpdateImpl
 from dos_jax.step import construction
+from dos_jax.step import disk_tier
 from dos_jax.step import early_chunks
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import lanes as lanes_lib
@@ -70,6 +71,10 @@ def run_step(kernels: StepKernels, grad_leaves, param_leaves, state: OffloadedSt
   context, base_step, native = _context(kernels, grad_leaves, param_leaves, state,
                                         grad_scale, mesh)
   new_tiers, outs = _update_tiers(context, base_step, state, native)
+  disk_gen = None
+  if state.partition.disk:
+    disk_gen, disk_outs = disk_tier.update(context, base_step, state.disk_gen)
+    outs = list(outs) + disk_outs
   layout = state.layout
   scalars = tuple(jax.device_put(x, paths.DEVICE) for x in context.new_scalars)
   new_leaves = _updates_from_leaves(
@@ -84,7 +89,7 @@ def run_step(kernels: StepKernels, grad_leaves, param_leaves, state: OffloadedSt
   return new_leaves, OffloadedState(
       host=new_tiers[Tier.HOST], streamed=new_tiers[Tier.STREAMED],
       resident=new_tiers[Tier.RESIDENT], scalars=scalars, layout=layout,
-      slots=state.slots, partition=state.partition, sharded=state.sharded)
+      slots=state.slots, partition=state.partition, sharded=state.sharded, disk_gen=disk_gen)
 
 
 def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale, mesh):

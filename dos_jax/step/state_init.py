@@ -28,6 +28,7 @@ from dos_jax.geometry.state import OffloadedState
 from dos_jax.geometry.state import ShardedOver
 from dos_jax.offload import Offload
 from dos_jax.offload import Program
+from dos_jax.step import disk_tier
 from dos_jax.step import paths
 
 
@@ -65,14 +66,16 @@ def place(tiers: dict[Tier, tuple], scalars, where: Placement, constrain: bool =
   return tiers, tuple(put(x, where.scalars) for x in scalars)
 
 
-def first_partition(policy, spec, split: bool) -> partition_lib.Partition:
+def first_partition(policy, spec, split: bool,
+                    disk: partition_lib.DiskSpill | None = None) -> partition_lib.Partition:
   """The partition a new state starts in: the policy's plan, and the early host calls
   its cost model chooses for that plan (`early_chunks(spec, plan)`; None or a policy
-  without one: the fixed rule, `partition.early_host_calls`)."""
+  without one: the fixed rule, `partition.early_host_calls`); `disk` spills host
+  subgroups to the disk tier."""
   plan = policy.plan(spec)
   choose = getattr(policy, 'early_chunks', None)
   early = choose(spec, plan) if split and choose is not None else None
-  return partition_lib.for_plan(plan, split, early=early)
+  return partition_lib.for_plan(plan, split, early=early, disk=disk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +139,13 @@ class _Builder:
           block, scalars = fn(host_leaves)
         arrays.extend(block)
       tiers[tier] = tuple(arrays)
+    if scalars is None:  # every subgroup on disk: the scalars of one zero row
+      master = jnp.zeros((1, self.layout.subgroup_size), jnp.dtype(self.layout.state_dtype))
+      state = jax.tree.map(
+          lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(x, master.shape),
+          self.row_state(master))
+      _, scalars = slots_lib.split((master if self.layout.needs_master else None, state),
+                                   self.slots, axis=1)
     if self.mesh is not None:
       # Keeps the params an input of the jitted init even where no state value reads
       # them (fp32 params keep no master): that jit takes its devices from them.
@@ -156,7 +166,7 @@ class _Builder:
 
 
 def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
-               mask: Any = None, shard_dims: Any = None) -> OffloadedState:
+               mask: Any = None, shard_dims: Any = None, fused: Any = None) -> OffloadedState:
   """The packed state of `inner` for `params` (see `transform.offloaded`)."""
   mesh = meshes.find_mesh(params, offload)
   layout = layout_lib.make_layout(
@@ -167,8 +177,6 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
   )
   sharded = None if mesh is None else ShardedOver(mesh, tuple(
       meshes.leaf_sharding(leaf) for leaf in layout.treedef.flatten_up_to(params)))
-  part = first_partition(offload.policy, layout.spec(),
-                         offload.target() is Program.TWO_MEMORIES)
   state_dtype = jnp.dtype(layout.state_dtype)
 
   def full_state(params):
@@ -182,11 +190,29 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
   template = jax.eval_shape(full_state, jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params))
   slots = slots_lib.build(template, row_ndim=2)
+  part = first_partition(offload.policy, layout.spec(),
+                         offload.target() is Program.TWO_MEMORIES,
+                         disk=disk_tier.spill_of(
+                             offload.disk, slots, layout.subgroup_size,
+                             1 if mesh is None else mesh.shape[offload.data_axis]))
+  disk_gen = None
+  if part.disk:
+    disk_tier.check_usable(fused, layout, slots)
+    if traced_params(params):
+      raise ValueError('Offload.disk: init writes the disk tier\'s files; call it outside '
+                       'jit (eagerly)')
+    disk_gen = disk_tier.write_initial(part, layout, slots, inner, params)
+    if mesh is not None:
+      disk_gen = jax.device_put(disk_gen, NamedSharding(mesh, P()))
   builder = _Builder(inner=inner, layout=layout, part=part, slots=slots, template=template,
                      mesh=mesh, where=placement(mesh, offload.data_axis))
   run: Callable = functools.partial(builder.run, data_axis=offload.data_axis)
-  traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
-  tiers, scalars = run(params) if traced else jax.jit(run)(params)
+  tiers, scalars = run(params) if traced_params(params) else jax.jit(run)(params)
   return OffloadedState(
       host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
-      scalars=scalars, layout=layout, slots=slots, partition=part, sharded=sharded)
+      scalars=scalars, layout=layout, slots=slots, partition=part, sharded=sharded,
+      disk_gen=disk_gen)
+
+
+def traced_params(params) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))

@@ -203,8 +203,15 @@ class StepContext:
           grads=packed(self.grad_leaves, self.grad_dtype), params=params, mesh=self.mesh,
           data_axis=self.options.data_axis, resident=resident,
           num_threads=self.options.host_threads)
-    leaves = fused_lib.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
-                              params=self.param_leaves)
+    if self.part.disk:  # the array holds some subgroups only: their pieces, at local offsets
+      leaves = fused_lib.Leaves(
+          grads=partition_lib.slice_pieces(self.grad_leaves, runs),
+          offsets=tuple(run.offset for run in runs),
+          params=None if self.param_leaves is None
+          else partition_lib.slice_pieces(self.param_leaves, runs))
+    else:
+      leaves = fused_lib.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
+                                params=self.param_leaves)
     return fused_lib.host_update(step, self.fused, stacked=arrays,
                                  adam_scalars=self.adam_scalars, leaves=leaves,
                                  resident=resident, num_threads=self.options.host_threads)

@@ -78,7 +78,8 @@ def offloaded(
     validate_lib.warn_if_uncommitted(params)
     if validate is not None:
       validate(params)
-    return state_init.init_state(inner, offload, params, mask=mask, shard_dims=shard_dims)
+    return state_init.init_state(inner, offload, params, mask=mask, shard_dims=shard_dims,
+                                 fused=fused)
 
   def update_fn(updates, state: OffloadedState, params=None, *, plan: Plan | None = None,
                 grad_scale: jax.Array | float | None = None, **extra_args):

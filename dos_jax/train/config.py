@@ -96,6 +96,11 @@ class OffloadConfig:
       split over several devices, the two-memory program packs it by each device's
       shards of the params (the sharding table's fsdp dimension), so that each device
       runs the one construction on its own columns (docs/design.md).
+    disk_dir: the disk tier's directory (dos_jax.Disk): host-updated subgroups beyond
+      `host_state_gib` keep their state in files there (local NVMe for speed). null:
+      no disk tier.
+    host_state_gib: host memory the host tier's state may take before subgroups go to
+      `disk_dir` (GiB); null: every host subgroup on disk. Needs `disk_dir`.
     placement: the policy value `policy` names, None for 'none' (derived, not read
       from YAML).
   """
@@ -106,9 +111,14 @@ class OffloadConfig:
   subgroup_size: int | None = field(None, check=POSITIVE)
   keep_freed_host_memory: bool = True
   platform: Literal['cpu', 'gpu'] | None = None
+  disk_dir: str | None = None
+  host_state_gib: float | None = field(None, check=NON_NEGATIVE)
   placement: Policy | None = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
+    if self.host_state_gib is not None and self.disk_dir is None:
+      raise ConfigError('offload.host_state_gib: caps the host memory of the state '
+                        'before it goes to disk; set offload.disk_dir too')
     object.__setattr__(self, 'placement', _placement(self))
 
 

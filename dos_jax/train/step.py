@@ -38,6 +38,7 @@ program and one update program, plus one gradient program for the run.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, Mapping
 
 import jax
@@ -113,6 +114,9 @@ def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'dat
   """The `dos_jax.Offload` value for the configured policy and subgroup size; the other
   arguments as in `make_optimizer`."""
   kwargs = {} if cfg.subgroup_size is None else {'subgroup_size': cfg.subgroup_size}
+  if cfg.disk_dir is not None:
+    cap = None if cfg.host_state_gib is None else int(cfg.host_state_gib * 2**30)
+    kwargs['disk'] = dos_jax.Disk(os.path.abspath(cfg.disk_dir), host_state_bytes=cap)
   return dos_jax.Offload(policy=cfg.placement,
                          platform=cfg.platform if platform is None else platform,
                          data_axis=data_axis, **kwargs)

@@ -1,0 +1,176 @@
+"""The disk tier (`dos_jax.Disk`): subgroups whose state lives in files, updated on the host.
+
+Each disk subgroup has two files (`dos_jax.kernels.host_adamw_disk`): the state at the
+current generation and the one before. A step reads the current ones and writes the
+others, in one native call that reads a subgroup ahead and writes the previous one
+behind while it updates the current one, and returns the next generation. The program
+carries only that int32 generation (`OffloadedState.disk_gen`): a step that fails midway
+leaves the generation, so the state, where it was; `optax.apply_if_finite` keeping the old
+state keeps the old generation, whose files the step did not touch.
+
+The disk subgroups are updated after the gradients' clip factor is known (no
+speculation), in the one-memory program as they are, in the accelerator program inside a
+host region of their own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dos_jax.geometry import layout as layout_lib
+from dos_jax.geometry import partition as partition_lib
+from dos_jax.geometry import slots as slots_lib
+from dos_jax.kernels import host_adamw_disk
+from dos_jax.step import fused as fused_lib
+from dos_jax.step import paths
+
+
+def spill_of(disk, slots: slots_lib.Slots, size: int, shards: int = 1
+             ) -> partition_lib.DiskSpill | None:
+  """`Offload.disk` as the partition's rule: how many host subgroups' state fits its
+  host-memory budget; `shards`: the data shards the state is split over."""
+  if disk is None:
+    return None
+  per_subgroup = sum(k * jnp.dtype(g).itemsize for g, k in zip(slots.groups, slots.group_sizes))
+  in_memory = None if disk.host_state_bytes is None else disk.host_state_bytes // (
+      per_subgroup * size)
+  return partition_lib.DiskSpill(disk.directory, in_memory, disk.direct_io, shards)
+
+
+def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots) -> None:
+  """Raises a one-line error naming `Offload.disk` when the disk tier cannot hold this
+  state: it takes AdamW's fp32 state packed by subgroup (not shard-major), with the
+  native kernel built."""
+  if fused is None or fused_lib.slot_rows(slots, layout.needs_master) is None:
+    raise ValueError('Offload.disk holds the state of dos_jax.adamw with fp32 moments '
+                     '(mu_dtype=None); this transform has another state')
+  if layout.shards > 1:
+    raise ValueError('Offload.disk: a state packed shard-major (ZeRO-3, shard_dims) cannot '
+                     'have a disk tier yet; leave Offload.disk unset or shard_dims unset')
+  if not host_adamw_disk.disk_kernel_available():
+    raise RuntimeError('Offload.disk needs the native disk kernel: '
+                       + host_adamw_disk.disk_kernel_unavailable_reason())
+
+
+def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout,
+                  slots: slots_lib.Slots, inner: Any, params) -> jax.Array:
+  """Writes each disk subgroup's first state (generation 0), one subgroup at a time,
+  from `params` (concrete); returns the generation, `int32 0`."""
+  os.makedirs(part.disk_dir, exist_ok=True)
+  leaves = [np.asarray(jax.device_get(x)).ravel()
+            for x in layout.treedef.flatten_up_to(params)]
+  size, dtype = layout.subgroup_size, np.dtype(layout.state_dtype)
+  for g in part.disk:
+    master = np.zeros((1, size), dtype)
+    for run in partition_lib.pieces_of(layout, (g,)):
+      master[0, run.offset:run.offset + run.size] = leaves[run.leaf][run.start:run.start + run.size]
+    rows = jnp.asarray(master)
+    state = jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(x, rows.shape),
+                         inner.init(rows[0]))
+    block, _ = slots_lib.split((rows if layout.needs_master else None, state), slots, axis=1)
+    write_rows(part, g, 0, np.asarray(block[0])[0])
+  return jnp.zeros((), jnp.int32)
+
+
+def _shards(part: partition_lib.Partition) -> list:
+  return [None] if part.disk_shards == 1 else list(range(part.disk_shards))
+
+
+def write_rows(part: partition_lib.Partition, g: int, parity: int, rows: np.ndarray) -> None:
+  """Subgroup `g`'s `(K, S)` state written as its files (one per data shard)."""
+  width = rows.shape[1] // part.disk_shards
+  for shard in _shards(part):
+    cols = rows if shard is None else rows[:, shard * width:(shard + 1) * width]
+    host_adamw_disk.write_state(part.disk_dir, g, parity, np.ascontiguousarray(cols), shard)
+
+
+def read_rows(part: partition_lib.Partition, slots: slots_lib.Slots, size: int,
+              gen) -> dict[int, np.ndarray]:
+  """Each disk subgroup's `(K, S)` float32 state at generation `gen` (concrete), by
+  subgroup: for inspection and checkpoints, not for the training step."""
+  parity = int(gen) % 2
+  k, width = slots.group_sizes[0], size // part.disk_shards
+  return {g: np.concatenate([host_adamw_disk.read_state(part.disk_dir, g, parity, k, width, d)
+                             for d in _shards(part)], axis=1) for g in part.disk}
+
+
+def update(context, base_step: paths.RowStep, gen):
+  """One step of the disk tier: `(next generation, [(out rows, pieces)])`."""
+  if context.part.disk_shards > 1:
+    return _update_sharded(context, base_step, gen)
+  part, layout = context.part, context.layout
+  runs = partition_lib.pieces_of(layout, part.disk)
+  rows, size = len(part.disk), layout.subgroup_size
+  grads = partition_lib.slice_pieces(context.grad_leaves, runs)
+  params = (None if context.param_leaves is None
+            else partition_lib.slice_pieces(context.param_leaves, runs))
+  arrays, join = fused_lib.split_scalars(context.adam_scalars)
+  kernel_args = _kernel_args(context, base_step)
+
+  def run(gen, grads, params, arrays):
+    grad_rows = partition_lib.assemble(grads, runs, rows, size, context.grad_dtype)
+    param_rows = None if params is None else partition_lib.assemble(
+        params, runs, rows, size, jnp.float32)
+    return host_adamw_disk.adamw_disk_rows(gen, grad_rows, param_rows, join(arrays),
+                                           **kernel_args)
+
+  if part.split:  # the accelerator program: in a host region, its inputs in host memory
+    out, new_gen = paths.put(
+        paths.host_region(run, out_spaces=(paths.HOST, paths.HOST))(
+            *paths.to_host((gen, grads, params, arrays))), paths.DEVICE)
+  else:
+    out, new_gen = run(gen, grads, params, arrays)
+  return new_gen, [(out, runs)]
+
+
+def _kernel_args(context, base_step: paths.RowStep, **more) -> dict:
+  part = context.part
+  return dict(
+      directory=part.disk_dir, subgroups=part.disk,
+      slots=fused_lib.slot_rows(base_step.slots, base_step.has_master),
+      num_slots=base_step.slots.group_sizes[0], decayed_rows=context.layout.decayed_rows,
+      lowp_dtype=base_step.out_dtype, nesterov=context.fused.nesterov,
+      num_threads=context.options.host_threads, direct_io=part.direct_io, **more)
+
+
+def _update_sharded(context, base_step: paths.RowStep, gen):
+  """The disk tier of a state split over the data axis (ZeRO-1, the one-memory
+  program): each device's kernel call on its columns of the rows, its own files."""
+  part, layout, mesh = context.part, context.layout, context.mesh
+  axis = context.options.data_axis
+  runs = partition_lib.pieces_of(layout, part.disk)
+  rows, size = len(part.disk), layout.subgroup_size
+  cols = NamedSharding(mesh, P(None, axis))
+
+  def packed(leaves, dtype):
+    whole = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs), runs, rows, size,
+                                   dtype)
+    return jax.lax.with_sharding_constraint(whole, cols)
+
+  grads = packed(context.grad_leaves, context.grad_dtype)
+  params = None if context.param_leaves is None else packed(context.param_leaves, jnp.float32)
+  arrays, join = fused_lib.split_scalars(context.adam_scalars)
+  num_threads = context.options.host_threads or max(
+      1, (os.cpu_count() or 1) // part.disk_shards)
+  kernel_args = _kernel_args(context, base_step, shards=part.disk_shards)
+  kernel_args['num_threads'] = num_threads
+
+  def per_shard(gen, grads, arrays, *params):
+    return host_adamw_disk.adamw_disk_rows(
+        gen, grads, params[0] if params else None, join(arrays),
+        shard=jax.lax.axis_index(axis), **kernel_args)
+
+  extra = () if params is None else (params,)
+  out, new_gen = jax.shard_map(
+      per_shard, mesh=mesh,
+      in_specs=(P(), P(None, axis), [P()] * len(arrays)) + (P(None, axis),) * len(extra),
+      out_specs=(P(None, axis), P()), check_vma=False,
+  )(gen, grads, arrays, *extra)
+  return new_gen, [(out, runs)]

@@ -1,0 +1,67 @@
+"""`dos-jax train` with the disk tier (`offload.disk_dir`): killed mid-run (SIGKILL, after a
+checkpoint, while the disk tier's files are at a later step) and resumed, it ends
+exactly (bit for bit) where the uninterrupted run without a disk tier ends; a disk that
+cannot hold the state is refused in one line naming `offload.disk_dir`."""
+
+import os
+import signal
+
+import pytest
+
+from dos_jax.kernels import host_adamw_disk
+from dos_jax.train import integrity
+from tests.test_faults import _names
+from tests.test_faults import _outcome
+from tests.test_faults import _rows_since_resume
+from tests.test_faults import _start
+from tests.test_faults import _stop_when
+from tests.test_faults import _train
+from tests.test_faults import EVERY
+from tests.test_faults import jax_cache  # pylint: disable=unused-import  (the fixture)
+from tests.test_faults import reference  # pylint: disable=unused-import  (the fixture)
+from tests.test_runner_reliability import dataset  # pylint: disable=unused-import  (the fixture)
+
+pytestmark = pytest.mark.skipif(not host_adamw_disk.disk_kernel_available(),
+                                reason='the native disk kernel is not built')
+
+
+@pytest.mark.slow
+def test_a_killed_run_with_its_state_on_disk_resumes_exactly(
+    dataset, reference, jax_cache, tmp_path, capsys):
+  out = str(tmp_path / 'run')
+  disk = ['offload.disk_dir=' + str(tmp_path / 'state')]
+  metrics = os.path.join(out, 'metrics.jsonl')
+
+  ckpt_dir = os.path.join(out, 'checkpoints')
+
+  def past_a_checkpoint():  # a complete checkpoint, and a later step's files on disk
+    steps = [r['step'] for r in _rows_since_resume(metrics)]
+    saved = [int(n) for n in _names(ckpt_dir)
+             if n.isdigit() and integrity.has_manifest(os.path.join(ckpt_dir, n))]
+    return bool(steps and saved) and steps[-1] > max(saved) and steps[-1] % EVERY
+
+  proc = _start(dataset, out, jax_cache, *disk)
+  try:
+    _stop_when(proc, past_a_checkpoint, 'a step past the first checkpoint')
+  finally:
+    proc.kill()
+    proc.communicate(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  names = os.listdir(tmp_path / 'state')
+  assert names and all(n.startswith('sg') for n in names), names
+  code, err = _train(dataset, out, capsys, *disk)
+  assert code == 0, err[-3000:]
+  assert f'resumed from {ckpt_dir} at step' in err, err[-3000:]
+  assert _outcome(out) == reference['outcome']
+
+
+def test_a_disk_too_small_for_the_state_is_refused_naming_the_key(
+    dataset, tmp_path, capsys, monkeypatch):
+  from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(memory, 'disk_free_bytes', lambda directory: 1e6)
+  code, err = _train(dataset, str(tmp_path / 'run'), capsys,
+                     'offload.disk_dir=' + str(tmp_path / 'state'))
+  assert code != 0
+  lines = [line for line in err.splitlines() if 'offload.disk_dir=' in line]
+  assert len(lines) == 1 and 'two generations of the state on disk' in lines[0], err[-2000:]
+  assert not os.path.exists(tmp_path / 'run')
