@@ -77,15 +77,13 @@ def main(argv=None) -> int:
     program = gpu_program.compile_step(cfg, args.target, devices=devices)
     print(f'== {path} {" ".join(args.overrides)}: {params:,} params, {spec.num_subgroups}'
           f' subgroups ({len(plan.streamed)} streamed, {len(plan.host)} host),'
-          f' {part.stacks if not part.per_subgroup else "per-subgroup"} stream block(s),'
           f' compiled in {program.compile_s:.0f} s')
     print('-- compiled schedule (instruction positions of the entry computation):')
     for position, event in schedule_events(program.schedule):
       print(f'  {position:6d}  {event}')
     predicted = timeline.timeline(profile, spec, plan, forward_seconds=forward,
                                   backward_seconds=2 * forward,
-                                  clipped=cfg.optim.clip_norm is not None,
-                                  stacked=not part.per_subgroup)
+                                  clipped=cfg.optim.clip_norm is not None)
     print(f'-- predicted timeline ({profile.name}, {_TFLOPS:g} TFLOP/s;'
           f' step {1e3 * predicted.seconds:.1f} ms):')
     print(predicted.table())

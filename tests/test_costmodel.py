@@ -105,17 +105,13 @@ def test_device_only_single_buffer_serializes_each_subgroup():
   pred = costmodel.predict(p, spec, Stride(1, buffers=1).plan(spec))
   per = 12e6 / (p.h2d_gbps * 1e9) + 1e6 / (p.device_adamw_gparams * 1e9) + 12e6 / (p.d2h_gbps * 1e9)
   np.testing.assert_allclose(pred.device_stream_seconds, 5 * per, rtol=1e-12)
-  stacked = costmodel.predict(p, spec, Stride(1, buffers=1).plan(spec), stacked=True)
-  assert stacked.device_peak_bytes == 12e6  # one row of state at a time
-  # With no host subgroup the step builds no stream region: one row at a time as well.
+  # With no host subgroup the step builds no stream region: one row at a time.
   assert pred.device_peak_bytes == 12e6
   # Beside a host subgroup, in stream regions, every streamed row is held until the
-  # regions are done; in 2 linked chunks, the larger chunk's rows.
+  # regions are done.
   mixed = Stride(2, buffers=1).plan(spec)
   held = costmodel.predict(p, spec, mixed).device_peak_bytes
   assert held == (len(mixed.streamed) * 12e6 if device_stream.available() else 12e6)
-  chunked = costmodel.predict(p, spec, mixed, chunks=2).device_peak_bytes
-  assert chunked == (2 * 12e6 if device_stream.available() else 12e6)
 
 
 def test_more_buffers_pipeline_the_copies():
@@ -123,36 +119,11 @@ def test_more_buffers_pipeline_the_copies():
   spec = spec_of(20 * 10**6, 10**6)
   one, two, three = (costmodel.predict(p, spec, Stride(1, buffers=b).plan(spec)) for b in (1, 2, 3))
   assert three.device_stream_seconds <= two.device_stream_seconds < one.device_stream_seconds
-  held = [costmodel.predict(p, spec, Stride(1, buffers=b).plan(spec), stacked=True)
-          for b in (1, 2, 3)]
+  # No host subgroup, so no stream region: the loop holds `buffers` rows.
+  held = [one, two, three]
   assert [h.device_peak_bytes for h in held] == [b * 12e6 for b in (1, 2, 3)]
   # With 3 buffers the slower link sets the pace (both directions at both_gbps).
   np.testing.assert_allclose(three.device_stream_seconds, 20 * 12e6 / 15e9, rtol=0.1)
-
-
-def test_a_stacked_stream_is_full_duplex_in_any_order():
-  """Stacked storage keeps the stream in `buffers` interleaved blocks
-  (`paths.interleaved_loop`): the per-subgroup full-duplex period, plus `buffers - 1`
-  extra fetches of the last row and a masked round trip per position `buffers` leaves
-  over, whatever the stream's order."""
-  p = synthetic()
-  size = 10**6
-  for n, buffers in ((20, 2), (20, 3), (21, 2)):
-    spec = spec_of(n * size, size)
-    plan = Stride(1, buffers=buffers).plan(spec)
-    per_subgroup = costmodel.predict(p, spec, plan)
-    extra = (buffers - 1) * 12e6 / (p.both_gbps * 1e9)
-    masked = -n % buffers * 12e6 / (p.both_gbps * 1e9)
-    backwards = Plan(streamed=plan.streamed[::-1], host=(), buffers=buffers)
-    for stream in (plan, backwards):
-      stacked = costmodel.predict(p, spec, stream, stacked=True)
-      np.testing.assert_allclose(stacked.device_stream_seconds,
-                                 per_subgroup.device_stream_seconds + extra + masked,
-                                 rtol=1e-12)
-  spec = spec_of(20 * size, size)
-  one = Stride(1, buffers=1).plan(spec)
-  assert (costmodel.predict(p, spec, one, stacked=True).device_stream_seconds
-          == costmodel.predict(p, spec, one).device_stream_seconds)
 
 
 def test_cpu_backend_costs_every_plan_the_one_host_call():

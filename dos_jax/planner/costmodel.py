@@ -14,11 +14,8 @@ the H2D link, the D2H link). It describes the program `dos_jax.adamw` builds
   stream region running its rows' H2D, AdamW and D2H in turn (XLA runs a region's
   copies one after another), consecutive rows on different streams, so the two
   directions run at once and the steady-state period per subgroup is
-  `max(h, c, d, (h + c + d) / buffers)`. `stacked=True` models the stream of a
-  stacked tier, which the step no longer builds (its history: experiments/notes): the
-  same full-duplex period, plus the `buffers - 1` extra fetches of the last row the
-  loop makes and, where `buffers` does not divide the row count, one masked round trip
-  per missing position. Either way, one first subgroup's latency fills the pipeline.
+  `max(h, c, d, (h + c + d) / buffers)`; one first subgroup's latency fills the
+  pipeline.
   In device memory the stream regions hold every streamed row until the regions are done
   (`streamed_elements_held`), within the memory the backward pass frees;
 * host subgroups need their gradients D2H, the host AdamW, and their new low-precision
@@ -66,7 +63,6 @@ from dos_jax.planner.hardware import PROFILE_PRESETS as PROFILE_PRESETS
 from dos_jax.planner.internode import Internode as Internode
 from dos_jax.planner.internode import internode as internode
 # What the stream holds in device memory lives in `stream_memory`; re-exported likewise.
-from dos_jax.planner.stream_memory import chunk_count as chunk_count
 from dos_jax.planner.stream_memory import regions_by_default as regions_by_default
 from dos_jax.planner.stream_memory import streamed_elements_held as streamed_elements_held
 from dos_jax.policies import Plan
@@ -184,8 +180,7 @@ def _slowed(work: float, window: float, slowdown: float) -> float:
 
 
 def stream_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
-                   dev_sizes: list[int], *, stacked: bool = False,
-                   both: bool = True) -> float:
+                   dev_sizes: list[int], *, both: bool = True) -> float:
   """The streamed path of `dev_sizes` (rows of `plan`'s stream, in order) alone, from
   the first fetch to the last write-back (see the module docstring); `both`: the two
   link directions carry traffic at once."""
@@ -199,7 +194,6 @@ def stream_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
   # A single buffer cannot overlap its own copies: those run at the lone-direction rate.
   in_bw = h2d_bw if plan.buffers >= 2 else profile.h2d_gbps * _GB
   out_bw = d2h_bw if plan.buffers >= 2 else profile.d2h_gbps * _GB
-  interleaved = stacked and plan.buffers >= 2 and len(dev_sizes) > 1
   latencies = []
   for s in dev_sizes:
     h, c, d = sb * s / in_bw, s / u_dev, sb * s / out_bw
@@ -208,14 +202,6 @@ def stream_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
     latencies.append((h + c + d) - period)
   if latencies:
     stream += max(latencies[0], 0.0)  # filling the pipeline: the first subgroup's latency
-  if interleaved:
-    # The loop fetches the last row again `buffers - 1` times (clamped index).
-    stream += (min(plan.buffers, len(dev_sizes)) - 1) * sb * dev_sizes[-1] / in_bw
-  if interleaved:
-    # Masked positions of the last iteration: a round trip of a row each.
-    masked = -len(dev_sizes) % min(plan.buffers, len(dev_sizes))
-    last = dev_sizes[-1]
-    stream += masked * max(sb * last / in_bw, last / u_dev, sb * last / out_bw)
   return stream
 
 
@@ -226,8 +212,6 @@ def predict(
     *,
     backward_seconds: float = 0.0,
     last_grad_bytes: float = 0.0,
-    stacked: bool = False,
-    chunks: int = 0,
     disk_subgroups: tuple[int, ...] = (),
     disk_seconds: float = 0.0,
 ) -> Prediction:
@@ -243,10 +227,6 @@ def predict(
       matmul (the runner's model: the input embedding's); its host-bound share (the
       host subgroups' share of the elements) leaves the device with nothing to hide
       behind.
-    stacked: model a stacked streamed tier (see the module docstring; the step stores
-      per subgroup).
-    chunks: model linked chunks (a model only): the device memory the stream holds
-      (`streamed_elements_held`); their time is `timeline.timeline`'s.
     disk_subgroups, disk_seconds: host subgroups whose state is on disk, and their own
       host call's time, which follows the in-memory host work (`planner.disk.predict`).
   """
@@ -297,7 +277,7 @@ def predict(
   h2d_bw = (profile.both_gbps if both else profile.h2d_gbps) * _GB
   d2h_bw = (profile.both_gbps if both else profile.d2h_gbps) * _GB
 
-  stream = stream_seconds(profile, spec, plan, dev_sizes, stacked=stacked, both=both)
+  stream = stream_seconds(profile, spec, plan, dev_sizes, both=both)
   stream_alone = stream
   stream += resident_seconds
 
@@ -333,8 +313,7 @@ def predict(
         (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
         key=lambda item: item[0],
     )
-  peak = float(sb * streamed_elements_held(plan, dev_sizes, stacked=stacked,
-                                             chunks=chunks))
+  peak = float(sb * streamed_elements_held(plan, dev_sizes))
   return Prediction(
       update_seconds=update + layout, device_stream_seconds=stream, host_seconds=host,
       bytes_h2d=bytes_h2d, bytes_d2h=bytes_d2h, grad_transfer_hidden_seconds=hidden,

@@ -201,7 +201,7 @@ def stream_construction(cfg, plan: Plan, devices: int) -> bool:
   device, or for a state packed shard-major over several (the two-memory program
   always is), with host subgroups beside them."""
   del cfg, devices
-  return costmodel.regions_by_default(plan, stacked=False)
+  return costmodel.regions_by_default(plan)
 
 
 def _stream_bytes(spec: SubgroupSpec, plan: Plan, size: int, *,
@@ -210,10 +210,10 @@ def _stream_bytes(spec: SubgroupSpec, plan: Plan, size: int, *,
   elements (`costmodel.streamed_elements_held`), and how many streamed rows that is
   where they are held in stream regions (0: `buffers` rows of one loop); held row by
   row in the regions, each row also keeps the params it packs there."""
-  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed), stacked=False,
+  held = costmodel.streamed_elements_held(plan, [size] * len(plan.streamed),
                                           regions=regions)
   if regions is None:
-    regions = costmodel.regions_by_default(plan, stacked=False)
+    regions = costmodel.regions_by_default(plan)
   rows = held // size if regions and plan.streamed else 0
   per_element = spec.state_bytes_per_element + (spec.param_bytes_per_element if rows else 0)
   return float(held * per_element), rows

@@ -105,7 +105,7 @@ def _arrivals(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
 
 def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
              forward_seconds: float, backward_seconds: float, chunks: int = 1,
-             clipped: bool = True, stacked: bool = False) -> Timeline:
+             clipped: bool = True) -> Timeline:
   """The step of `plan` with its host update in `chunks` host calls (see the module
   docstring); `clipped`: a global-norm clip gates every host call on the backward pass.
 
@@ -122,8 +122,7 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
   if chunks < 1:
     raise ValueError(f'timeline: chunks must be >= 1, got {chunks}')
   sizes = costmodel.subgroup_sizes(spec)
-  pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds,
-                           stacked=stacked)
+  pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds)
   backward_end = forward_seconds + backward_seconds
   spans = [Span('device', 'forward', 0.0, forward_seconds),
            Span('device', 'backward', forward_seconds, backward_end)]
@@ -138,7 +137,7 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
   device, host_done, part_done, params_free = backward_end, 0.0, 0.0, 0.0
   for k, (hosts, streams) in enumerate(zip(host_chunks, stream_chunks), 1):
     rows = [sizes[g] for g in streams]
-    stream = costmodel.stream_seconds(profile, spec, plan, rows, stacked=stacked, both=both)
+    stream = costmodel.stream_seconds(profile, spec, plan, rows, both=both)
     ready = max([arrived[g] for g in hosts] + [0.0])
     if clipped:
       ready = max(ready, backward_end)
@@ -165,7 +164,7 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
 
 def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
                    forward_seconds: float, backward_seconds: float, chunks,
-                   rollback: bool = False, stacked: bool = False) -> Timeline:
+                   rollback: bool = False) -> Timeline:
   """The step of `plan` with its host tier in the host calls of
   `chunks` (an int K or a tuple of early call sizes, `Partition.early`; see
   `dos_jax.step.early_chunks`):
@@ -192,8 +191,7 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
     True
   """
   sizes = costmodel.subgroup_sizes(spec)
-  pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds,
-                           stacked=stacked)
+  pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds)
   arrived, link_free = _arrivals(profile, spec, plan, forward_seconds, backward_seconds)
   parts = early_chunks.split(host_order(spec, plan), chunks)
   count = len(parts)
@@ -219,7 +217,7 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
     spans.append(Span('d2h', 'host-bound gradients', forward_seconds, link_free + delay))
   both = bool(plan.streamed) and (plan.buffers >= 2 or bool(plan.host))
   stream = costmodel.stream_seconds(profile, spec, plan, [sizes[g] for g in plan.streamed],
-                                    stacked=stacked, both=both)
+                                    both=both)
   last = parts[-1]
   ready = max([arrived[g] + delay for g in last] + [backward_end])
   start = max(ready, host_done)
@@ -245,13 +243,13 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
 
 def expected_early_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
                            forward_seconds: float, backward_seconds: float, chunks,
-                           clip_rate: float, stacked: bool = False) -> float:
+                           clip_rate: float) -> float:
   """The mean step with the early host calls `chunks` when a fraction `clip_rate` of steps
   roll back (their clip factor is not 1)."""
   if not 0.0 <= clip_rate <= 1.0:
     raise ValueError(f'clip_rate must be in [0, 1], got {clip_rate}')
   kwargs = dict(forward_seconds=forward_seconds, backward_seconds=backward_seconds,
-                chunks=chunks, stacked=stacked)
+                chunks=chunks)
   calm = early_timeline(profile, spec, plan, rollback=False, **kwargs).seconds
   if len(early_chunks.split(plan.host, chunks)) <= 1 or clip_rate == 0.0:
     return calm
@@ -261,7 +259,7 @@ def expected_early_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: P
 
 def choose_early_chunks(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
                         forward_seconds: float, backward_seconds: float, clip_rate: float,
-                        sizes: tuple[int, ...] = (1, 2, 4, 8), stacked: bool = False
+                        sizes: tuple[int, ...] = (1, 2, 4, 8)
                         ) -> tuple[tuple[int, ...], float]:
   """`(early_chunks, mean step seconds)`: early calls of one size from `sizes`, as many
   as make the mean step (at this clip rate) shortest, the rest in the last call. `()`
@@ -273,7 +271,7 @@ def choose_early_chunks(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan
   on what the backward pass can hide.
   """
   kwargs = dict(forward_seconds=forward_seconds, backward_seconds=backward_seconds,
-                clip_rate=clip_rate, stacked=stacked)
+                clip_rate=clip_rate)
   best = ((), expected_early_seconds(profile, spec, plan, chunks=1, **kwargs))
   hosts = len(plan.host)
   for size in sizes:
