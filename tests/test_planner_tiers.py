@@ -88,13 +88,12 @@ def test_migration_cost_counts_each_moved_row_once_on_its_link():
            for g in ids}
   moved = [g for g in range(SPEC.num_subgroups) if before[g] != after[g]]
   assert m.subgroups == len(moved)
+  # A row that only changes path (host <-> streamed) keeps its buffer: only the rows
+  # becoming resident are copied.
   assert m.bytes_h2d == ROW * sum(after[g] == 'r' for g in moved)
-  assert m.bytes_host == ROW * sum(after[g] != 'r' for g in moved)
-  assert m.bytes_d2h == 0 and m.seconds > 0
+  assert m.bytes_d2h == 0
+  np.testing.assert_allclose(m.seconds, m.bytes_h2d / (p.h2d_gbps * 1e9), rtol=1e-12)
   assert costmodel.migration(p, SPEC, new, new).subgroups == 0
-  # Per-subgroup storage: a row that only changes path (host <-> streamed) stays put.
-  per = costmodel.migration(p, SPEC, old, new, per_subgroup=True)
-  assert per.bytes_host == 0 and per.bytes_h2d == m.bytes_h2d and per.subgroups == m.subgroups
 
 
 # The llama3-* presets carry Meta's names (Llama 3.2 "1B" counts 1.24B); tests/test_hf.py

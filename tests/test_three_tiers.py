@@ -180,7 +180,7 @@ def test_auto_reports_migration_in_the_step_record():
   new = policy.observe(first, 50 * policy.prediction.update_seconds)
   assert new != first
   record = policy.record(1)
-  moved = costmodel.migration(policy.profile, s, first, new, per_subgroup=True)
+  moved = costmodel.migration(policy.profile, s, first, new)
   assert record.migrated_subgroups == moved.subgroups > 0
   assert record.migration_s == moved.seconds > 0
   assert policy.record(2).migrated_subgroups == 0  # reported once

@@ -331,10 +331,7 @@ class Auto:
     if new != self.current:
       self._skip = self.warmup
       if self.current is not None:
-        # An Auto run's state is stored per subgroup unless the Offload says otherwise
-        # (`Offload.storage`): rows that only change path then move not at all.
-        self.last_migration = costmodel.migration(self.profile, self.spec, self.current, new,
-                                                  per_subgroup=True)
+        self.last_migration = costmodel.migration(self.profile, self.spec, self.current, new)
     self.current = new
     self._departures = []
     self._confirmed = False

@@ -330,14 +330,12 @@ class Migration:
     subgroups: subgroups whose tier changes.
     bytes_h2d: state bytes copied host -> device (rows becoming resident).
     bytes_d2h: state bytes copied device -> host (rows leaving the resident tier).
-    bytes_host: state bytes copied within host memory (streamed <-> host rows).
-    seconds: the predicted time of those copies (links and host memory in parallel).
+    seconds: the predicted time of those copies (the two links in parallel).
   """
 
   subgroups: int
   bytes_h2d: float
   bytes_d2h: float
-  bytes_host: float
   seconds: float
 
 
@@ -348,43 +346,25 @@ def _placement_of(plan: Plan) -> dict[int, str]:
   return out
 
 
-def _stream_blocks(plan: Plan) -> dict[int, int]:
-  """Stacked storage: the interleaved block of each streamed subgroup."""
-  count = max(1, min(plan.buffers, len(plan.streamed))) if len(plan.streamed) > 1 else 1
-  return {g: i % count for i, g in enumerate(plan.streamed)}
-
-
-def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan, *,
-              per_subgroup: bool = False) -> Migration:
+def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan) -> Migration:
   """The one-off cost of moving the state's rows from `old`'s tiers to `new`'s.
 
-  Rows that become resident cross H2D, rows that leave the resident tier cross D2H,
-  and rows moving between the two host tiers are copied in host memory (read + write,
-  at the host AdamW's memory rate: 28 bytes per param it streams), except with
-  `per_subgroup` storage (the accelerator program's), where such a row keeps its buffer
-  and costs nothing. Stacked, a streamed row whose interleaved block changes (its
-  position in the stream modulo `buffers`, `Partition.blocks`) is copied in host
-  memory too; otherwise the order within a tier does not matter.
+  Rows that become resident cross H2D and rows that leave the resident tier cross D2H.
+  Each row is its own buffer (the accelerator program's storage), so a row moving
+  between the two host tiers (host <-> streamed, both in pinned host memory) keeps its
+  buffer and costs nothing, and the order within a tier does not matter.
   """
   before, after = _placement_of(old), _placement_of(new)
   sizes = subgroup_sizes(spec)
   sb = spec.state_bytes_per_element
   moved = [g for g in after if before.get(g) != after[g]]
-  if not per_subgroup:
-    old_block, new_block = _stream_blocks(old), _stream_blocks(new)
-    moved += [g for g in new_block if g in old_block and old_block[g] != new_block[g]]
   h2d = float(sum(sb * sizes[g] for g in moved if after[g] == 'resident'))
   d2h = float(sum(sb * sizes[g] for g in moved if before[g] == 'resident'))
-  host = 0.0 if per_subgroup else float(sum(sb * sizes[g] for g in moved
-                                            if 'resident' not in (before[g], after[g])))
   if profile.device_is_host:
-    seconds = (h2d + d2h + 2 * host) / (profile.device_memory_gbps * _GB)
+    seconds = (h2d + d2h) / (profile.device_memory_gbps * _GB)
   else:
-    host_gbps = ADAMW_BYTES_PER_PARAM * profile.host_adamw_gparams()
-    seconds = max(h2d / (profile.h2d_gbps * _GB), d2h / (profile.d2h_gbps * _GB),
-                  2 * host / (host_gbps * _GB))
-  return Migration(subgroups=len(moved), bytes_h2d=h2d, bytes_d2h=d2h, bytes_host=host,
-                   seconds=seconds)
+    seconds = max(h2d / (profile.h2d_gbps * _GB), d2h / (profile.d2h_gbps * _GB))
+  return Migration(subgroups=len(moved), bytes_h2d=h2d, bytes_d2h=d2h, seconds=seconds)
 
 
 def predict_iteration(

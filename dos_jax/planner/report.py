@@ -59,7 +59,7 @@ class StepRecord:
     moved = {}
     if migration is not None:
       moved = dict(migrated_subgroups=migration.subgroups, migration_s=migration.seconds,
-                   migration_bytes=migration.bytes_h2d + migration.bytes_d2h + migration.bytes_host)
+                   migration_bytes=migration.bytes_h2d + migration.bytes_d2h)
     return cls(
         step=step, plan=plan.describe(), n_host=len(plan.host),
         n_device=len(plan.streamed) + len(plan.resident), n_resident=len(plan.resident),
