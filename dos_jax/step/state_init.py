@@ -197,7 +197,7 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
                              1 if mesh is None else mesh.shape[offload.data_axis]))
   disk_gen = None
   if part.disk:
-    disk_tier.check_usable(fused, layout, slots)
+    disk_tier.check_usable(fused, layout, slots, part.split)
     if traced_params(params):
       raise ValueError('Offload.disk: init writes the disk tier\'s files; call it outside '
                        'jit (eagerly)')
