@@ -131,18 +131,6 @@ class _StopFlag:
       signal.signal(signum, previous)
 
 
-def _resume_point(cfg: RunConfig, run_id: dict):
-  """The checkpoint to resume (after the identity check) and the damaged newer ones.
-
-  Reads only. Raises ConfigError if resuming would change the model or data stream.
-  """
-  restorable, manifest, skipped = ckpt_lib.find_restorable(cfg.checkpoint_dir)
-  if manifest is not None:
-    where = os.path.join(cfg.checkpoint_dir, str(restorable))
-    resume_lib.check(manifest.get('run'), run_id, where)
-  return restorable, manifest is not None, skipped
-
-
 def train(
     cfg: RunConfig,
     *,
@@ -187,7 +175,7 @@ def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device]
   schedule = step_lib.make_schedule(cfg.optim, cfg.train.steps)
   sampler = trainer.train_sampler()
   run_id = resume_lib.identity(cfg, trainer.dataset_dir, sampler.meta)
-  latest, verified, skipped = _resume_point(cfg, run_id)
+  latest, verified, skipped = resume_lib.resume_point(cfg, run_id)
   if latest is None and cfg.model.from_hf is not None and not trainer.started_from_hf:
     # Every checkpoint was damaged: the run starts again, from the weights it began with.
     del trainer
@@ -198,14 +186,26 @@ def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device]
     return Summary(start_step=latest, final_step=latest, final_loss=math.nan, eval_loss=None,
                    seconds=0.0, tokens_per_s=math.nan, step_s=math.nan, update_s=math.nan,
                    split_steps=0, interrupted=False)
-
   # From here on the run writes: its directory, resolved config, metrics, checkpoints.
-  # In a multi-process run (dos_jax.train.distributed) every process trains and saves
-  # jointly, but only process 0 writes the config and the metrics.
-  lead = jax.process_index() == 0
+  checkpointer = _open_run_dir(cfg, birth, stream)
+  step = resume_lib.restore(cfg, checkpointer, trainer, sampler, latest=latest,
+                            verified=verified, skipped=skipped, stream=stream)
+  run = _Run(cfg, trainer, sampler, checkpointer, schedule, run_id, step=step,
+             last_saved=latest, stream=stream)
+  summary = run.train(birth)
+  # A run stopped by a non-finite value fails (exit 1): its line reads as the CLI's errors.
+  prefix = 'dos-jax: error: ' if summary.nonfinite_step is not None else ''
+  print(prefix + summary.line(), file=stream)
+  return summary
+
+
+def _open_run_dir(cfg: RunConfig, birth: rundir.Birth, stream: TextIO) -> ckpt_lib.Checkpointer:
+  """Makes the run directory, writes the resolved config and opens the checkpoints. In a
+  multi-process run (dos_jax.train.distributed) every process trains and saves jointly,
+  but only process 0 writes the config and the metrics."""
   try:
     os.makedirs(cfg.train.out_dir, exist_ok=True)
-    if lead:
+    if jax.process_index() == 0:
       with open(os.path.join(cfg.train.out_dir, 'config.yaml'), 'w', encoding='utf-8') as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
     checkpointer = ckpt_lib.Checkpointer(
@@ -219,168 +219,200 @@ def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device]
       f', checkpoints in {os.path.abspath(cfg.checkpoint_dir)}')
   print(f'run directory: {where} (config.yaml, {cfg.train.metrics_file}{elsewhere})',
         file=stream)
-  for name in checkpointer.discarded:
-    print(f'checkpoint {name.split(".")[0]} was cut short ({name} in'
-          f' {checkpointer.directory}); discarded', file=stream)
-  for item, moved in zip(skipped, checkpointer.quarantine(skipped)):
-    fallback = f'step {latest}' if latest is not None else 'the start (no complete checkpoint)'
-    print(f'checkpoint {item.step} is {item.reason}; moved to {moved}, resuming from'
-          f' {fallback}', file=stream)
-  if latest is not None and not verified:
-    print(f'checkpoint {latest} has no checksum manifest (written before checksums, or'
-          ' its save was cut short): resuming from it unverified', file=stream)
-  step = 0
-  if latest is not None:
-    restored = checkpointer.restore(
-        latest, params=trainer.params, opt_state=trainer.opt_state, tx=trainer.tx
-    )
-    trainer.set_state(restored.params, restored.opt_state)
-    step = restored.step
-    sampler.restore(restored.meta['sampler'])
-    print(f'resumed from {cfg.checkpoint_dir} at step {step}', file=stream)
+  return checkpointer
 
-  def save(at_step: int) -> None:
-    checkpointer.save(
-        at_step, params=trainer.params, opt_state=trainer.opt_state,
-        meta={'step': at_step, 'sampler': sampler.state(), 'seed': cfg.train.seed},
-        run=run_id,
-    )
 
-  # Adaptive policies (the cost model's Auto) choose each step's plan from measured
-  # update times; for fixed policies the plan stays None and the optimizer applies its own.
-  placement = placement_lib.PlanDriver(cfg.offload.placement, trainer.opt_state)
+@dataclasses.dataclass
+class _Timing:
+  """The times of a run's steps; a step that compiled (the first ones) times the
+  compiler, so only the others count."""
 
-  def logged(at_step: int) -> bool:
-    return at_step % cfg.train.log_every == 0 or at_step in (start_step + 1, cfg.train.steps)
+  steps: int = 0  # Steps that did not compile, and their time.
+  total: float = 0.0
+  updates: int = 0  # Split steps among them, and their update-phase time.
+  update: float = 0.0
+  split_steps: int = 0  # Every split step, compiled or not.
+  last_update_s: float = math.nan  # The latest measured update phase, for the progress line.
 
-  def split(at_step: int) -> bool:
+  def add(self, result) -> None:
+    if result.split:
+      self.split_steps += 1
+      self.last_update_s = result.update_s
+    if not result.compiled:
+      self.steps += 1
+      self.total += result.step_s
+      if result.split:
+        self.updates += 1
+        self.update += result.update_s
+
+
+class _Run:
+  """The step loop of a run set up and resumed by `_train`, and its end: the last
+  evaluation and checkpoint, the summary, and closing what it opened."""
+
+  def __init__(self, cfg: RunConfig, trainer, sampler, checkpointer: ckpt_lib.Checkpointer,
+               schedule, run_id: dict, *, step: int, last_saved: int | None, stream: TextIO):
+    self.cfg, self.trainer, self.sampler = cfg, trainer, sampler
+    self.checkpointer, self.schedule, self.run_id = checkpointer, schedule, run_id
+    # Adaptive policies (the cost model's Auto) choose each step's plan from measured
+    # update times; for fixed ones the plan stays None and the optimizer applies its own.
+    self.placement = placement_lib.PlanDriver(cfg.offload.placement, trainer.opt_state)
+    # Records past the resumed step belong to work that was lost: they are dropped, and a
+    # marker record says where the file continues (see MetricsLog). Only process 0
+    # writes them.
+    self.metrics = MetricsLog(cfg.metrics_path if jax.process_index() == 0 else os.devnull,
+                              resume_step=step)
+    self.progress = Progress(cfg.train.steps, start_step=step, every=cfg.train.log_every,
+                             stream=stream)
+    self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    self.start_step, self.step, self.last_saved = step, step, last_saved
+    self.loss, self.eval_loss, self.bad = math.nan, None, None
+    self.timing = _Timing()
+    # Steps whose clip factor was not 1: early host calls redo their speculated update on
+    # those (dos_jax.step.early_chunks); every `optimizer.REPLAN_EVERY` steps the measured
+    # rate chooses the early calls again (a retrace when they change).
+    self.clip_norm = cfg.optim.clip_norm
+    self.speculating = (self.clip_norm is not None
+                        and optimizer_lib.speculates(trainer.opt_state))
+    self.rollbacks, self.signum = 0, None
+    self.started = time.perf_counter()
+
+  def train(self, birth: rundir.Birth) -> Summary:
+    """Runs the steps and the end of the run; closes the checkpointer and the metrics
+    whatever happens, and undoes `birth` when the run fails before any checkpoint."""
+    succeeded = False
+    try:
+      self._steps()
+      summary = self._finish()
+      succeeded = True
+    finally:
+      self.progress.close()
+      try:
+        self.checkpointer.close()
+      finally:
+        self.metrics.close()
+        # A run that dies before its first checkpoint (e.g. out of memory at step 1)
+        # leaves nothing half-made behind.
+        if not succeeded and self.last_saved is None:
+          birth.undo()
+    return summary
+
+  def _logged(self, at_step: int) -> bool:
+    return (at_step % self.cfg.train.log_every == 0
+            or at_step in (self.start_step + 1, self.cfg.train.steps))
+
+  def _split(self, at_step: int) -> bool:
     """Whether step `at_step` runs as two programs, to time its update phase (see
     `step_lib`): when its metrics are logged (or every `split_every`-th step), and
     whenever the placement policy asks for a measurement."""
-    every = cfg.train.split_every
-    due = logged(at_step) if every is None else every > 0 and at_step % every == 0
-    return due or placement.wants_measurement()
+    every = self.cfg.train.split_every
+    due = self._logged(at_step) if every is None else every > 0 and at_step % every == 0
+    return due or self.placement.wants_measurement()
 
-  # Records past the resumed step belong to work that was lost: they are dropped, and a
-  # marker record says where the file continues (see MetricsLog).
-  metrics = MetricsLog(cfg.metrics_path if lead else os.devnull, resume_step=step)
-  progress = Progress(cfg.train.steps, start_step=step, every=cfg.train.log_every, stream=stream)
-  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-  start_step, last_saved = step, latest
-  loss, eval_loss, bad = math.nan, None, None
-  timed_steps, timed_total, timed_updates, timed_update, split_steps = 0, 0.0, 0, 0.0, 0
-  last_update_s = math.nan  # The latest measured update phase, for the progress line.
-  # Steps whose clip factor was not 1: early host calls redo their speculated update on
-  # those (dos_jax.step.early_chunks); every `optimizer.REPLAN_EVERY` steps the measured
-  # rate chooses the early calls again (a retrace when they change).
-  clip_norm = cfg.optim.clip_norm
-  speculating = clip_norm is not None and optimizer_lib.speculates(trainer.opt_state)
-  rollbacks = 0
-  started = time.perf_counter()
-  signum = None
-  succeeded = False
-  try:
-    with _StopFlag() as stop:
-      while step < cfg.train.steps:
-        if stop.requested:
-          signum = stop.signum
-          break
-        result = trainer.step(next(sampler), plan=placement.plan, split=split(step + 1))
-        step += 1
-        placement_metrics = placement.observe(step, result.update_s)
-        loss = result.loss
-        if result.split:
-          split_steps += 1
-          last_update_s = result.update_s
-        if not result.compiled:  # A step that compiled (the first ones) times the compiler.
-          timed_steps += 1
-          timed_total += result.step_s
-          if result.split:
-            timed_updates += 1
-            timed_update += result.update_s
-        progress.update(
-            step, loss=loss, tokens_per_s=tokens_per_step / result.step_s,
-            step_s=result.step_s, update_s=last_update_s, compiled=result.compiled,
-        )
-        finite = math.isfinite(loss) and math.isfinite(result.grad_norm)
-        speculation = {}
-        if speculating:
-          rollbacks += not result.grad_norm < clip_norm
-          speculation = {'offload/rollbacks': rollbacks}
-          if (step - start_step) % optimizer_lib.REPLAN_EVERY == 0:
-            trainer.opt_state = optimizer_lib.replan_early(
-                cfg, trainer.opt_state, trainer.mesh.size, rollbacks, step - start_step)
-        moved = {'migrate_s': result.migrate_s} if result.migrate_s else {}
-        if moved:  # A plan change: rare, so always on record.
-          progress.message(f'step {step}: state moved to the new plan in'
-                           f' {result.migrate_s:.3f} s')
-        if logged(step) or not finite or moved:
-          # grad_s and update_s are null on a fused step (no phases of its own).
-          metrics.write({
-              'step': step, 'loss': loss, 'grad_norm': result.grad_norm,
-              'lr': float(schedule(step - 1)), 'tokens_per_s': tokens_per_step / result.step_s,
-              'step_s': result.step_s, 'split': result.split, 'grad_s': result.grad_s,
-              'update_s': result.update_s, 'time': time.time(), **placement_metrics,
-              **speculation, **moved,
-          })
-        if not finite:  # The params now hold the bad update: never save them.
-          bad = _NonFinite(step, f'loss {loss}, grad_norm {result.grad_norm}')
-          break
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-          eval_loss = trainer.evaluate(cfg.train.eval_batches)
-          metrics.write({'step': step, 'eval_loss': eval_loss, 'time': time.time()})
-          progress.message(f'step {step}: eval loss {eval_loss:.4f}')
-        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-          try:
-            save(step)
-          except ckpt_lib.NonFiniteState:
-            bad = _NonFinite(step, 'the parameters after the update')
-            break
-          last_saved = step
-    progress.close()
-    if bad is None and step > start_step and signum is None:
-      eval_loss = trainer.evaluate(cfg.train.eval_batches)
-      metrics.write({'step': step, 'eval_loss': eval_loss, 'time': time.time()})
-    if bad is None and last_saved != step:
-      try:
-        save(step)
-        last_saved = step
-      except ckpt_lib.NonFiniteState:
-        bad = _NonFinite(step, 'the parameters after the update')
-    checkpointer.wait()
-    summary = Summary(
-        start_step=start_step,
-        final_step=step,
-        final_loss=loss,
-        eval_loss=eval_loss,
-        seconds=time.perf_counter() - started,
-        tokens_per_s=tokens_per_step * timed_steps / timed_total if timed_total else math.nan,
-        step_s=timed_total / timed_steps if timed_steps else math.nan,
-        update_s=timed_update / timed_updates if timed_updates else math.nan,
-        split_steps=split_steps,
-        interrupted=signum is not None,
-        signal=signum,
-        nonfinite_step=None if bad is None else bad.step,
-        nonfinite_what=None if bad is None else bad.what,
-        last_checkpoint=last_saved,
-    )
-    if step > start_step or signum is not None:
-      metrics.write({'summary': True, **dataclasses.asdict(summary)})
-    succeeded = True
-  finally:
-    progress.close()
+  def _save(self, at_step: int) -> bool:
+    """Saves a checkpoint of `at_step`; False (and `self.bad`) when the params are not
+    finite."""
     try:
-      checkpointer.close()
-    finally:
-      metrics.close()
-      # A run that dies before its first checkpoint (e.g. out of memory at step 1)
-      # leaves nothing half-made behind.
-      if not succeeded and last_saved is None:
-        birth.undo()
-  # A run stopped by a non-finite value fails (exit 1): its line reads as the CLI's errors.
-  prefix = 'dos-jax: error: ' if summary.nonfinite_step is not None else ''
-  print(prefix + summary.line(), file=stream)
-  return summary
+      self.checkpointer.save(
+          at_step, params=self.trainer.params, opt_state=self.trainer.opt_state,
+          meta={'step': at_step, 'sampler': self.sampler.state(), 'seed': self.cfg.train.seed},
+          run=self.run_id,
+      )
+    except ckpt_lib.NonFiniteState:
+      self.bad = _NonFinite(at_step, 'the parameters after the update')
+      return False
+    self.last_saved = at_step
+    return True
+
+  def _evaluate(self) -> None:
+    self.eval_loss = self.trainer.evaluate(self.cfg.train.eval_batches)
+    self.metrics.write({'step': self.step, 'eval_loss': self.eval_loss, 'time': time.time()})
+
+  def _steps(self) -> None:
+    """Runs steps until the last, a stop request (`self.signum`) or a non-finite value."""
+    with _StopFlag() as stop:
+      while self.step < self.cfg.train.steps:
+        if stop.requested:
+          self.signum = stop.signum
+          break
+        if not self._one_step():
+          break
+
+  def _one_step(self) -> bool:
+    """Runs one step and records it; False when the run must stop (`self.bad`)."""
+    cfg = self.cfg
+    result = self.trainer.step(next(self.sampler), plan=self.placement.plan,
+                               split=self._split(self.step + 1))
+    self.step = step = self.step + 1
+    placement_metrics = self.placement.observe(step, result.update_s)
+    self.loss = result.loss
+    self.timing.add(result)
+    self.progress.update(
+        step, loss=self.loss, tokens_per_s=self.tokens_per_step / result.step_s,
+        step_s=result.step_s, update_s=self.timing.last_update_s, compiled=result.compiled,
+    )
+    finite = math.isfinite(self.loss) and math.isfinite(result.grad_norm)
+    speculation = self._speculation(result)
+    moved = {'migrate_s': result.migrate_s} if result.migrate_s else {}
+    if moved:  # A plan change: rare, so always on record.
+      self.progress.message(f'step {step}: state moved to the new plan in'
+                            f' {result.migrate_s:.3f} s')
+    if self._logged(step) or not finite or moved:
+      # grad_s and update_s are null on a fused step (no phases of its own).
+      self.metrics.write({
+          'step': step, 'loss': self.loss, 'grad_norm': result.grad_norm,
+          'lr': float(self.schedule(step - 1)),
+          'tokens_per_s': self.tokens_per_step / result.step_s,
+          'step_s': result.step_s, 'split': result.split, 'grad_s': result.grad_s,
+          'update_s': result.update_s, 'time': time.time(), **placement_metrics,
+          **speculation, **moved,
+      })
+    if not finite:  # The params now hold the bad update: never save them.
+      self.bad = _NonFinite(step, f'loss {self.loss}, grad_norm {result.grad_norm}')
+      return False
+    if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+      self._evaluate()
+      self.progress.message(f'step {step}: eval loss {self.eval_loss:.4f}')
+    if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+      return self._save(step)
+    return True
+
+  def _speculation(self, result) -> dict:
+    """The rollbacks so far, for the metrics ({} where the step does not speculate); the
+    early calls chosen again every `optimizer.REPLAN_EVERY` steps."""
+    if not self.speculating:
+      return {}
+    self.rollbacks += not result.grad_norm < self.clip_norm
+    ran = self.step - self.start_step
+    if ran % optimizer_lib.REPLAN_EVERY == 0:
+      self.trainer.opt_state = optimizer_lib.replan_early(
+          self.cfg, self.trainer.opt_state, self.trainer.mesh.size, self.rollbacks, ran)
+    return {'offload/rollbacks': self.rollbacks}
+
+  def _finish(self) -> Summary:
+    """The end of the loop: the last evaluation and checkpoint (unless a value was not
+    finite), and the summary, also written to the metrics."""
+    self.progress.close()
+    if self.bad is None and self.step > self.start_step and self.signum is None:
+      self._evaluate()
+    if self.bad is None and self.last_saved != self.step:
+      self._save(self.step)
+    self.checkpointer.wait()
+    timing, bad = self.timing, self.bad
+    summary = Summary(
+        start_step=self.start_step, final_step=self.step, final_loss=self.loss,
+        eval_loss=self.eval_loss, seconds=time.perf_counter() - self.started,
+        tokens_per_s=(self.tokens_per_step * timing.steps / timing.total if timing.total
+                      else math.nan),
+        step_s=timing.total / timing.steps if timing.steps else math.nan,
+        update_s=timing.update / timing.updates if timing.updates else math.nan,
+        split_steps=timing.split_steps, interrupted=self.signum is not None,
+        signal=self.signum, nonfinite_step=None if bad is None else bad.step,
+        nonfinite_what=None if bad is None else bad.what, last_checkpoint=self.last_saved,
+    )
+    if self.step > self.start_step or self.signum is not None:
+      self.metrics.write({'summary': True, **dataclasses.asdict(summary)})
+    return summary
 
 
 @dataclasses.dataclass(frozen=True)

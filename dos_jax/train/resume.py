@@ -1,4 +1,5 @@
-"""What a resumed run must share with the run that wrote its checkpoint.
+"""Resuming a run: what it must share with the run that wrote its checkpoint, which
+checkpoint it resumes (`resume_point`), and restoring it (`restore`).
 
 A checkpoint holds params of one shape trained on one data stream. Resuming it with
 other model sizes fails deep inside orbax; resuming it with another batch size, window
@@ -11,8 +12,9 @@ differs. Everything else (steps, learning rate, placement policy, mesh) may chan
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TextIO
 
+from dos_jax.train import checkpoint as ckpt_lib
 from dos_jax.train.configlib import ConfigError
 
 
@@ -60,3 +62,41 @@ def check(saved: dict[str, Any] | None, now: dict[str, Any], where: str) -> None
         f' ({where}); resuming would change the model or the data stream: restore the'
         ' value or set a new train.out_dir'
     )
+
+
+def resume_point(cfg: Any, run_id: dict[str, Any]):
+  """The checkpoint to resume (after the identity check) and the damaged newer ones.
+
+  Reads only. Raises ConfigError if resuming would change the model or data stream.
+  """
+  restorable, manifest, skipped = ckpt_lib.find_restorable(cfg.checkpoint_dir)
+  if manifest is not None:
+    where = os.path.join(cfg.checkpoint_dir, str(restorable))
+    check(manifest.get('run'), run_id, where)
+  return restorable, manifest is not None, skipped
+
+
+def restore(cfg: Any, checkpointer: ckpt_lib.Checkpointer, trainer, sampler, *,
+            latest: int | None, verified: bool, skipped, stream: TextIO) -> int:
+  """Sets the damaged checkpoints aside (`skipped`, from `resume_point`), restores
+  `latest` (if any) into `trainer` and `sampler`, and says so on `stream`; returns the
+  step the run continues from."""
+  for name in checkpointer.discarded:
+    print(f'checkpoint {name.split(".")[0]} was cut short ({name} in'
+          f' {checkpointer.directory}); discarded', file=stream)
+  for item, moved in zip(skipped, checkpointer.quarantine(skipped)):
+    fallback = f'step {latest}' if latest is not None else 'the start (no complete checkpoint)'
+    print(f'checkpoint {item.step} is {item.reason}; moved to {moved}, resuming from'
+          f' {fallback}', file=stream)
+  if latest is not None and not verified:
+    print(f'checkpoint {latest} has no checksum manifest (written before checksums, or'
+          ' its save was cut short): resuming from it unverified', file=stream)
+  if latest is None:
+    return 0
+  restored = checkpointer.restore(
+      latest, params=trainer.params, opt_state=trainer.opt_state, tx=trainer.tx
+  )
+  trainer.set_state(restored.params, restored.opt_state)
+  sampler.restore(restored.meta['sampler'])
+  print(f'resumed from {cfg.checkpoint_dir} at step {restored.step}', file=stream)
+  return restored.step
