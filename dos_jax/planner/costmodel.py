@@ -235,23 +235,12 @@ def predict(
         f'plan names {plan.num_subgroups} subgroups but the spec has {spec.num_subgroups}'
     )
   sizes = subgroup_sizes(spec)
-  sb, pb = spec.state_bytes_per_element, spec.param_bytes_per_element
+  disk_elements = sum(sizes[i] for i in disk_subgroups)
+  if profile.device_is_host:
+    return _predict_one_memory(profile, spec, sizes, disk_elements, disk_seconds)
+  sb = spec.state_bytes_per_element
   gb = host_pull_bytes(spec)
   u_dev = profile.device_adamw_gparams * _GB
-  u_host = profile.host_adamw_gparams() * _GB
-  disk_elements = sum(sizes[i] for i in disk_subgroups)
-
-  if profile.device_is_host:
-    # The CPU program: one host call over every subgroup, whatever the plan; it reads
-    # the gradient leaves in place, so only the unpacking remains outside it.
-    seconds = (sum(sizes) - disk_elements) / u_host + disk_seconds
-    layout = spec.num_elements * layout_bytes(spec, 0.0) / (profile.device_memory_gbps * _GB)
-    return Prediction(
-        update_seconds=seconds + layout, device_stream_seconds=0.0, host_seconds=seconds,
-        bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
-        device_peak_bytes=0.0, bound='serialized', layout_seconds=layout,
-        disk_seconds=disk_seconds,
-    )
   on_device = plan.streamed + plan.resident
   device_fraction = sum(sizes[i] for i in on_device) / max(1, sum(sizes))
   layout = (spec.num_elements * layout_bytes(spec, device_fraction)
@@ -271,48 +260,31 @@ def predict(
 
   dev_sizes = [sizes[i] for i in plan.streamed]
   host_elements = sum(sizes[i] for i in plan.host)
-  serial = False  # device_is_host returned above
   # Both directions carry traffic at once only when the device stream overlaps.
-  both = bool(dev_sizes) and not serial and (plan.buffers >= 2 or bool(plan.host))
+  both = bool(dev_sizes) and (plan.buffers >= 2 or bool(plan.host))
   h2d_bw = (profile.both_gbps if both else profile.h2d_gbps) * _GB
   d2h_bw = (profile.both_gbps if both else profile.d2h_gbps) * _GB
 
-  stream = stream_seconds(profile, spec, plan, dev_sizes, both=both)
-  stream_alone = stream
-  stream += resident_seconds
+  stream_alone = stream_seconds(profile, spec, plan, dev_sizes, both=both)
+  stream = stream_alone + resident_seconds
 
   grad_seconds = gb * host_elements / d2h_bw
   last_seconds = max(last_grad_bytes, 0.0) * host_elements / sum(sizes) / d2h_bw
   hidden = max(min(grad_seconds - last_seconds, backward_seconds), 0.0)
-  exposed = grad_seconds - hidden
-  param_seconds = pb * host_elements / h2d_bw
-  host = 0.0
-  if plan.host:
-    work = (host_elements - disk_elements) / u_host
-    compute = work if serial else _slowed(work, stream_alone, profile.host_copy_slowdown)
-    first, last = sizes[plan.host[0]], sizes[plan.host[-1]]
-    # The first subgroup's exposed gradients must arrive before its update starts, and
-    # the last one's params go back after it ends; the rest pipelines.
-    fill = exposed * first / host_elements
-    drain = pb * last / h2d_bw
-    if serial:
-      host = exposed + work + param_seconds
-    else:
-      host = fill + max(exposed, compute, param_seconds) + disk_seconds + drain
+  host = _host_seconds(profile, spec, plan, sizes, exposed=grad_seconds - hidden,
+                       stream=stream_alone, h2d_bw=h2d_bw, disk_elements=disk_elements,
+                       disk_seconds=disk_seconds)
 
-  bytes_h2d = float(sb * sum(dev_sizes) + pb * host_elements)
+  bytes_h2d = float(sb * sum(dev_sizes) + spec.param_bytes_per_element * host_elements)
   bytes_d2h = float(sb * sum(dev_sizes) + gb * host_elements)
-  if serial:
-    update, bound = stream + host, 'serialized'
-  else:
-    h2d_link = (bytes_h2d) / h2d_bw
-    d2h_link = (bytes_d2h - gb * host_elements * (hidden / grad_seconds if grad_seconds else 0)) / d2h_bw
-    device_label = 'device stream' if dev_sizes else 'resident'
-    update, bound = max(
-        (stream, device_label), (host, 'host + disk' if disk_seconds else 'host'),
-        (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
-        key=lambda item: item[0],
-    )
+  h2d_link = (bytes_h2d) / h2d_bw
+  d2h_link = (bytes_d2h - gb * host_elements * (hidden / grad_seconds if grad_seconds else 0)) / d2h_bw
+  device_label = 'device stream' if dev_sizes else 'resident'
+  update, bound = max(
+      (stream, device_label), (host, 'host + disk' if disk_seconds else 'host'),
+      (h2d_link, 'H2D link'), (d2h_link, 'D2H link'),
+      key=lambda item: item[0],
+  )
   peak = float(sb * streamed_elements_held(plan, dev_sizes))
   return Prediction(
       update_seconds=update + layout, device_stream_seconds=stream, host_seconds=host,
@@ -320,6 +292,42 @@ def predict(
       device_peak_bytes=peak + resident_bytes, bound=bound, layout_seconds=layout,
       resident_bytes=resident_bytes, disk_seconds=disk_seconds,
   )
+
+
+def _predict_one_memory(profile: HardwareProfile, spec: SubgroupSpec, sizes: list[int],
+                        disk_elements: int, disk_seconds: float) -> Prediction:
+  """The CPU program: one host call over every subgroup, whatever the plan; it reads
+  the gradient leaves in place, so only the unpacking remains outside it."""
+  u_host = profile.host_adamw_gparams() * _GB
+  seconds = (sum(sizes) - disk_elements) / u_host + disk_seconds
+  layout = spec.num_elements * layout_bytes(spec, 0.0) / (profile.device_memory_gbps * _GB)
+  return Prediction(
+      update_seconds=seconds + layout, device_stream_seconds=0.0, host_seconds=seconds,
+      bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
+      device_peak_bytes=0.0, bound='serialized', layout_seconds=layout,
+      disk_seconds=disk_seconds,
+  )
+
+
+def _host_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, sizes: list[int],
+                  *, exposed: float, stream: float, h2d_bw: float, disk_elements: int,
+                  disk_seconds: float) -> float:
+  """The host path of `plan` (0 without host subgroups): the gradients' `exposed` copy
+  seconds, the host AdamW (slowed while the `stream` seconds of device copies run), the
+  new params back at `h2d_bw`, and the disk subgroups' own call."""
+  if not plan.host:
+    return 0.0
+  pb = spec.param_bytes_per_element
+  host_elements = sum(sizes[i] for i in plan.host)
+  param_seconds = pb * host_elements / h2d_bw
+  work = (host_elements - disk_elements) / (profile.host_adamw_gparams() * _GB)
+  compute = _slowed(work, stream, profile.host_copy_slowdown)
+  first, last = sizes[plan.host[0]], sizes[plan.host[-1]]
+  # The first subgroup's exposed gradients must arrive before its update starts, and
+  # the last one's params go back after it ends; the rest pipelines.
+  fill = exposed * first / host_elements
+  drain = pb * last / h2d_bw
+  return fill + max(exposed, compute, param_seconds) + disk_seconds + drain
 
 
 @dataclasses.dataclass(frozen=True)
