@@ -212,28 +212,9 @@ def prepare(
   Returns:
     The metadata written to meta.json.
   """
-  if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not (
-      0 <= val_fraction < 1):
-    raise ValueError(f'val_fraction must be in [0, 1), got {val_fraction!r}')
-  if max_bytes is not None and (
-      isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-    raise ValueError(f'max_bytes must be a positive integer, got {max_bytes!r}')
-  if isinstance(min_val_tokens, bool) or not isinstance(min_val_tokens, int) or (
-      min_val_tokens < 0):
-    raise ValueError(f'min_val_tokens must be a non-negative integer, got {min_val_tokens!r}')
+  _check_arguments(val_fraction, max_bytes, min_val_tokens)
   tok = tokenizer_lib.load_tokenizer(tokenizer_path)
-  if inputs is None:
-    roots, suffix = [stdlib_dir()], '.py'
-    sources = (f'python-stdlib:{roots[0]}',)
-    max_bytes = DEFAULT_CORPUS_BYTES if max_bytes is None else max_bytes
-  else:
-    roots, suffix = [Path(p) for p in inputs], None
-    sources = tuple(str(p) for p in roots)
-    if not roots:
-      raise ValueError('prepare needs at least one input file or directory')
-    for root in roots:
-      if not root.exists():
-        raise ValueError(f'input {root} does not exist')
+  roots, suffix, sources, max_bytes = _inputs(inputs, max_bytes)
   dtype = dtype_for(tok.vocab_size)
   out_dir = Path(out_dir)
   made = not out_dir.exists()  # Removed again if nothing gets written into it.
@@ -259,20 +240,13 @@ def prepare(
         f.write(ids.astype(dtype).tobytes())
         num_tokens += len(ids)
         report.update(counts['bytes'], counts['files'], num_tokens)
-      f.flush()
-      os.fsync(f.fileno())
+      _sync(f)
     if num_tokens == 0:
       raise ValueError(f'no text found in {", ".join(sources)}')
-    # The split is the stream's tail: move it to val.bin, then cut it off train.
     num_val = _val_size(num_tokens, val_fraction, min_val_tokens, warn=progress)
     num_train = num_tokens - num_val
-    all_tokens = np.memmap(temps[0], dtype=dtype, mode='r')
     with temp_file('val.bin') as f:
-      _copy(all_tokens[num_train:], f)
-      f.flush()
-      os.fsync(f.fileno())
-    del all_tokens
-    os.truncate(temps[0], num_train * dtype.itemsize)
+      _split_tail(temps[0], num_train, dtype, f)
     meta = DatasetMeta(
         vocab_size=tok.vocab_size, dtype=dtype.name, train_tokens=num_train,
         val_tokens=num_val, tokenizer=tok.name, tokenizer_sha256=tok.sha256, sources=sources,
@@ -281,14 +255,8 @@ def prepare(
     )
     with temp_file(META) as f:
       f.write(meta.to_json().encode())
-      f.flush()
-      os.fsync(f.fileno())
-    # meta.json goes first and comes back last: in between the directory is visibly
-    # incomplete rather than a mix of old and new files.
-    (out_dir / META).unlink(missing_ok=True)
-    os.replace(temps[0], out_dir / 'train.bin')
-    os.replace(temps[1], out_dir / 'val.bin')
-    os.replace(temps[2], out_dir / META)
+      _sync(f)
+    _install(out_dir, *temps)
     temps.clear()
   finally:
     for path in temps:
@@ -297,3 +265,54 @@ def prepare(
       out_dir.rmdir()
   report.done(out_dir, meta)
   return meta
+
+
+def _check_arguments(val_fraction, max_bytes, min_val_tokens) -> None:
+  if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not (
+      0 <= val_fraction < 1):
+    raise ValueError(f'val_fraction must be in [0, 1), got {val_fraction!r}')
+  if max_bytes is not None and (
+      isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+    raise ValueError(f'max_bytes must be a positive integer, got {max_bytes!r}')
+  if isinstance(min_val_tokens, bool) or not isinstance(min_val_tokens, int) or (
+      min_val_tokens < 0):
+    raise ValueError(f'min_val_tokens must be a non-negative integer, got {min_val_tokens!r}')
+
+
+def _inputs(inputs: list[Path] | None, max_bytes: int | None):
+  """`(roots, suffix, sources, max_bytes)` of `prepare`'s inputs: the default corpus
+  (the standard library's .py files, capped at DEFAULT_CORPUS_BYTES) for None."""
+  if inputs is None:
+    roots = [stdlib_dir()]
+    max_bytes = DEFAULT_CORPUS_BYTES if max_bytes is None else max_bytes
+    return roots, '.py', (f'python-stdlib:{roots[0]}',), max_bytes
+  roots = [Path(p) for p in inputs]
+  if not roots:
+    raise ValueError('prepare needs at least one input file or directory')
+  for root in roots:
+    if not root.exists():
+      raise ValueError(f'input {root} does not exist')
+  return roots, None, tuple(str(p) for p in roots), max_bytes
+
+
+def _sync(f) -> None:
+  f.flush()
+  os.fsync(f.fileno())
+
+
+def _split_tail(train: Path, num_train: int, dtype: np.dtype, f) -> None:
+  """The split is the stream's tail: copies it from `train` to `f`, then cuts it off."""
+  all_tokens = np.memmap(train, dtype=dtype, mode='r')
+  _copy(all_tokens[num_train:], f)
+  _sync(f)
+  del all_tokens
+  os.truncate(train, num_train * dtype.itemsize)
+
+
+def _install(out_dir: Path, train: Path, val: Path, meta: Path) -> None:
+  """Moves the written files into place. meta.json goes first and comes back last: in
+  between the directory is visibly incomplete rather than a mix of old and new files."""
+  (out_dir / META).unlink(missing_ok=True)
+  os.replace(train, out_dir / 'train.bin')
+  os.replace(val, out_dir / 'val.bin')
+  os.replace(meta, out_dir / META)
