@@ -30,25 +30,17 @@ from typing import Callable
 
 from dos_jax.planner import auto
 from dos_jax.planner import costmodel
-from dos_jax.planner import disk
 from dos_jax.planner import memory
 from dos_jax.planner import plan_disk
-from dos_jax.planner import plan_steps
+from dos_jax.planner import plan_table
 from dos_jax import model_shapes
 from dos_jax import pinned_pool
 from dos_jax.planner.plan_args import fraction as _fraction
 from dos_jax.planner.plan_args import gib as _gib
-from dos_jax.planner.plan_args import ms as _ms
 from dos_jax.planner.plan_args import parse_bytes as parse_bytes
 from dos_jax.planner.plan_args import positive_float as _positive_float
 from dos_jax.planner.plan_args import positive_int as _positive_int
 from dos_jax.planner.costmodel import HardwareProfile
-from dos_jax.policies import AllDevice
-from dos_jax.policies import AllHost
-from dos_jax.policies import DeviceFraction
-from dos_jax.policies import Plan
-from dos_jax.policies import Resident
-from dos_jax.policies import Stride
 from dos_jax.policies import SubgroupSpec
 
 _PROG = 'dos-jax plan'
@@ -204,36 +196,35 @@ Sizing = memory.Sizing
 sizing = memory.sizing
 
 
+class _Refused(ValueError):
+  """A flag's value the plan cannot take; the message names the flag."""
+
+
 @dataclasses.dataclass(frozen=True)
-class _Row:
-  """One plan of the comparison table."""
+class _Job:
+  """What `dos-jax plan` plans: the run (`_resolve`), the machine, and the state."""
 
-  name: str
-  plan: Plan
-  iteration: costmodel.IterationPrediction
-  fits: bool
+  run: argparse.Namespace
+  node_profile: HardwareProfile  # The node's (links shared by its devices: `profile`).
+  profile: HardwareProfile
+  nodes: int
+  devices: int  # Per node (a config's mesh counts those of every node).
+  param_bytes: int
+  state_bytes: int
+  size: memory.Sizing
+  per_stage: list | None  # `stages.stage_sizes` of a pipelined run.
+  spec: SubgroupSpec
+  device_mem: float
+  host_mem: float | None
+  on_disk: bool
+  host_cap: float | None  # Host memory per device for the state (with the disk tier).
+  tflops: float | None
+  fwd: float
+  bwd: float
 
 
-def _best_resident_only(profile, spec, budget, acts, bwd, last, host_state) -> Plan:
-  """The fastest `Resident(r)` (the rest on the host, nothing streamed) that fits."""
-  best = None
-  for r in range(spec.num_subgroups + 1):
-    plan = Resident(r).plan(spec)
-    pred = disk.predict(profile, spec, plan, backward_seconds=bwd, last_grad_bytes=last,
-                        host_memory_bytes=host_state)
-    if pred.device_bytes_beside(acts) > budget:
-      break
-    if best is None or pred.update_seconds < best[1]:
-      best = (plan, pred.update_seconds)
-  return best[0] if best else AllHost().plan(spec)
-
-
-def handler(args) -> int:
-  try:
-    settings = _load_settings(args)
-    profile = plan_disk.disk_profile(args, _load_profile(args.profile))
-  except ValueError as e:
-    return _error(str(e))
+def _job(args, settings: RunSettings | None, profile: HardwareProfile) -> _Job:
+  """The run, machine and subgroups `args` describe; `_Refused` for a bad --pipeline."""
   preset_profile = args.profile in costmodel.PROFILE_PRESETS
   # The node presets and JSON profiles describe GPUs; 'this' is this machine.
   gpu_profile = args.profile != _THIS or _this_is_a_gpu()
@@ -242,7 +233,6 @@ def handler(args) -> int:
   nodes = args.nodes
   if args.internode_gbps:
     profile = dataclasses.replace(profile, internode_gbps=args.internode_gbps)
-  # Devices per node (a config's mesh counts those of every node).
   devices = args.gpus_per_node or (max(1, run.devices // nodes) if run.devices else
                                    (4 if preset_profile else 1))
   param_bytes = 2 if run.param_dtype == 'bf16' else 4
@@ -264,7 +254,7 @@ def handler(args) -> int:
               shape, seq_len=run.seq_len, micro_batch=run.micro_batch,
               attention=run.attention))
     except ValueError as e:
-      return _error(f'--pipeline: {e}')
+      raise _Refused(f'--pipeline: {e}') from None
   subgroup = args.subgroup_size or (
       int(1e8) if shape.num_params() >= 1e9 else int(1e7) if shape.num_params() >= 1e8 else int(1e6)
   )
@@ -277,64 +267,107 @@ def handler(args) -> int:
       # The norm scales, packed after the matrices: about the last row.
       decayed_rows=max(count - 1, 1),
   )
-  device_mem = args.device_memory or profile.device_free_bytes
   host_mem = plan_disk.host_memory(args, profile)
   on_disk = plan_disk.enabled(args)
-  host_cap = plan_disk.per_device_memory(host_mem, devices) if on_disk else None
-  node_profile, profile = profile, plan_disk.shared(profile, devices)
-  tflops = args.achieved_tflops or _DEFAULT_TFLOPS.get(profile.name if preset_profile else '')
+  shared = plan_disk.shared(profile, devices)
+  tflops = args.achieved_tflops or _DEFAULT_TFLOPS.get(shared.name if preset_profile else '')
   fwd = bwd = 0.0
   if tflops:
     tokens = run.seq_len * run.micro_batch
     fwd = 2 * shape.num_params() * tokens / (tflops * 1e12)
     bwd = 2 * fwd
+  return _Job(run=run, node_profile=profile, profile=shared, nodes=nodes, devices=devices,
+              param_bytes=param_bytes, state_bytes=state_bytes, size=size,
+              per_stage=per_stage, spec=spec,
+              device_mem=args.device_memory or profile.device_free_bytes,
+              host_mem=host_mem, on_disk=on_disk,
+              host_cap=plan_disk.per_device_memory(host_mem, devices) if on_disk else None,
+              tflops=tflops, fwd=fwd, bwd=bwd)
 
+
+def handler(args) -> int:
+  try:
+    settings = _load_settings(args)
+    profile = plan_disk.disk_profile(args, _load_profile(args.profile))
+  except ValueError as e:
+    return _error(str(e))
+  try:
+    job = _job(args, settings, profile)
+  except _Refused as e:
+    return _error(str(e))
+  _print_run(args, job)
+  chosen, short = _print_memory(args, job)
+  if short:
+    for line in short:
+      print(f'\ndoes not fit: {line}')
+    return 1
+  plan = chosen.plan
+  n = job.spec.num_subgroups
+  print(f'\nchosen plan: {plan.describe()} ({len(plan.resident) / n:.0%} resident,'
+        f' {len(plan.streamed) / n:.0%} streamed), order: {_order(plan)}')
+  plan_table.report(job, plan, budget=_budget(job), last=_last_grad_bytes(job),
+                    clip_rate=args.clip_rate, disk_seconds=chosen.prediction.disk_seconds)
+  return 0
+
+
+def _budget(job: _Job) -> float:
+  return memory.device_budget(job.device_mem, job.size)
+
+
+def _last_grad_bytes(job: _Job) -> float:
+  """The backward pass makes the input embedding's gradient last: no compute hides its
+  copy."""
+  shape = job.run.shape
+  return auto.last_grad_bytes(shape.vocab_size, shape.dim, job.param_bytes,
+                              job.devices * job.nodes)
+
+
+def _print_run(args, job: _Job) -> None:
+  run, spec, nodes = job.run, job.spec, job.nodes
   across = f' x {nodes} nodes' if nodes > 1 else ''
-  print(f'model: {args.model or args.config}: {_count(shape.num_params())} params'
-        f' ({run.param_dtype}), {devices} device(s) per node{across}, {spec.num_subgroups}'
-        f' subgroups of {subgroup:,} elements per device')
+  print(f'model: {args.model or args.config}: {_count(run.shape.num_params())} params'
+        f' ({run.param_dtype}), {job.devices} device(s) per node{across},'
+        f' {spec.num_subgroups} subgroups of {spec.subgroup_size:,} elements per device')
   print(f'run: sequences of {run.seq_len} tokens, micro-batch {run.micro_batch},'
         f' {run.attention} attention, {"remat" if run.remat else "no remat"}; params, grads'
-        f' and state sharded over the {devices * nodes} device(s)')
-  print(f'profile: {profile.name} (device memory {_gib(device_mem)}, host memory'
-        f' {_gib(host_mem) if host_mem else "unknown"}{plan_disk.profile_note(node_profile)})')
+        f' and state sharded over the {job.devices * nodes} device(s)')
+  print(f'profile: {job.profile.name} (device memory {_gib(job.device_mem)}, host memory'
+        f' {_gib(job.host_mem) if job.host_mem else "unknown"}'
+        f'{plan_disk.profile_note(job.node_profile)})')
 
+
+def _print_memory(args, job: _Job) -> tuple[auto.Choice, list[str]]:
+  """Prints the memory per tier of `Auto`'s plan; returns its choice and what does not
+  fit (one line each; none when the run fits)."""
+  size, spec, device_mem, host_mem = job.size, job.spec, job.device_mem, job.host_mem
   base = size.params + size.grads
   backward_peak = base + size.activations
-  host_state = size.state_per_device * devices
+  host_state = size.state_per_device * job.devices
   short = []
   if backward_peak > device_mem:
     short.append(f'device memory short by {_gib(backward_peak - device_mem)} per device'
                  f' (params {_gib(size.params)} + grads {_gib(size.grads)} + activations'
                  f' {_gib(size.activations)} > {_gib(device_mem)})')
-  if host_mem and host_state > host_mem and not on_disk:
+  if host_mem and host_state > host_mem and not job.on_disk:
     short.append(f'pinned host memory short by {_gib(host_state - host_mem)} per node'
                  f' (optimizer state {_gib(host_state)} > {_gib(host_mem)})')
-
-  budget = memory.device_budget(device_mem, size)
-  acts = size.activations
-  # The backward pass makes the input embedding's gradient last: no compute hides its copy.
-  last = auto.last_grad_bytes(shape.vocab_size, shape.dim, param_bytes, devices * nodes)
+  budget, acts, profile = _budget(job), size.activations, job.profile
   # The runner's `Auto`, given what the runner gives it: the plan printed is its plan.
   chooser = auto.Auto(profile, budget_bytes=budget, activation_bytes=acts,
-                      backward_seconds=bwd, last_grad_bytes=last, host_memory_bytes=host_cap)
+                      backward_seconds=job.bwd, last_grad_bytes=_last_grad_bytes(job),
+                      host_memory_bytes=job.host_cap)
   chooser.plan(spec)
   chosen = chooser.ranking[0]
   pred = chosen.prediction
-  sb = state_bytes
   print('\nmemory per tier (chosen plan):')
   print(f'  device (each): params {_gib(size.params)}, grads {_gib(size.grads)}, activations'
         f' ~{_gib(acts)} (fwd/bwd), resident state {_gib(pred.resident_bytes)}, update'
         f' buffers {_gib(pred.buffer_bytes)} -> peak {_gib(base + pred.device_bytes_beside(acts))}'
         f' of {_gib(device_mem)} ({memory.MARGIN:.0%} kept free)')
-  kept = disk.split(profile, spec, chosen.plan, host_cap).in_memory  # the host tier in memory
-  on_host = sb * subgroup * (len(chosen.plan.streamed) + len(kept)) * devices
+  on_host = plan_table.host_bytes(job, chosen.plan)
   print(f'  pinned host (node): optimizer state {_gib(on_host)} of {_gib(host_state)}'
-        f' ({state_bytes} B/param) in {_gib(host_mem) if host_mem else "unknown"}')
-  # Every subgroup on the host pins the most: the state, gradients in, new params out,
-  # and the undo of early host calls speculating on the clip factor (at most the state
-  # once more; the two-memory program without clipping has none).
-  pool = size.num_elements * devices * (2 * state_bytes + 2 * param_bytes)
+        f' ({job.state_bytes} B/param) in {_gib(host_mem) if host_mem else "unknown"}')
+  pool = plan_table.pool_bytes(job)
   print(f'  pinned host pool: {pinned_pool.ENV_VAR}={pinned_pool.required_gib(pool)} per'
         f' process, one process per node ({_gib(pool)} for any plan with early host chunks'
         f' under clipping, + margin; XLA\'s default is {pinned_pool.DEFAULT_GIB}; dos-jax'
@@ -344,85 +377,20 @@ def handler(args) -> int:
                  f' {chosen.plan.describe()}, needs {_gib(pred.device_bytes_beside(acts))}'
                  f' beside params and grads, {_gib(budget)} free after the margin)')
   disk_dir = args.disk if args.profile == _THIS else None
-  if on_disk:
-    print('\n'.join(plan_disk.lines(profile, spec, chosen.plan, host_mem, devices, args.disk)))
-    short += plan_disk.disk_short(profile, spec, chosen.plan, host_mem, devices, disk_dir)
-  if per_stage:
+  if job.on_disk:
+    print('\n'.join(plan_disk.lines(profile, spec, chosen.plan, host_mem, job.devices,
+                                    args.disk)))
+    short += plan_disk.disk_short(profile, spec, chosen.plan, host_mem, job.devices, disk_dir)
+  if job.per_stage:
+    from dos_jax.planner import stages  # pylint: disable=import-outside-toplevel
     print()
-    print('\n'.join(stages.report(per_stage, microbatches=args.microbatches, gib=_gib)))
-  if short:
-    for line in short:
-      print(f'\ndoes not fit: {line}')
-    return 1
-
-  plan = chosen.plan
-  n = spec.num_subgroups
-  print(f'\nchosen plan: {plan.describe()} ({len(plan.resident) / n:.0%} resident,'
-        f' {len(plan.streamed) / n:.0%} streamed), order: {_order(plan)}')
-  statics = [('AllHost', AllHost().plan(spec)), ('Stride(2)', Stride(2).plan(spec)),
-             ('DeviceFraction(0.5)', DeviceFraction(0.5).plan(spec))]
-  best_resident = _best_resident_only(profile, spec, budget, acts, bwd, last, host_cap)
-  statics.append((f'Resident({len(best_resident.resident)}) (best resident-only)', best_resident))
-  statics.append(('AllDevice', AllDevice().plan(spec)))
-  rows = []
-  for name, p in [('Auto (chosen)', plan)] + statics:
-    it = costmodel.IterationPrediction(fwd, bwd, disk.predict(
-        profile, spec, p, backward_seconds=bwd, last_grad_bytes=last,
-        host_memory_bytes=host_cap))
-    fits = (it.update.device_bytes_beside(acts) <= budget
-            and disk.host_fits(profile, spec, p, host_cap))
-    rows.append(_Row(name, p, it, fits))
-  print(f'\n  {"plan":40} {"update":>9} {"iteration":>10}  {"resident":>9} {"buffers":>9}'
-        f' {"host/node":>10}  bound')
-  for row in rows:
-    u = row.iteration.update
-    iteration = _ms(row.iteration.iteration_seconds) if tflops else '-'
-    kept = disk.split(profile, spec, row.plan, host_cap).in_memory
-    host = sb * subgroup * (len(row.plan.streamed) + len(kept)) * devices
-    name = row.name if row.fits else row.name + ' (no fit)'
-    print(f'  {name:40} {_ms(u.update_seconds):>9} {iteration:>10}  {_gib(u.resident_bytes):>9}'
-          f' {_gib(u.buffer_bytes):>9} {_gib(host):>10}  {u.bound}')
-  if tflops:
-    print(f'\n(forward {_ms(fwd)} + backward {_ms(bwd)} estimated at {tflops:g} TFLOP/s per device)')
-    shown = [(n, p) for n, p in [('Auto (chosen)', plan)] + statics if p.host and p.streamed]
-    shown += [(n, p) for n, p in statics if p.host and not p.streamed][:1]  # AllHost
-    if chosen.prediction.disk_seconds:  # the timeline has no disk call
-      shown = []
-    for name, shown_plan in shown[:1] + shown[-1:] if len(shown) > 1 else shown:
-      print(plan_steps.chunk_line(profile, spec, name, shown_plan, fwd, bwd, args.clip_rate))
-  if nodes > 1:
-    for line in plan_steps.across_nodes(profile, shape, nodes, devices, param_bytes,
-                                            rows[0].iteration if tflops else None,
-                                            host_state, pool):
-      print(line)
-  for line in _why(rows, budget, acts):
-    print(line)
-  return 0
+    print('\n'.join(stages.report(job.per_stage, microbatches=args.microbatches, gib=_gib)))
+  return chosen, short
 
 
 def _this_is_a_gpu() -> bool:
   import jax  # pylint: disable=import-outside-toplevel  # 'this' calibrates with JAX anyway
   return jax.default_backend() == 'gpu'
-
-
-def _why(rows: list[_Row], budget: float, acts: float) -> list[str]:
-  """Why Auto's plan is slower than a listed one: that one does not fit (or, were a
-  fitting plan faster, that it is not among Auto's candidates)."""
-  chosen = rows[0].iteration.update.update_seconds
-  out = []
-  for row in rows[1:]:
-    u = row.iteration.update
-    if u.update_seconds >= chosen:
-      continue
-    if not row.fits:
-      out.append(f'{row.name} would take {_ms(u.update_seconds)} but needs'
-                 f' {_gib(u.device_bytes_beside(acts))} of device memory beside params and'
-                 f' grads (resident state {_gib(u.resident_bytes)} + the larger of activations'
-                 f' {_gib(acts)} and buffers {_gib(u.buffer_bytes)}); {_gib(budget)} is free')
-    else:
-      out.append(f'{row.name} ({_ms(u.update_seconds)}) fits but is not among Auto\'s'
-                 ' candidates')
-  return ['\nwhy Auto is slower than:'] + ['  ' + line for line in out] if out else []
 
 
 def _order(plan) -> str:
