@@ -47,15 +47,7 @@ def _unpack_state(state: OffloadedState) -> dict[str, Any]:
 
   def unpack_all(tiers, scalars):
     rows = partition_lib.merge_tiers(tiers, state.partition)
-    master, inner = slots_lib.join(rows, scalars, state.slots, axis=1)
-
-    def to_tree(x):
-      if jnp.ndim(x) == 2:
-        return layout.treedef.unflatten(layout_lib.unpack(x, layout))
-      return x
-
-    return {'inner': jax.tree.map(to_tree, inner),
-            'master': None if master is None else to_tree(master)}
+    return _as_trees(*slots_lib.join(rows, scalars, state.slots, axis=1), layout)
 
   tiers = {t: paths.put(arrays, space) for t, arrays in state.tiers.items()}
   scalars = state.scalars if resident else paths.to_host(state.scalars)
@@ -65,9 +57,12 @@ def _unpack_state(state: OffloadedState) -> dict[str, Any]:
 def _unpack_with_disk(state: OffloadedState) -> dict[str, Any]:
   """A state with a disk tier, unpacked from its files and arrays read back whole
   (`OffloadedState.rows`): the state must fit in memory once."""
-  layout = state.layout
-  master, inner = slots_lib.join(state.rows(), state.scalars, state.slots, axis=1)
+  return _as_trees(*slots_lib.join(state.rows(), state.scalars, state.slots, axis=1),
+                   state.layout)
 
+
+def _as_trees(master, inner, layout) -> dict[str, Any]:
+  """`{'inner', 'master'}` with every `(G, S)` leaf unpacked into a params-shaped tree."""
   def to_tree(x):
     if jnp.ndim(x) == 2:
       return layout.treedef.unflatten(layout_lib.unpack(x, layout))

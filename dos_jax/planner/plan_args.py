@@ -25,31 +25,29 @@ def parse_bytes(text: str) -> float:
   return value
 
 
-def positive_int(text: str) -> int:
+def _number(text: str) -> float:
   try:
-    value = float(text)
+    return float(text)
   except ValueError:
     raise argparse.ArgumentTypeError(f'not a number: {text!r}') from None
+
+
+def positive_int(text: str) -> int:
+  value = _number(text)
   if value < 1 or value != int(value):
     raise argparse.ArgumentTypeError(f'must be a positive integer, got {text!r}')
   return int(value)
 
 
 def fraction(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'not a number: {text!r}') from None
+  value = _number(text)
   if not 0.0 <= value <= 1.0:
     raise argparse.ArgumentTypeError(f'must be in [0, 1], got {text!r}')
   return value
 
 
 def positive_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'not a number: {text!r}') from None
+  value = _number(text)
   if not (math.isfinite(value) and value > 0):
     raise argparse.ArgumentTypeError(f'must be a positive number, got {text!r}')
   return value

@@ -16,7 +16,6 @@ host region of their own.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,10 +64,11 @@ def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots,
                        + host_adamw_disk.disk_kernel_unavailable_reason())
 
 
-def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout,
-                  slots: slots_lib.Slots, inner: Any, params) -> jax.Array:
+def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout, params,
+                  split_rows) -> jax.Array:
   """Writes each disk subgroup's first state (generation 0), one subgroup at a time,
-  from `params` (concrete); returns the generation, `int32 0`."""
+  from `params` (concrete), its rows made by `split_rows(master rows)` (the state
+  builder's); returns the generation, `int32 0`."""
   os.makedirs(part.disk_dir, exist_ok=True)
   leaves = [np.asarray(jax.device_get(x)).ravel()
             for x in layout.treedef.flatten_up_to(params)]
@@ -77,10 +77,7 @@ def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout,
     master = np.zeros((1, size), dtype)
     for run in partition_lib.pieces_of(layout, (g,)):
       master[0, run.offset:run.offset + run.size] = leaves[run.leaf][run.start:run.start + run.size]
-    rows = jnp.asarray(master)
-    state = jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(x, rows.shape),
-                         inner.init(rows[0]))
-    block, _ = slots_lib.split((rows if layout.needs_master else None, state), slots, axis=1)
+    block, _ = split_rows(jnp.asarray(master))
     write_rows(part, g, 0, np.asarray(block[0])[0])
   return jnp.zeros((), jnp.int32)
 

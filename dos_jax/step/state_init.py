@@ -105,11 +105,17 @@ class _Builder:
         partition_lib.slice_pieces(layout_lib.shard_views(leaves, layout), runs,
                                    layout.shards),
         runs, len(ids), layout.subgroup_size, jnp.dtype(layout.state_dtype), layout.shards)
+    return self.split_rows(master, space)
+
+  def split_rows(self, master, space=None):
+    """`(stacked arrays, scalars)` of the `(R, S)` rows `master`: the inner transform's
+    state of one row broadcast over them (its arrays put in `space` first, if given)."""
+    put = (lambda x: x) if space is None else (lambda x: jax.device_put(x, space))
     state = jax.tree.map(
-        lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(
-            jax.device_put(x, space), master.shape), self.row_state(master))
-    return slots_lib.split((master if layout.needs_master else None, state), self.slots,
-                           axis=1)
+        lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(put(x), master.shape),
+        self.row_state(master))
+    return slots_lib.split((master if self.layout.needs_master else None, state),
+                           self.slots, axis=1)
 
   def empty_tier(self):
     shapes = jax.eval_shape(lambda t: slots_lib.split(t, self.slots, axis=1)[0],
@@ -140,12 +146,8 @@ class _Builder:
         arrays.extend(block)
       tiers[tier] = tuple(arrays)
     if scalars is None:  # every subgroup on disk: the scalars of one zero row
-      master = jnp.zeros((1, self.layout.subgroup_size), jnp.dtype(self.layout.state_dtype))
-      state = jax.tree.map(
-          lambda x: x if jnp.ndim(x) == 0 else jnp.broadcast_to(x, master.shape),
-          self.row_state(master))
-      _, scalars = slots_lib.split((master if self.layout.needs_master else None, state),
-                                   self.slots, axis=1)
+      _, scalars = self.split_rows(
+          jnp.zeros((1, self.layout.subgroup_size), jnp.dtype(self.layout.state_dtype)))
     if self.mesh is not None:
       # Keeps the params an input of the jitted init even where no state value reads
       # them (fp32 params keep no master): that jit takes its devices from them.
@@ -195,17 +197,17 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
                          disk=disk_tier.spill_of(
                              offload.disk, slots, layout.subgroup_size,
                              1 if mesh is None else mesh.shape[offload.data_axis]))
+  builder = _Builder(inner=inner, layout=layout, part=part, slots=slots, template=template,
+                     mesh=mesh, where=placement(mesh, offload.data_axis))
   disk_gen = None
   if part.disk:
     disk_tier.check_usable(fused, layout, slots, part.split)
     if traced_params(params):
       raise ValueError('Offload.disk: init writes the disk tier\'s files; call it outside '
                        'jit (eagerly)')
-    disk_gen = disk_tier.write_initial(part, layout, slots, inner, params)
+    disk_gen = disk_tier.write_initial(part, layout, params, builder.split_rows)
     if mesh is not None:
       disk_gen = jax.device_put(disk_gen, NamedSharding(mesh, P()))
-  builder = _Builder(inner=inner, layout=layout, part=part, slots=slots, template=template,
-                     mesh=mesh, where=placement(mesh, offload.data_axis))
   run: Callable = functools.partial(builder.run, data_axis=offload.data_axis)
   tiers, scalars = run(params) if traced_params(params) else jax.jit(run)(params)
   return OffloadedState(
