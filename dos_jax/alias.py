@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -154,13 +155,9 @@ def adamw(
   `pinned_host` memory. Each step the placement policy decides which subgroups are
   streamed to the device and which are updated on the host.
 
-  With bf16/fp16 params the result is optax.adamw run on the fp32 master, then cast,
-  and moments default to fp32. Updates have optax's dtype (the promotion of the
-  param's and the gradient's), which `optax.apply_if_finite` and `optax.MultiSteps`
-  need: with fp32 gradients `optax.apply_updates` reproduces
-  `master.astype(param_dtype)` exactly; with 16-bit ones too, except where a value
-  changes by a large factor or crosses zero in one step (see
-  `program._updates_from_leaves`). The master is exact either way.
+  With bf16/fp16 params the result is optax.adamw run on the fp32 master, then cast;
+  moments default to fp32; updates have optax's dtype (docs/optimizer.md, "Mixed
+  precision", says when `optax.apply_updates` reproduces the cast master exactly).
 
   Args:
     learning_rate: a scalar or an optax schedule.
@@ -179,13 +176,11 @@ def adamw(
     A `GradientTransformationExtraArgs`; its update accepts `plan=` for one step.
 
   Raises:
-    dos_jax.PinnedPoolError: at `init` on a GPU backend, when the state's host tiers do
-      not fit XLA's pinned-host pool (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, default 64 GiB,
-      read when JAX starts its GPU client); the message names the value to set.
+    dos_jax.PinnedPoolError: at `init` on a GPU, when the host tiers do not fit XLA's
+      pinned-host pool; the message names the value to set.
 
   Example:
-    One step against `optax.adamw` (the native host kernel may round a last bit
-    differently, hence the tolerance); the state lives in `pinned_host` memory:
+    One step against `optax.adamw` (to a last bit); the state in `pinned_host` memory:
 
     >>> import jax, jax.numpy as jnp, optax, dos_jax
     >>> params = {'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)}
@@ -200,12 +195,9 @@ def adamw(
     >>> want, _ = ref.update(grads, ref.init(params), params)
     >>> jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, rtol=1e-6, atol=0)), updates, want)
     {'b': True, 'w': True}
-    >>> params = optax.apply_updates(params, updates)
   """
   validate_lib.check_offload(offload, 'dos_jax.adamw')
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-  if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
-    raise TypeError(f'dos_jax.adamw: mu_dtype must be a real floating dtype, got {mu_dtype}')
+  mu_dtype = _checked_mu_dtype(mu_dtype)
   inner = optax.chain(
       optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
                           nesterov=nesterov),
@@ -216,10 +208,16 @@ def adamw(
                      weight_decay=weight_decay, nesterov=nesterov, mu_dtype=mu_dtype)
   checked = Offload() if offload is None else offload
   mu_bytes = 4 if mu_dtype is None else mu_dtype.itemsize
-
-  def validate(params):
-    # On a GPU, before any state exists: XLA's pinned-host pool must hold the host tiers.
-    pinned_pool.check_init(params, checked, mask, mu_bytes)
-
+  # On a GPU, before any state exists: XLA's pinned-host pool must hold the host tiers.
+  validate = functools.partial(pinned_pool.check_init, offload=checked, mask=mask,
+                               mu_bytes=mu_bytes)
   return offloaded(inner, offload, mask=mask, validate=validate, fused=fused,
                    shard_dims=shard_dims)
+
+
+def _checked_mu_dtype(mu_dtype: Any) -> Any:
+  """`mu_dtype` as a dtype (None stays None); a non-floating one is refused."""
+  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
+    raise TypeError(f'dos_jax.adamw: mu_dtype must be a real floating dtype, got {mu_dtype}')
+  return mu_dtype

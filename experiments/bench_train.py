@@ -32,38 +32,26 @@ import jax
 from dos_jax.train import config, step, trainer
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--compare', choices=('optax', 'forms'), default='optax',
-                      help='dos_jax vs optax.adamw, or fused vs split step (default: optax)')
-  parser.add_argument('--form', choices=('split', 'fused'), default='split',
-                      help='step form of both runs for --compare optax (default: split)')
-  parser.add_argument('--policy', default='all_host',
-                      help='offload.policy for the dos_jax run (default: all_host)')
-  parser.add_argument('--rounds', type=int, default=40, help='alternating timing rounds')
-  parser.add_argument('--steps', type=int, default=1, help='steps per run per round')
-  parser.add_argument('--warmup', type=int, default=3, help='untimed steps per run first')
-  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
-                      help='config override, as for dos-jax train')
-  parser.add_argument('--json', help='also write the results as JSON to this file')
-  args = parser.parse_args()
-
-  cfg = config.load(None, [f'offload.policy={args.policy}', *args.set])
+def _runs(args, cfg) -> dict:
+  """name -> (run, split?): the two runs compared."""
   devices = jax.devices()[:1]
-  # name -> (run, split?)
   if args.compare == 'forms':
-    runs = {
+    return {
         f'{args.policy} fused': (trainer.build(cfg, devices=devices), False),
         f'{args.policy} split': (trainer.build(cfg, devices=devices), True),
     }
-  else:
-    split = args.form == 'split'
-    runs = {
-        f'dos_jax {args.policy}': (trainer.build(cfg, devices=devices), split),
-        'optax.adamw': (trainer.build(
-            cfg, devices=devices, tx=step.make_optimizer(cfg.optim, None, cfg.train.steps)
-        ), split),
-    }
+  split = args.form == 'split'
+  return {
+      f'dos_jax {args.policy}': (trainer.build(cfg, devices=devices), split),
+      'optax.adamw': (trainer.build(
+          cfg, devices=devices, tx=step.make_optimizer(cfg.optim, None, cfg.train.steps)
+      ), split),
+  }
+
+
+def _timed(args, runs) -> dict:
+  """Per run, the step (and grad, update) seconds of each timed step: rounds that
+  time the runs back to back, after untimed warm-up steps; no step compiles again."""
   sampler = next(iter(runs.values()))[0].train_sampler()
   batches = [next(sampler) for _ in range(args.warmup + args.rounds * args.steps)]
   for run, split in runs.values():
@@ -85,6 +73,28 @@ def main() -> None:
   for name, (run, split) in runs.items():
     expected = {'fused': 0, 'grad': 1, 'update': 1} if split else {'fused': 1, 'grad': 0, 'update': 0}
     assert run.compile_counts() == expected, (name, run.compile_counts())
+  return times
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--compare', choices=('optax', 'forms'), default='optax',
+                      help='dos_jax vs optax.adamw, or fused vs split step (default: optax)')
+  parser.add_argument('--form', choices=('split', 'fused'), default='split',
+                      help='step form of both runs for --compare optax (default: split)')
+  parser.add_argument('--policy', default='all_host',
+                      help='offload.policy for the dos_jax run (default: all_host)')
+  parser.add_argument('--rounds', type=int, default=40, help='alternating timing rounds')
+  parser.add_argument('--steps', type=int, default=1, help='steps per run per round')
+  parser.add_argument('--warmup', type=int, default=3, help='untimed steps per run first')
+  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                      help='config override, as for dos-jax train')
+  parser.add_argument('--json', help='also write the results as JSON to this file')
+  args = parser.parse_args()
+
+  cfg = config.load(None, [f'offload.policy={args.policy}', *args.set])
+  runs = _runs(args, cfg)
+  times = _timed(args, runs)
 
   ours, ref = list(runs)
   median_ms = lambda xs: 1e3 * statistics.median(xs) if xs else float('nan')

@@ -115,7 +115,7 @@ def _out_of_memory(e: BaseException) -> bool:
   return any(s in text for s in ('RESOURCE_EXHAUSTED', 'Out of memory', 'out of memory', 'OOM'))
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   number = lambda s: int(float(s))  # 1e9, 100_000_000
   parser.add_argument('--params', type=number, default=100_000_000)
@@ -136,6 +136,11 @@ def main(argv=None) -> int:
                       help="the accelerator program's early host calls: the rule's, none"
                       " (one host call), or 'both' to time each in the same run")
   parser.add_argument('--json', default=None, help='write the results here as JSON too')
+  return parser
+
+
+def main(argv=None) -> int:
+  parser = _parser()
   args = parser.parse_args(argv)
   specs = [s.strip() for s in re.findall(r'[^,(]+(?:\([^)]*\))?', args.policies) if s.strip()]
   try:
@@ -144,14 +149,7 @@ def main(argv=None) -> int:
     parser.error(str(e))
   dtype = jnp.dtype(_DTYPES[args.dtype])
 
-  mesh = None
-  if args.mesh:
-    data, tensor = (int(n) for n in args.mesh.lower().split('x'))
-    if jax.default_backend() == 'cpu' and len(jax.devices()) < data * tensor:
-      raise SystemExit(f'--mesh {args.mesh} needs {data * tensor} devices: run with '
-                       f'XLA_FLAGS=--xla_force_host_platform_device_count={data * tensor}')
-    mesh = jax.sharding.Mesh(
-        np.array(jax.devices()[:data * tensor]).reshape(data, tensor), ('data', 'tensor'))
+  mesh = _mesh(args.mesh)
   start = time.perf_counter()
   params, grads = synthetic(args.params, dtype)
   if mesh is not None:
@@ -214,8 +212,24 @@ def main(argv=None) -> int:
           dos_jax.adamw(1e-3, offload=offload), params, grads, args.reps,
           warmup=args.warmup, early=early))
 
-  rows = record['rows']
-  # Not fitting is a result for the baselines (optax, AllDevice), a failure for the rest.
+  return _summary(record['rows'], specs, policies)
+
+
+def _mesh(spec: str | None):
+  """`--mesh DATAxTENSOR` as a ('data', 'tensor') mesh; None without one."""
+  if not spec:
+    return None
+  data, tensor = (int(n) for n in spec.lower().split('x'))
+  if jax.default_backend() == 'cpu' and len(jax.devices()) < data * tensor:
+    raise SystemExit(f'--mesh {spec} needs {data * tensor} devices: run with '
+                     f'XLA_FLAGS=--xla_force_host_platform_device_count={data * tensor}')
+  return jax.sharding.Mesh(
+      np.array(jax.devices()[:data * tensor]).reshape(data, tensor), ('data', 'tensor'))
+
+
+def _summary(rows, specs, policies) -> int:
+  """Prints the SUMMARY line; 1 if a row failed. Not fitting is a result for the
+  baselines (optax, AllDevice), a failure for the rest."""
   may_not_fit = {'jit(optax.adamw)'} | {
       spec for spec, policy in zip(specs, policies) if isinstance(policy, dos_jax.AllDevice)}
   failed = [r['name'] for r in rows if r.get('status') == 'error' or (

@@ -260,7 +260,6 @@ def main(argv=None) -> int:
     if args.devices > 1:  # the mesh's devices, before JAX starts its CPU backend
       os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                                  f' --xla_force_host_platform_device_count={args.devices}')
-  import jax
   from dos_jax import dataflow
   try:
     target = dataflow.GpuTarget.parse(args.target)
@@ -268,44 +267,64 @@ def main(argv=None) -> int:
     print(f'compile_gpu: error: {e}', file=sys.stderr)
     return 2
   if args.run:
-    if args.run < 1:
-      print('compile_gpu: error: --run needs a positive number of steps', file=sys.stderr)
-      return 2
-    cfg = _config(args)
-    report = {'policy': cfg.offload.policy, 'dtype': cfg.model.param_dtype,
-              'early': args.early, 'jax': jax.__version__, **_run_here(args, cfg)}
-    if args.json:
-      with open(args.json, 'w', encoding='utf-8') as f:
-        json.dump(report, f, indent=1)
-    print(f'SUMMARY {report["policy"]} {report["dtype"]} step on {report["device"]} '
-          f'({report["backend"]}): median {report["median_step_s"] * 1e3:.2f} ms over '
-          f'{args.run} steps, {report["tokens_per_s"]:.0f} tokens/s, compiled in '
-          f'{report["compile_s"]:.1f} s'
-          + (f'; gradient copies overlapping compute '
-             f'{report["gradient_copies_overlapping_compute"]}/{report["gradient_copies"]},'
-             f' device update inside host call {report["device_update_inside_host_call"]}'
-             if 'gradient_copies' in report else ''))
-    return 0
+    return _main_run(args)
   available, why = dataflow.gpu_compiler_available()
   if not available:
     print(f'compile_gpu: error: {why}', file=sys.stderr)
     return 2
   options = {} if args.default_schedule else dict(dataflow.GPU_COMPILER_OPTIONS)
   if args.devices > 1 or args.extrapolate:
-    try:
-      report = {'target': target.value, 'config': args.config, 'jax': jax.__version__,
-                'compiler_options': options, **_sharded(args, target, options)}
-    except ValueError as e:
-      print(f'compile_gpu: error: {e}', file=sys.stderr)
-      return 2
-    if args.json:
-      with open(args.json, 'w', encoding='utf-8') as f:
-        json.dump(report, f, indent=1)
-    print(f'SUMMARY step over {args.devices} {target.value}: device peak'
-          f' {report["device_peak_bytes"] / 1e9:.1f} GB per GPU ({report["device_peak_how"]});'
-          f' planner {report["predicted_device_bytes"] / 1e9:.1f} GB'
-          f' ({report["predicted_over_compiled"]:.3f}x)')
-    return 0
+    return _main_sharded(args, target, options)
+  return _main_compile(args, target, options)
+
+
+def _write_json(path, report) -> None:
+  if path:
+    with open(path, 'w', encoding='utf-8') as f:
+      json.dump(report, f, indent=1)
+
+
+def _main_run(args) -> int:
+  """`--run N`: the runner's step run here, timed."""
+  import jax
+  if args.run < 1:
+    print('compile_gpu: error: --run needs a positive number of steps', file=sys.stderr)
+    return 2
+  cfg = _config(args)
+  report = {'policy': cfg.offload.policy, 'dtype': cfg.model.param_dtype,
+            'early': args.early, 'jax': jax.__version__, **_run_here(args, cfg)}
+  _write_json(args.json, report)
+  print(f'SUMMARY {report["policy"]} {report["dtype"]} step on {report["device"]} '
+        f'({report["backend"]}): median {report["median_step_s"] * 1e3:.2f} ms over '
+        f'{args.run} steps, {report["tokens_per_s"]:.0f} tokens/s, compiled in '
+        f'{report["compile_s"]:.1f} s'
+        + (f'; gradient copies overlapping compute '
+           f'{report["gradient_copies_overlapping_compute"]}/{report["gradient_copies"]},'
+           f' device update inside host call {report["device_update_inside_host_call"]}'
+           if 'gradient_copies' in report else ''))
+  return 0
+
+
+def _main_sharded(args, target, options) -> int:
+  """`--devices N` / `--extrapolate`: the step over a mesh, its memory against the planner's."""
+  import jax
+  try:
+    report = {'target': target.value, 'config': args.config, 'jax': jax.__version__,
+              'compiler_options': options, **_sharded(args, target, options)}
+  except ValueError as e:
+    print(f'compile_gpu: error: {e}', file=sys.stderr)
+    return 2
+  _write_json(args.json, report)
+  print(f'SUMMARY step over {args.devices} {target.value}: device peak'
+        f' {report["device_peak_bytes"] / 1e9:.1f} GB per GPU ({report["device_peak_how"]});'
+        f' planner {report["predicted_device_bytes"] / 1e9:.1f} GB'
+        f' ({report["predicted_over_compiled"]:.3f}x)')
+  return 0
+
+
+def _main_compile(args, target, options) -> int:
+  """The one-device step (or update program) compiled for `target`, and its schedule."""
+  import jax
   cfg = _config(args)
   start = time.perf_counter()
   if args.program == 'step':
@@ -325,12 +344,16 @@ def main(argv=None) -> int:
       'memory': dataclasses.asdict(program.memory),
       **{k: v for k, v in summary.items() if k != 'device_work_inside_host_call'},
   }
-  if args.json:
-    with open(args.json, 'w', encoding='utf-8') as f:
-      json.dump(report, f, indent=1)
+  _write_json(args.json, report)
   if args.hlo:
     with open(args.hlo, 'w', encoding='utf-8') as f:
       f.write(program.hlo_text)
+  _print_schedule(args, cfg, target, program, summary)
+  return 0
+
+
+def _print_schedule(args, cfg, target, program, summary) -> None:
+  import jax
   mib = lambda b: f'{b / 2**20:.1f} MiB'
   m = program.memory
   print(f'SUMMARY {args.program} {cfg.offload.policy} {cfg.model.param_dtype} on {target.value} '
@@ -349,7 +372,6 @@ def main(argv=None) -> int:
   print(f'  device: arguments {mib(m.argument_bytes)}, temp {mib(m.temp_bytes)}, outputs '
         f'{mib(m.output_bytes)}; host: arguments {mib(m.host_argument_bytes)}, temp '
         f'{mib(m.host_temp_bytes)}')
-  return 0
 
 
 if __name__ == '__main__':

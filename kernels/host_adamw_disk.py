@@ -150,6 +150,20 @@ def _check(gen, grads, params, subgroups, slots, num_slots, lowp_dtype) -> None:
                        f'lowp_dtype must be float32, got {jnp.dtype(lowp_dtype)}')
 
 
+def _arguments(gen, grads, params, subgroups, directory, slots, num_slots, lowp_dtype,
+               shards) -> tuple[list[int], str, tuple[int, ...]]:
+  """The call's checked arguments: (subgroup ids, absolute directory, slots)."""
+  subgroups = [int(g) for g in subgroups]
+  directory = os.fspath(directory)
+  if not directory:
+    raise ValueError('directory must not be empty')
+  slots = tuple(int(s) for s in slots)
+  _check(gen, grads, params, subgroups, slots, num_slots, lowp_dtype)
+  if not isinstance(shards, (int, np.integer)) or shards < 1:
+    raise ValueError(f'shards must be a positive int, got {shards!r}')
+  return subgroups, os.path.abspath(directory), slots
+
+
 def adamw_disk_rows(gen, grads, params, scalars: AdamWScalars, *, directory: str,
                     subgroups: Sequence[int], slots: tuple[int, int, int], num_slots: int,
                     decayed_rows: int, lowp_dtype: Any, nesterov: bool = False,
@@ -158,16 +172,13 @@ def adamw_disk_rows(gen, grads, params, scalars: AdamWScalars, *, directory: str
   """One AdamW step on subgroups whose state is in files; the same bits as
   `adamw_host_rows` on that state in memory.
 
-  Reads each subgroup's state in half `gen % 2`, writes the new state in half
-  `(gen + 1) % 2` (see the module's docstring). A side effect: under jit the call runs
-  on every step, and a program traced once serves every generation (`gen` is an
-  argument; everything else is static).
+  Reads each subgroup's state in half `gen % 2` and writes it to half `(gen + 1) % 2`
+  (the module's docstring); a side effect, so under jit it runs on every step.
 
   Args:
     gen: int32 scalar, the current generation (>= 0).
     grads: f32 or bf16 `(D, S)` gradient rows, row j belonging to `subgroups[j]`.
-    params: the f32 `(D, S)` param rows without a master slot; None (or ignored) with
-      one.
+    params: the f32 `(D, S)` param rows without a master slot; None with one.
     scalars: the step's `AdamWScalars`.
     directory: where the state files are (made absolute now).
     subgroups: the D distinct subgroup ids (file ids) of the rows.
@@ -178,26 +189,23 @@ def adamw_disk_rows(gen, grads, params, scalars: AdamWScalars, *, directory: str
     lowp_dtype: dtype of the out rows: the new master cast to it (bf16, f16 or f32),
       or, without a master, float32 (the out rows are the update).
     nesterov: Nesterov momentum (needs `scalars.bc1_next`).
-    num_threads: threads over each subgroup's S elements (default: the cores
-      available), besides one reader and one writer thread.
+    num_threads: threads per subgroup (default: the cores), beside a reader and a writer.
     isa: instruction set of the loop; all give identical results.
     direct_io: O_DIRECT reads and writes (buffered where the filesystem refuses it).
-    shard, shards: a state split over `shards` devices (shards > 1): this call's data
-      shard (an int32 scalar, e.g. `lax.axis_index` under `shard_map`), whose files
-      hold its columns of the rows (`state_path(..., shard=)`).
+    shard, shards: a state split over `shards` devices: this call's data shard (an
+      int32 scalar, e.g. `lax.axis_index`), whose files hold its columns of the rows.
 
   Returns:
     `(out, new_gen)`: the `(D, S)` out rows in `lowp_dtype` and `gen + 1`.
 
   Raises:
-    RuntimeError: the native library is missing (`disk_kernel_available()` is False).
-    The call itself raises XLA's runtime error, naming the file, on an I/O error or a
-    missing or short file; the current half is then untouched.
+    RuntimeError: the native library is missing (`disk_kernel_available()` is False);
+    at run time, naming the file, on an I/O error or a missing or short file (the
+    current half then untouched).
 
   Example (a first step, from a master of ones):
 
-  >>> import tempfile
-  >>> import jax.numpy as jnp, numpy as np
+  >>> import tempfile, jax.numpy as jnp, numpy as np
   >>> from dos_jax.kernels import AdamWScalars
   >>> from dos_jax.kernels import host_adamw_disk as disk
   >>> directory = tempfile.mkdtemp()
@@ -218,13 +226,8 @@ def adamw_disk_rows(gen, grads, params, scalars: AdamWScalars, *, directory: str
   """
   if not disk_kernel_available():
     raise RuntimeError(disk_kernel_unavailable_reason())
-  subgroups = [int(g) for g in subgroups]
-  directory = os.fspath(directory)
-  if not directory:
-    raise ValueError('directory must not be empty')
-  directory = os.path.abspath(directory)
-  slots = tuple(int(s) for s in slots)
-  _check(gen, grads, params, subgroups, slots, num_slots, lowp_dtype)
+  subgroups, directory, slots = _arguments(gen, grads, params, subgroups, directory, slots,
+                                           num_slots, lowp_dtype, shards)
   master_k, mu_k, nu_k = slots
   threads, isa = check_threads_and_isa(num_threads, isa)
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
@@ -236,8 +239,6 @@ def adamw_disk_rows(gen, grads, params, scalars: AdamWScalars, *, directory: str
       (jax.ShapeDtypeStruct((rows, size), jnp.dtype(lowp_dtype)),
        jax.ShapeDtypeStruct((), jnp.int32)),
       has_side_effect=True)
-  if not isinstance(shards, (int, np.integer)) or shards < 1:
-    raise ValueError(f'shards must be a positive int, got {shards!r}')
   shard = jnp.zeros((), jnp.int32) if shard is None else jnp.asarray(shard, jnp.int32)
   out, new_gen = call(
       jnp.asarray(gen, jnp.int32), shard, grads, params, packed, directory=directory,

@@ -282,6 +282,35 @@ def adamw_host_rows(stacked, grads, params, rows, scalars: AdamWScalars, *,
       num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa))))
 
 
+def _checked_leaves(grad_leaves, param_leaves, offsets, master_k: int, elements: int):
+  """The leaves flattened, checked against `offsets` (one per leaf, no overlap, inside
+  the state's `elements`): (grad leaves, param leaves, offsets, sizes, leaf order by
+  offset)."""
+  grad_leaves = [jnp.ravel(g) for g in grad_leaves]
+  sizes = [int(g.shape[0]) for g in grad_leaves]
+  offsets = [int(o) for o in offsets]
+  if not grad_leaves or len(offsets) != len(grad_leaves):
+    raise ValueError(f'one offset per gradient leaf: {len(offsets)} offsets, '
+                     f'{len(grad_leaves)} leaves')
+  dtypes = {g.dtype for g in grad_leaves}
+  if len(dtypes) != 1 or dtypes.pop() not in _GRAD_DTYPES:
+    raise ValueError(f'gradient leaves must all be f32 or all bf16, got '
+                     f'{sorted({g.dtype.name for g in grad_leaves})}')
+  order = sorted(range(len(offsets)), key=offsets.__getitem__)
+  for a, b in zip(order, order[1:]):
+    if offsets[a] + sizes[a] > offsets[b]:
+      raise ValueError(f'leaves {a} and {b} overlap: offsets {offsets[a]}, {offsets[b]}')
+  if offsets[order[0]] < 0 or offsets[order[-1]] + sizes[order[-1]] > elements:
+    raise ValueError(f'leaves reach beyond the state\'s {elements} elements')
+  if master_k < 0:
+    if param_leaves is None or len(param_leaves) != len(grad_leaves):
+      raise ValueError('without a master slot, params must be one f32 leaf per gradient leaf')
+    param_leaves = [jnp.ravel(p) for p in param_leaves]
+    if any(p.dtype != jnp.float32 or p.shape[0] != n for p, n in zip(param_leaves, sizes)):
+      raise ValueError('param leaves must be f32 and the size of their gradient leaves')
+  return grad_leaves, param_leaves, offsets, sizes, order
+
+
 def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWScalars, *,
                       offsets, slots: tuple[int, int, int], decayed_rows: int,
                       lowp_dtype: Any, out=None, nesterov: bool = False,
@@ -320,31 +349,10 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
     raise RuntimeError(rows_kernel_unavailable_reason())
   host_kernel_in_gpu_programs()  # registers in a GPU plugin first, if there is one
   rows = jnp.asarray(rows)
-  num_groups, k, size = stacked.shape
-  shapes = [jnp.shape(g) for g in grad_leaves]
-  grad_leaves = [jnp.ravel(g) for g in grad_leaves]
-  sizes = [int(g.shape[0]) for g in grad_leaves]
-  offsets = [int(o) for o in offsets]
-  if not grad_leaves or len(offsets) != len(grad_leaves):
-    raise ValueError(f'one offset per gradient leaf: {len(offsets)} offsets, '
-                     f'{len(grad_leaves)} leaves')
-  dtypes = {g.dtype for g in grad_leaves}
-  if len(dtypes) != 1 or dtypes.pop() not in _GRAD_DTYPES:
-    raise ValueError(f'gradient leaves must all be f32 or all bf16, got '
-                     f'{sorted({g.dtype.name for g in grad_leaves})}')
-  order = sorted(range(len(offsets)), key=offsets.__getitem__)
-  for a, b in zip(order, order[1:]):
-    if offsets[a] + sizes[a] > offsets[b]:
-      raise ValueError(f'leaves {a} and {b} overlap: offsets {offsets[a]}, {offsets[b]}')
-  if offsets[order[0]] < 0 or offsets[order[-1]] + sizes[order[-1]] > num_groups * size:
-    raise ValueError(f'leaves reach beyond the {num_groups} x {size} state')
+  num_groups, _, size = stacked.shape
   master_k = slots[0]
-  if master_k < 0:
-    if param_leaves is None or len(param_leaves) != len(grad_leaves):
-      raise ValueError('without a master slot, params must be one f32 leaf per gradient leaf')
-    param_leaves = [jnp.ravel(p) for p in param_leaves]
-    if any(p.dtype != jnp.float32 or p.shape[0] != n for p, n in zip(param_leaves, sizes)):
-      raise ValueError('param leaves must be f32 and the size of their gradient leaves')
+  grad_leaves, param_leaves, offsets, sizes, order = _checked_leaves(
+      grad_leaves, param_leaves, offsets, master_k, num_groups * size)
   fake = jax.ShapeDtypeStruct((num_groups, size), grad_leaves[0].dtype)
   _check(stacked, fake, None if master_k >= 0 else
          jax.ShapeDtypeStruct((num_groups, size), jnp.float32), rows, slots, out, lowp_dtype,

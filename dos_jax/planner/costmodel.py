@@ -250,13 +250,7 @@ def predict(
   # shares the device with the stream's, so the device path does both in turn.
   resident_seconds = sum(sizes[i] for i in plan.resident) / u_dev
   if plan.all_resident:
-    seconds = spec.num_elements / u_dev
-    return Prediction(
-        update_seconds=seconds + layout, device_stream_seconds=seconds, host_seconds=0.0,
-        bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
-        device_peak_bytes=resident_bytes, bound='resident', layout_seconds=layout,
-        resident_bytes=resident_bytes,
-    )
+    return _predict_all_resident(spec.num_elements / u_dev, layout, resident_bytes)
 
   dev_sizes = [sizes[i] for i in plan.streamed]
   host_elements = sum(sizes[i] for i in plan.host)
@@ -373,6 +367,16 @@ def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan
   else:
     seconds = max(h2d / (profile.h2d_gbps * _GB), d2h / (profile.d2h_gbps * _GB))
   return Migration(subgroups=len(moved), bytes_h2d=h2d, bytes_d2h=d2h, seconds=seconds)
+
+
+def _predict_all_resident(seconds: float, layout: float, resident_bytes: float) -> Prediction:
+  """Every subgroup resident: the device updates the state in place, no copies."""
+  return Prediction(
+      update_seconds=seconds + layout, device_stream_seconds=seconds, host_seconds=0.0,
+      bytes_h2d=0.0, bytes_d2h=0.0, grad_transfer_hidden_seconds=0.0,
+      device_peak_bytes=resident_bytes, bound='resident', layout_seconds=layout,
+      resident_bytes=resident_bytes,
+  )
 
 
 def predict_iteration(

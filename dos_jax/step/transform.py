@@ -96,25 +96,31 @@ def offloaded(
     if grad_scale is not None:
       grad_scale = jnp.asarray(grad_scale, layout.state_dtype)
     body = functools.partial(program_lib.run_step, kernels, sharded=sharded, where=where)
-    explicit = meshes.explicit_mesh(grad_leaves + (param_leaves or []))
-    if explicit is None:
-      new_leaves, new_state = body(grad_leaves, param_leaves, state, grad_scale)
-    else:
-      # Sharding in types: the packing concatenates leaves sharded unlike each other,
-      # which Explicit axes refuse; inside `auto_axes` XLA chooses, as with Auto axes.
-      def spec(leaf):
-        return getattr(getattr(jax.typeof(leaf), 'sharding', None), 'spec', P())
-
-      out_specs = ([spec(x) for x in (param_leaves or grad_leaves)],
-                   meshes.state_specs(state, explicit, offload.data_axis))
-      with jax.sharding.use_abstract_mesh(explicit):
-        new_leaves, new_state = jax.sharding.auto_axes(body, out_sharding=out_specs)(
-            grad_leaves, param_leaves, state, grad_scale)
+    new_leaves, new_state = _run(body, grad_leaves, param_leaves, state, grad_scale,
+                                 offload.data_axis)
     # The updates take the structure of the updates given (optax's convention), not
     # the init-time one: node types may differ (nnx.Param at init, arrays here).
     return jax.tree.structure(updates).unflatten(new_leaves), new_state
 
   return clipping.mark_offloaded(optax.GradientTransformationExtraArgs(init_fn, update_fn))
+
+
+def _run(body, grad_leaves, param_leaves, state: OffloadedState, grad_scale, data_axis: str):
+  """`body(grad_leaves, param_leaves, state, grad_scale)`; under a mesh with Explicit
+  axes (sharding in types), inside `auto_axes`: the packing concatenates leaves sharded
+  unlike each other, which Explicit axes refuse; there XLA chooses, as with Auto axes."""
+  explicit = meshes.explicit_mesh(grad_leaves + (param_leaves or []))
+  if explicit is None:
+    return body(grad_leaves, param_leaves, state, grad_scale)
+
+  def spec(leaf):
+    return getattr(getattr(jax.typeof(leaf), 'sharding', None), 'spec', P())
+
+  out_specs = ([spec(x) for x in (param_leaves or grad_leaves)],
+               meshes.state_specs(state, explicit, data_axis))
+  with jax.sharding.use_abstract_mesh(explicit):
+    return jax.sharding.auto_axes(body, out_sharding=out_specs)(
+        grad_leaves, param_leaves, state, grad_scale)
 
 
 def _checked_state(state, params, plan: Plan | None) -> OffloadedState:

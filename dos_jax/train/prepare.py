@@ -231,16 +231,10 @@ def prepare(
   counts = {'bytes': 0, 'files': 0, 'skipped': 0}
   report = _Progress(progress)
   try:
-    num_tokens = 0
     with temp_file('train.bin') as f:
-      # Bytes map to tokens one to one, so they can stream in fixed pieces.
-      chunk = _READ_CHUNK if tok.name == tokenizer_lib.BYTES else None
-      for data in _pieces(roots, suffix, max_bytes, chunk, out_dir.resolve(), counts):
-        ids = tok.encode(data)
-        f.write(ids.astype(dtype).tobytes())
-        num_tokens += len(ids)
-        report.update(counts['bytes'], counts['files'], num_tokens)
-      _sync(f)
+      num_tokens = _write_tokens(f, tok, dtype, _pieces(
+          roots, suffix, max_bytes, _READ_CHUNK if tok.name == tokenizer_lib.BYTES else None,
+          out_dir.resolve(), counts), counts, report)
     if num_tokens == 0:
       raise ValueError(f'no text found in {", ".join(sources)}')
     num_val = _val_size(num_tokens, val_fraction, min_val_tokens, warn=progress)
@@ -265,6 +259,19 @@ def prepare(
       out_dir.rmdir()
   report.done(out_dir, meta)
   return meta
+
+
+def _write_tokens(f, tok, dtype, pieces, counts: dict[str, int], report) -> int:
+  """Writes the tokens of text `pieces` to `f` (synced) and returns how many. Bytes map
+  to tokens one to one, so they stream in fixed pieces (`_READ_CHUNK`)."""
+  num_tokens = 0
+  for data in pieces:
+    ids = tok.encode(data)
+    f.write(ids.astype(dtype).tobytes())
+    num_tokens += len(ids)
+    report.update(counts['bytes'], counts['files'], num_tokens)
+  _sync(f)
+  return num_tokens
 
 
 def _check_arguments(val_fraction, max_bytes, min_val_tokens) -> None:
