@@ -81,9 +81,8 @@ def main(argv=None) -> int:
     print('-- compiled schedule (instruction positions of the entry computation):')
     for position, event in schedule_events(program.schedule):
       print(f'  {position:6d}  {event}')
-    predicted = timeline.timeline(profile, spec, plan, forward_seconds=forward,
-                                  backward_seconds=2 * forward,
-                                  clipped=cfg.optim.clip_norm is not None)
+    predicted = timeline.early_timeline(profile, spec, plan, forward_seconds=forward,
+                                        backward_seconds=2 * forward, chunks=part.early)
     print(f'-- predicted timeline ({profile.name}, {_TFLOPS:g} TFLOP/s;'
           f' step {1e3 * predicted.seconds:.1f} ms):')
     print(predicted.table())

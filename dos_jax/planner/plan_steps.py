@@ -37,7 +37,7 @@ def chunk_line(profile, spec, name, plan, fwd, bwd, clip_rate: float) -> str:
   """A plan's step as the program runs it (`timeline`): its host update in one host call,
   and in the early host chunks `choose_early_chunks` picks at `clip_rate`."""
   times = dict(forward_seconds=fwd, backward_seconds=bwd)
-  one = timeline.timeline(profile, spec, plan, chunks=1, **times).seconds
+  one = timeline.timeline(profile, spec, plan, **times).seconds
   early, mean = timeline.choose_early_chunks(profile, spec, plan, clip_rate=clip_rate, **times)
   line = (f'{name} as the step runs it (dos_jax.planner.timeline): one host call after the'
           f' backward pass {_ms(one)}')

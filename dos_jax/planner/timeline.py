@@ -1,34 +1,30 @@
 """One training step as the compiled program runs it: when the device, the two link
-directions and the host are busy, for a plan whose host update runs in K chunks.
+directions and the host are busy, for a plan whose host tier runs in early host calls
+and a last one (`dos_jax.step.early_chunks`).
 
 `predict` gives the update phase as a roofline; this follows the order the step's
-construction forces (`dos_jax.step.early_chunks`, `paths`, `tier_updates`), so that it can be
-put beside a compiled schedule's order of starts and dones:
+construction forces (`dos_jax.step.early_chunks`, `lanes`, `tier_updates`), so that it can
+be put beside a compiled schedule's order of starts and dones (`early_timeline`):
 
 * the device runs the forward and backward passes. Host-bound gradients leave as the
   backward pass makes them, the last subgroups first (those without weight decay, the
   norm scales, once it is over: `host_order`), one after another on the D2H link;
-* host call k starts once its chunk's gradients are in host memory, host call k-1 is
-  done and device part k-1 has finished (the link that keeps the calls apart), and,
-  under clipping, once the backward pass is over (the clip factor needs every
-  gradient). It runs the host AdamW on its subgroups;
-* device part k, chunk k's streamed rows (`costmodel.stream_seconds`), starts after the
-  backward pass once host call k's inputs are in host memory (the gate);
-* a host call's done blocks the thread that launches GPU work until the host
-  computation ends, and it comes before the next chunk's device work: after device
-  part k the device waits for host call k;
-* each chunk's new params go back over H2D after its host call; the step ends when the
-  device and the last params are done, plus the layout's packing and unpacking.
+* early call k starts once its gradients are in host memory and call k-1 is done,
+  during the backward pass; a done blocks the thread that launches GPU work;
+* the last host call starts after the backward pass, in one group with the device
+  tiers' stream lanes;
+* the host blocks' new params go back over H2D after the last call; the step ends when
+  the device and the last params are done, plus the layout's packing and unpacking.
 
-With K = 1 this is the step `predict` describes: one host call that starts after every
-host-bound gradient is in host memory, the stream inside its window.
+With no early call (`timeline`) this is the step `predict` describes: one host call
+that starts after every host-bound gradient is in host memory, the stream inside its
+window.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 
 from dos_jax.step import early_chunks
 from dos_jax.planner import costmodel
@@ -87,8 +83,8 @@ def host_order(spec: SubgroupSpec, plan: Plan) -> list[int]:
           + [g for g in order if g >= spec.decayed_rows])
 
 
-def _arrivals(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
-              forward_seconds: float, backward_seconds: float) -> tuple[dict, float]:
+def gradient_arrivals(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
+                      forward_seconds: float, backward_seconds: float) -> tuple[dict, float]:
   """`(when each host subgroup's gradients are in host memory, when the D2H link is
   free)`: they leave as the backward pass makes them, in `host_order`, one after
   another on the link; the rows past `spec.decayed_rows` once it is over."""
@@ -104,10 +100,9 @@ def _arrivals(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan,
 
 
 def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
-             forward_seconds: float, backward_seconds: float, chunks: int = 1,
-             clipped: bool = True) -> Timeline:
-  """The step of `plan` with its host update in `chunks` host calls (see the module
-  docstring); `clipped`: a global-norm clip gates every host call on the backward pass.
+             forward_seconds: float, backward_seconds: float) -> Timeline:
+  """The step of `plan` with its host tier in one host call: `early_timeline` with no
+  early call (the step `predict` describes).
 
   Example:
     >>> from dos_jax.planner import costmodel, timeline
@@ -116,50 +111,11 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
     >>> profile = costmodel.PROFILE_PRESETS['h100-pcie5']
     >>> t = timeline.timeline(profile, spec, Stride(2).plan(spec), forward_seconds=0.1,
     ...                       backward_seconds=0.2)
-    >>> t.span('host call 1').start >= 0.3  # after the backward pass (clipping)
+    >>> t.span('last call').start >= 0.3  # after the backward pass
     True
   """
-  if chunks < 1:
-    raise ValueError(f'timeline: chunks must be >= 1, got {chunks}')
-  sizes = costmodel.subgroup_sizes(spec)
-  pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds)
-  backward_end = forward_seconds + backward_seconds
-  spans = [Span('device', 'forward', 0.0, forward_seconds),
-           Span('device', 'backward', forward_seconds, backward_end)]
-  arrived, link_free = _arrivals(profile, spec, plan, forward_seconds, backward_seconds)
-  if plan.host:
-    spans.append(Span('d2h', 'host-bound gradients', forward_seconds, link_free))
-  count = max(1, min(chunks, len(plan.host) or 1, len(plan.streamed) or 1))
-  host_chunks = np.array_split(np.asarray(host_order(spec, plan), int), count)
-  stream_chunks = np.array_split(np.asarray(plan.streamed, int), count)
-  u_host = profile.host_adamw_gparams() * _GB
-  both = bool(plan.streamed) and (plan.buffers >= 2 or bool(plan.host))
-  device, host_done, part_done, params_free = backward_end, 0.0, 0.0, 0.0
-  for k, (hosts, streams) in enumerate(zip(host_chunks, stream_chunks), 1):
-    rows = [sizes[g] for g in streams]
-    stream = costmodel.stream_seconds(profile, spec, plan, rows, both=both)
-    ready = max([arrived[g] for g in hosts] + [0.0])
-    if clipped:
-      ready = max(ready, backward_end)
-    if len(hosts):
-      start = max(ready, host_done, part_done)
-      work = sum(sizes[g] for g in hosts) / u_host
-      host_done = start + costmodel._slowed(work, stream, profile.host_copy_slowdown)  # pylint: disable=protected-access
-      spans.append(Span('host', f'host call {k}', start, host_done))
-    if rows:
-      part_start = max(device, ready)
-      part_done = part_start + stream
-      spans.append(Span('device', f'device part {k}', part_start, part_done))
-      device = part_done
-    device = max(device, host_done)  # the done blocks the launch thread
-    if len(hosts):
-      back = max(host_done, params_free)
-      params_free = back + spec.param_bytes_per_element * sum(sizes[g] for g in hosts) / (
-          profile.h2d_gbps * _GB)
-      spans.append(Span('h2d', f'params {k}', back, params_free))
-  end = max(device, params_free)
-  spans.append(Span('device', 'layout and apply', end, end + pred.layout_seconds))
-  return Timeline(tuple(sorted(spans, key=lambda s: (s.start, s.end))))
+  return early_timeline(profile, spec, plan, forward_seconds=forward_seconds,
+                        backward_seconds=backward_seconds, chunks=1)
 
 
 def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
@@ -192,7 +148,7 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
   """
   sizes = costmodel.subgroup_sizes(spec)
   pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds)
-  arrived, link_free = _arrivals(profile, spec, plan, forward_seconds, backward_seconds)
+  arrived, link_free = gradient_arrivals(profile, spec, plan, forward_seconds, backward_seconds)
   parts = early_chunks.split(host_order(spec, plan), chunks)
   count = len(parts)
   u_host = profile.host_adamw_gparams() * _GB
