@@ -28,9 +28,12 @@ def test_fits_on_h100_node(capsys, model):
 
 
 def test_70b_does_not_fit_and_says_by_how_much(capsys):
-  code, out, _ = run(capsys, '--model', '70b')
+  code, out, _ = run(capsys, '--model', '70b', '--no-remat')
   assert code == 1
   assert re.search(r'device memory short by [\d,.]+ GiB per device', out)
+  # Unasked, the plan recomputes each block where the activations would not fit.
+  code, out, _ = run(capsys, '--model', '70b')
+  assert code == 0 and 'planned with --remat' in out, out
 
 
 def test_host_memory_shortfall(capsys):
@@ -99,7 +102,7 @@ def test_the_papers_runs_fit_with_no_flags_and_not_with_xla_attention(capsys):
     code, out, _ = run(capsys, *argv)
     assert code == 0 and 'cudnn attention, no remat' in out, out
     assert 'sequences of 2048 tokens, micro-batch 1' in out
-    code, out, _ = run(capsys, *argv, '--attention', 'xla')
+    code, out, _ = run(capsys, *argv, '--attention', 'xla', '--no-remat')
     assert code == 1 and 'device memory short' in out, out
     # Recomputing each block keeps one layer's scores at a time: then XLA's fits too.
     code, out, _ = run(capsys, *argv, '--attention', 'xla', '--remat')

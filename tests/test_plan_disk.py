@@ -71,9 +71,14 @@ def test_70b_on_a_512_gib_node_fits_with_four_tiers(capsys):
   assert space == pytest.approx(2 * state, abs=0.1)
   assert state == pytest.approx(tiers['disk'] * 1e8 * 12 * 8 / GIB, abs=0.1)
   assert re.search(r'^  Auto \(chosen\) +[\d,.]+ s .* host \+ disk$', out, re.M), out
-  # The same node with 2048-token sequences and no remat: the activations leave no room.
+  # The command, 2048-token sequences: without remat the activations leave no
+  # room, so the plan recomputes each block, says so, and fits; --no-remat refuses.
   code, out, _ = run(capsys, *NODE_70B[:-2])
+  assert code == 0 and 'planned with --remat' in out and ', remat;' in out, out
+  assert sum(_tiers(out).values()) == 88, out
+  code, out, _ = run(capsys, *NODE_70B[:-2], '--no-remat')
   assert code == 1 and 'device memory: no plan fits beside the activations' in out
+  assert 'planned with --remat' not in out
 
 
 def test_disk_time_is_bytes_over_bandwidth(seed):
@@ -204,10 +209,12 @@ def test_the_planner_doc_shows_this_output(capsys):
       l for l in lines if re.match(r'  (plan  |Auto \(chosen\)|AllHost )', l)]
   for line in quoted:
     assert line in block.splitlines(), line
-  # The paragraph's other figures: 2048 tokens without remat do not fit; with remat no disk.
-  code, out, _ = run(capsys, *NODE_70B[:-2], '--remat')
+  # The paragraph's other figures: 2048 tokens without remat do not fit; with remat (taken
+  # unasked) no disk.
+  code, out, _ = run(capsys, *NODE_70B[:-2])
   assert code == 0 and _tiers(out) == {'resident': 34, 'streamed': 54, 'host': 0, 'disk': 0}
   folded = ' '.join(block.split())
   assert '= 482.8 GiB of 512.0 GiB' in out
-  assert ('with `--remat` 34 resident and 54 streamed subgroups hold everything in 482.8'
-          ' GiB') in folded
+  assert ('plans with `--remat` and says so in its first line' in folded
+          and 'then 34 resident and 54 streamed subgroups hold everything in 482.8 GiB'
+          in folded), folded

@@ -108,7 +108,8 @@ def register(subparsers,
                  ' activations are counted: xla stores the s^2 scores, cudnn (flash) does not'
                  ' (default: cudnn on GPU profiles, xla for this CPU machine, or the config\'s)')
   p.add_argument('--remat', action=argparse.BooleanOptionalAction, help='recompute each'
-                 ' block in the backward pass (default: off, or the config\'s model.remat)')
+                 ' block in the backward pass (default: the config\'s model.remat; without a'
+                 ' config, on only where the activations would not fit otherwise)')
   p.add_argument('--achieved-tflops', type=_positive_float, help='training TFLOP/s per device,'
                  ' for the forward/backward estimate (default: 200 on h100-pcie5, 100 on'
                  ' a100-pcie4; otherwise no iteration time)')
@@ -293,6 +294,13 @@ def handler(args) -> int:
     return _error(str(e))
   try:
     job = _job(args, settings, profile)
+    if args.remat is None and settings is None and job.size.activations > _budget(job):
+      acts = job.size.activations
+      args = argparse.Namespace(**{**vars(args), 'remat': True})
+      job = _job(args, settings, profile)
+      print(f'activations ~{_gib(acts)} per device leave no room beside params and grads'
+            f' without recomputation: planned with --remat (model.remat: true; --no-remat'
+            f' plans without)')
   except _Refused as e:
     return _error(str(e))
   _print_run(args, job)
