@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import re
 from typing import Any
 
 import jax
@@ -85,6 +87,32 @@ class UpdateImpl(enum.Enum):
   XLA = 'xla'
 
 
+XLA_ASYNC_COMPUTE_LIMIT = 2  # XLA's default for xla_gpu_experimental_parallel_async_compute_limit
+_LIMIT_FLAG = re.compile(r'--xla_gpu_experimental_parallel_async_compute_limit=(\S*)')
+
+
+def xla_flags_async_compute_limit(flags: str | None = None) -> int:
+  """The limit on asynchronous calls in flight that XLA flags `flags` (None: the
+  `XLA_FLAGS` environment variable) set, the last occurrence as XLA reads them, else
+  XLA's default (2).
+
+  >>> xla_flags_async_compute_limit('--xla_gpu_experimental_parallel_async_compute_limit=3')
+  3
+  >>> xla_flags_async_compute_limit('--xla_force_host_platform_device_count=8')
+  2
+  """
+  flags = os.environ.get('XLA_FLAGS', '') if flags is None else flags
+  found = _LIMIT_FLAG.findall(flags)
+  if not found:
+    return XLA_ASYNC_COMPUTE_LIMIT
+  try:
+    value = int(found[-1])
+  except ValueError:
+    raise ValueError(f'XLA_FLAGS: --xla_gpu_experimental_parallel_async_compute_limit must be '
+                     f'an integer, got {found[-1]!r}') from None
+  return max(value, 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Offload:
   """What a user decides about the offloaded optimizer state.
@@ -102,6 +130,14 @@ class Offload:
     host_impl: implementation of the host-path update (`UpdateImpl.XLA`: optax's own
       ops in one host region, the reference).
     host_threads: threads for the native host update (None: the cores available).
+    async_compute_limit: the asynchronous calls XLA may keep in flight in the program
+      this step is compiled into (`xla_gpu_experimental_parallel_async_compute_limit`,
+      2 unless set; `GPU_COMPILER_OPTIONS` sets 3). None: the value in `XLA_FLAGS`, else
+      2. The host call's scheduling group holds `async_compute_limit - 1` stream lanes:
+      with 3, both lanes run beside the host call in every schedule; a group over the
+      limit stops the latency-hiding scheduler (RET_CHECK latency_hiding_scheduler.cc:2567,
+      8x1024 Stride(2) and 10x768 DeviceFraction(0.5), tests/test_compiled_options.py).
+      Set it to the limit of the options you compile with.
     disk: the disk tier (`Disk`): host subgroups beyond a host-memory budget keep
       their state in files. None: none.
     platform: which program to build (`Program`, or its value 'cpu' / 'gpu'); None
@@ -129,6 +165,7 @@ class Offload:
   device_impl: UpdateImpl = UpdateImpl.KERNEL
   host_impl: UpdateImpl = UpdateImpl.KERNEL
   host_threads: int | None = None
+  async_compute_limit: int | None = None
   disk: Disk | None = None
   platform: Program | None = None
 
@@ -164,6 +201,12 @@ class Offload:
     ):
       raise ValueError(f'Offload.host_threads must be >= 1, got {self.host_threads!r}')
 
+    limit = self.async_compute_limit
+    if limit is None:
+      object.__setattr__(self, 'async_compute_limit', xla_flags_async_compute_limit())
+    elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+      raise ValueError(f'Offload.async_compute_limit must be an integer >= 1 (XLA\'s '
+                       f'xla_gpu_experimental_parallel_async_compute_limit), got {limit!r}')
     if self.disk is not None and not isinstance(self.disk, Disk):
       raise TypeError(f'Offload.disk must be None or a dos_jax.Disk, got {self.disk!r}')
 

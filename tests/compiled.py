@@ -1,4 +1,12 @@
-"""What the compiled-for-GPU test files share: skip where no GPU program can be compiled."""
+"""What the compiled-for-GPU test files share: skip where no GPU program can be compiled,
+and the runner's step compiled once per test run."""
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import pickle
+import tempfile
 
 import jax
 import pytest
@@ -45,6 +53,36 @@ def gradient_copies(program):
   return tuple(c for c in program.schedule.gradient_copies() if c.name not in sent_back)
 
 
+def compile_step(cfg, target: str = 'h100_sxm', *, devices=None, **kwargs):
+  """`gpu_program.compile_step(cfg, target, devices=devices, **kwargs)`, compiled once per
+  test run: several test files check the same runner step, and an H100 compile of it
+  takes 10-60 s on the 2-core machine. The program is kept (pickled) in the run's cache
+  folder (tests/conftest.py), which the xdist workers share; a lock per program lets
+  one worker compile it while another waiting for the same program reads it after."""
+  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  key = repr((cfg, target, len(devices) if devices else 1, sorted(kwargs.items(), key=str),
+              jax.__version__))
+  return _once(key, lambda: gpu_program.compile_step(cfg, target, devices=devices, **kwargs))
+
+
+def _once(key: str, build):
+  folder = os.path.join(os.environ.get('DOS_JAX_TEST_COMPILATION_CACHE')
+                        or tempfile.gettempdir(), 'dos_jax-compiled-programs')
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:32])
+  with open(path + '.lock', 'w') as lock, contextlib.ExitStack() as stack:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    stack.callback(fcntl.flock, lock, fcntl.LOCK_UN)
+    if os.path.exists(path):
+      with open(path, 'rb') as f:
+        return pickle.load(f)
+    program = build()
+    with open(path + '.tmp', 'wb') as f:
+      pickle.dump(program, f)
+    os.replace(path + '.tmp', path)
+    return program
+
+
 def compile_runner_step(cfg, devices=None, early=None):
   """The runner's step for `cfg` on `devices` (default: one) compiled for an H100 as
   `gpu_program.compile_step` compiles it, with the early host calls `early` moved in
@@ -57,7 +95,7 @@ def compile_runner_step(cfg, devices=None, early=None):
   from dos_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
   from dos_jax.step import early_chunks  # pylint: disable=import-outside-toplevel
   if early is None:
-    return gpu_program.compile_step(cfg, 'h100_sxm', devices=devices)
+    return compile_step(cfg, devices=devices)
   native = compile_lib.prepare('h100_sxm')
   program = gpu_program.build_step(cfg, devices)
   part = program.offloaded_state.partition
@@ -71,50 +109,19 @@ def compile_runner_step(cfg, devices=None, early=None):
                                      native_host_kernel=native)
 
 
-# Compiled tests that fail since the scheduling group holds one stream lane (issue 40:
-# a group with every lane stopped the latency-hiding scheduler alone), each for the
-# reason given. Strict: each flips to a failure once the construction holds it again.
-_LANE_TWO = ('the second stream lane is not grouped with the host call (a group with '
-             'both stopped the latency-hiding scheduler alone), and with one host call, or '
-             'inside shard_map, the scheduler places it outside the host call')
+# Compiled tests that fail for a known reason (strict: each flips to a failure once the
+# construction holds it again).
 _EARLY_DEFAULT = ('early host calls are on by default: their speculated state blocks cross '
                   'device memory, and the weight-gradient copies and the overlap under XLA\'s '
                   'defaults move with them')
 KNOWN_REGRESSIONS = {
-    'tests/test_compiled_early_chunks.py::test_early_host_chunks_hold_their_construction'
-    '[5-4096-float32-2]': _LANE_TWO,
-    'tests/test_compiled_early_chunks.py::test_early_host_chunks_hold_their_construction'
-    '[6-2048-bfloat16-2]': _LANE_TWO,
-    'tests/test_compiled_gpu.py::test_a_row_count_the_lanes_do_not_divide_streams_full_'
-    'duplex_beside_the_host_call': _LANE_TWO,
-    'tests/test_compiled_gpu.py::test_runner_steps_run_the_device_tiers_beside_the_host_call'
-    '[stride-bfloat16]': _LANE_TWO,
-    'tests/test_compiled_gpu.py::test_runner_steps_run_the_device_tiers_beside_the_host_call'
-    '[stride-float32]': _LANE_TWO,
-    'tests/test_compiled_gpu.py::test_runner_steps_run_the_device_tiers_beside_the_host_call'
-    '[device_fraction-bfloat16]': _LANE_TWO,
-    'tests/test_compiled_gpu.py::test_runner_steps_run_the_device_tiers_beside_the_host_call'
-    '[device_fraction-float32]': _LANE_TWO,
     'tests/test_compiled_gpu.py::test_default_options_overlap_nothing': _EARLY_DEFAULT,
     'tests/test_compiled_gpu.py::test_library_step_overlaps_every_weight_gradient_but_the_last':
         _EARLY_DEFAULT,
-    'tests/test_compiled_family.py::test_the_runner_125m_step_holds_the_construction': _LANE_TWO,
     'tests/test_compiled_fsdp.py::test_the_prediction_is_within_10_percent_under_fsdp':
         _EARLY_DEFAULT,
     'tests/test_compiled_fsdp.py::test_the_prediction_is_within_10_percent_for_more_fsdp_'
     'shapes[fsdp2 L4 s128 b32]': _EARLY_DEFAULT,
     'tests/test_compiled_fsdp.py::test_the_prediction_is_within_10_percent_for_more_fsdp_'
     'shapes[fsdp4 L4 s64 b32]': _EARLY_DEFAULT,
-    'tests/test_compiled_sharded_region.py::test_the_runners_zero3_step_runs_host_and_device_'
-    'updates_in_one_group[zero1]': _LANE_TWO,
-    'tests/test_compiled_sharded_region.py::test_the_runners_zero3_step_runs_host_and_device_'
-    'updates_in_one_group[zero3]': _LANE_TWO,
-    'tests/test_compiled_sharded_region.py::test_the_runners_zero3_step_starts_its_early_host_'
-    'calls_during_the_backward_pass[zero1]': _LANE_TWO,
-    'tests/test_compiled_sharded_region.py::test_the_runners_zero3_step_starts_its_early_host_'
-    'calls_during_the_backward_pass[zero3]': _LANE_TWO,
-    'tests/test_compiled_sharded_region.py::test_the_runners_step_on_one_device_builds_the_'
-    'unsharded_construction': _LANE_TWO,
-    'tests/test_step_memory.py::test_per_subgroup_stream_holds_every_streamed_row[16384]':
-        _EARLY_DEFAULT,
 }

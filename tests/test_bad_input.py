@@ -96,3 +96,15 @@ def test_configuration_mistakes_name_the_argument():
     one_line(err)
   with pytest.raises(TypeError, match='got None'):
     dos_jax.adamw(1e-3, offload=None).init(None)
+  for bad in (0, 2.5, True, '3'):
+    with pytest.raises(ValueError, match=r'Offload\.async_compute_limit must be') as err:
+      dos_jax.Offload(async_compute_limit=bad)
+    one_line(err)
+
+
+def test_a_bad_limit_in_xla_flags_is_named(monkeypatch):
+  monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_experimental_parallel_async_compute_limit=three')
+  with pytest.raises(ValueError, match=r"XLA_FLAGS: .*parallel_async_compute_limit.*'three'") \
+      as err:
+    dos_jax.Offload()
+  one_line(err)

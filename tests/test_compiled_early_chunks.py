@@ -30,6 +30,7 @@ Compiled with the CUDA plugin's compile-only client; skipped where it is not ins
 import pytest
 
 from dos_jax import dataflow
+from dos_jax.compiler_options import PARALLEL_ASYNC_COMPUTE_LIMIT
 from dos_jax.dataflow import early_windows
 from dos_jax.step import device_stream
 from dos_jax.step import early_chunks
@@ -59,8 +60,10 @@ def _early(layers, chunks) -> tuple[int, ...]:
 def _schedule(layers, width, dtype, chunks):
   key = (layers, width, dtype, chunks)
   if key not in _CACHE:
-    fn, args, jit_kwargs = probes.mlp_step(layers, width, dtype=dtype,
-                                           early=_early(layers, chunks))
+    # Compiled under GPU_COMPILER_OPTIONS, whose limit the optimizer is told.
+    fn, args, jit_kwargs = probes.mlp_step(
+        layers, width, dtype=dtype, early=_early(layers, chunks),
+        async_compute_limit=PARALLEL_ASYNC_COMPUTE_LIMIT)
     _CACHE[key] = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
   return _CACHE[key]
 

@@ -15,6 +15,7 @@ import pytest
 from dos_jax import dataflow
 from dos_jax.planner import step_memory
 from dos_jax.train import config as config_lib
+from tests import compiled
 
 pytestmark = pytest.mark.compiled_gpu
 
@@ -28,8 +29,7 @@ def _compiled(cfg, devices=4):
     pytest.skip(f'no GPU compiler here: {why}')
   if jax.default_backend() != 'cpu' or jax.device_count() < 4:
     pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu and 4 CPU devices')
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
-  return gpu_program.compile_step(cfg, 'h100_sxm', devices=jax.devices()[:devices])
+  return compiled.compile_step(cfg, devices=jax.devices()[:devices])
 
 
 @pytest.fixture(scope='module')

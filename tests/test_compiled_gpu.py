@@ -52,8 +52,8 @@ def _config(policy: str, dtype: str, clip: bool = True, overrides=()):
 
 
 def _runner_step(policy: str, dtype: str, options=None, clip: bool = True, overrides=()):
-  return gpu_program.compile_step(_config(policy, dtype, clip, overrides), 'h100_sxm',
-                                  compiler_options=options)
+  return compiled.compile_step(_config(policy, dtype, clip, overrides),
+                               compiler_options=options)
 
 
 def _host_calls(policy: str, dtype: str, clip: bool = True, overrides=()) -> int:
@@ -95,7 +95,7 @@ def test_streamed_rows_stream_full_duplex_with_one_block_each():
   fetched (3, S) block where it lands), and no host->host copy either."""
   cfg = config_lib.load(None, [
       'offload.policy=stride', 'model.param_dtype=bfloat16', 'offload.subgroup_size=65536'])
-  program = gpu_program.compile_step(cfg, 'h100_sxm')
+  program = compiled.compile_step(cfg)
   schedule = program.schedule
   assert len(schedule.streamed_rows) >= 2, schedule.streamed_rows
   assert schedule.stream_full_duplex(), schedule.streamed_rows

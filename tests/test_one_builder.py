@@ -69,6 +69,20 @@ def test_compile_gpu_builds_the_runners_step(name, layers):
   assert compiled.partition.early == chooser.early_chunks(compiled.layout.spec(), plan)
 
 
+def test_the_runners_offload_is_told_the_limit_it_is_compiled_under():
+  """The runner compiles the accelerator program with `compiler_options_for('gpu')`;
+  its `Offload` carries that options' limit on asynchronous calls, so both stream
+  lanes join the host call's group (`lanes.grouped_lanes`)."""
+  from dos_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
+  from dos_jax.train.config import OffloadConfig  # pylint: disable=import-outside-toplevel
+  limit = step_lib.compiler_options_for('gpu')[
+      'xla_gpu_experimental_parallel_async_compute_limit']
+  assert limit >= 3
+  assert step_lib.make_offload(OffloadConfig(platform='gpu')).async_compute_limit == limit
+  # The one-memory program has no stream lane: the limit is XLA's default there.
+  assert step_lib.make_offload(OffloadConfig(platform='cpu')).async_compute_limit == 2
+
+
 def test_the_runner_builds_through_the_one_builder(monkeypatch, tmp_path):
   calls = []
   real = optimizer_lib.build_optimizer

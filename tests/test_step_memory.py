@@ -18,6 +18,7 @@ from dos_jax.policies import SubgroupSpec
 from dos_jax.train import config as config_lib
 from dos_jax.train import model as model_lib
 from dos_jax.train import step as step_lib
+from tests import compiled as tests_compiled
 
 MIB = 2**20
 
@@ -122,10 +123,9 @@ def test_prediction_within_10_percent_of_the_compiled_h100_step(policy, dtype):
     pytest.skip(f'no GPU compiler here: {why}')
   if jax.default_backend() != 'cpu':
     pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu')
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
   cfg = _cfg(f'offload.policy={policy}', f'model.param_dtype={dtype}', 'model.n_layers=2',
              'optim.clip_norm=1.0')
-  compiled = gpu_program.compile_step(cfg, 'h100_sxm').memory
+  compiled = tests_compiled.compile_step(cfg).memory
   predicted = step_memory.predict_step(cfg)
   assert predicted.device_bytes == pytest.approx(compiled.device_peak_bytes, rel=0.10)
   # The host update is in place: host temp is what it reads (gradient pieces, fp32
@@ -166,8 +166,7 @@ def _update_bound_cfg(*overrides):
 
 
 def _compile(cfg):
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
-  return gpu_program.compile_step(cfg, 'h100_sxm')
+  return tests_compiled.compile_step(cfg)
 
 
 @pytest.mark.compiled_gpu

@@ -8,15 +8,16 @@ the same group. XLA's latency-hiding scheduler places a group's instructions in 
 each asynchronous done before any start, so the host call and the stream's windows
 overlap in every schedule (docs/design.md, "Concurrent by construction").
 
-How much a group may hold (`GROUP_STREAM_CALLS`): the scheduler counts every
+How much a group may hold (`lanes.grouped_lanes`): the scheduler counts every
 asynchronous call in flight (host call, stream call, and the copies between host and
 device memory inside a stream call) against
 `xla_gpu_experimental_parallel_async_compute_limit`, 2 unless set, and a group it
 cannot place whole within that limit stops the compile
 (`RET_CHECK ... Couldn't find an annotated node to schedule`). So a group holds the
-host call and one stream call whose copies run one after another; the other stream
-calls of a step carry the group only as `LANES_ATTRIBUTE`, which names them for the
-program's readers (`dataflow.streamed_rows`) and which XLA ignores.
+host call and one stream call fewer than the limit, each running its copies one after
+another; the other stream calls of a step carry the group only as `LANES_ATTRIBUTE`,
+which names them for the program's readers (`dataflow.streamed_rows`) and which XLA
+ignores.
 
 Group ids are numbered per traced program (`next_group`), so tracing one step twice
 gives the same program text.
@@ -52,10 +53,6 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 STREAM = 1  # the first CUDA stream of the device tiers' update (0 is XLA's compute stream)
 _FIRST_GROUP = 7000
-# Stream calls a scheduling group holds beside its host call: with the host call, what
-# XLA's default limit on asynchronous calls in flight (2) lets the scheduler place in
-# one go (see the module docstring; tests/test_compiled_options.py).
-GROUP_STREAM_CALLS = 1
 # The frontend attribute naming the stream calls of one step's device tiers (its value:
 # their group id), grouped or not.
 LANES_ATTRIBUTE = '_dos_jax_lanes'

@@ -2,8 +2,8 @@
 host and device updates concurrent by construction (docs/design.md, rules 1 and 3).
 
 * `update_on_two_streams` -- the host tier in host regions and the device tiers
-  (streamed, resident) in stream regions, one per lane, the first lane in one
-  scheduling group with the host call (`grouped_lanes`);
+  (streamed, resident) in stream regions, one per lane, as many lanes as the
+  compile's limit allows in one scheduling group with the host call (`grouped_lanes`);
 * `stream_lanes`, `lane_count` -- which blocks each lane runs: the streamed rows
   round-robin in stream order, so consecutive rows sit on different CUDA streams (XLA
   runs a region's copies one after another);
@@ -30,14 +30,14 @@ from dos_jax.step import tier_updates
 from dos_jax.step.options import StepOptions
 
 
-# The most stream lanes a step runs in unless told (`lane_count`): the grouped lane and
-# one more. Two lanes put a row's write-back and the next row's fetch on two CUDA
-# streams (full duplex); more would not compile under the latency-hiding scheduler
-# alone: XLA's default limit lets 2 asynchronous calls be in flight, and with two
-# ungrouped lanes in flight across the host call's group the compile stops ("There is a
-# scheduling group which exceeds the overlap limits ... needs 1 kGpuAsyncStreamComputes
-# resources, but the limit is 0"; Stride(2, buffers=3), 8 x 1024, XLA 0.11.2).
-MAX_LANES = device_stream.GROUP_STREAM_CALLS + 1
+# The most stream lanes a step runs in unless told (`lane_count`). Two lanes put a
+# row's write-back and the next row's fetch on two CUDA streams (full duplex); more
+# would not compile under the latency-hiding scheduler alone: XLA's default limit lets
+# 2 asynchronous calls be in flight, and with two ungrouped lanes in flight across the
+# host call's group the compile stops ("There is a scheduling group which exceeds the
+# overlap limits ... needs 1 kGpuAsyncStreamComputes resources, but the limit is 0";
+# Stride(2, buffers=3), 8 x 1024, XLA 0.11.2).
+MAX_LANES = 2
 
 
 def lane_count(plan, streamed_rows: int, lanes: int = 0) -> int:
@@ -52,7 +52,7 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   """The accelerator program's tiers, host and device halves concurrent by construction:
   the host tier in host regions and the device tiers (streamed, resident) in stream
   regions, one per lane (`stream_lanes`), each on a GPU stream of its own, the first
-  in one scheduling group with the host call (`grouped_lanes`). Returns
+  `grouped_lanes` in one scheduling group with the host call. Returns
   (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop does.
   `host_update(group)`, if given, builds the host tier and puts in the group what
   should run beside the device tiers (early chunks: the last chunk and the redo).
@@ -87,19 +87,20 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   return new_tiers, outs
 
 
-def grouped_lanes(lanes: int) -> int:
+def grouped_lanes(lanes: int, options: StepOptions) -> int:
   """How many of `lanes` stream lanes join the host call's scheduling group: as many
-  as XLA's default limit on asynchronous calls in flight lets the latency-hiding
-  scheduler place with the host call in one go (`device_stream.GROUP_STREAM_CALLS`).
+  as the limit on asynchronous calls in flight the step is compiled under lets the
+  latency-hiding scheduler place with the host call in one go
+  (`StepOptions.grouped_lanes`, from `Offload.async_compute_limit`).
 
   A group is placed whole or the compile stops (XLA 0.11.2,
   latency_hiding_scheduler.cc:2567, "Couldn't find an annotated node to schedule"):
   the host call, each lane's stream call and the copies inside it are each counted
   against `xla_gpu_experimental_parallel_async_compute_limit` (2 unless set; 3 in
-  `dos_jax.GPU_COMPILER_OPTIONS`). The first lane, in the group, runs beside the host
-  call in every schedule; the others beside it where the scheduler's limit allows
-  (under `GPU_COMPILER_OPTIONS`: tests/test_compiled_options.py)."""
-  return min(lanes, device_stream.GROUP_STREAM_CALLS)
+  `dos_jax.GPU_COMPILER_OPTIONS`). The grouped lanes run beside the host call in
+  every schedule; the others where the scheduler finds room
+  (tests/test_compiled_options.py)."""
+  return min(lanes, options.grouped_lanes)
 
 
 def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple]],
@@ -116,7 +117,7 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
   would each become a stream call of their own)."""
   new_blocks = {t: [None] * len(blocks) for t, blocks in given.items()}
   rows_out = []
-  grouped = grouped_lanes(len(lanes))
+  grouped = grouped_lanes(len(lanes), context.options)
   for lane, work in enumerate(lanes):
 
     def lane_update(grad_leaves, blocks_in, work=work):

@@ -17,6 +17,9 @@ class StepOptions:
     device_impl: the device path's (the Pallas kernel, or XLA's ops).
     data_axis: the mesh axis the state is split over.
     host_threads: threads of the native host kernel (None: the cores available).
+    grouped_lanes: the stream lanes the host call's scheduling group may hold: one less
+      than `Offload.async_compute_limit` (the group's host call is one of the calls in
+      flight).
 
   >>> import dos_jax
   >>> StepOptions.of(dos_jax.Offload(host_threads=2)).host_threads
@@ -27,8 +30,10 @@ class StepOptions:
   device_impl: UpdateImpl = UpdateImpl.KERNEL
   data_axis: str = 'data'
   host_threads: int | None = None
+  grouped_lanes: int = 1
 
   @classmethod
   def of(cls, offload: Offload) -> 'StepOptions':
     return cls(host_impl=offload.host_impl, device_impl=offload.device_impl,
-               data_axis=offload.data_axis, host_threads=offload.host_threads)
+               data_axis=offload.data_axis, host_threads=offload.host_threads,
+               grouped_lanes=max(0, offload.async_compute_limit - 1))

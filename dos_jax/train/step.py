@@ -117,9 +117,13 @@ def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'dat
   if cfg.disk_dir is not None:
     cap = None if cfg.host_state_gib is None else int(cfg.host_state_gib * 2**30)
     kwargs['disk'] = dos_jax.Disk(os.path.abspath(cfg.disk_dir), host_state_bytes=cap)
-  return dos_jax.Offload(policy=cfg.placement,
-                         platform=cfg.platform if platform is None else platform,
-                         data_axis=data_axis, **kwargs)
+  platform = cfg.platform if platform is None else platform
+  if dos_jax.Offload(platform=platform).target() is dos_jax.Program.TWO_MEMORIES:
+    # The runner compiles the accelerator program with `compiler_options_for('gpu')`.
+    kwargs['async_compute_limit'] = compiler_options_for('gpu')[
+        'xla_gpu_experimental_parallel_async_compute_limit']
+  return dos_jax.Offload(policy=cfg.placement, platform=platform, data_axis=data_axis,
+                         **kwargs)
 
 
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:
