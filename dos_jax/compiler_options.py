@@ -7,21 +7,20 @@ computes. XLA's default GPU schedule issues every copy's done right after its st
 runs the host call and the device update one after the other (the schedules compiled
 for an H100 are in experiments/RESULTS.md; tests/test_compiled_gpu.py checks them).
 
-The runner compiles its steps with these on a GPU. A library user passes them to jit:
+The runner compiles its steps with these on a GPU. A library user jits with `jit`:
 
-    step = jax.jit(step, donate_argnums=(0, 1), compiler_options=dos_jax.GPU_COMPILER_OPTIONS)
+    step = dos_jax.jit(step, donate_argnums=(0, 1))
 
-and tells the optimizer the options' limit on asynchronous calls in flight (a jitted
-step's options are not visible while it is traced):
-`dos_jax.Offload(..., async_compute_limit=dos_jax.PARALLEL_ASYNC_COMPUTE_LIMIT)`.
+which is `jax.jit` with these options on a GPU and tells the step being traced their
+limit on asynchronous calls in flight (a plain `jax.jit`'s options are not visible
+while it traces: there, say it with `Offload(async_compute_limit=...)` or `XLA_FLAGS`).
 
 They are XLA:GPU options: the CPU backend rejects them, so pass them only on a GPU.
 
 The step compiles under any of XLA's options; what overlaps depends on them
 (tests/test_compiled_options.py, compiled for an H100):
 
-* `GPU_COMPILER_OPTIONS`, with the optimizer told their limit
-  (`Offload(async_compute_limit=PARALLEL_ASYNC_COMPUTE_LIMIT)`, as the runner's is):
+* `GPU_COMPILER_OPTIONS`, the traced step told their limit (`jit`, the runner):
   both stream lanes run beside the last host call in every schedule and the stream is
   full duplex (no streamed row's fetch waits for a write-back).
 * The latency-hiding scheduler alone (`xla_gpu_enable_latency_hiding_scheduler`): the
@@ -34,10 +33,22 @@ The step compiles under any of XLA's options; what overlaps depends on them
   runs after the host calls.
 """
 
-from typing import Any, Mapping
+import contextlib
+import contextvars
+import functools
+import os
+import re
+from typing import Any, Callable, Iterator, Mapping
 import types
 
 PARALLEL_ASYNC_COMPUTE_LIMIT = 3
+LIMIT_OPTION = 'xla_gpu_experimental_parallel_async_compute_limit'
+XLA_ASYNC_COMPUTE_LIMIT = 2  # XLA's default for LIMIT_OPTION
+_LIMIT_FLAG = re.compile(r'--xla_gpu_experimental_parallel_async_compute_limit=(\S*)')
+# The limit of the options the step being traced will be compiled with, where dos_jax
+# does the jitting (`jit`, `dataflow.compile_for_gpu`): None elsewhere.
+_compiled_with: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    'dos_jax_async_compute_limit', default=None)
 
 GPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType({
     'xla_gpu_enable_latency_hiding_scheduler': True,
@@ -47,3 +58,82 @@ GPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType({
     # of the runner's AllHost step after the backward pass.
     'xla_gpu_experimental_parallel_async_compute_limit': PARALLEL_ASYNC_COMPUTE_LIMIT,
 })
+
+
+def xla_flags_async_compute_limit(flags: str | None = None) -> int | None:
+  """The limit on asynchronous calls in flight that XLA flags `flags` (None: the
+  `XLA_FLAGS` environment variable) set, the last occurrence as XLA reads them; None
+  where they set none.
+
+  >>> xla_flags_async_compute_limit('--xla_gpu_experimental_parallel_async_compute_limit=3')
+  3
+  >>> xla_flags_async_compute_limit('--xla_force_host_platform_device_count=8') is None
+  True
+  """
+  flags = os.environ.get('XLA_FLAGS', '') if flags is None else flags
+  found = _LIMIT_FLAG.findall(flags)
+  if not found:
+    return None
+  try:
+    return max(int(found[-1]), 1)
+  except ValueError:
+    raise ValueError(f'XLA_FLAGS: --{LIMIT_OPTION} must be an integer, got '
+                     f'{found[-1]!r}') from None
+
+
+def async_compute_limit(told: int | None = None) -> int:
+  """The limit on asynchronous calls in flight of the program the step being traced is
+  compiled into: `told` (`Offload.async_compute_limit`) where given; else that of the
+  options `jit` (or `dataflow.compile_for_gpu`) compiles the traced step with; else
+  the one `XLA_FLAGS` sets; else XLA's default, 2. A jitted step's options are not
+  visible while it is traced, hence the ways to say it.
+
+  >>> async_compute_limit(4)
+  4
+  >>> with compiled_with(GPU_COMPILER_OPTIONS):
+  ...   async_compute_limit()
+  3
+  """
+  if told is not None:
+    return told
+  for found in (_compiled_with.get(), xla_flags_async_compute_limit()):
+    if found is not None:
+      return found
+  return XLA_ASYNC_COMPUTE_LIMIT
+
+
+@contextlib.contextmanager
+def compiled_with(options: Mapping[str, Any] | None) -> Iterator[None]:
+  """Context: the steps traced inside will be compiled with XLA `options` (their limit
+  on asynchronous calls in flight, if they set one, is what `async_compute_limit`
+  gives there)."""
+  token = _compiled_with.set((options or {}).get(LIMIT_OPTION))
+  try:
+    yield
+  finally:
+    _compiled_with.reset(token)
+
+
+def jit(fun: Callable[..., Any], *, compiler_options: Mapping[str, Any] | None = None,
+        **jit_kwargs) -> Any:
+  """`jax.jit(fun, **jit_kwargs)` compiled on a GPU with `GPU_COMPILER_OPTIONS` (and
+  `compiler_options` over them; elsewhere with `compiler_options` alone), with dos_jax's
+  transforms traced inside told the options' limit on asynchronous calls in flight, so
+  that both stream lanes run beside the host call by construction.
+
+  >>> import jax.numpy as jnp, dos_jax
+  >>> step = dos_jax.jit(lambda x: x * 2)
+  >>> step(jnp.ones(2)).tolist()
+  [2.0, 2.0]
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  options = dict(GPU_COMPILER_OPTIONS) if jax.default_backend() in ('gpu', 'cuda', 'rocm') \
+      else {}
+  options.update(compiler_options or {})
+
+  @functools.wraps(fun)
+  def traced(*args, **kwargs):
+    with compiled_with(options):
+      return fun(*args, **kwargs)
+
+  return jax.jit(traced, compiler_options=options or None, **jit_kwargs)

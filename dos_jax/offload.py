@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
-import re
 from typing import Any
 
 import jax
 
+from dos_jax import compiler_options
 from dos_jax.policies import Policy
 from dos_jax.policies import Stride
 
@@ -87,32 +86,6 @@ class UpdateImpl(enum.Enum):
   XLA = 'xla'
 
 
-XLA_ASYNC_COMPUTE_LIMIT = 2  # XLA's default for xla_gpu_experimental_parallel_async_compute_limit
-_LIMIT_FLAG = re.compile(r'--xla_gpu_experimental_parallel_async_compute_limit=(\S*)')
-
-
-def xla_flags_async_compute_limit(flags: str | None = None) -> int:
-  """The limit on asynchronous calls in flight that XLA flags `flags` (None: the
-  `XLA_FLAGS` environment variable) set, the last occurrence as XLA reads them, else
-  XLA's default (2).
-
-  >>> xla_flags_async_compute_limit('--xla_gpu_experimental_parallel_async_compute_limit=3')
-  3
-  >>> xla_flags_async_compute_limit('--xla_force_host_platform_device_count=8')
-  2
-  """
-  flags = os.environ.get('XLA_FLAGS', '') if flags is None else flags
-  found = _LIMIT_FLAG.findall(flags)
-  if not found:
-    return XLA_ASYNC_COMPUTE_LIMIT
-  try:
-    value = int(found[-1])
-  except ValueError:
-    raise ValueError(f'XLA_FLAGS: --xla_gpu_experimental_parallel_async_compute_limit must be '
-                     f'an integer, got {found[-1]!r}') from None
-  return max(value, 1)
-
-
 @dataclasses.dataclass(frozen=True)
 class Offload:
   """What a user decides about the offloaded optimizer state.
@@ -132,12 +105,13 @@ class Offload:
     host_threads: threads for the native host update (None: the cores available).
     async_compute_limit: the asynchronous calls XLA may keep in flight in the program
       this step is compiled into (`xla_gpu_experimental_parallel_async_compute_limit`,
-      2 unless set; `GPU_COMPILER_OPTIONS` sets 3). None: the value in `XLA_FLAGS`, else
-      2. The host call's scheduling group holds `async_compute_limit - 1` stream lanes:
-      with 3, both lanes run beside the host call in every schedule; a group over the
-      limit stops the latency-hiding scheduler (RET_CHECK latency_hiding_scheduler.cc:2567,
-      8x1024 Stride(2) and 10x768 DeviceFraction(0.5), tests/test_compiled_options.py).
-      Set it to the limit of the options you compile with.
+      2 unless set; `GPU_COMPILER_OPTIONS` sets 3). None: known where dos_jax jits the
+      step (`dos_jax.jit`, the runner), else `XLA_FLAGS`'s, else 2
+      (`compiler_options.async_compute_limit`). The host call's scheduling group holds
+      `limit - 1` stream lanes: with 3, both lanes run beside the host call in every
+      schedule; a group over the limit stops the latency-hiding scheduler (RET_CHECK
+      latency_hiding_scheduler.cc:2567, 8x1024 Stride(2) and 10x768
+      DeviceFraction(0.5), tests/test_compiled_options.py).
     disk: the disk tier (`Disk`): host subgroups beyond a host-memory budget keep
       their state in files. None: none.
     platform: which program to build (`Program`, or its value 'cpu' / 'gpu'); None
@@ -203,7 +177,7 @@ class Offload:
 
     limit = self.async_compute_limit
     if limit is None:
-      object.__setattr__(self, 'async_compute_limit', xla_flags_async_compute_limit())
+      compiler_options.xla_flags_async_compute_limit()  # a bad value named now, not in a trace
     elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
       raise ValueError(f'Offload.async_compute_limit must be an integer >= 1 (XLA\'s '
                        f'xla_gpu_experimental_parallel_async_compute_limit), got {limit!r}')

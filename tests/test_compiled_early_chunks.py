@@ -30,7 +30,6 @@ Compiled with the CUDA plugin's compile-only client; skipped where it is not ins
 import pytest
 
 from dos_jax import dataflow
-from dos_jax.compiler_options import PARALLEL_ASYNC_COMPUTE_LIMIT
 from dos_jax.dataflow import early_windows
 from dos_jax.step import device_stream
 from dos_jax.step import early_chunks
@@ -60,10 +59,8 @@ def _early(layers, chunks) -> tuple[int, ...]:
 def _schedule(layers, width, dtype, chunks):
   key = (layers, width, dtype, chunks)
   if key not in _CACHE:
-    # Compiled under GPU_COMPILER_OPTIONS, whose limit the optimizer is told.
-    fn, args, jit_kwargs = probes.mlp_step(
-        layers, width, dtype=dtype, early=_early(layers, chunks),
-        async_compute_limit=PARALLEL_ASYNC_COMPUTE_LIMIT)
+    fn, args, jit_kwargs = probes.mlp_step(layers, width, dtype=dtype,
+                                           early=_early(layers, chunks))
     _CACHE[key] = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
   return _CACHE[key]
 

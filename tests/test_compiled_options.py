@@ -7,10 +7,10 @@ Every set compiles, with no internal XLA error. A scheduling group is placed who
 not at all: with the scheduler on and XLA's default limit on asynchronous calls in
 flight (2), a group holding the host call and every stream lane stopped the compile
 (`RET_CHECK ... latency_hiding_scheduler.cc:2567 ... Couldn't find an annotated node to
-schedule`), so the group holds the host call and one lane fewer than the limit the
-optimizer is told (`Offload.async_compute_limit`, `lanes.grouped_lanes`), and a step
-runs in two lanes at most (`lanes.MAX_LANES`). Each step here is told the limit of the
-options it is compiled with.
+schedule`), so the group holds the host call and one lane fewer than the limit of the
+options the step is compiled with (`dataflow.compile_for_gpu` and `dos_jax.jit` tell
+the traced step; `lanes.grouped_lanes`), and a step runs in two lanes at most
+(`lanes.MAX_LANES`).
 
 What the step guarantees under `GPU_COMPILER_OPTIONS` (limit 3): every device update
 runs beside a host call, and no streamed row's fetch waits for a write-back. Under the
@@ -35,17 +35,15 @@ if not device_stream.available():
               allow_module_level=True)
 
 
-def offload_for(policy, subgroup_size: int, options: dict):
-  """The optimizer's `Offload` for these tests: the policy, and the limit on
-  asynchronous calls of the XLA `options` the step is compiled with (the one
-  construction, per subgroup, with its early host calls by the rule)."""
+def offload_for(policy, subgroup_size: int):
+  """The optimizer's `Offload` for these tests: nothing beyond the policy (the one
+  construction, per subgroup, with its early host calls by the rule; the limit on
+  asynchronous calls is that of the options `compile_for_gpu` compiles with)."""
   import dos_jax  # pylint: disable=import-outside-toplevel
-  limit = options.get('xla_gpu_experimental_parallel_async_compute_limit')
-  return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, platform='gpu',
-                         async_compute_limit=limit)
+  return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, platform='gpu')
 
 
-def _mlp_step(layers: int, width: int, dtype: str, policy, options: dict):
+def _mlp_step(layers: int, width: int, dtype: str, policy):
   """A donated train step of an L x W MLP, one subgroup per layer, clipped (as
   `dataflow.probes.mlp_step`), its optimizer built with `offload_for`."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -59,7 +57,7 @@ def _mlp_step(layers: int, width: int, dtype: str, policy, options: dict):
                           jax.devices()[0])
   x = jnp.asarray(np.random.default_rng(1).standard_normal((64, width)), jnp.dtype(dtype))
   opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(
-      1e-3, offload=offload_for(policy, width * width + width, options)))
+      1e-3, offload=offload_for(policy, width * width + width)))
   state = opt.init(params)
 
   def step(p, s, x):
@@ -96,7 +94,7 @@ FAMILY = (
 @pytest.mark.parametrize('layers, width, dtype, policy', FAMILY, ids=lambda v: str(v))
 def test_the_step_compiles_under_the_options_users_set(layers, width, dtype, policy,
                                                         options):
-  fn, args, jit_kwargs = _mlp_step(layers, width, dtype, _policy(policy), OPTIONS[options])
+  fn, args, jit_kwargs = _mlp_step(layers, width, dtype, _policy(policy))
   ours = options == 'gpu_compiler_options'
   # Early host calls get a profiled latency (a second compile) only with our options.
   program = dataflow.compile_for_gpu(fn, *args, compiler_options=OPTIONS[options],

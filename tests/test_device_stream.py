@@ -102,26 +102,34 @@ def test_group_ids_are_numbered_per_traced_program(seed):
 
 
 @pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
-@pytest.mark.parametrize('limit, flags', [(None, ''), (3, ''), (None, '3'), (1, '3')])
-def test_the_group_holds_one_lane_fewer_than_the_async_limit(limit, flags, seed, monkeypatch):
-  """The host call's scheduling group holds `async_compute_limit - 1` of the two stream
-  lanes (`lanes.grouped_lanes`); the limit defaults to the one `XLA_FLAGS` sets, else
-  XLA's 2. Every lane is named as the group's (`LANES_ATTRIBUTE`)."""
+@pytest.mark.parametrize('limit, flags, jitted_with, expected', [
+    (None, '', None, 2), (3, '', None, 3), (None, '3', None, 3), (1, '3', None, 1),
+    (None, '', 3, 3), (None, '3', 2, 2), (2, '', 3, 2)])
+def test_the_group_holds_one_lane_fewer_than_the_async_limit(limit, flags, jitted_with,
+                                                              expected, seed, monkeypatch):
+  """The host call's scheduling group holds `limit - 1` of the two stream lanes
+  (`lanes.grouped_lanes`): the limit the optimizer is told, else that of the options
+  `dos_jax.jit` compiles the step with, else the one `XLA_FLAGS` sets, else XLA's 2.
+  Every lane is named as the group's (`LANES_ATTRIBUTE`)."""
   monkeypatch.setenv('XLA_FLAGS', f'--xla_gpu_experimental_parallel_async_compute_limit={flags}'
                      if flags else '--xla_force_host_platform_device_count=8')
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   grads = random_grads(params, 0, seed)
   offload = dos_jax.Offload(subgroup_size=23, policy=dos_jax.Stride(2), platform='gpu',
                             device_impl=dos_jax.UpdateImpl.XLA, async_compute_limit=limit)
-  expected_limit = limit or int(flags or 2)
-  assert offload.async_compute_limit == expected_limit
   opt = dos_jax.adamw(3e-2, offload=offload)
   state = opt.init(params)
-  text = _lower_for_cuda(opt, params, state, grads)
-  streams = [op for op in _ops_with(text, '_xla_stream_annotation')]
+  if jitted_with is None:
+    text = _lower_for_cuda(opt, params, state, grads)
+  else:  # lowered only: the CPU backend would refuse XLA:GPU options at compile time
+    options = {'xla_gpu_enable_latency_hiding_scheduler': True,
+               'xla_gpu_experimental_parallel_async_compute_limit': jitted_with}
+    text = dos_jax.jit(_step(opt), compiler_options=options).trace(
+        params, state, grads).lower(lowering_platforms=('cuda',)).as_text()
+  streams = _ops_with(text, '_xla_stream_annotation')
   assert len(streams) == 2, streams  # Stride(2)'s two buffers: two lanes
   grouped = [op for op in streams if '_scheduling_group_id' in op]
-  assert len(grouped) == min(2, expected_limit - 1), streams
+  assert len(grouped) == min(2, expected - 1), streams
   assert all(device_stream.LANES_ATTRIBUTE in op for op in streams), streams
 
 

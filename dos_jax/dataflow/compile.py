@@ -28,6 +28,7 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping
 
+from dos_jax import compiler_options as compiler_options_lib
 from dos_jax.compiler_options import GPU_COMPILER_OPTIONS
 from dos_jax.dataflow import early_windows as early_windows_lib
 from dos_jax.dataflow import gpu_target
@@ -238,6 +239,8 @@ def compile_for_gpu(fn: Callable[..., Any], *args,
   """
   from dos_jax.dataflow.graph import lower_for_gpu  # pylint: disable=import-outside-toplevel
   native = prepare(target)
-  lowered = lower_for_gpu(fn, *args, target=GpuTarget.parse(target), **jit_kwargs)
-  return compile_lowered(lowered, target, compiler_options, native_host_kernel=native,
+  options = GPU_COMPILER_OPTIONS if compiler_options is None else compiler_options
+  with compiler_options_lib.compiled_with(options):  # the traced step knows its limit
+    lowered = lower_for_gpu(fn, *args, target=GpuTarget.parse(target), **jit_kwargs)
+  return compile_lowered(lowered, target, options, native_host_kernel=native,
                          thunks=thunks, early_windows=early_windows)

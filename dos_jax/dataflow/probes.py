@@ -100,13 +100,11 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
 
 def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', policy: Any = None,
              clip: float | None = 1.0, batch: int = 64,
-             early: tuple[int, ...] | None = None,
-             async_compute_limit: int | None = None) -> tuple[Callable[..., Any], tuple, dict]:
+             early: tuple[int, ...] | None = None) -> tuple[Callable[..., Any], tuple, dict]:
   """A donated train step of an L x W MLP with `dos_jax.adamw` (one subgroup per layer,
   `Stride(2)` by default, clipped), built as the accelerator program with nothing but
   the policy set; `early`: other early host calls than the state's own
-  (`dos_jax.migrate(..., early=early)`; `()`: one host call); `async_compute_limit`:
-  `Offload.async_compute_limit` (None: its default)."""
+  (`dos_jax.migrate(..., early=early)`; `()`: one host call)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
@@ -117,8 +115,7 @@ def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', policy: An
   x = jnp.asarray(np.random.default_rng(1).standard_normal((batch, width)), jnp.dtype(dtype))
   offload = dos_jax.Offload(
       subgroup_size=width * width + width,
-      policy=dos_jax.Stride(2) if policy is None else policy, platform='gpu',
-      async_compute_limit=async_compute_limit)
+      policy=dos_jax.Stride(2) if policy is None else policy, platform='gpu')
   adamw = dos_jax.adamw(1e-3, offload=offload)
   opt = adamw if clip is None else dos_jax.chain(dos_jax.clip_by_global_norm(clip), adamw)
   state = opt.init(params)

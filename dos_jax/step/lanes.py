@@ -91,7 +91,8 @@ def grouped_lanes(lanes: int, options: StepOptions) -> int:
   """How many of `lanes` stream lanes join the host call's scheduling group: as many
   as the limit on asynchronous calls in flight the step is compiled under lets the
   latency-hiding scheduler place with the host call in one go
-  (`StepOptions.grouped_lanes`, from `Offload.async_compute_limit`).
+  (`StepOptions.grouped_lanes`: `Offload.async_compute_limit`, else the options
+  `dos_jax.jit` compiles with, else `XLA_FLAGS`'s).
 
   A group is placed whole or the compile stops (XLA 0.11.2,
   latency_hiding_scheduler.cc:2567, "Couldn't find an annotated node to schedule"):
@@ -100,7 +101,7 @@ def grouped_lanes(lanes: int, options: StepOptions) -> int:
   `dos_jax.GPU_COMPILER_OPTIONS`). The grouped lanes run beside the host call in
   every schedule; the others where the scheduler finds room
   (tests/test_compiled_options.py)."""
-  return min(lanes, options.grouped_lanes)
+  return min(lanes, options.grouped_lanes())
 
 
 def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple]],
