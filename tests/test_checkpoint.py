@@ -35,6 +35,7 @@ def _leaves_equal(a, b) -> bool:
   )
 
 
+@pytest.mark.slow
 def test_round_trip_is_exact_keeps_the_newest_and_crosses_layouts(dataset, tmp_path):
   """Save every step (keep 2), restore into a fresh run of the same config: bitwise equal,
   host state back in pinned_host; restore into a run with another policy and

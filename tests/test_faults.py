@@ -251,6 +251,7 @@ def _stop_when(proc, seen, what, timeout=300.0) -> None:
   raise AssertionError(f'timed out waiting for {what}')
 
 
+@pytest.mark.slow
 def test_second_run_on_a_running_folder_exits_2_and_the_first_run_is_complete(
     dataset, reference, jax_cache, tmp_path, capsys
 ):

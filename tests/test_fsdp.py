@@ -133,6 +133,7 @@ def test_a_checkpoint_saved_under_fsdp4_resumes_under_data2_and_on_one_device(da
       np.testing.assert_allclose(got[step], expected[step], rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_bad_fsdp_meshes_exit_2_with_one_line(tmp_path):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
              JAX_PLATFORMS='cpu')

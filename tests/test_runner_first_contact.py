@@ -189,6 +189,7 @@ def test_eta_leaves_out_the_steps_that_compiled():
   assert stream.getvalue().rstrip().endswith('eta 49s')
 
 
+@pytest.mark.slow
 def test_the_gpu_checks_step_part_runs_on_this_machines_backend(tmp_path):
   """`experiments/gpu_check.sh` parts 4 and 11 run `compile_gpu.py --run`, which must also
   run on a CPU (`gpu_check.sh --small`, the smoke test): the step's attention is resolved
