@@ -44,7 +44,7 @@ import types
 PARALLEL_ASYNC_COMPUTE_LIMIT = 3
 LIMIT_OPTION = 'xla_gpu_experimental_parallel_async_compute_limit'
 XLA_ASYNC_COMPUTE_LIMIT = 2  # XLA's default for LIMIT_OPTION
-_LIMIT_FLAG = re.compile(r'--xla_gpu_experimental_parallel_async_compute_limit=(\S*)')
+_LIMIT_FLAG = re.compile(rf'--{LIMIT_OPTION}=(\S*)')
 # The limit of the options the step being traced will be compiled with, where dos_jax
 # does the jitting (`jit`, `dataflow.compile_for_gpu`): None elsewhere.
 _compiled_with: contextvars.ContextVar[int | None] = contextvars.ContextVar(
@@ -56,8 +56,18 @@ GPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType({
     # flight together (`dos_jax.step.lanes`): 3 lets the scheduler run both lanes
     # beside the host call (XLA's default, 2, runs one); 4 moves two gradient copies
     # of the runner's AllHost step after the backward pass.
-    'xla_gpu_experimental_parallel_async_compute_limit': PARALLEL_ASYNC_COMPUTE_LIMIT,
+    LIMIT_OPTION: PARALLEL_ASYNC_COMPUTE_LIMIT,
 })
+
+
+def for_platform(platform: str) -> Mapping[str, Any] | None:
+  """The options dos_jax compiles its steps with on `platform` (a JAX platform name):
+  `GPU_COMPILER_OPTIONS` on a GPU, else none (the CPU backend rejects XLA:GPU options).
+
+  >>> for_platform('cpu') is None
+  True
+  """
+  return GPU_COMPILER_OPTIONS if platform in ('gpu', 'cuda', 'rocm') else None
 
 
 def xla_flags_async_compute_limit(flags: str | None = None) -> int | None:
@@ -127,9 +137,7 @@ def jit(fun: Callable[..., Any], *, compiler_options: Mapping[str, Any] | None =
   [2.0, 2.0]
   """
   import jax  # pylint: disable=import-outside-toplevel
-  options = dict(GPU_COMPILER_OPTIONS) if jax.default_backend() in ('gpu', 'cuda', 'rocm') \
-      else {}
-  options.update(compiler_options or {})
+  options = {**(for_platform(jax.default_backend()) or {}), **(compiler_options or {})}
 
   @functools.wraps(fun)
   def traced(*args, **kwargs):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 from dos_jax.step import early_chunks
 from dos_jax.planner import costmodel
 from dos_jax.planner.hardware import HardwareProfile
