@@ -4,13 +4,15 @@ fixture that every test drawing random inputs takes its seed from.
 
 Most of the suite's time is XLA compiling (on the 2-core CPU machine, about two
 thirds of a typical test file), and many tests compile the same program from fresh
-closures. A persistent compilation cache in a temporary folder, shared by the
-workers of one run and removed after it, compiles each such program once. It
-changes nothing a test checks: a jitted function's own cache (`_cache_size()`,
+closures, or start `dos-jax train` again on the same config. A persistent compilation
+cache in a temporary folder, shared by the workers of one run and the runs they start
+as subprocesses (through JAX's own variables, `JAX_COMPILATION_CACHE_DIR`; the runner
+keeps a cache set that way), and removed after it, compiles each such program once.
+It changes nothing a test checks: a jitted function's own cache (`_cache_size()`,
 optax's `log_compilations`) still sees every trace, and the executables are XLA's
-own, stored and loaded. Only this process's JAX uses it: the runs that tests start
-as subprocesses (some of them killed mid-step, while JAX writes an entry in place)
-never write to it.
+own, stored and loaded. A subprocess killed while JAX writes an entry leaves it short:
+JAX then warns and compiles that program again. A test that needs its runs to have a
+cache of their own (or none) sets these variables itself.
 """
 
 import atexit
@@ -20,7 +22,10 @@ import tempfile
 import zlib
 
 # Must happen before JAX starts a backend. Tests that do not shard use device 0 only.
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+# Flags given in XLA_FLAGS (.ci/run's stage 2 passes some) are kept beside it.
+if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
+                             + ' --xla_force_host_platform_device_count=8').strip()
 
 import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
@@ -60,6 +65,10 @@ if not jax.config.jax_compilation_cache_dir:  # a cache the user set is kept
   jax.config.update('jax_compilation_cache_dir', _compilation_cache())
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  # The runs tests start as subprocesses (`dos-jax train`, examples) use it too.
+  os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', jax.config.jax_compilation_cache_dir)
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,8 @@
 `dos_jax.clip_by_global_norm`, `dos_jax.migrate`, `dos_jax.step.device_stream`'s region,
 `construction.stream_regions`, the early host calls' rule and order
 (`partition.early_host_calls`, `early_chunks.host_blocks`), the thunk reader
-`dos_jax.dataflow.thunks` and `dos_jax.dataflow.compile_step`) run as doctests, on the
+`dos_jax.dataflow.thunks`, `dos_jax.dataflow.compile_step` and the runner's
+`compile_cache`) run as doctests, on the
 CPU backend, as CI runs them. Each example compares with optax (stated tolerance) or
 prints exact values."""
 
@@ -19,10 +20,12 @@ from dos_jax.geometry import partition
 from dos_jax.step import construction
 from dos_jax.step import device_stream
 from dos_jax.step import early_chunks
+from dos_jax.train import compile_cache
 
 
 @pytest.mark.parametrize('module', [alias, clipping, device_stream, thunks, early_windows,
-                                    construction, migration, partition, early_chunks],
+                                    construction, migration, partition, early_chunks,
+                                    compile_cache],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

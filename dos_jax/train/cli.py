@@ -54,7 +54,7 @@ def train_handler(args: argparse.Namespace) -> int:
   SIGTERM (143) after saving a checkpoint."""
   import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import config, distributed, loop  # pylint: disable=import-outside-toplevel
+  from dos_jax.train import compile_cache, config, distributed, loop  # pylint: disable=import-outside-toplevel
 
   overrides = args.set or ()
   for text in overrides:
@@ -64,6 +64,7 @@ def train_handler(args: argparse.Namespace) -> int:
                    f' e.g. --set {text}={args.config}')
   try:
     cfg = config.load(args.config, overrides)
+    compile_cache.enable(cfg.train.compilation_cache)  # before the run's first compile
     if cfg.offload.keep_freed_host_memory:
       # Before JAX starts its worker threads, which would otherwise get arenas of
       # their own (see dos_jax.keep_freed_host_memory).

@@ -206,6 +206,10 @@ class TrainConfig:
       whenever it asks for a measurement.
     microbatches: microbatches per batch in a pipelined run (mesh.pipeline > 1): the
       GPipe bubble is (pipeline-1)/(microbatches+pipeline-1); must be 1 otherwise.
+    compilation_cache: keep the run's compiled programs in JAX's persistent compilation
+      cache, `<dos_jax cache>/jax` (`dos_jax.train.compile_cache`), so that a resumed or
+      repeated run loads them instead of compiling them; a cache set up for JAX
+      (`JAX_COMPILATION_CACHE_DIR`) is used as it is.
   """
 
   steps: int = field(1000, check=POSITIVE)
@@ -217,6 +221,7 @@ class TrainConfig:
   metrics_file: str = field('metrics.jsonl', check=NON_EMPTY)
   split_every: int | None = field(None, check=NON_NEGATIVE)
   microbatches: int = field(1, check=POSITIVE)
+  compilation_cache: bool = True
 
   def __post_init__(self):
     name = os.path.normpath(self.metrics_file)
