@@ -123,8 +123,14 @@ class CachedBuildExt(build_ext):
   stamp next to the in-place library (kernels/<lib>.so.sha256, which an editable
   install also writes there) records the digest of its inputs and of the library; a
   later build whose inputs have the same digest copies that library instead. Any edit
-  to a source, header, flag or the jaxlib headers rebuilds.
+  to a source, header, flag or the jaxlib headers rebuilds. The libraries compile in
+  parallel, one per core (setuptools' `--parallel`, which a command line may still set).
   """
+
+  def finalize_options(self):
+    super().finalize_options()
+    if not self.parallel:
+      self.parallel = os.cpu_count() or 1
 
   def build_extension(self, ext):
     target = self.get_ext_fullpath(ext.name)
