@@ -371,6 +371,36 @@ def _check_restart(err: str, left: list[str], ckpt_dir: str) -> None:
     assert f'resumed from {ckpt_dir} at step {max(complete)}' in err, err[-3000:]
 
 
+def test_a_failed_saves_stray_task_errors_go_to_its_error_log(tmp_path, capsys):
+  """orbax's asyncio tasks of a failed save report their exceptions only when collected:
+  leaving RunLog collects them into the error.log it wrote, not onto the terminal (at
+  exit, or inside a later run of the same process, where a test once caught one)."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+  import gc  # pylint: disable=import-outside-toplevel
+
+  async def write_fragment():
+    raise OSError(28, 'No space left on device')
+
+  async def save():
+    task = asyncio.ensure_future(write_fragment())
+    await asyncio.sleep(0)  # the task fails; nothing retrieves its exception
+    cycle = {'task': task}
+    cycle['self'] = cycle  # freed only by the garbage collector, as orbax's are
+
+  gc.disable()  # so that only RunLog's collection can report the task
+  try:
+    with faults.RunLog() as log:
+      asyncio.run(save())
+      path = log.write(OSError(28, 'No space left on device'), str(tmp_path))
+  finally:
+    gc.enable()
+    gc.collect()  # what RunLog left is reported now, to the terminal
+  text = open(path, encoding='utf-8').read()
+  assert 'Task exception was never retrieved' in text, text
+  assert text.count('No space left on device') >= 2, text  # the run's error and the task's
+  assert 'Traceback' not in capsys.readouterr().err
+
+
 def test_lock_names_its_holder_and_is_released_with_the_file(tmp_path):
   """In one process, as across processes: flock locks belong to the open file, so a
   second RunLock on the folder is refused while the first is held."""

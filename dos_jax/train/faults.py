@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import gc
 import logging
 import os
 import re
@@ -186,8 +187,11 @@ class RunLog:
   """While a run trains: orbax's (absl's) warnings and errors, and exceptions Python
   could not raise (tensorstore callbacks after a failed write), are kept instead of
   printed. `write` puts them, with an error's traceback, into the run folder's
-  `error.log`; on leaving without `write` they are printed as before. With
-  `debug=True` nothing is kept back.
+  `error.log`; on leaving without `write` they are printed as before. Leaving collects
+  garbage first: the asyncio tasks of a failed save report their exceptions when they
+  are collected, and are then reported here (appended to the log `write` wrote), not
+  at exit nor in a later run of the same process. With `debug=True` nothing is kept
+  back.
 
   Example:
     >>> import logging
@@ -205,6 +209,7 @@ class RunLog:
     self._saved: list[tuple[logging.Logger, bool]] = []
     self._unraisable = None
     self._written = False
+    self._log: tuple[str, int] | None = None  # (path written, records in it)
 
   def lines(self) -> list[str]:
     return list(self._handler.lines)
@@ -227,6 +232,9 @@ class RunLog:
     self._handler.lines.append(f'unraisable exception ({unraisable.err_msg}):\n{text}')
 
   def __exit__(self, *exc):
+    if self._saved:
+      gc.collect()
+      self._append_late_records()
     for logger, propagate in self._saved:
       logger.removeHandler(self._handler)
       logger.propagate = propagate
@@ -253,7 +261,19 @@ class RunLog:
       try:
         with open(path, 'a', encoding='utf-8') as f:
           f.write(text)
+        self._log = (path, len(self._handler.lines))
         return path
       except OSError:
         continue
     return '(no log: nowhere could be written)'
+
+  def _append_late_records(self) -> None:
+    """The records kept after `write` (a failed save's tasks, collected), to its log."""
+    if self._log is None or len(self._handler.lines) <= self._log[1]:
+      return
+    path, written = self._log
+    try:
+      with open(path, 'a', encoding='utf-8') as f:
+        f.write(''.join(line + '\n' for line in self._handler.lines[written:]))
+    except OSError:
+      pass
