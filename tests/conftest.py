@@ -30,6 +30,8 @@ if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
 import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
+from dos_jax.train import compile_cache  # pylint: disable=wrong-import-position
+
 _CACHE_ENV = 'DOS_JAX_TEST_COMPILATION_CACHE'
 _SEED_ENV = 'DOS_JAX_TEST_SEED'
 
@@ -62,9 +64,7 @@ def _compilation_cache() -> str:
 
 
 if not jax.config.jax_compilation_cache_dir:  # a cache the user set is kept
-  jax.config.update('jax_compilation_cache_dir', _compilation_cache())
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  compile_cache.use(_compilation_cache())
   # The runs tests start as subprocesses (`dos-jax train`, examples) use it too.
   os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', jax.config.jax_compilation_cache_dir)
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')

@@ -29,9 +29,14 @@ def enable(on: bool) -> str | None:
   if current or not on:
     return current or None
   folder = str(dos_jax.cache_dir('jax'))
+  use(folder)
+  return folder
+
+
+def use(folder: str) -> None:
+  """JAX's persistent compilation cache in `folder`, keeping every program: the
+  runner's small ones (parameter init, checkpoint conversion) together take as long to
+  compile as its step on the tiny config."""
   jax.config.update('jax_compilation_cache_dir', folder)
-  # Every program: the runner's small ones (parameter init, checkpoint conversion)
-  # together take as long to compile as its step on the tiny config.
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
-  return folder
