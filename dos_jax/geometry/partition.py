@@ -331,6 +331,11 @@ def slice_pieces(leaves: Sequence[jax.Array], runs: Sequence[Piece],
   return out
 
 
+# XLA's CPU backend computes a 16-bit float concatenate (or pad) in float32: a copy of
+# twice the size. Their bits, as unsigned ints, are moved as they are.
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
+
+
 def assemble(arrays: Sequence[jax.Array], runs: Sequence[Piece], rows: int, size: int,
              dtype, shards: int = 1) -> jax.Array:
   """`(rows, size)` rows of `dtype` from pieces placed at their offsets, zero elsewhere.
@@ -341,6 +346,10 @@ def assemble(arrays: Sequence[jax.Array], runs: Sequence[Piece], rows: int, size
   shard d's land in columns `[d * size / shards, (d + 1) * size / shards)` of the rows.
   """
   total = rows * size // shards
+  if _BITS.get(jnp.dtype(dtype)) is not None:  # 16-bit floats move as their bits
+    bits = _BITS[jnp.dtype(dtype)]
+    as_bits = [jax.lax.bitcast_convert_type(x.astype(dtype), bits) for x in arrays]
+    return jax.lax.bitcast_convert_type(assemble(as_bits, runs, rows, size, bits, shards), dtype)
   zero = jnp.zeros((), dtype)
   lead = [(0, 0, 0)] if shards > 1 else []
   order = sorted(range(len(runs)), key=lambda i: runs[i].offset)
