@@ -39,6 +39,10 @@ from dos_jax.policies import Resident as Resident
 from dos_jax.policies import ResidentFraction as ResidentFraction
 from dos_jax.policies import Stride as Stride
 from dos_jax.policies import SubgroupSpec as SubgroupSpec
+from dos_jax.state_files import has_disk_tier as has_disk_tier
+from dos_jax.state_files import state_files_tree as state_files_tree
+from dos_jax.state_files import state_from_files as state_from_files
+from dos_jax.state_files import state_to_files as state_to_files
 from dos_jax.state_ops import abstract_state as abstract_state
 from dos_jax.state_ops import reset_moments as reset_moments
 from dos_jax.step.transform import OffloadedState as OffloadedState

@@ -65,3 +65,39 @@ def test_a_disk_too_small_for_the_state_is_refused_naming_the_key(
   lines = [line for line in err.splitlines() if 'offload.disk_dir=' in line]
   assert len(lines) == 1 and 'two generations of the state on disk' in lines[0], err[-2000:]
   assert not os.path.exists(tmp_path / 'run')
+
+
+def test_resuming_a_disk_tiers_checkpoint_with_another_subgroup_size_is_one_line(
+    dataset, tmp_path, capsys, monkeypatch):
+  """Its checkpoints keep the state by subgroup (`dos_jax.state_to_files`): another
+  subgroup size is refused, naming the key, before the checkpoint is touched. The
+  disk check counts the earlier run's files: a resume needs one new generation, not
+  two (the checkpoint's is linked back). The split between disk and memory may change
+  (the whole state in memory at the end). (The refused run has built its optimizer
+  state: the disk tier's files are a fresh state's, the checkpoint's its own.)"""
+  from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
+  out, state = str(tmp_path / 'run'), str(tmp_path / 'state')
+  disk = 'offload.disk_dir=' + state
+  code, err = _train(dataset, out, capsys, disk, 'train.steps=2', 'offload.subgroup_size=4096')
+  assert code == 0, err[-3000:]
+  ckpt = os.path.join(out, 'checkpoints', '2')
+  assert os.path.isdir(os.path.join(ckpt, 'subgroups')), os.listdir(ckpt)
+  before = integrity.read_manifest(ckpt)
+  reused, linked = memory.disk_state_bytes(state)
+  generation = sum(os.path.getsize(os.path.join(state, n)) for n in os.listdir(state)
+                   if n.endswith('.0'))
+  assert (reused, linked) == (generation, generation)  # half 1 free, half 0 linked
+  with monkeypatch.context() as patch:  # nothing free: its half 1 is less than a generation
+    patch.setattr(memory, 'disk_free_bytes', lambda directory: 1.0)
+    code, err = _train(dataset, out, capsys, disk, 'train.steps=3', 'offload.subgroup_size=4096')
+  assert code != 0 and 'two generations of the state on disk' in err, err[-2000:]
+  code, err = _train(dataset, out, capsys, disk, 'train.steps=3', 'offload.subgroup_size=2048')
+  assert code == 2
+  lines = [line for line in err.splitlines() if 'offload.subgroup_size' in line]
+  assert len(lines) == 1 and 'keeps its disk tier\'s optimizer state by subgroup' in lines[0], err
+  assert integrity.read_manifest(ckpt) == before
+  monkeypatch.setattr(memory, 'disk_free_bytes', lambda directory: 0.2 * generation)
+  code, err = _train(dataset, out, capsys, disk, 'train.steps=3', 'offload.subgroup_size=4096')
+  assert code == 0 and 'resumed from' in err, err[-3000:]
+  code, err = _train(dataset, out, capsys, 'train.steps=4', 'offload.subgroup_size=4096')
+  assert code == 0 and 'resumed from' in err, err[-3000:]

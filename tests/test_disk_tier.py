@@ -124,6 +124,52 @@ def test_checkpoint_trees_restore_across_the_disk_split(source, target, tmp_path
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.parametrize('platform', ['cpu', 'gpu'], ids=lambda p: f'{p}-program')
+@pytest.mark.parametrize('target', [0, None, 6, 13], ids=[
+    'same-split', 'disk-to-memory', 'another-split', 'all-in-memory-with-a-disk'])
+def test_state_files_restore_across_the_disk_split_without_unpacking(
+    platform, target, tmp_path, seed):
+  """`state_to_files` hard-links the disk tier's files and writes the rest, one file
+  per subgroup; `state_from_files` fills a fresh state of any split (None: no disk
+  tier) from them: training on is bit for bit training on from the saved state; the
+  checkpoint's files keep their bytes while the run goes on."""
+  params = jax.device_put(random_tree(seed, jnp.bfloat16), jax.devices()[0])
+  disk = lambda cap, name: None if cap is None else dos_jax.Disk(
+      str(tmp_path / name), host_state_bytes=cap * row_bytes(jnp.bfloat16))
+  saved_tx = _make(dos_jax.AllHost(), platform, disk(3, 'a'), clip=1.0)
+  p, state = _train(saved_tx, params, seed, 3)
+  assert dos_jax.has_disk_tier(state)
+  folder = str(tmp_path / 'ckpt')
+  saved = dos_jax.state_to_files(state, folder)
+  live = host_adamw_disk.state_path(str(tmp_path / 'a'), 0, int(_offloaded(state).disk_gen) % 2)
+  kept = host_adamw_disk.state_path(os.path.join(folder, '0'), 0, 0)
+  assert os.stat(live).st_ino == os.stat(kept).st_ino  # a link, not a copy
+  before = open(kept, 'rb').read()
+  new_tx = _make(dos_jax.AllHost(), platform, disk(target, 'b'), clip=1.0)
+  restored = dos_jax.state_from_files(saved, folder, new_tx.init(p))
+  step = lambda tx: jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
+      *tx.update(g, s, p)))
+  grads = random_grads(p, 7, seed)
+  a, state_a = step(saved_tx)(p, state, grads)
+  b, _ = step(new_tx)(p, restored, grads)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  step(saved_tx)(a, state_a, grads)  # the step after next replaces the linked file
+  assert open(kept, 'rb').read() == before
+
+
+def test_state_files_refuse_other_subgroups_in_one_line(tmp_path, seed):
+  params = jax.device_put(random_tree(seed, jnp.bfloat16), jax.devices()[0])
+  _, state = _train(_make(dos_jax.AllHost(), 'cpu', dos_jax.Disk(str(tmp_path / 'a'))),
+                    params, seed, 1)
+  saved = dos_jax.state_to_files(state, str(tmp_path / 'ckpt'))
+  other = dos_jax.adamw(SCHEDULE, offload=dos_jax.Offload(
+      subgroup_size=SIZE + 1, disk=dos_jax.Disk(str(tmp_path / 'b'))))
+  with pytest.raises(ValueError, match=r'^the checkpoint\'s optimizer state has '
+                     r'num_subgroups=13, this run 12: resume with the offload.subgroup_size'):
+    dos_jax.state_from_files(saved, str(tmp_path / 'ckpt'), other.init(params))
+
+
 def test_the_spill_keeps_the_last_subgroups_in_memory():
   plan = dos_jax.Plan(streamed=(1, 4), host=(0, 2, 3, 5, 6))
   part = partition_lib.for_plan(plan, True, disk=partition_lib.DiskSpill('/d', in_memory=2))

@@ -2,7 +2,7 @@
 `dos_jax.clip_by_global_norm`, `dos_jax.migrate`, `dos_jax.step.device_stream`'s region,
 `construction.stream_regions`, the early host calls' rule and order
 (`partition.early_host_calls`, `early_chunks.host_blocks`), the thunk reader
-`dos_jax.dataflow.thunks`, `dos_jax.dataflow.compile_step` and the runner's
+`dos_jax.dataflow.thunks`, `dos_jax.dataflow.compile_step`, `dos_jax.state_to_files` and the runner's
 `compile_cache`) run as doctests, on the
 CPU backend, as CI runs them. Each example compares with optax (stated tolerance) or
 prints exact values."""
@@ -14,6 +14,7 @@ import pytest
 from dos_jax import alias
 from dos_jax import clipping
 from dos_jax import migration
+from dos_jax import state_files
 from dos_jax.dataflow import early_windows
 from dos_jax.dataflow import thunks
 from dos_jax.geometry import partition
@@ -25,7 +26,7 @@ from dos_jax.train import compile_cache
 
 @pytest.mark.parametrize('module', [alias, clipping, device_stream, thunks, early_windows,
                                     construction, migration, partition, early_chunks,
-                                    compile_cache],
+                                    compile_cache, state_files],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 
 # Fraction of device (and host) memory kept free: allocator fragmentation, XLA's
@@ -323,9 +324,11 @@ def _may_speculate(cfg) -> bool:
   return cfg.optim.clip_norm is not None and cfg.offload.platform != 'cpu'
 
 
-def check_run(cfg) -> str | None:
+def check_run(cfg, linked_back_bytes: float = 0.0) -> str | None:
   """Checks a run config (`dos_jax.train.config.RunConfig`) against this machine's
   memory before anything is allocated; returns one line naming the shortfall, or None.
+  `linked_back_bytes`: the disk tier's state that the checkpoint being resumed holds
+  as files, linked back into `offload.disk_dir` rather than written (no new space).
 
   Uses the same sizing as `dos-jax plan`: params, grads and the state sharded over the
   local devices, one micro-batch of activations per data-parallel device."""
@@ -348,9 +351,12 @@ def check_run(cfg) -> str | None:
                      host_bytes=host_available_bytes(), device_is_host=device_is_host)
   if on_disk:
     space = disk_free_bytes(disk_dir)
-    if space and 2 * on_disk > space * (1 - MARGIN):  # two generations of each file
-      short.append(Shortfall(f'disk at offload.disk_dir={disk_dir}', 2 * on_disk,
-                             space * (1 - MARGIN), 'two generations of the state on disk'))
+    reused, linked = disk_state_bytes(disk_dir)
+    shared = min(max(linked, linked_back_bytes), on_disk)
+    need, have = 2 * on_disk - shared, (space + reused) * (1 - MARGIN)
+    if space and need > have:  # two generations of each file
+      short.append(Shortfall(f'disk at offload.disk_dir={disk_dir}', need, have,
+                             'two generations of the state on disk'))
   if not short:
     return None
   shape = cfg.model.shape()
@@ -360,6 +366,32 @@ def check_run(cfg) -> str | None:
     hint = ' (offload.disk_dir puts the state beyond host memory on disk)'
   return (f'{name} ({shape.num_params() / 1e9:.2f}B params) does not fit this machine: '
           + '; '.join(s.line() for s in short) + hint)
+
+
+_STATE_FILE = re.compile(r'sg\d{6}(\.s\d{3})?\.[01](\.tmp)?')
+
+
+def disk_state_bytes(directory: str) -> tuple[float, float]:
+  """`(reused, linked)`: bytes of the disk tier's files already in `directory` (an
+  earlier run's), those the run replaces and frees, and those a checkpoint links too
+  (more than one link): a resume links that generation back instead of writing it."""
+  reused = linked = 0.0
+  try:
+    entries = list(os.scandir(directory))
+  except OSError:
+    return 0.0, 0.0
+  for entry in entries:
+    if not _STATE_FILE.fullmatch(entry.name):
+      continue
+    try:
+      info = entry.stat(follow_symlinks=False)
+    except OSError:
+      continue
+    if info.st_nlink > 1:
+      linked += info.st_size
+    else:
+      reused += info.st_size
+  return reused, linked
 
 
 def disk_free_bytes(directory: str) -> float:

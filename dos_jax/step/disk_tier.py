@@ -78,8 +78,20 @@ def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout, para
     for run in partition_lib.pieces_of(layout, (g,)):
       master[0, run.offset:run.offset + run.size] = leaves[run.leaf][run.start:run.start + run.size]
     block, _ = split_rows(jnp.asarray(master))
+    _remove_stale(part, g)
     write_rows(part, g, 0, np.asarray(block[0])[0])
   return jnp.zeros((), jnp.int32)
+
+
+def _remove_stale(part: partition_lib.Partition, g: int) -> None:
+  """Removes subgroup `g`'s file in half 1, left by an earlier run: generation 0 never
+  reads it, and a run resuming from a checkpoint would otherwise hold three
+  generations of the state at once (that one, the checkpoint's and the new one)."""
+  for shard in _shards(part):
+    try:
+      os.unlink(host_adamw_disk.state_path(part.disk_dir, g, 1, shard))
+    except FileNotFoundError:
+      pass
 
 
 def _shards(part: partition_lib.Partition) -> list:

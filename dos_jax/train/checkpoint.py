@@ -15,6 +15,13 @@ its temporary directory at once and raises `SaveFailed`. On top of
 that each checkpoint gets a checksum manifest (`integrity`): restore verifies it and a
 damaged newest checkpoint falls back to the previous complete one; non-finite params
 are never saved.
+
+A state with a disk tier does not fit in memory to be unpacked: it is saved as one file
+per subgroup (`dos_jax.state_to_files`, the disk tier's files hard-linked) in the
+checkpoint's `subgroups/` folder, staged beside the checkpoints while orbax writes
+(`.subgroups-<step>`) and moved in before the manifest, which covers its files too.
+It restores into a run with the same subgroups, whatever its split between disk and
+memory.
 """
 
 from __future__ import annotations
@@ -73,6 +80,8 @@ class NonFiniteState(ValueError):
 
 
 TMP_MARK = '.orbax-checkpoint-tmp'
+SUBGROUPS = 'subgroups'  # a checkpoint's folder of subgroup files (a disk tier's state)
+_STAGING = '.subgroups-'  # + step: those files while orbax writes the checkpoint
 
 
 class SaveFailed(Exception):
@@ -88,13 +97,14 @@ class SaveFailed(Exception):
     self.removed = removed
 
 
-def _temporaries(directory: str) -> list[str]:
-  """Names of the unfinished checkpoints (orbax's temporary directories) in `directory`."""
+def _temporaries(directory: str, *, staged: bool = True) -> list[str]:
+  """Names of the unfinished checkpoints in `directory`: orbax's temporary directories,
+  and (`staged`) the subgroup files staged for one."""
   try:
     names = os.listdir(directory)
   except OSError:
     return []
-  return sorted(n for n in names if TMP_MARK in n)
+  return sorted(n for n in names if TMP_MARK in n or (staged and n.startswith(_STAGING)))
 
 
 def _tree_bytes(*trees: Any) -> int:
@@ -103,8 +113,10 @@ def _tree_bytes(*trees: Any) -> int:
 
 @jax.jit
 def _all_finite(tree: Any) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  # The largest magnitude of each leaf (a NaN propagates through max): a reduction
+  # with no temporary, where `all(isfinite(x))` holds a bool per parameter (2 GB at 2B).
+  leaves = [jnp.isfinite(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
@@ -155,6 +167,27 @@ def find_restorable(directory: str) -> tuple[int | None, dict | None, list[Skipp
   return None, None, skipped
 
 
+def linked_back_bytes(directory: str, disk_dir: str) -> float:
+  """Bytes of the disk tier's state in the newest checkpoint in `directory` (its
+  `subgroups/` files), which a resume links into `disk_dir` instead of writing: 0 when
+  it has none or is on another filesystem (then copied)."""
+  steps = step_dirs(directory)
+  if not steps:
+    return 0.0
+  folder = os.path.join(directory, str(steps[-1]), SUBGROUPS)
+  parent = os.path.abspath(disk_dir)
+  while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+    parent = os.path.dirname(parent)
+  try:
+    if os.stat(folder).st_dev != os.stat(parent).st_dev:
+      return 0.0
+  except OSError:
+    return 0.0
+  return float(sum(os.path.getsize(os.path.join(root, name))
+                   for root, _, names in os.walk(folder) for name in names
+                   if name.startswith('sg')))
+
+
 class Checkpointer:
   """Saves and restores a run's checkpoints in one directory, keeping the newest `keep`.
 
@@ -181,9 +214,9 @@ class Checkpointer:
     self._broken: SaveFailed | None = None
     # A save a killed process left unfinished: gone before the manager opens (which
     # would remove it silently), so the run can say so.
-    self.discarded: list[str] = _temporaries(self.directory)
-    if self._lead:
-      for name in self.discarded:
+    self.discarded: list[str] = _temporaries(self.directory, staged=False)
+    if self._lead:  # (the subgroup files staged for such a save go too, unsaid)
+      for name in _temporaries(self.directory):
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
     self._manager = ocp.CheckpointManager(
         self.directory,
@@ -221,12 +254,12 @@ class Checkpointer:
     self.wait()
     if self._broken:
       raise RuntimeError('a checkpoint save failed before: this Checkpointer takes no more')
-    trees = state_to_trees(opt_state, params)
-    self._bytes = _tree_bytes(params, trees)
     self._saving = step
     self._pending.append((step, run))
     try:
       self._probe()
+      trees = self._state_form(step, opt_state, params)
+      self._bytes = _tree_bytes(params, trees)
       self._manager.save(
           step,
           args=ocp.args.Composite(
@@ -243,6 +276,16 @@ class Checkpointer:
     else:  # Hash in the background too: training goes on while it reads the files.
       self._finisher = threading.Thread(target=self._finish, name='checkpoint-manifest')
       self._finisher.start()
+
+  def _state_form(self, step: int, opt_state: Any, params: Any) -> Any:
+    """The tree orbax saves for `opt_state`; a disk tier's state goes to files first
+    (staged now, between steps, while the disk tier's files are this step's)."""
+    if getattr(opt_state, 'to_trees', None) is not None or not dos_jax.has_disk_tier(opt_state):
+      return state_to_trees(opt_state, params)
+    staging = os.path.join(self.directory, f'{_STAGING}{step}')
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(self.directory, exist_ok=True)
+    return dos_jax.state_to_files(opt_state, staging)
 
   def find_restorable(self) -> tuple[int | None, dict | None, list[Skipped]]:
     return find_restorable(self.directory)
@@ -267,7 +310,11 @@ class Checkpointer:
   def restore(self, step: int, *, params: Any, opt_state: Any, tx: Any) -> Restored:
     """Restores checkpoint `step` into the layout of the given (freshly initialized)
     `params` and `opt_state`, whatever policy or subgroup size wrote it."""
-    trees = state_to_trees(opt_state, params)
+    files = os.path.join(self.step_dir(step), SUBGROUPS)
+    if os.path.isdir(files):
+      trees = dos_jax.state_files_tree(opt_state)
+    else:
+      trees = state_to_trees(opt_state, params)
     restored = self._manager.restore(
         step,
         args=ocp.args.Composite(
@@ -277,7 +324,10 @@ class Checkpointer:
         ),
     )
     new_params = restored['params']
-    new_state = state_from_trees(restored['opt_state'], new_params, tx)
+    if os.path.isdir(files):
+      new_state = dos_jax.state_from_files(restored['opt_state'], files, opt_state)
+    else:
+      new_state = state_from_trees(restored['opt_state'], new_params, tx)
     return Restored(step=step, params=new_params, opt_state=new_state, meta=dict(restored['meta']))
 
   def wait(self) -> None:
@@ -353,6 +403,9 @@ class Checkpointer:
     if self._lead:
       for step, run in self._pending:
         if os.path.isdir(self.step_dir(step)):
+          staging = os.path.join(self.directory, f'{_STAGING}{step}')
+          if os.path.isdir(staging):
+            os.replace(staging, os.path.join(self.step_dir(step), SUBGROUPS))
           integrity.write_manifest(self.step_dir(step), step=step, run=run)
     self._pending.clear()
     self._rotate()

@@ -79,7 +79,11 @@ def train_handler(args: argparse.Namespace) -> int:
   except (ConfigError, dos_jax.PinnedPoolError) as err:
     return _fail(str(err))
   # Before any array or run folder exists: a run that cannot fit stops here.
-  shortfall = memory.check_run(cfg)
+  linked = 0.0
+  if cfg.offload.disk_dir is not None:
+    from dos_jax.train import checkpoint  # pylint: disable=import-outside-toplevel
+    linked = checkpoint.linked_back_bytes(cfg.checkpoint_dir, cfg.offload.disk_dir)
+  shortfall = memory.check_run(cfg, linked_back_bytes=linked)
   if shortfall is None:
     shortfall = _pinned_shortfall(pinned)
   if shortfall is not None:

@@ -6,7 +6,8 @@ other model sizes fails deep inside orbax; resuming it with another batch size, 
 length, data seed or dataset silently continues a different run. So each checkpoint's
 manifest records the run's `identity`, and the loop compares it with the new config
 before it writes anything, refusing with one line that names the first key that
-differs. Everything else (steps, learning rate, placement policy, mesh) may change.
+differs. Everything else (steps, learning rate, placement policy, mesh) may change, and
+the subgroup size too, except for a checkpoint of a disk tier (kept by subgroup).
 """
 
 from __future__ import annotations
@@ -36,11 +37,16 @@ def identity(cfg: Any, dataset_dir: str, dataset_meta: Any) -> dict[str, Any]:
       'data.path': os.path.realpath(dataset_dir),
       'data.train_tokens': dataset_meta.train_tokens,
       'data.val_tokens': dataset_meta.val_tokens,
+      # A disk tier's checkpoints keep the state by subgroup (`dos_jax.state_to_files`):
+      # resuming one needs the same subgroups (checked only for such a checkpoint).
+      'offload.subgroup_size': cfg.offload.subgroup_size,
   }
 
 
-def check(saved: dict[str, Any] | None, now: dict[str, Any], where: str) -> None:
-  """Raises ConfigError for the first key whose value differs from the checkpoint's.
+def check(saved: dict[str, Any] | None, now: dict[str, Any], where: str,
+          by_subgroup: bool = False) -> None:
+  """Raises ConfigError for the first key whose value differs from the checkpoint's;
+  the subgroup size only for a checkpoint that keeps its state `by_subgroup`.
 
   A manifest without a record (written outside the runner) is not checked.
   """
@@ -48,6 +54,13 @@ def check(saved: dict[str, Any] | None, now: dict[str, Any], where: str) -> None
     return
   for key, value in now.items():
     if key not in saved or saved[key] == value:
+      continue
+    if key == 'offload.subgroup_size':
+      if by_subgroup:
+        raise ConfigError(
+            f'{key}: {value!r} differs from {saved[key]!r} in the checkpoint being resumed'
+            f' ({where}), which keeps its disk tier\'s optimizer state by subgroup: restore'
+            ' the value or set a new train.out_dir')
       continue
     if key in ('data.train_tokens', 'data.val_tokens'):
       split = key.split('.')[1].split('_')[0]
@@ -72,7 +85,8 @@ def resume_point(cfg: Any, run_id: dict[str, Any]):
   restorable, manifest, skipped = ckpt_lib.find_restorable(cfg.checkpoint_dir)
   if manifest is not None:
     where = os.path.join(cfg.checkpoint_dir, str(restorable))
-    check(manifest.get('run'), run_id, where)
+    check(manifest.get('run'), run_id, where,
+          by_subgroup=os.path.isdir(os.path.join(where, ckpt_lib.SUBGROUPS)))
   return restorable, manifest is not None, skipped
 
 
