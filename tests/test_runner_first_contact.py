@@ -189,6 +189,17 @@ def test_eta_leaves_out_the_steps_that_compiled():
   assert stream.getvalue().rstrip().endswith('eta 49s')
 
 
+@pytest.mark.parametrize('tokens_per_s,shown', [
+    (0.41, '0.41 tok/s'), (5.0, '5 tok/s'), (812.4, '812 tok/s'), (4512.0, '4.5k tok/s'),
+    (2.5e6, '2.50M tok/s')])
+def test_a_slow_steps_rate_is_not_rounded_to_zero(tokens_per_s, shown):
+  """A 2B model's step on a CPU is over a minute: 32 tokens read 0.41 tok/s, not 0."""
+  stream = io.StringIO()
+  Progress(4, every=1, stream=stream).update(
+      1, loss=5.0, tokens_per_s=tokens_per_s, step_s=78.0, update_s=60.0)
+  assert f'| {shown} |' in stream.getvalue()
+
+
 @pytest.mark.slow
 def test_the_gpu_checks_step_part_runs_on_this_machines_backend(tmp_path):
   """`experiments/gpu_check.sh` parts 4 and 11 run `compile_gpu.py --run`, which must also

@@ -32,7 +32,7 @@ from dos_jax.train import optimizer as optimizer_lib
 from dos_jax.train import trainer as trainer_lib
 from dos_jax.train.config import RunConfig
 from dos_jax.train.configlib import to_dict
-from dos_jax.train.progress import MetricsLog, Progress
+from dos_jax.train.progress import MetricsLog, Progress, rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Summary:
               else 'update not measured')
     return (
         f'{verb} step {self.final_step} in {self.seconds:.1f}s: loss {self.final_loss:.4f}'
-        f'{eval_part}, {self.tokens_per_s:,.0f} tok/s, step {self.step_s * 1e3:.1f} ms'
+        f'{eval_part}, {rate(self.tokens_per_s)} tok/s, step {self.step_s * 1e3:.1f} ms'
         f' ({update})'
     )
 

@@ -33,14 +33,18 @@ def _ms(seconds: float) -> str:
   return f'{seconds * 1e3:.1f} ms' if math.isfinite(seconds) else '- ms'
 
 
-def _rate(tokens_per_s: float) -> str:
+def rate(tokens_per_s: float) -> str:
+  """Tokens per second for a person: `1.23M`, `4.5k`, `812`, and two digits below 10
+  (`0.41`: a big model's step on a CPU takes a minute)."""
   if not math.isfinite(tokens_per_s):
     return '-'
   if tokens_per_s >= 1e6:
     return f'{tokens_per_s / 1e6:.2f}M'
   if tokens_per_s >= 1e3:
     return f'{tokens_per_s / 1e3:.1f}k'
-  return f'{tokens_per_s:.0f}'
+  if tokens_per_s >= 10:
+    return f'{tokens_per_s:.0f}'
+  return f'{tokens_per_s:.2g}'
 
 
 class Progress:
@@ -82,7 +86,7 @@ class Progress:
     eta = (self._timed_s / self._timed_steps * (self._total - step) if self._timed_steps
            else float('nan'))
     line = (
-        f'[{bar}] {step}/{self._total} loss {loss:.4f} | {_rate(tokens_per_s)} tok/s'
+        f'[{bar}] {step}/{self._total} loss {loss:.4f} | {rate(tokens_per_s)} tok/s'
         f' | step {step_s * 1e3:.0f} ms (update {_ms(update_s)}) | eta {_duration(eta)}'
     )
     if self._tty:
