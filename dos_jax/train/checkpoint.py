@@ -309,7 +309,8 @@ class Checkpointer:
 
   def restore(self, step: int, *, params: Any, opt_state: Any, tx: Any) -> Restored:
     """Restores checkpoint `step` into the layout of the given (freshly initialized)
-    `params` and `opt_state`, whatever policy or subgroup size wrote it."""
+    `params` (arrays, or their `jax.ShapeDtypeStruct`s with shardings) and `opt_state`,
+    whatever policy or subgroup size wrote it."""
     files = os.path.join(self.step_dir(step), SUBGROUPS)
     if os.path.isdir(files):
       trees = dos_jax.state_files_tree(opt_state)

@@ -107,8 +107,10 @@ def restore(cfg: Any, checkpointer: ckpt_lib.Checkpointer, trainer, sampler, *,
           ' its save was cut short): resuming from it unverified', file=stream)
   if latest is None:
     return 0
+  release = getattr(trainer, 'release_params', None)  # a pipelined run's keeps them
+  params = release() if release is not None else trainer.params
   restored = checkpointer.restore(
-      latest, params=trainer.params, opt_state=trainer.opt_state, tx=trainer.tx
+      latest, params=params, opt_state=trainer.opt_state, tx=trainer.tx
   )
   trainer.set_state(restored.params, restored.opt_state)
   sampler.restore(restored.meta['sampler'])

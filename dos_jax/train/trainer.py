@@ -101,6 +101,17 @@ class Trainer:
     self.params = jax.device_put(params, self.param_shardings)
     self.opt_state = jax.device_put(opt_state, self.state_shardings)
 
+  def release_params(self) -> Any:
+    """Frees the params' buffers and returns their shapes, dtypes and shardings: a
+    resume replaces them, and a model of half the machine's memory should not be held
+    twice while its checkpoint is read. `set_state` gives the trainer params again."""
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params)
+    for x in jax.tree.leaves(self.params):
+      x.delete()
+    self.params = None
+    return abstract
+
   def evaluate(self, num_batches: int) -> float:
     """Mean loss over the first `num_batches` validation batches (the same every time)."""
     sampler = data_lib.sampler_for(self.cfg.data, self.dataset_dir, 'val')
