@@ -3,6 +3,7 @@ for every policy mix with disk subgroups, in both programs; optax's with clippin
 NaN step; checkpoints (layout-independent trees) from disk to memory and back."""
 
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +145,7 @@ def test_state_files_restore_across_the_disk_split_without_unpacking(
   live = host_adamw_disk.state_path(str(tmp_path / 'a'), 0, int(_offloaded(state).disk_gen) % 2)
   kept = host_adamw_disk.state_path(os.path.join(folder, '0'), 0, 0)
   assert os.stat(live).st_ino == os.stat(kept).st_ino  # a link, not a copy
-  before = open(kept, 'rb').read()
+  before = pathlib.Path(kept).read_bytes()
   new_tx = _make(dos_jax.AllHost(), platform, disk(target, 'b'), clip=1.0)
   restored = dos_jax.state_from_files(saved, folder, new_tx.init(p))
   step = lambda tx: jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
@@ -155,7 +156,7 @@ def test_state_files_restore_across_the_disk_split_without_unpacking(
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   step(saved_tx)(a, state_a, grads)  # the step after next replaces the linked file
-  assert open(kept, 'rb').read() == before
+  assert pathlib.Path(kept).read_bytes() == before
 
 
 def test_state_files_refuse_other_subgroups_in_one_line(tmp_path, seed):
