@@ -1,6 +1,7 @@
 """The disk tier (`dos_jax.Disk`): the same numbers as the in-memory host tier, bit for bit,
 for every policy mix with disk subgroups, in both programs; optax's with clipping and a
-NaN step; checkpoints (layout-independent trees) from disk to memory and back."""
+NaN step; checkpoints from disk to memory and back, as layout-independent trees and as
+one file per subgroup (`state_to_files`: the disk tier's files hard-linked)."""
 
 import os
 import pathlib
