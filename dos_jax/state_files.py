@@ -25,6 +25,7 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.state import OffloadedState
 from dos_jax.kernels import host_adamw_disk
+from dos_jax.step import disk_tier
 
 PyTree = Any
 _DESCRIPTION = 'states.json'
@@ -106,10 +107,6 @@ def state_to_files(opt_state: PyTree, folder: str) -> PyTree:
   return state_files_tree(opt_state)
 
 
-def _shard_ids(part: partition_lib.Partition) -> list[int | None]:
-  return [None] if part.disk_shards == 1 else list(range(part.disk_shards))
-
-
 def _link_or_copy(source: str, target: str) -> None:
   """`target` made a hard link to `source` (a copy across file systems), replacing
   `target` atomically if it exists."""
@@ -135,7 +132,7 @@ def _write_state(state: OffloadedState, folder: str) -> None:
   if part.disk:
     parity = int(state.disk_gen) % 2
     for g in part.disk:
-      for shard in _shard_ids(part):
+      for shard in disk_tier.shard_ids(part):
         _link_or_copy(host_adamw_disk.state_path(part.disk_dir, g, parity, shard),
                       host_adamw_disk.state_path(folder, g, 0, shard))
   for tier in TIERS:
@@ -192,17 +189,16 @@ def _fill(target: OffloadedState, shape: dict, folder: str) -> OffloadedState:
     saved = json.load(f)
   part, k, size = target.partition, mine['num_slots'], mine['subgroup_size']
   saved_shards = saved['disk_shards'] if saved['disk'] else 1
-  read = lambda g: _read_rows(folder, g, k, size,
-                              saved_shards if g in saved['disk'] else 1)
+  read = lambda g: disk_tier.read_subgroup(folder, g, 0, k, size,
+                                           saved_shards if g in saved['disk'] else 1)
   if part.disk:
     parity = int(target.disk_gen) % 2
     for g in part.disk:
       if g in saved['disk'] and saved_shards == part.disk_shards:
-        for shard in _shard_ids(part):
+        for shard in disk_tier.shard_ids(part):
           _link_or_copy(host_adamw_disk.state_path(folder, g, 0, shard),
                         host_adamw_disk.state_path(part.disk_dir, g, parity, shard))
       else:
-        from dos_jax.step import disk_tier  # pylint: disable=import-outside-toplevel
         disk_tier.write_rows(part, g, parity, read(g))
   tiers = {}
   for tier in TIERS:
@@ -213,11 +209,3 @@ def _fill(target: OffloadedState, shape: dict, folder: str) -> OffloadedState:
                        block[0].sharding) if ids else block[0]
         for ids, block in zip(blocks, arrays))
   return target.with_tiers(tiers, part)
-
-
-def _read_rows(folder: str, g: int, k: int, size: int, shards: int) -> np.ndarray:
-  if shards == 1:
-    return host_adamw_disk.read_state(folder, g, 0, k, size)
-  width = size // shards
-  return np.concatenate([host_adamw_disk.read_state(folder, g, 0, k, width, d)
-                         for d in range(shards)], axis=1)

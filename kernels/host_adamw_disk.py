@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Any, Sequence
 
 import jax
@@ -64,6 +65,10 @@ def state_path(directory: str, g: int, parity: int, shard: int | None = None) ->
     raise ValueError(f'subgroup ids are non-negative, got {g}')
   part = '' if shard is None else f'.s{int(shard):03d}'
   return os.path.join(os.fspath(directory), f'sg{int(g):06d}{part}.{parity}')
+
+
+# The names `state_path` gives (and a `.tmp` a write in progress leaves).
+STATE_FILE = re.compile(r'sg\d{6}(\.s\d{3})?\.[01](\.tmp)?')
 
 
 def file_bytes(num_slots: int, size: int) -> int:

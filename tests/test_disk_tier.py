@@ -38,11 +38,23 @@ def _make(policy, platform, disk=None, clip=None):
   return tx if clip is None else dos_jax.chain(dos_jax.clip_by_global_norm(clip), tx)
 
 
+def _step(tx):
+  """`tx`'s update and apply, jitted: `(params, state, grads) -> (params, state)`."""
+  return jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
+      *tx.update(g, s, p)))
+
+
+def _budget(tmp_path, cap, name):
+  """A disk tier in `tmp_path/name` whose host budget holds `cap` bf16 subgroups (None:
+  no disk tier)."""
+  return None if cap is None else dos_jax.Disk(
+      str(tmp_path / name), host_state_bytes=cap * row_bytes(jnp.bfloat16))
+
+
 def _train(tx, params, seed, steps, nan_at=(), scale=1.0):
   params = jax.device_put(params, jax.devices()[0])
   state = tx.init(params)
-  step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
-      *tx.update(g, s, p)))
+  step = _step(tx)
   for i in range(steps):
     grads = jax.tree.map(lambda g: scale * (1 + i) * g, random_grads(params, i, seed))
     if i in nan_at:
@@ -110,18 +122,14 @@ def test_checkpoint_trees_restore_across_the_disk_split(source, target, tmp_path
   split (None: no disk tier): training on from the restored state is training on from
   the saved one, bit for bit."""
   params = jax.device_put(random_tree(seed, jnp.bfloat16), jax.devices()[0])
-  disk = lambda cap, name: None if cap is None else dos_jax.Disk(
-      str(tmp_path / name), host_state_bytes=cap * row_bytes(jnp.bfloat16))
-  saved_tx = _make(dos_jax.AllHost(), 'cpu', disk(source, 'a'))
+  saved_tx = _make(dos_jax.AllHost(), 'cpu', _budget(tmp_path, source, 'a'))
   p, state = _train(saved_tx, params, seed, 3)
   trees = dos_jax.state_to_pytrees(state, p)
-  new_tx = _make(dos_jax.AllHost(), 'cpu', disk(target, 'b'))
+  new_tx = _make(dos_jax.AllHost(), 'cpu', _budget(tmp_path, target, 'b'))
   restored = dos_jax.state_from_pytrees(trees, p, new_tx)
-  step = lambda tx: jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
-      *tx.update(g, s, p)))
   grads = random_grads(p, 7, seed)
-  a, _ = step(saved_tx)(p, state, grads)
-  b, _ = step(new_tx)(p, restored, grads)
+  a, _ = _step(saved_tx)(p, state, grads)
+  b, _ = _step(new_tx)(p, restored, grads)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -136,9 +144,7 @@ def test_state_files_restore_across_the_disk_split_without_unpacking(
   tier) from them: training on is bit for bit training on from the saved state; the
   checkpoint's files keep their bytes while the run goes on."""
   params = jax.device_put(random_tree(seed, jnp.bfloat16), jax.devices()[0])
-  disk = lambda cap, name: None if cap is None else dos_jax.Disk(
-      str(tmp_path / name), host_state_bytes=cap * row_bytes(jnp.bfloat16))
-  saved_tx = _make(dos_jax.AllHost(), platform, disk(3, 'a'), clip=1.0)
+  saved_tx = _make(dos_jax.AllHost(), platform, _budget(tmp_path, 3, 'a'), clip=1.0)
   p, state = _train(saved_tx, params, seed, 3)
   assert dos_jax.has_disk_tier(state)
   folder = str(tmp_path / 'ckpt')
@@ -147,16 +153,14 @@ def test_state_files_restore_across_the_disk_split_without_unpacking(
   kept = host_adamw_disk.state_path(os.path.join(folder, '0'), 0, 0)
   assert os.stat(live).st_ino == os.stat(kept).st_ino  # a link, not a copy
   before = pathlib.Path(kept).read_bytes()
-  new_tx = _make(dos_jax.AllHost(), platform, disk(target, 'b'), clip=1.0)
+  new_tx = _make(dos_jax.AllHost(), platform, _budget(tmp_path, target, 'b'), clip=1.0)
   restored = dos_jax.state_from_files(saved, folder, new_tx.init(p))
-  step = lambda tx: jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
-      *tx.update(g, s, p)))
   grads = random_grads(p, 7, seed)
-  a, state_a = step(saved_tx)(p, state, grads)
-  b, _ = step(new_tx)(p, restored, grads)
+  a, state_a = _step(saved_tx)(p, state, grads)
+  b, _ = _step(new_tx)(p, restored, grads)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  step(saved_tx)(a, state_a, grads)  # the step after next replaces the linked file
+  _step(saved_tx)(a, state_a, grads)  # the step after next replaces the linked file
   assert pathlib.Path(kept).read_bytes() == before
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import shutil
 
 # Fraction of device (and host) memory kept free: allocator fragmentation, XLA's
@@ -368,20 +367,18 @@ def check_run(cfg, linked_back_bytes: float = 0.0) -> str | None:
           + '; '.join(s.line() for s in short) + hint)
 
 
-_STATE_FILE = re.compile(r'sg\d{6}(\.s\d{3})?\.[01](\.tmp)?')
-
-
 def disk_state_bytes(directory: str) -> tuple[float, float]:
   """`(reused, linked)`: bytes of the disk tier's files already in `directory` (an
   earlier run's), those the run replaces and frees, and those a checkpoint links too
   (more than one link): a resume links that generation back instead of writing it."""
+  from dos_jax.kernels import host_adamw_disk  # pylint: disable=import-outside-toplevel
   reused = linked = 0.0
   try:
     entries = list(os.scandir(directory))
   except OSError:
     return 0.0, 0.0
   for entry in entries:
-    if not _STATE_FILE.fullmatch(entry.name):
+    if not host_adamw_disk.STATE_FILE.fullmatch(entry.name):
       continue
     try:
       info = entry.stat(follow_symlinks=False)
@@ -394,14 +391,20 @@ def disk_state_bytes(directory: str) -> tuple[float, float]:
   return reused, linked
 
 
+def existing_parent(path: str) -> str:
+  """`path` made absolute, or its nearest existing parent: where a folder not made yet
+  will be (its filesystem)."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  return path
+
+
 def disk_free_bytes(directory: str) -> float:
   """Free bytes of the filesystem that holds `directory` (or would: its nearest existing
   parent); 0 when unknown."""
-  path = os.path.abspath(directory)
-  while not os.path.exists(path) and os.path.dirname(path) != path:
-    path = os.path.dirname(path)
   try:
-    return float(shutil.disk_usage(path).free)
+    return float(shutil.disk_usage(existing_parent(directory)).free)
   except OSError:
     return 0.0
 

@@ -87,21 +87,22 @@ def _remove_stale(part: partition_lib.Partition, g: int) -> None:
   """Removes subgroup `g`'s file in half 1, left by an earlier run: generation 0 never
   reads it, and a run resuming from a checkpoint would otherwise hold three
   generations of the state at once (that one, the checkpoint's and the new one)."""
-  for shard in _shards(part):
+  for shard in shard_ids(part):
     try:
       os.unlink(host_adamw_disk.state_path(part.disk_dir, g, 1, shard))
     except FileNotFoundError:
       pass
 
 
-def _shards(part: partition_lib.Partition) -> list:
+def shard_ids(part: partition_lib.Partition) -> list[int | None]:
+  """The data shards whose files each disk subgroup has (`None`: one file)."""
   return [None] if part.disk_shards == 1 else list(range(part.disk_shards))
 
 
 def write_rows(part: partition_lib.Partition, g: int, parity: int, rows: np.ndarray) -> None:
   """Subgroup `g`'s `(K, S)` state written as its files (one per data shard)."""
   width = rows.shape[1] // part.disk_shards
-  for shard in _shards(part):
+  for shard in shard_ids(part):
     cols = rows if shard is None else rows[:, shard * width:(shard + 1) * width]
     host_adamw_disk.write_state(part.disk_dir, g, parity, np.ascontiguousarray(cols), shard)
 
@@ -111,9 +112,19 @@ def read_rows(part: partition_lib.Partition, slots: slots_lib.Slots, size: int,
   """Each disk subgroup's `(K, S)` float32 state at generation `gen` (concrete), by
   subgroup: for inspection and checkpoints, not for the training step."""
   parity = int(gen) % 2
-  k, width = slots.group_sizes[0], size // part.disk_shards
-  return {g: np.concatenate([host_adamw_disk.read_state(part.disk_dir, g, parity, k, width, d)
-                             for d in _shards(part)], axis=1) for g in part.disk}
+  return {g: read_subgroup(part.disk_dir, g, parity, slots.group_sizes[0], size,
+                           part.disk_shards) for g in part.disk}
+
+
+def read_subgroup(directory: str, g: int, parity: int, num_slots: int, size: int,
+                  shards: int = 1) -> np.ndarray:
+  """Subgroup `g`'s `(K, S)` state from its file in half `parity`, or from the files
+  of its `shards` data shards (their columns, side by side)."""
+  if shards == 1:
+    return host_adamw_disk.read_state(directory, g, parity, num_slots, size)
+  width = size // shards
+  return np.concatenate([host_adamw_disk.read_state(directory, g, parity, num_slots, width, d)
+                         for d in range(shards)], axis=1)
 
 
 def update(context, base_step: paths.RowStep, gen):

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 import dos_jax
+from dos_jax.planner import memory
 from dos_jax.train import integrity
 
 
@@ -175,11 +176,8 @@ def linked_back_bytes(directory: str, disk_dir: str) -> float:
   if not steps:
     return 0.0
   folder = os.path.join(directory, str(steps[-1]), SUBGROUPS)
-  parent = os.path.abspath(disk_dir)
-  while not os.path.exists(parent) and os.path.dirname(parent) != parent:
-    parent = os.path.dirname(parent)
   try:
-    if os.stat(folder).st_dev != os.stat(parent).st_dev:
+    if os.stat(folder).st_dev != os.stat(memory.existing_parent(disk_dir)).st_dev:
       return 0.0
   except OSError:
     return 0.0
