@@ -172,7 +172,7 @@ setup(
         # registration inside a GPU PJRT plugin, for GPU programs' host regions.
         _native_extension('_host_adamw_rows', 'host_adamw_rows.cc', 'pjrt_register.cc'),
         # The same loop over subgroups whose state is in files (the disk tier).
-        _native_extension('_host_adamw_disk', 'host_adamw_disk.cc'),
+        _native_extension('_host_adamw_disk', 'host_adamw_disk.cc', 'pjrt_register.cc'),
         # Which instruction sets that loop can use on this CPU (adamw_common.h's answer).
         _native_extension('_host_isa', 'host_isa.cc'),
     ],

@@ -29,6 +29,7 @@ import numpy as np
 
 from dos_jax.kernels import _native
 from dos_jax.kernels import adamw_scalars
+from dos_jax.kernels import plugin_kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.kernels.host_adamw import check_threads_and_isa
 from dos_jax.kernels.host_adamw import HostIsa
@@ -54,6 +55,26 @@ def disk_kernel_available() -> bool:
 def disk_kernel_unavailable_reason() -> str:
   """Why `disk_kernel_available()` is False ('' when it is True)."""
   return _load()[1]
+
+
+# The handler's standing inside GPU plugins: registered there for the accelerator
+# program's host regions and proved by a probe compile (no fallback: the disk tier
+# refuses in one line where the plugin does not take it).
+_PLUGIN = plugin_kernel.PluginKernel(_load, {_TARGET: 'handler'})
+
+
+def disk_kernel_in_accelerator_programs() -> tuple[bool, str]:
+  """Whether an accelerator program traced now may call the disk kernel in its host
+  regions: `(ok, why not)`. On a GPU (or compiling for one without a GPU, after
+  `register_for_gpu_compile`), whether the CUDA plugin took the handler; on the CPU
+  backend, whether the kernel loads."""
+  return _PLUGIN.in_accelerator_programs()
+
+
+def register_for_gpu_compile() -> tuple[bool, str]:
+  """Registers the handler in the CUDA plugin for compiling GPU programs without a GPU
+  and proves it took it: `(True, '')` or `(False, why)`. Done once per process."""
+  return _PLUGIN.register_for_gpu_compile()
 
 
 def state_path(directory: str, g: int, parity: int, shard: int | None = None) -> str:

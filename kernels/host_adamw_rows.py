@@ -12,8 +12,6 @@ allocated, and subgroups not listed keep their bytes.
 from __future__ import annotations
 
 import functools
-import logging
-import threading
 from typing import Any
 
 import jax
@@ -21,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dos_jax.kernels import _native
-from dos_jax.kernels import _pjrt
 from dos_jax.kernels import adamw_scalars
+from dos_jax.kernels import plugin_kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.kernels.host_adamw import check_threads_and_isa
 from dos_jax.kernels.host_adamw import HostIsa
@@ -61,131 +59,41 @@ def rows_kernel_unavailable_reason() -> str:
   return _load()[1]
 
 
-# The targets registered in GPU plugins and probed there (tests put others here).
-_PLUGIN_TARGETS = _HANDLERS
-
-NO_CUDA_BACKEND = ('no CUDA backend in this process and no compile-only registration '
-                   '(dos_jax.dataflow.compile.prepare): no GPU program is built here')
-
-
-class _PluginState:
-  """What this process knows about the kernel inside GPU plugins (one per process)."""
-
-  def __init__(self):
-    self.lock = threading.RLock()
-    # Live GPU backends: None until looked at, () when there are none (JAX's backends
-    # are fixed once started), else the verdict.
-    self.live: tuple[bool, str] | tuple[()] | None = None
-    # `register_for_gpu_compile`'s verdict, once called.
-    self.compile_only: tuple[bool, str] | None = None
-    self.warned = False
-
-
-_state = _PluginState()
-
-
-def _warn_once(why: str) -> None:
-  """The one warning of a process whose GPU programs lose the native kernel."""
-  if _state.warned:
-    return
-  _state.warned = True
-  native = _load()[0]
-  version = getattr(native, 'ffi_api_version', lambda: ('?', '?'))()
-  logging.getLogger(__name__).warning(
-      "dos_jax: the native host AdamW cannot be used inside GPU programs (%s); host "
-      "subgroups use XLA's host loop instead, several times slower (4-7x in "
-      "experiments/notes/results_kernels2.md). The library was built against XLA FFI API %s.%s.",
-      why, *version)
-
-
-def _register_and_probe(native: Any, platform: str, api: Any) -> tuple[bool, str]:
-  """Registers the targets in the plugin `api`, then proves that it took them."""
-  why = _pjrt.register(native, _PLUGIN_TARGETS, platform, api)
-  if why:
-    return False, why
-  if platform != 'cuda':
-    return False, (f'{platform} plugin: registered, but only a CUDA plugin can be probed, '
-                   'and an unproven registration may abort the compile')
-  ok, why = _pjrt.probe_in_plugin(native, _PLUGIN_TARGETS, platform)
-  return (True, '') if ok else (False, f'{platform} plugin did not take the handlers: {why}')
+# The process's standing of the handlers inside GPU plugins (tests put others here).
+_WARNING = ("dos_jax: the native host AdamW cannot be used inside GPU programs (%s); host "
+            "subgroups use XLA's host loop instead, several times slower (4-7x in "
+            "experiments/notes/results_kernels2.md). The library was built against XLA FFI "
+            "API %s.%s.")
+_PLUGIN = plugin_kernel.PluginKernel(_load, _HANDLERS, _WARNING)
+NO_CUDA_BACKEND = plugin_kernel.NO_CUDA_BACKEND
 
 
 def host_kernel_in_gpu_programs() -> tuple[bool, str]:
   """Whether host regions of GPU programs may call the native kernel: `(ok, why not)`.
 
-  A GPU program's host regions are compiled and run by the GPU PJRT plugin's own XLA,
-  whose FFI registry `jax.ffi.register_ffi_target` does not reach, so the handlers are
-  registered there for XLA platform "Host" (`_pjrt`), and a probe compile proves the
-  plugin took them (`_pjrt.probe_in_plugin`; the plugin's registration reports success
-  even when it drops a handler, and a missing handler aborts its compiler).
-
-  True only when both held, for the process's live CUDA backend (done here, once) or,
-  with no GPU, for compiling GPU programs without one (`register_for_gpu_compile`).
-  Returns `(False, NO_CUDA_BACKEND)` when neither exists (nothing is warned: no GPU
-  program is built; see `host_kernel_in_accelerator_programs`), `(False, why)` when the
-  kernel is missing or the plugin cannot be shown to have it: the caller gives host
-  subgroups XLA's host loop, and the process logs one warning.
+  True only when the handlers were registered in the CUDA plugin and a probe compile
+  proved it took them (`plugin_kernel.PluginKernel`), for the process's live CUDA
+  backend or, with no GPU, after `register_for_gpu_compile`. `(False, NO_CUDA_BACKEND)`
+  when neither exists; `(False, why)` when the kernel is missing or the plugin cannot be
+  shown to have it: the caller gives host subgroups XLA's host loop, and the process
+  logs one warning.
   """
-  native, why = _load()
-  if native is None:
-    return False, why
-  with _state.lock:
-    if _state.live is None:
-      _state.live = ()
-      platforms = _pjrt.gpu_platforms()
-      if platforms:
-        verdict = True, ''
-        for platform in platforms:
-          api, why = _pjrt.plugin_c_api(platform)
-          verdict = _register_and_probe(native, platform, api) if api is not None else (
-              False, why)
-          if not verdict[0]:
-            break
-        _state.live = verdict
-        if not verdict[0]:
-          _warn_once(verdict[1])
-    if _state.live:
-      return _state.live
-    if _state.compile_only is not None:
-      return _state.compile_only
-  return False, NO_CUDA_BACKEND
+  return _PLUGIN.in_gpu_programs()
 
 
 def host_kernel_in_accelerator_programs() -> tuple[bool, str]:
   """Whether an accelerator program (`Offload(platform='gpu')`) traced now may call the
-  native kernel in its host regions: `(ok, why not)`.
-
-  For a CUDA plugin (a live CUDA backend, or compiling without a GPU after
-  `register_for_gpu_compile`) that is `host_kernel_in_gpu_programs()`. Otherwise the
-  program can only run on the CPU backend, whose host regions run in jaxlib's XLA,
-  where `_native.load` registered the handlers: yes whenever the kernel is available.
-  """
-  ok, why = host_kernel_in_gpu_programs()
-  if ok or why != NO_CUDA_BACKEND:
-    return ok, why
-  return True, ''
+  native kernel in its host regions: `(ok, why not)` (on the CPU backend: whenever the
+  kernel is available)."""
+  return _PLUGIN.in_accelerator_programs()
 
 
 def register_for_gpu_compile() -> tuple[bool, str]:
   """Registers the handlers in the CUDA plugin for compiling GPU programs without a GPU
   (`dos_jax.dataflow.compile_for_gpu`) and proves it took them: `(True, '')` or
-  `(False, why)` (then one warning, and host regions take XLA's host loop).
-
-  The plugin's PJRT API exists once its compile-only topology has been built, GPU or
-  not; a program traced after this call puts the native kernel in its host regions.
-  The verdict is the process's (done once).
-  """
-  native, why = _load()
-  if native is None:
-    return False, why
-  with _state.lock:
-    if _state.compile_only is None:
-      api, why = _pjrt.plugin_c_api('cuda')
-      verdict = _register_and_probe(native, 'cuda', api) if api is not None else (False, why)
-      _state.compile_only = verdict
-      if not verdict[0]:
-        _warn_once(verdict[1])
-    return _state.compile_only
+  `(False, why)` (then one warning, and host regions take XLA's host loop). A program
+  traced after this call puts the native kernel in its host regions."""
+  return _PLUGIN.register_for_gpu_compile()
 
 
 def _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed) -> None:

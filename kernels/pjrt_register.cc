@@ -193,38 +193,6 @@ void* AsPointer(PyObject* obj, const char* what) {
 
 }  // namespace
 
-// The row-wise AdamW's handler (host_adamw_rows.cc).
-extern "C" XLA_FFI_Error* DosJaxAdamWHostRows(XLA_FFI_CallFrame* call_frame);
-
-namespace {
-
-// For tests only (tests/test_pjrt_register.py): the row-wise handler, except that the
-// metadata it reports claims XLA FFI API version 0.99, newer than any runtime accepts.
-// XLA asks a handler for its metadata when it is registered (a call frame whose
-// extension chain starts with XLA_FFI_Metadata_Extension) and refuses versions it does
-// not support: jaxlib's registry says so, a PJRT plugin's FFI extension drops the
-// handler and reports success. This is how a library built against newer FFI headers
-// than the runtime's looks to that runtime.
-XLA_FFI_Error* HandlerReportingApi099(XLA_FFI_CallFrame* call_frame) {
-  XLA_FFI_Error* error = DosJaxAdamWHostRows(call_frame);
-  auto* ext = call_frame->extension_start;  // its type was renamed in FFI API 0.4
-  if (error == nullptr && ext != nullptr && ext->type == XLA_FFI_Extension_Metadata) {
-    auto* metadata = reinterpret_cast<XLA_FFI_Metadata_Extension*>(ext)->metadata;
-    if (metadata != nullptr) {
-      metadata->api_version.major_version = 0;
-      metadata->api_version.minor_version = 99;
-    }
-  }
-  return error;
-}
-
-}  // namespace
-
-// _test_handler_api_0_99() -> capsule: see HandlerReportingApi099.
-PyObject* DosJaxTestHandlerApi099(PyObject* /*self*/, PyObject* /*args*/) {
-  return PyCapsule_New(reinterpret_cast<void*>(&HandlerReportingApi099), nullptr, nullptr);
-}
-
 // ffi_api_version() -> (major, minor): the XLA FFI API of the headers this library was
 // compiled with, which its handlers report to XLA (setup.py records it too).
 PyObject* DosJaxFfiApiVersion(PyObject* /*self*/, PyObject* /*args*/) {

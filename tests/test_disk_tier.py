@@ -77,10 +77,31 @@ CASES = [  # (program, policy, subgroups the host-memory budget holds, param dty
 ]
 
 
-@pytest.mark.parametrize('platform,policy,in_memory,dtype', CASES, ids=[
-    f'{p}-program-{q!r}-{m}-in-memory-{jnp.dtype(d).name}' for p, q, m, d in CASES])
+def _ids(cases):
+  return [f'{p}-program-{q!r}-{m}-in-memory-{jnp.dtype(d).name}' for p, q, m, d in cases]
+
+
+@pytest.mark.parametrize('platform,policy,in_memory,dtype', CASES, ids=_ids(CASES))
 def test_disk_subgroups_take_the_in_memory_host_tiers_steps_bit_for_bit(
     platform, policy, in_memory, dtype, tmp_path, seed):
+  _check_against_the_in_memory_tier(platform, policy, in_memory, dtype, tmp_path, seed)
+
+
+GPU_CASES = [c for c in CASES if c[0] == 'gpu']
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('platform,policy,in_memory,dtype', GPU_CASES, ids=_ids(GPU_CASES))
+def test_on_a_gpu_disk_subgroups_take_the_in_memory_host_tiers_steps_bit_for_bit(
+    platform, policy, in_memory, dtype, tmp_path, seed):
+  """The accelerator program on a GPU: the disk kernel runs in the CUDA plugin's host
+  regions (registered there and probed) and agrees with the in-memory host tier."""
+  assert jax.devices()[0].platform == 'gpu'
+  assert host_adamw_disk.disk_kernel_in_accelerator_programs() == (True, '')
+  _check_against_the_in_memory_tier(platform, policy, in_memory, dtype, tmp_path, seed)
+
+
+def _check_against_the_in_memory_tier(platform, policy, in_memory, dtype, tmp_path, seed):
   params = random_tree(seed, dtype)
   disk = dos_jax.Disk(str(tmp_path / 'state'), host_state_bytes=in_memory * row_bytes(dtype))
   ours, state = _train(_make(policy, platform, disk, clip=1.0), params, seed, 4, scale=0.5)
@@ -204,3 +225,4 @@ def test_a_missing_state_file_names_the_file(tmp_path, seed):
   os.remove(tmp_path / 'state' / 'sg000003.0')
   with pytest.raises(Exception, match='sg000003.0'):
     jax.block_until_ready(tx.update(random_grads(params, 0, seed), state, params))
+

@@ -30,6 +30,7 @@ import pytest
 
 from dos_jax.kernels import _pjrt
 from dos_jax.kernels import host_adamw_rows
+from dos_jax.kernels import plugin_kernel
 from tests.test_kernels_host_rows import random_stacked
 from tests.test_kernels_scalars import Hyper
 from tests.test_kernels_scalars import step_scalars
@@ -54,7 +55,8 @@ def _handlers():
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
   """A process that has not yet looked at GPU plugins, with its own probe cache."""
-  monkeypatch.setattr(host_adamw_rows, '_state', host_adamw_rows._PluginState())  # pylint: disable=protected-access
+  monkeypatch.setattr(host_adamw_rows, '_PLUGIN', plugin_kernel.PluginKernel(  # pylint: disable=protected-access
+      host_adamw_rows._load, _handlers(), host_adamw_rows._WARNING))  # pylint: disable=protected-access
   monkeypatch.setenv('DOS_JAX_CACHE_DIR', str(tmp_path / 'cache'))
   return tmp_path
 
@@ -300,8 +302,9 @@ def test_too_new_api_version_falls_back_with_one_warning(fresh, monkeypatch, cap
   aborts (in its child), and the step falls back to XLA's host loop, which compiles."""
   dataflow = _needs_gpu_compiler()
   import dos_jax  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(host_adamw_rows, '_PLUGIN_TARGETS',
-                      {'dos_jax_test_api_0_99': '_test_handler_api_0_99'})
+  monkeypatch.setattr(host_adamw_rows, '_PLUGIN', plugin_kernel.PluginKernel(  # pylint: disable=protected-access
+      host_adamw_rows._load, {'dos_jax_test_api_0_99': '_test_handler_api_0_99'},  # pylint: disable=protected-access
+      host_adamw_rows._WARNING))  # pylint: disable=protected-access
   with caplog.at_level(logging.WARNING):
     assert not dataflow.compile.prepare()
     ok, why = host_adamw_rows.host_kernel_in_gpu_programs()

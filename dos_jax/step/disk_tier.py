@@ -26,7 +26,6 @@ from jax.sharding import PartitionSpec as P
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
-from dos_jax.kernels import _pjrt
 from dos_jax.kernels import host_adamw_disk
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import paths
@@ -48,20 +47,22 @@ def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots,
                  split: bool) -> None:
   """Raises a one-line error naming `Offload.disk` when the disk tier cannot hold this
   state: it takes AdamW's fp32 state packed by subgroup (not shard-major), with the
-  native kernel built; the accelerator program only where its host regions run in
-  jaxlib's XLA (the CPU backend), as the kernel is not registered in GPU plugins yet."""
+  native kernel built; the accelerator program where its host regions can call the
+  kernel (on a GPU: the CUDA plugin took the handler, `kernels.plugin_kernel`)."""
   if fused is None or fused_lib.slot_rows(slots, layout.needs_master) is None:
     raise ValueError('Offload.disk holds the state of dos_jax.adamw with fp32 moments '
                      '(mu_dtype=None); this transform has another state')
   if layout.shards > 1:
     raise ValueError('Offload.disk: a state packed shard-major (ZeRO-3, shard_dims) cannot '
                      'have a disk tier yet; leave Offload.disk unset or shard_dims unset')
-  if split and _pjrt.gpu_platforms():
-    raise ValueError('Offload.disk: the disk kernel is not registered in the GPU plugin '
-                     "yet; on a GPU leave Offload.disk unset (offload.disk_dir: null)")
   if not host_adamw_disk.disk_kernel_available():
     raise RuntimeError('Offload.disk needs the native disk kernel: '
                        + host_adamw_disk.disk_kernel_unavailable_reason())
+  if split:
+    ok, why = host_adamw_disk.disk_kernel_in_accelerator_programs()
+    if not ok:
+      raise ValueError(f'Offload.disk: the GPU plugin cannot run the disk kernel in its host '
+                       f'regions ({why}); leave Offload.disk unset (offload.disk_dir: null)')
 
 
 def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout, params,
