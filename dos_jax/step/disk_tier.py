@@ -149,12 +149,25 @@ def update(context, base_step: paths.RowStep, gen):
                                            **kernel_args)
 
   if part.split:  # the accelerator program: in a host region, its inputs in host memory
-    out, new_gen = paths.put(
-        paths.host_region(run, out_spaces=(paths.HOST, paths.HOST))(
+    dtypes = (jnp.dtype(base_step.out_dtype), jnp.dtype(jnp.int32))
+    bits = paths.put(
+        paths.host_region(lambda *args: _as_bits(run(*args)),
+                          out_spaces=(paths.HOST, paths.HOST))(
             *paths.to_host((gen, grads, params, arrays))), paths.DEVICE)
+    out, new_gen = (jax.lax.bitcast_convert_type(x, d) for x, d in zip(bits, dtypes))
   else:
     out, new_gen = run(gen, grads, params, arrays)
   return new_gen, [(out, runs)]
+
+
+def _as_bits(arrays):
+  """Each array as unsigned integers of its width: the region's last instructions,
+  which carry its scheduling group (XLA gives a host call the frontend attributes of
+  the last instruction it wraps, `offloaded_instruction_wrapper.cc`; the kernel's
+  custom call carries none), so that in the construction the disk call joins the
+  group of the device tiers' stream lanes (`step.program`)."""
+  return tuple(jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{8 * x.dtype.itemsize}'))
+               for x in arrays)
 
 
 def _kernel_args(context, base_step: paths.RowStep, **more) -> dict:

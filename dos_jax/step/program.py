@@ -9,6 +9,7 @@ inputs and calls it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -31,6 +32,7 @@ from dos_jax.geometry.state import ShardedOver
 from dos_jax.offload import Program
 from dos_jax.offload import UpdateImpl
 from dos_jax.step import construction
+from dos_jax.step import device_stream
 from dos_jax.step import disk_tier
 from dos_jax.step import early_chunks
 from dos_jax.step import fused as fused_lib
@@ -70,11 +72,13 @@ def run_step(kernels: StepKernels, grad_leaves, param_leaves, state: OffloadedSt
   mesh = construction.step_mesh(sharded)  # a one-device mesh: built as unsharded
   context, base_step, native = _context(kernels, grad_leaves, param_leaves, state,
                                         grad_scale, mesh)
-  new_tiers, outs = _update_tiers(context, base_step, state, native)
+  disk = _DiskUpdate(context, base_step, state.disk_gen) if state.partition.disk else None
+  new_tiers, outs = _update_tiers(context, base_step, state, native, disk)
   disk_gen = None
-  if state.partition.disk:
-    disk_gen, disk_outs = disk_tier.update(context, base_step, state.disk_gen)
-    outs = list(outs) + disk_outs
+  if disk is not None:
+    if disk.gen is None:  # not run inside the construction
+      disk()
+    disk_gen, outs = disk.gen, list(outs) + disk.outs
   layout = state.layout
   scalars = tuple(jax.device_put(x, paths.DEVICE) for x in context.new_scalars)
   new_leaves = _updates_from_leaves(
@@ -142,15 +146,58 @@ def _runs_early(options: StepOptions, part, layout, mesh, native: bool) -> bool:
           and (mesh is None or construction.on_two_streams(part, layout, mesh)))
 
 
-def _update_tiers(context, base_step, state: OffloadedState, native: bool):
+class _DiskUpdate:
+  """The disk tier's update (`disk_tier.update`), run once where the step puts it: its
+  new generation and `(out rows, pieces)` once called."""
+
+  def __init__(self, context, base_step: paths.RowStep, gen):
+    self._args = (context, base_step, gen)
+    self.gen, self.outs = None, []
+
+  def __call__(self) -> None:
+    self.gen, self.outs = disk_tier.update(*self._args)
+
+
+def _host_and_disk(context, base_step, host_tier, native: bool, disk: _DiskUpdate,
+                   group: int):
+  """The host tier in memory, then the disk tier, both in scheduling group `group`: the
+  disk call is a host call the device tiers' grouped lanes run beside (all host
+  subgroups on disk, it is the only one). Returns the host tier's `(new, outs)`."""
+  with device_stream.in_group(group):
+    host, outs = (context.update_tier(Tier.HOST, base_step, host_tier, native=native)
+                  if context.part.ids(Tier.HOST) else (host_tier, []))
+    disk()
+  return host, outs
+
+
+def _early_then_disk(early, disk: _DiskUpdate, group: int | None = None):
+  """The host tier's early calls (`early(None)`: none of them in the group), then the
+  disk call in `group`: the last host call, the longest, is the one the device tiers'
+  lanes run beside. Returns the host tier's `(new, outs)`."""
+  host, outs = early(None)
+  with device_stream.in_group(group) if group is not None else contextlib.nullcontext():
+    disk()
+  return host, outs
+
+
+def _update_tiers(context, base_step, state: OffloadedState, native: bool,
+                  disk: _DiskUpdate | None = None):
   """`(new tiers, out rows per block)`: the one construction, or tier after tier where
-  it does not apply (the one-memory program; see `construction.on_two_streams`)."""
+  it does not apply (the one-memory program; see `construction.on_two_streams`). The
+  construction runs `disk` (the disk tier's call) as the host call its device tiers
+  run beside; elsewhere the caller runs it after the others."""
   part, layout, mesh, options = context.part, context.layout, context.mesh, context.options
   run_early = _runs_early(options, part, layout, mesh, native)
   host_update = None
   if run_early and mesh is None:  # the host tier in early calls (`step.early_chunks`)
     host_update = functools.partial(early_chunks.update_host, context, base_step,
                                     state.tier(Tier.HOST), part.early)
+    if disk is not None:
+      host_update = functools.partial(_early_then_disk, host_update, disk)
+  elif disk is not None and mesh is None:
+    host_update = functools.partial(
+        _host_and_disk, context, base_step, state.tier(Tier.HOST),
+        native and options.host_impl is UpdateImpl.KERNEL, disk)
   if construction.on_two_streams(part, layout, mesh):
     sharded_host = None
     if run_early and mesh is not None:  # each device's early calls, inside shard_map

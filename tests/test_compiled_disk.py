@@ -1,0 +1,101 @@
+"""The disk tier in the accelerator program, compiled for an H100 with no GPU.
+
+The CUDA plugin takes the disk kernel's handler (registered in its own FFI registry and
+probed by `dataflow.compile.prepare`, `kernels.plugin_kernel`), and the construction
+holds with a disk tier: the disk call is a host call in the scheduling group of the
+device tiers' stream lanes, so the device update runs beside it. Over a family of shapes
+(every host subgroup on disk; some in memory and the rest on disk, the two then one
+host call) and under the option sets a user may pass (`test_compiled_options.py`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dos_jax
+from dos_jax import dataflow
+from dos_jax.dataflow import hlo
+from dos_jax.dataflow import probes
+from dos_jax.kernels import host_adamw_disk
+from dos_jax.step import device_stream
+from tests import compiled
+from tests.test_compiled_options import OPTIONS
+
+pytestmark = pytest.mark.compiled_gpu
+
+compiled.skip_without_gpu_compiler()
+
+if not device_stream.available():
+  pytest.skip('this jax builds no stream region (device_stream.available())',
+              allow_module_level=True)
+if not host_adamw_disk.disk_kernel_available():
+  pytest.skip('the native disk kernel is not built', allow_module_level=True)
+
+_TARGET = 'dos_jax_adamw_disk_rows'
+
+
+def _disk_step(tmp_path, layers: int, width: int, dtype: str, policy, in_memory: int):
+  """A donated, clipped train step of an L x W MLP (one subgroup per layer) whose host
+  subgroups beyond `in_memory` keep their state on disk, with its arguments."""
+  params = jax.device_put(probes.mlp_params(layers, width, jnp.dtype(dtype)),
+                          jax.devices()[0])
+  size = width * width + width
+  row_bytes = (2 if jnp.dtype(dtype) == jnp.float32 else 3) * 4 * size
+  disk = dos_jax.Disk(str(tmp_path / 'state'), host_state_bytes=in_memory * row_bytes)
+  opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(
+      1e-3, offload=dos_jax.Offload(subgroup_size=size, policy=policy, platform='gpu',
+                                    disk=disk)))
+  state = opt.init(params)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((64, width)), jnp.dtype(dtype))
+
+  def step(p, s, x):
+    loss, g = jax.value_and_grad(probes.mlp_loss)(p, x)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  return step, (params, state, x)
+
+
+def _disk_calls(program) -> list:
+  """The host calls whose computations call the disk kernel."""
+  module = hlo.Module.parse(program.hlo_text)
+  entry = module.entry_computation.by_name()
+  return [c for c in program.schedule.host_calls
+          if any(i.opcode == 'custom-call' and _TARGET in (i.attribute('custom_call_target') or '')
+                 for n in entry[c.name].called for comp in module.reachable(n)
+                 for i in comp.instructions)]
+
+
+# (layers, width, dtype, policy, host subgroups whose state stays in memory)
+FAMILY = (
+    (6, 512, 'bfloat16', dos_jax.Stride(2), 0),
+    (7, 384, 'float32', dos_jax.DeviceFraction(0.5), 2),
+)
+
+
+@pytest.mark.parametrize('options', list(OPTIONS))
+@pytest.mark.parametrize('layers, width, dtype, policy, in_memory', FAMILY,
+                         ids=lambda v: str(v))
+def test_the_disk_call_runs_beside_the_device_tiers(tmp_path, layers, width, dtype, policy,
+                                                     in_memory, options):
+  assert dataflow.compile.prepare()
+  assert host_adamw_disk.register_for_gpu_compile() == (True, '')
+  fn, args = _disk_step(tmp_path, layers, width, dtype, policy, in_memory)
+  is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
+  state = next(x for x in jax.tree.leaves(args[1], is_leaf=is_state) if is_state(x))
+  assert state.partition.disk and len(state.partition.host) == in_memory
+  ours = options == 'gpu_compiler_options'
+  program = dataflow.compile_for_gpu(fn, *args, compiler_options=OPTIONS[options],
+                                     early_windows=ours, donate_argnums=(0, 1))
+  schedule = program.schedule
+  (disk,) = _disk_calls(program)  # the one disk call, in a host computation
+  assert schedule.device_updates_on_streams() >= 1, schedule.stream_calls
+  if ours:
+    assert all(s.overlaps(disk) for s in schedule.stream_calls if s.updates), (
+        disk, schedule.stream_calls)
+    assert not schedule.device_updates_outside_host_calls(), (
+        schedule.host_calls, schedule.stream_calls)
+  elif options == 'lhs_alone':  # the group: the disk call beside the first lane
+    assert any(s.overlaps(disk) for s in schedule.stream_calls), (disk, schedule.stream_calls)
