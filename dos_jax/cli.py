@@ -7,6 +7,7 @@ Each subcommand lives next to the code it drives and registers itself through a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -54,5 +55,19 @@ def main(argv: list[str] | None = None) -> int:
   return int(args.handler(args) or 0)
 
 
+def run() -> None:
+  """The `dos-jax` command's process: exits with `main()`'s status. A run that failed
+  (status 1: a fault of the machine, a non-finite loss) has by then closed its
+  checkpointer and metrics and written its line and error.log; it leaves at once
+  (`os._exit`), so that a library's thread still blocked on the failed write cannot
+  keep the process alive after its error."""
+  code = main()
+  if code == 1:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
+  sys.exit(code)
+
+
 if __name__ == '__main__':
-  sys.exit(main())
+  run()

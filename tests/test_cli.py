@@ -131,3 +131,18 @@ def test_default_run_from_any_directory_writes_its_outputs(tmp_path, monkeypatch
   # The resolved config is itself a valid config, for the same run: nothing left to do.
   assert cli.main(['train', str(out_dir / 'config.yaml')]) == 0
   assert 'nothing to do: the run is already at step 3' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('status', [0, 1, 2])
+def test_the_command_exits_with_its_status_even_with_a_thread_left_blocked(status):
+  """`dos-jax` (`cli.run`) leaves with `main()`'s status. A failed run (1) leaves at once
+  even when a library's thread is still blocked (as orbax's can be on a failed write):
+  Python would otherwise wait for that thread at exit. The other statuses exit as usual,
+  with the interpreter's clean-up, so the blocked thread here is a daemon for them."""
+  code = ('import threading, dos_jax.cli as c\n'
+          f'threading.Thread(target=threading.Event().wait, daemon={status != 1}).start()\n'
+          f'c.main = lambda: {status}\n'
+          'c.run()\n')
+  done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                        timeout=60, check=False)
+  assert done.returncode == status, done.stderr
