@@ -10,7 +10,9 @@ state keeps the old generation, whose files the step did not touch.
 
 The disk subgroups are updated after the gradients' clip factor is known (no
 speculation), in the one-memory program as they are, in the accelerator program inside a
-host region of their own.
+host region of their own: the host call the device tiers' stream lanes run beside
+(`step.program`; on a GPU the kernel is registered in the CUDA plugin,
+`kernels.plugin_kernel`).
 """
 
 from __future__ import annotations
