@@ -84,7 +84,7 @@ def _native_extension(name: str, *sources: str) -> Extension:
       f'dos_jax.kernels.{name}',
       sources=[f'kernels/{source}' for source in sources],
       depends=['kernels/adamw_loop.h', 'kernels/adamw_common.h', 'kernels/adamw_rows.h',
-               'kernels/adamw_rows_setup.h'],
+               'kernels/adamw_rows_setup.h', 'kernels/pjrt_register.h'],
       include_dirs=[_ffi_include_dir()],
       extra_compile_args=_compile_args(),
       extra_link_args=['-pthread'],

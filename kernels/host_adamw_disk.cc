@@ -40,6 +40,7 @@
 #include "adamw_loop.h"
 #include "adamw_rows.h"
 #include "xla/ffi/api/ffi.h"
+#include "pjrt_register.h"
 
 namespace ffi = xla::ffi;
 
@@ -413,19 +414,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWDiskRows, DiskImpl,
 
 DOS_HANDLER_CAPSULE(Handler, DosJaxAdamWDiskRows)
 
-// pjrt_register.cc: registers handlers inside a PJRT plugin (GPU programs' host regions).
-PyObject* DosJaxRegisterWithPjrt(PyObject* self, PyObject* args);
-PyObject* DosJaxFfiApiVersion(PyObject* self, PyObject* args);
 
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS,
      "The XLA FFI handler of the host AdamW over subgroups whose state is in files."},
-    {"register_with_pjrt", DosJaxRegisterWithPjrt, METH_VARARGS,
-     "register_with_pjrt(api, platform, targets) -> '' or why not: registers the "
-     "(name, handler) targets in the FFI registry of the PJRT plugin `api` for `platform`."},
-    {"ffi_api_version", DosJaxFfiApiVersion, METH_NOARGS,
-     "ffi_api_version() -> (major, minor): the XLA FFI API version of the headers this "
-     "library was built with (what its handlers report to XLA)."},
+    DOS_PJRT_METHODS,
     {nullptr, nullptr, 0, nullptr},
 };
 

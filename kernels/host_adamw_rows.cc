@@ -28,6 +28,7 @@
 #include "adamw_rows.h"
 #include "adamw_rows_setup.h"
 #include "xla/ffi/api/ffi.h"
+#include "pjrt_register.h"
 
 namespace ffi = xla::ffi;
 
@@ -365,9 +366,6 @@ DOS_HANDLER_CAPSULE(HandlerLeavesStateArg, DosJaxAdamWHostLeavesStateArg)
 DOS_HANDLER_CAPSULE(HandlerLeavesStateArgUndo, DosJaxAdamWHostLeavesStateArgUndo)
 DOS_HANDLER_CAPSULE(HandlerLeavesRedo, DosJaxAdamWHostLeavesRedo)
 
-// pjrt_register.cc: registers handlers inside a PJRT plugin (GPU programs' host regions).
-PyObject* DosJaxRegisterWithPjrt(PyObject* self, PyObject* args);
-PyObject* DosJaxFfiApiVersion(PyObject* self, PyObject* args);
 
 namespace {
 
@@ -410,12 +408,7 @@ static PyMethodDef kMethods[] = {
      "The same, copying each segment's state into an undo result before updating it."},
     {"handler_leaves_redo", HandlerLeavesRedo, METH_NOARGS,
      "Puts an undo copy back and updates again (state in place, out rows a result), when asked."},
-    {"register_with_pjrt", DosJaxRegisterWithPjrt, METH_VARARGS,
-     "register_with_pjrt(api, platform, targets) -> '' or why not: registers the "
-     "(name, handler) targets in the FFI registry of the PJRT plugin `api` for `platform`."},
-    {"ffi_api_version", DosJaxFfiApiVersion, METH_NOARGS,
-     "ffi_api_version() -> (major, minor): the XLA FFI API version of the headers this "
-     "library was built with (what its handlers report to XLA)."},
+    DOS_PJRT_METHODS,
     {"_test_handler_api_0_99", DosJaxTestHandlerApi099, METH_NOARGS,
      "For tests: the row-wise handler, reporting XLA FFI API version 0.99 (too new for "
      "any runtime) when XLA asks for its metadata."},

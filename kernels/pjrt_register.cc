@@ -19,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN  // the s# formats below take Py_ssize_t lengths
 #include <Python.h>
 
+#include "pjrt_register.h"
 #include "xla/ffi/api/c_api.h"
 
 #include <cstddef>
