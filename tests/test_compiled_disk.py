@@ -33,7 +33,7 @@ if not device_stream.available():
 if not host_adamw_disk.disk_kernel_available():
   pytest.skip('the native disk kernel is not built', allow_module_level=True)
 
-_TARGET = 'dos_jax_adamw_disk_rows'
+_TARGET = host_adamw_disk._TARGET  # pylint: disable=protected-access
 
 
 def _disk_step(tmp_path, layers: int, width: int, dtype: str, policy, in_memory: int):
