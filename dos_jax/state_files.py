@@ -13,7 +13,6 @@ such a folder, one subgroup at a time: no more memory than the target's own tier
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 from typing import Any
@@ -58,7 +57,44 @@ def _shape(state: OffloadedState) -> dict:
   return {'num_subgroups': state.partition.num_subgroups,
           'num_slots': int(state.slots.group_sizes[0]),
           'subgroup_size': int(layout.subgroup_size),
-          'leaves': [list(map(int, s)) for s in layout.shapes]}
+          'leaves': [list(map(int, s)) for s in layout.shapes],
+          'packing': _packing(layout)}
+
+
+def _packing(layout) -> list:
+  """How the rows hold the leaves: `[shards, each leaf's shard dimension]`, `[1, None]`
+  leaf after leaf (`layout`'s module docstring)."""
+  if layout.shards == 1:
+    return [1, None]
+  return [int(layout.shards), [None if d is None else int(d) for d in layout.shard_dims]]
+
+
+def files_packing_mismatch(folder: str, template: PyTree) -> str | None:
+  """Why `state_to_files`' `folder` cannot fill `template` as packed (a state saved
+  on a mesh of another size, or in another program), or None. The rows of one packing
+  hold other elements than another's, so a checkpoint of files resumes only into its
+  own packing (a checkpoint of trees into any)."""
+  with open(os.path.join(folder, _DESCRIPTION), encoding='utf-8') as f:
+    shapes = json.load(f)['states']
+  targets = [t for t in jax.tree.leaves(template, is_leaf=_is_offloaded) if _is_offloaded(t)]
+  for shape, target in zip(shapes, targets):
+    if (mismatch := _packing_mismatch(shape, target)) is not None:
+      return mismatch
+  return None
+
+
+def _packing_mismatch(shape: dict, target: OffloadedState) -> str | None:
+  mine, saved = _packing(target.layout), shape.get('packing', [1, None])
+  if mine == saved:
+    return None
+  return (f'the checkpoint\'s optimizer state is packed {_packed_as(saved)}, this '
+          f'run\'s {_packed_as(mine)}: resume on the mesh and program it was saved with')
+
+
+def _packed_as(packing: list) -> str:
+  if packing[0] == 1:
+    return 'leaf after leaf (a state on one device, or split leaf-major)'
+  return f'shard-major over {packing[0]} devices (ZeRO-3/ZeRO-1 on a mesh of that size)'
 
 
 def state_files_tree(opt_state: PyTree) -> PyTree:
@@ -107,25 +143,6 @@ def state_to_files(opt_state: PyTree, folder: str) -> PyTree:
   return state_files_tree(opt_state)
 
 
-def _link_or_copy(source: str, target: str) -> None:
-  """`target` made a hard link to `source` (a copy across file systems), replacing
-  `target` atomically if it exists."""
-  tmp = target + '.tmp'
-  if os.path.lexists(tmp):
-    os.unlink(tmp)
-  try:
-    os.link(source, tmp)
-  except OSError as err:
-    if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-      raise
-    with open(source, 'rb') as src, open(tmp, 'xb') as dst:
-      while chunk := src.read(1 << 26):
-        dst.write(chunk)
-      dst.flush()
-      os.fsync(dst.fileno())
-  os.replace(tmp, target)
-
-
 def _write_state(state: OffloadedState, folder: str) -> None:
   os.makedirs(folder)
   part = state.partition
@@ -133,8 +150,8 @@ def _write_state(state: OffloadedState, folder: str) -> None:
     parity = int(state.disk_gen) % 2
     for g in part.disk:
       for shard in disk_tier.shard_ids(part):
-        _link_or_copy(host_adamw_disk.state_path(part.disk_dir, g, parity, shard),
-                      host_adamw_disk.state_path(folder, g, 0, shard))
+        disk_tier.link_or_copy(disk_tier.live_path(part, g, parity, shard),
+                               host_adamw_disk.state_path(folder, g, 0, shard))
   for tier in TIERS:
     blocks = part.blocks(tier)
     for ids, block in zip(blocks, partition_lib.blocks_of(state.tier(tier), len(blocks))):
@@ -151,7 +168,8 @@ def state_from_files(saved: PyTree, folder: str, template: PyTree) -> PyTree:
 
   Raises:
     ValueError: a state of `template` has other subgroups than the saved one (another
-      subgroup size, model or param dtype), naming what differs.
+      subgroup size, model or param dtype), or packs them otherwise (another number of
+      state shards), naming what differs.
   """
   with open(os.path.join(folder, _DESCRIPTION), encoding='utf-8') as f:
     shapes = json.load(f)['states']
@@ -185,6 +203,8 @@ def _fill(target: OffloadedState, shape: dict, folder: str) -> OffloadedState:
               else f'{key}={shape[key]}, this run {mine[key]}')
       raise ValueError(f'the checkpoint\'s optimizer state has {what}: resume with the '
                        'offload.subgroup_size, model and param dtype it was saved with')
+  if (mismatch := _packing_mismatch(shape, target)) is not None:
+    raise ValueError(mismatch)
   with open(os.path.join(folder, 'shards.json'), encoding='utf-8') as f:
     saved = json.load(f)
   part, k, size = target.partition, mine['num_slots'], mine['subgroup_size']
@@ -195,9 +215,8 @@ def _fill(target: OffloadedState, shape: dict, folder: str) -> OffloadedState:
     parity = int(target.disk_gen) % 2
     for g in part.disk:
       if g in saved['disk'] and saved_shards == part.disk_shards:
-        for shard in disk_tier.shard_ids(part):
-          _link_or_copy(host_adamw_disk.state_path(folder, g, 0, shard),
-                        host_adamw_disk.state_path(part.disk_dir, g, parity, shard))
+        disk_tier.link_copies(part, g, parity, lambda shard, g=g: host_adamw_disk.state_path(
+            folder, g, 0, shard))
       else:
         disk_tier.write_rows(part, g, parity, read(g))
   tiers = {}

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from dos_jax.step import paths
+from dos_jax.step import state_init
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.state import OffloadedState
 
@@ -43,8 +44,9 @@ def abstract_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
     `orbax.checkpoint.StandardCheckpointer().restore(path, abstract_state(tx, params))`.
     Nothing is allocated: the init is only compiled, for its output shardings.
   """
-  shapes = jax.eval_shape(tx.init, params)
-  shardings = jax.jit(tx.init).lower(params).compile().output_shardings
+  with state_init.shapes_only():  # a disk tier's init writes no file here
+    shapes = jax.eval_shape(tx.init, params)
+    shardings = jax.jit(tx.init).lower(params).compile().output_shardings
   return jax.tree.map(
       lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
       shapes, shardings)

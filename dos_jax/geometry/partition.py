@@ -79,8 +79,10 @@ class Partition:
     disk: host-updated subgroups whose state is in files (`Tier.DISK`), ascending; not
       in `host` (`spill_to_disk` chooses them).
     disk_dir, direct_io: the disk tier's directory and I/O mode (`dos_jax.Disk`).
-    disk_shards: the data shards of a state split over devices (ZeRO-1): each writes
+    disk_shards: the data shards of a state split over devices (ZeRO-1/3): each has
       its own files, of its columns of the rows.
+    disk_replicas: the copies of each data shard on a mesh's other axes: each device
+      reads and writes its own files, as it keeps its own copy of a state in memory.
   """
 
   host: tuple[int, ...]
@@ -94,6 +96,7 @@ class Partition:
   disk_dir: str | None = None
   direct_io: bool = True
   disk_shards: int = 1
+  disk_replicas: int = 1
 
   @property
   def per_subgroup(self) -> bool:
@@ -113,7 +116,8 @@ class Partition:
     memory as it has), or None without a disk tier."""
     if not self.disk:
       return None
-    return DiskSpill(self.disk_dir, len(self.host), self.direct_io, self.disk_shards)
+    return DiskSpill(self.disk_dir, len(self.host), self.direct_io, self.disk_shards,
+                     self.disk_replicas)
 
   def with_early(self, early: tuple[int, ...] | None) -> 'Partition':
     """This partition with other early host calls (None: `early_host_calls`' rule)."""
@@ -222,6 +226,7 @@ class DiskSpill:
   in_memory: int | None = None
   direct_io: bool = True
   shards: int = 1
+  replicas: int = 1
 
 
 def spill_to_disk(host: tuple[int, ...], disk: DiskSpill | None
@@ -244,7 +249,7 @@ def _disk_fields(on_disk: tuple[int, ...], disk: DiskSpill | None) -> dict:
   if not on_disk:
     return {}
   return dict(disk=on_disk, disk_dir=disk.directory, direct_io=disk.direct_io,
-              disk_shards=disk.shards)
+              disk_shards=disk.shards, disk_replicas=disk.replicas)
 
 
 def stream_order(part: Partition, streamed: Sequence[int]) -> list[int]:

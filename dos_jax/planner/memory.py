@@ -344,7 +344,7 @@ def check_run(cfg, linked_back_bytes: float = 0.0) -> str | None:
     state = size.state_per_device * count
     cap = cfg.offload.host_state_gib
     in_host = 0.0 if cap is None else min(state, cap * _GIB)
-    on_disk = state - in_host
+    on_disk = (state - in_host) * _state_copies(cfg, count)  # each device its own files
     size = dataclasses.replace(size, state_per_device=in_host / count)
   short = shortfalls(size, devices=count, device_bytes=free or math.inf,
                      host_bytes=host_available_bytes(), device_is_host=device_is_host)
@@ -367,6 +367,16 @@ def check_run(cfg, linked_back_bytes: float = 0.0) -> str | None:
           + '; '.join(s.line() for s in short) + hint)
 
 
+def _state_copies(cfg, count: int) -> int:
+  """The copies of the state on a run's `count` local devices: one per device of the
+  mesh axes other than the one the state is split over (`fsdp` with ZeRO-3, else
+  `data`) and `pipeline` (whose stages hold other layers)."""
+  mesh = cfg.mesh
+  split = mesh.fsdp if mesh.fsdp > 1 else (
+      mesh.data if mesh.data > 0 else count // (mesh.tensor * mesh.pipeline))
+  return max(count // (max(split, 1) * mesh.pipeline), 1)
+
+
 def disk_state_bytes(directory: str) -> tuple[float, float]:
   """`(reused, linked)`: bytes of the disk tier's files already in `directory` (an
   earlier run's), those the run replaces and frees, and those a checkpoint links too
@@ -377,6 +387,7 @@ def disk_state_bytes(directory: str) -> tuple[float, float]:
     entries = list(os.scandir(directory))
   except OSError:
     return 0.0, 0.0
+  seen = set()  # each file once: a generation-0 file is linked to by every copy
   for entry in entries:
     if not host_adamw_disk.STATE_FILE.fullmatch(entry.name):
       continue
@@ -384,6 +395,9 @@ def disk_state_bytes(directory: str) -> tuple[float, float]:
       info = entry.stat(follow_symlinks=False)
     except OSError:
       continue
+    if (info.st_dev, info.st_ino) in seen:
+      continue
+    seen.add((info.st_dev, info.st_ino))
     if info.st_nlink > 1:
       linked += info.st_size
     else:

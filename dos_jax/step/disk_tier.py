@@ -17,6 +17,7 @@ host region of their own: the host call the device tiers' stream lanes run besid
 
 from __future__ import annotations
 
+import errno
 import os
 
 import jax
@@ -33,30 +34,36 @@ from dos_jax.step import fused as fused_lib
 from dos_jax.step import paths
 
 
-def spill_of(disk, slots: slots_lib.Slots, size: int, shards: int = 1
+def spill_of(disk, slots: slots_lib.Slots, size: int, mesh=None, data_axis: str = 'data'
              ) -> partition_lib.DiskSpill | None:
   """`Offload.disk` as the partition's rule: how many host subgroups' state fits its
-  host-memory budget; `shards`: the data shards the state is split over."""
+  host-memory budget; on a `mesh`, the data shards the state is split over and the
+  copies of each on the other axes (each device its own files)."""
   if disk is None:
     return None
   per_subgroup = sum(k * jnp.dtype(g).itemsize for g, k in zip(slots.groups, slots.group_sizes))
   in_memory = None if disk.host_state_bytes is None else disk.host_state_bytes // (
       per_subgroup * size)
-  return partition_lib.DiskSpill(disk.directory, in_memory, disk.direct_io, shards)
+  shards = 1 if mesh is None else mesh.shape[data_axis]
+  replicas = 1 if mesh is None else mesh.size // shards
+  return partition_lib.DiskSpill(disk.directory, in_memory, disk.direct_io, shards, replicas)
 
 
-def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots,
-                 split: bool) -> None:
+def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, split: bool,
+                 mesh=None, params=None) -> None:
   """Raises a one-line error naming `Offload.disk` when the disk tier cannot hold this
-  state: it takes AdamW's fp32 state packed by subgroup (not shard-major), with the
-  native kernel built; the accelerator program where its host regions can call the
-  kernel (on a GPU: the CUDA plugin took the handler, `kernels.plugin_kernel`)."""
+  state: it takes AdamW's fp32 state, with the native kernel built, and params on one
+  device or on a mesh with the data axis (`mesh`); the accelerator program where its
+  host regions can call the kernel (on a GPU: the CUDA plugin took the handler,
+  `kernels.plugin_kernel`)."""
   if fused is None or fused_lib.slot_rows(slots, layout.needs_master) is None:
     raise ValueError('Offload.disk holds the state of dos_jax.adamw with fp32 moments '
                      '(mu_dtype=None); this transform has another state')
-  if layout.shards > 1:
-    raise ValueError('Offload.disk: a state packed shard-major (ZeRO-3, shard_dims) cannot '
-                     'have a disk tier yet; leave Offload.disk unset or shard_dims unset')
+  spans = {len(s.device_set) for s in map(_sharding, jax.tree.leaves(params)) if s is not None}
+  if mesh is None and max(spans, default=1) > 1:
+    raise ValueError(f'Offload.disk: the params span {max(spans)} devices on a mesh without '
+                     'Offload.data_axis; name the mesh axis the state may split over '
+                     '(Offload.data_axis, of size 1 for none)')
   if not host_adamw_disk.disk_kernel_available():
     raise RuntimeError('Offload.disk needs the native disk kernel: '
                        + host_adamw_disk.disk_kernel_unavailable_reason())
@@ -67,19 +74,29 @@ def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots,
                        f'regions ({why}); leave Offload.disk unset (offload.disk_dir: null)')
 
 
+def _sharding(leaf):
+  return getattr(leaf, 'sharding', None) if isinstance(leaf, jax.Array) else None
+
+
 def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout, params,
                   split_rows) -> jax.Array:
   """Writes each disk subgroup's first state (generation 0), one subgroup at a time,
   from `params` (concrete), its rows made by `split_rows(master rows)` (the state
-  builder's); returns the generation, `int32 0`."""
+  builder's) and packed as the layout packs them (shard-major: each device's columns
+  hold its own shards, `layout.to_shards`); returns the generation, `int32 0`."""
   os.makedirs(part.disk_dir, exist_ok=True)
-  leaves = [np.asarray(jax.device_get(x)).ravel()
-            for x in layout.treedef.flatten_up_to(params)]
-  size, dtype = layout.subgroup_size, np.dtype(layout.state_dtype)
+  shards, size = layout.shards, layout.subgroup_size
+  leaves = layout.treedef.flatten_up_to(params)
+  views = [np.asarray(jax.device_get(x)).reshape(1, -1) if shards == 1 else
+           np.asarray(jax.device_get(layout_lib.to_shards(x, layout, i)))
+           for i, x in enumerate(leaves)]
+  local, dtype = size // shards, np.dtype(layout.state_dtype)
   for g in part.disk:
     master = np.zeros((1, size), dtype)
     for run in partition_lib.pieces_of(layout, (g,)):
-      master[0, run.offset:run.offset + run.size] = leaves[run.leaf][run.start:run.start + run.size]
+      for d in range(shards):
+        start = d * local + run.offset
+        master[0, start:start + run.size] = views[run.leaf][d, run.start:run.start + run.size]
     block, _ = split_rows(jnp.asarray(master))
     _remove_stale(part, g)
     write_rows(part, g, 0, np.asarray(block[0])[0])
@@ -87,36 +104,93 @@ def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout, para
 
 
 def _remove_stale(part: partition_lib.Partition, g: int) -> None:
-  """Removes subgroup `g`'s file in half 1, left by an earlier run: generation 0 never
-  reads it, and a run resuming from a checkpoint would otherwise hold three
+  """Removes subgroup `g`'s files in half 1, left by an earlier run: generation 0 never
+  reads them, and a run resuming from a checkpoint would otherwise hold three
   generations of the state at once (that one, the checkpoint's and the new one)."""
   for shard in shard_ids(part):
-    try:
-      os.unlink(host_adamw_disk.state_path(part.disk_dir, g, 1, shard))
-    except FileNotFoundError:
-      pass
+    for replica in range(part.disk_replicas):
+      try:
+        os.unlink(live_path(part, g, 1, shard, replica))
+      except FileNotFoundError:
+        pass
 
 
 def shard_ids(part: partition_lib.Partition) -> list[int | None]:
-  """The data shards whose files each disk subgroup has (`None`: one file)."""
+  """The data shards whose columns each disk subgroup's files hold (`None`: one), as a
+  checkpoint names them (`read_subgroup`)."""
   return [None] if part.disk_shards == 1 else list(range(part.disk_shards))
 
 
+def live_path(part: partition_lib.Partition, g: int, parity: int, shard: int | None,
+              replica: int = 0) -> str:
+  """The file of data shard `shard`'s columns of subgroup `g` in half `parity` that
+  the device of copy `replica` reads and writes (the kernel's `shard` is the file's
+  index, `replica * disk_shards + shard`, among `_files(part)`)."""
+  index = None if _files(part) == 1 else replica * part.disk_shards + (shard or 0)
+  return host_adamw_disk.state_path(part.disk_dir, g, parity, index)
+
+
+def _files(part: partition_lib.Partition) -> int:
+  return part.disk_shards * part.disk_replicas
+
+
+def link_or_copy(source: str, target: str) -> None:
+  """`target` made a hard link to `source` (a copy across file systems), replacing
+  `target` atomically if it exists. The kernel replaces a file, never writes into one,
+  so the link keeps `source`'s bytes."""
+  tmp = target + '.tmp'
+  if os.path.lexists(tmp):
+    os.unlink(tmp)
+  try:
+    os.link(source, tmp)
+  except OSError as err:
+    if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+      raise
+    with open(source, 'rb') as src, open(tmp, 'xb') as dst:
+      while chunk := src.read(1 << 26):
+        dst.write(chunk)
+      dst.flush()
+      os.fsync(dst.fileno())
+  os.replace(tmp, target)
+
+
+def link_copies(part: partition_lib.Partition, g: int, parity: int,
+                source=lambda shard: None) -> None:
+  """Subgroup `g`'s files in half `parity` of every copy linked to `source(shard)` (by
+  default the first copy's)."""
+  for shard in shard_ids(part):
+    first = source(shard) or live_path(part, g, parity, shard)
+    for replica in range(part.disk_replicas):
+      target = live_path(part, g, parity, shard, replica)
+      if target != first:
+        link_or_copy(first, target)
+
+
 def write_rows(part: partition_lib.Partition, g: int, parity: int, rows: np.ndarray) -> None:
-  """Subgroup `g`'s `(K, S)` state written as its files (one per data shard)."""
+  """Subgroup `g`'s `(K, S)` state written as its files (one per data shard and copy:
+  the first copy's written, the others linked to it)."""
   width = rows.shape[1] // part.disk_shards
   for shard in shard_ids(part):
     cols = rows if shard is None else rows[:, shard * width:(shard + 1) * width]
-    host_adamw_disk.write_state(part.disk_dir, g, parity, np.ascontiguousarray(cols), shard)
+    host_adamw_disk.write_state(part.disk_dir, g, parity, np.ascontiguousarray(cols),
+                                _file_index(part, shard))
+  link_copies(part, g, parity)
+
+
+def _file_index(part: partition_lib.Partition, shard: int | None) -> int | None:
+  return None if _files(part) == 1 else shard or 0
 
 
 def read_rows(part: partition_lib.Partition, slots: slots_lib.Slots, size: int,
               gen) -> dict[int, np.ndarray]:
   """Each disk subgroup's `(K, S)` float32 state at generation `gen` (concrete), by
-  subgroup: for inspection and checkpoints, not for the training step."""
-  parity = int(gen) % 2
-  return {g: read_subgroup(part.disk_dir, g, parity, slots.group_sizes[0], size,
-                           part.disk_shards) for g in part.disk}
+  subgroup, from the first copy's files: for inspection and checkpoints, not for the
+  training step."""
+  parity, k = int(gen) % 2, slots.group_sizes[0]
+  width = size // part.disk_shards
+  return {g: np.concatenate([host_adamw_disk.read_state(part.disk_dir, g, parity, k, width,
+                                                        _file_index(part, shard))
+                             for shard in shard_ids(part)], axis=1) for g in part.disk}
 
 
 def read_subgroup(directory: str, g: int, parity: int, num_slots: int, size: int,
@@ -132,7 +206,7 @@ def read_subgroup(directory: str, g: int, parity: int, num_slots: int, size: int
 
 def update(context, base_step: paths.RowStep, gen):
   """One step of the disk tier: `(next generation, [(out rows, pieces)])`."""
-  if context.part.disk_shards > 1:
+  if _files(context.part) > 1:  # on a mesh: each device its own files
     return _update_sharded(context, base_step, gen)
   part, layout = context.part, context.layout
   runs = partition_lib.pieces_of(layout, part.disk)
@@ -183,35 +257,51 @@ def _kernel_args(context, base_step: paths.RowStep, **more) -> dict:
 
 
 def _update_sharded(context, base_step: paths.RowStep, gen):
-  """The disk tier of a state split over the data axis (ZeRO-1, the one-memory
-  program): each device's kernel call on its columns of the rows, its own files."""
+  """The disk tier on a mesh: each device's kernel call on its columns of the rows (the
+  state split over the data axis: ZeRO-1, and ZeRO-3's shard-major packing) in its own
+  files (`live_path`: its data shard's, of its copy on the other axes); in the
+  accelerator program inside a host region, as the in-memory host tier's
+  (`fused.sharded_host_region_update`). The rows are packed on the device, where XLA
+  can move the pieces between devices (`tier_updates.host_rows`)."""
   part, layout, mesh = context.part, context.layout, context.mesh
   axis = context.options.data_axis
+  others = tuple(a for a in mesh.axis_names if a != axis)
   runs = partition_lib.pieces_of(layout, part.disk)
-  rows, size = len(part.disk), layout.subgroup_size
+  rows, size, shards = len(part.disk), layout.subgroup_size, layout.shards
   cols = NamedSharding(mesh, P(None, axis))
 
   def packed(leaves, dtype):
-    whole = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs), runs, rows, size,
-                                   dtype)
+    whole = partition_lib.assemble(partition_lib.slice_pieces(leaves, runs, shards), runs,
+                                   rows, size, dtype, shards)
     return jax.lax.with_sharding_constraint(whole, cols)
 
   grads = packed(context.grad_leaves, context.grad_dtype)
   params = None if context.param_leaves is None else packed(context.param_leaves, jnp.float32)
   arrays, join = fused_lib.split_scalars(context.adam_scalars)
-  num_threads = context.options.host_threads or max(
-      1, (os.cpu_count() or 1) // part.disk_shards)
-  kernel_args = _kernel_args(context, base_step, shards=part.disk_shards)
-  kernel_args['num_threads'] = num_threads
+  kernel_args = _kernel_args(context, base_step, shards=_files(part))
+  kernel_args['num_threads'] = context.options.host_threads or max(
+      1, (os.cpu_count() or 1) // min(mesh.size, jax.local_device_count()))
+  out_dtype = jnp.dtype(base_step.out_dtype)
 
-  def per_shard(gen, grads, arrays, *params):
-    return host_adamw_disk.adamw_disk_rows(
-        gen, grads, params[0] if params else None, join(arrays),
-        shard=jax.lax.axis_index(axis), **kernel_args)
+  def kernel(gen, index, grads, arrays, params):
+    return host_adamw_disk.adamw_disk_rows(gen, grads, params, join(arrays), shard=index,
+                                           **kernel_args)
+
+  def per_device(gen, grads, arrays, *params):
+    replica = jax.lax.axis_index(others) if others else 0
+    index = replica * part.disk_shards + jax.lax.axis_index(axis)
+    args = (gen, index, grads, arrays, params[0] if params else None)
+    if not part.split:
+      return kernel(*args)
+    bits = paths.put(paths.host_region(lambda *a: _as_bits(kernel(*a)),
+                                       out_spaces=(paths.HOST, paths.HOST))(
+                                           *paths.to_host(args)), paths.DEVICE)
+    return tuple(jax.lax.bitcast_convert_type(x, d)
+                 for x, d in zip(bits, (out_dtype, jnp.dtype(jnp.int32))))
 
   extra = () if params is None else (params,)
   out, new_gen = jax.shard_map(
-      per_shard, mesh=mesh,
+      per_device, mesh=mesh,
       in_specs=(P(), P(None, axis), [P()] * len(arrays)) + (P(None, axis),) * len(extra),
       out_specs=(P(None, axis), P()), check_vma=False,
   )(gen, grads, arrays, *extra)

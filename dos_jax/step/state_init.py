@@ -8,9 +8,11 @@ pins its outputs there.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -194,18 +196,20 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
   slots = slots_lib.build(template, row_ndim=2)
   part = first_partition(offload.policy, layout.spec(),
                          offload.target() is Program.TWO_MEMORIES,
-                         disk=disk_tier.spill_of(
-                             offload.disk, slots, layout.subgroup_size,
-                             1 if mesh is None else mesh.shape[offload.data_axis]))
+                         disk=disk_tier.spill_of(offload.disk, slots, layout.subgroup_size,
+                                                 mesh, offload.data_axis))
   builder = _Builder(inner=inner, layout=layout, part=part, slots=slots, template=template,
                      mesh=mesh, where=placement(mesh, offload.data_axis))
   disk_gen = None
   if part.disk:
-    disk_tier.check_usable(fused, layout, slots, part.split)
-    if traced_params(params):
+    disk_tier.check_usable(fused, layout, slots, part.split, mesh, params)
+    if _SHAPES_ONLY.get():  # `abstract_state`: the state's shapes, no file written
+      disk_gen = jnp.zeros((), jnp.int32)
+    elif traced_params(params):
       raise ValueError('Offload.disk: init writes the disk tier\'s files; call it outside '
                        'jit (eagerly)')
-    disk_gen = disk_tier.write_initial(part, layout, params, builder.split_rows)
+    else:
+      disk_gen = disk_tier.write_initial(part, layout, params, builder.split_rows)
     if mesh is not None:
       disk_gen = jax.device_put(disk_gen, NamedSharding(mesh, P()))
   run: Callable = functools.partial(builder.run, data_axis=offload.data_axis)
@@ -214,6 +218,20 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
       host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED], resident=tiers[Tier.RESIDENT],
       scalars=scalars, layout=layout, slots=slots, partition=part, sharded=sharded,
       disk_gen=disk_gen)
+
+
+_SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar('shapes_only', default=False)
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+  """Inside, `init_state` is traced for its shapes only (`dos_jax.abstract_state`): a
+  disk tier writes no file."""
+  token = _SHAPES_ONLY.set(True)
+  try:
+    yield
+  finally:
+    _SHAPES_ONLY.reset(token)
 
 
 def traced_params(params) -> bool:

@@ -175,7 +175,7 @@ def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device]
   schedule = step_lib.make_schedule(cfg.optim, cfg.train.steps)
   sampler = trainer.train_sampler()
   run_id = resume_lib.identity(cfg, trainer.dataset_dir, sampler.meta)
-  latest, verified, skipped = resume_lib.resume_point(cfg, run_id)
+  latest, verified, skipped = resume_lib.resume_point(cfg, run_id, trainer.opt_state)
   if latest is None and cfg.model.from_hf is not None and not trainer.started_from_hf:
     # Every checkpoint was damaged: the run starts again, from the weights it began with.
     del trainer

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any, TextIO
 
+import dos_jax
 from dos_jax.train import checkpoint as ckpt_lib
 from dos_jax.train.configlib import ConfigError
 
@@ -77,16 +78,22 @@ def check(saved: dict[str, Any] | None, now: dict[str, Any], where: str,
     )
 
 
-def resume_point(cfg: Any, run_id: dict[str, Any]):
+def resume_point(cfg: Any, run_id: dict[str, Any], opt_state: Any = None):
   """The checkpoint to resume (after the identity check) and the damaged newer ones.
 
-  Reads only. Raises ConfigError if resuming would change the model or data stream.
+  Reads only. Raises ConfigError if resuming would change the model or data stream, or
+  where a checkpoint of a disk tier's files cannot fill `opt_state` (the run's fresh
+  state) as it is packed (another mesh: `dos_jax.files_packing_mismatch`).
   """
   restorable, manifest, skipped = ckpt_lib.find_restorable(cfg.checkpoint_dir)
   if manifest is not None:
     where = os.path.join(cfg.checkpoint_dir, str(restorable))
-    check(manifest.get('run'), run_id, where,
-          by_subgroup=os.path.isdir(os.path.join(where, ckpt_lib.SUBGROUPS)))
+    files = os.path.join(where, ckpt_lib.SUBGROUPS)
+    check(manifest.get('run'), run_id, where, by_subgroup=os.path.isdir(files))
+    mismatch = (None if opt_state is None or not os.path.isdir(files)
+                else dos_jax.files_packing_mismatch(files, opt_state))
+    if mismatch is not None:
+      raise ConfigError(f'mesh: {mismatch} ({where}), or set a new train.out_dir')
   return restorable, manifest is not None, skipped
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 import dos_jax
+from dos_jax.train import agree
 from dos_jax.train import checkpoint as ckpt_lib
 from dos_jax.train import data as data_lib
 from dos_jax.train import mesh as mesh_lib
@@ -223,6 +224,10 @@ def build(
   """
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   mesh_lib.check_divisible(mesh, cfg.data.batch_size)
+  if cfg.offload.disk_dir is not None and agree.processes() > 1:
+    raise ConfigError(f'offload.disk_dir: a run of {agree.processes()} processes cannot '
+                      'keep its optimizer state on disk yet; run it in one process or '
+                      'unset offload.disk_dir')
   dataset_dir = dataset_dir_for(cfg.data)
   check_dataset(cfg, dataset_dir)
   if cfg.mesh.pipeline > 1:
