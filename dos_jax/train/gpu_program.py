@@ -5,7 +5,8 @@ backward, global norm, the dos_jax update with the clip factor as `grad_scale`, 
 from a `RunConfig` as `trainer.build` does: the same mesh, param placement and
 shardings, and the optimizer, state and early host calls from the one builder
 (`optimizer.build_optimizer`), with the accelerator program (`Program.TWO_MEMORIES`)
-chosen as on a GPU. No dataset is read (the batch is a token array of the configured
+chosen as on a GPU (without one, its early host calls chosen for an H100 node,
+`COMPILED_FOR`). No dataset is read (the batch is a token array of the configured
 shape). Over several devices, or with `abstract`, the arguments are abstract
 (`jax.ShapeDtypeStruct`s with their shardings and memory kinds, the state's from
 `dos_jax.abstract_state`): nothing is allocated, so a 20B-parameter step can be built on
@@ -28,11 +29,19 @@ import dos_jax
 from dos_jax import dataflow
 from dos_jax.dataflow import compile as compile_lib
 from dos_jax.train import mesh as mesh_lib
+from dos_jax.planner import hardware
 from dos_jax.planner.hardware import HardwareProfile
 from dos_jax.train import model as model_lib
 from dos_jax.train import optimizer as optimizer_lib
 from dos_jax.train import step as step_lib
 from dos_jax.train.config import RunConfig
+
+
+# The machine a step built without a GPU is chosen for (its early host calls: the cost
+# model's for this profile): one GPU of an H100 node, the machine the step is compiled
+# for. This machine's own calibration (a CPU's) would make the program, and what the
+# compiled tests see, depend on whichever CPU builds it.
+COMPILED_FOR = hardware.H100_PCIE_GEN5_NODE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +71,9 @@ def build_step(cfg: RunConfig, devices=None, compiler_options: Any = None,
   """The runner's fused step for `cfg` on `devices` (default: one), as the accelerator
   program, with arguments (`model.attention: auto` resolved as on `platform`, a GPU by
   default). `abstract` (default: over several devices) builds abstract arguments;
-  `profile`: the machine the early host calls are chosen for (default: process 0's
-  calibrated one, as the runner on a GPU)."""
+  `profile`: the machine the early host calls are chosen for (default: on a GPU process
+  0's calibrated one, as the runner; elsewhere the GPU node compiled for,
+  `COMPILED_FOR`, not this machine's CPU)."""
   cfg = dataclasses.replace(
       cfg, model=dataclasses.replace(cfg.model, attention=cfg.model.attention_impl(platform)))
   devices = list(jax.devices()[:1] if devices is None else devices)
@@ -77,6 +87,8 @@ def build_step(cfg: RunConfig, devices=None, compiler_options: Any = None,
                           params, param_shardings)
   else:
     params = jax.device_put(params, param_shardings)
+  if profile is None and platform == 'gpu' and jax.default_backend() != 'gpu':
+    profile = COMPILED_FOR
   built = optimizer_lib.build_optimizer(
       cfg, mesh, params, platform=dos_jax.Program.TWO_MEMORIES if platform == 'gpu' else None,
       abstract=abstract, profile=profile)
