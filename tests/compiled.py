@@ -121,12 +121,7 @@ _EARLY_FP32 = ('fp32 params: the early host calls the H100 node\'s cost model ch
                'them: 3-8 copies per step (bf16 steps with early calls: at most 1)')
 _EARLY_FP32_MEMORY = ('fp32 params, four early host calls (the H100 node\'s choice): the '
                       'compiled step holds 65.9 MB against the 56.5 MB predicted')
-_DISK_ON_A_MESH = ('on a mesh the disk call runs after the construction\'s calls, not in the '
-                   'stream lanes\' group (`step.program._update_tiers`): with every host '
-                   'subgroup on disk the device tiers run beside no host call')
 KNOWN_REGRESSIONS = {
-    'tests/test_compiled_disk.py::test_the_runners_zero3_step_calls_each_devices_disk_kernel_'
-    'in_a_host_region[all-on-disk]': _DISK_ON_A_MESH,
     **{f'tests/test_compiled_gpu.py::test_runner_step_overlaps_copies_and_updates[{p}-float32]':
        _EARLY_FP32 for p in ('all_host', 'stride', 'device_fraction')},
     **{'tests/test_compiled_gpu.py::test_runner_steps_run_the_device_tiers_beside_the_host_call'

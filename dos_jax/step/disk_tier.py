@@ -204,9 +204,11 @@ def read_subgroup(directory: str, g: int, parity: int, num_slots: int, size: int
                          for d in range(shards)], axis=1)
 
 
-def update(context, base_step: paths.RowStep, gen):
-  """One step of the disk tier: `(next generation, [(out rows, pieces)])`."""
-  if _files(context.part) > 1:  # on a mesh: each device its own files
+def update(context, base_step: paths.RowStep, gen, index=None):
+  """One step of the disk tier: `(next generation, [(out rows, pieces)])`. `index`:
+  inside the sharded construction's `shard_map` (`lanes.sharded_two_streams`, the
+  context then the device's own), this device's file (`file_index`)."""
+  if index is None and _files(context.part) > 1:  # on a mesh: each device its own files
     return _update_sharded(context, base_step, gen)
   part, layout = context.part, context.layout
   runs = partition_lib.pieces_of(layout, part.disk)
@@ -216,24 +218,42 @@ def update(context, base_step: paths.RowStep, gen):
             else partition_lib.slice_pieces(context.param_leaves, runs))
   arrays, join = fused_lib.split_scalars(context.adam_scalars)
   kernel_args = _kernel_args(context, base_step)
+  if index is not None:
+    kernel_args.update(shards=_files(part), num_threads=_threads_per_device(context))
+  index = jnp.zeros((), jnp.int32) if index is None else index
 
-  def run(gen, grads, params, arrays):
+  def run(gen, index, grads, params, arrays):
     grad_rows = partition_lib.assemble(grads, runs, rows, size, context.grad_dtype)
     param_rows = None if params is None else partition_lib.assemble(
         params, runs, rows, size, jnp.float32)
     return host_adamw_disk.adamw_disk_rows(gen, grad_rows, param_rows, join(arrays),
-                                           **kernel_args)
+                                           shard=index, **kernel_args)
 
   if part.split:  # the accelerator program: in a host region, its inputs in host memory
     dtypes = (jnp.dtype(base_step.out_dtype), jnp.dtype(jnp.int32))
     bits = paths.put(
         paths.host_region(lambda *args: _as_bits(run(*args)),
                           out_spaces=(paths.HOST, paths.HOST))(
-            *paths.to_host((gen, grads, params, arrays))), paths.DEVICE)
+            *paths.to_host((gen, index, grads, params, arrays))), paths.DEVICE)
     out, new_gen = (jax.lax.bitcast_convert_type(x, d) for x, d in zip(bits, dtypes))
   else:
-    out, new_gen = run(gen, grads, params, arrays)
+    out, new_gen = run(gen, index, grads, params, arrays)
   return new_gen, [(out, runs)]
+
+
+def file_index(part: partition_lib.Partition, axis: str, axis_names) -> jax.Array:
+  """Inside `shard_map` over a mesh with `axis_names`, this device's file among
+  `_files(part)` (`live_path`): its copy on the axes other than the data `axis`, then
+  its data shard."""
+  others = tuple(a for a in axis_names if a != axis)
+  replica = jax.lax.axis_index(others) if others else 0
+  return replica * part.disk_shards + jax.lax.axis_index(axis)
+
+
+def _threads_per_device(context) -> int:
+  """Every device of the process runs its call at once: they share the cores."""
+  return context.options.host_threads or max(
+      1, (os.cpu_count() or 1) // jax.local_device_count())
 
 
 def _as_bits(arrays):
@@ -265,7 +285,6 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
   can move the pieces between devices (`tier_updates.host_rows`)."""
   part, layout, mesh = context.part, context.layout, context.mesh
   axis = context.options.data_axis
-  others = tuple(a for a in mesh.axis_names if a != axis)
   runs = partition_lib.pieces_of(layout, part.disk)
   rows, size, shards = len(part.disk), layout.subgroup_size, layout.shards
   cols = NamedSharding(mesh, P(None, axis))
@@ -279,8 +298,7 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
   params = None if context.param_leaves is None else packed(context.param_leaves, jnp.float32)
   arrays, join = fused_lib.split_scalars(context.adam_scalars)
   kernel_args = _kernel_args(context, base_step, shards=_files(part))
-  kernel_args['num_threads'] = context.options.host_threads or max(
-      1, (os.cpu_count() or 1) // min(mesh.size, jax.local_device_count()))
+  kernel_args['num_threads'] = _threads_per_device(context)
   out_dtype = jnp.dtype(base_step.out_dtype)
 
   def kernel(gen, index, grads, arrays, params):
@@ -288,9 +306,8 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
                                            **kernel_args)
 
   def per_device(gen, grads, arrays, *params):
-    replica = jax.lax.axis_index(others) if others else 0
-    index = replica * part.disk_shards + jax.lax.axis_index(axis)
-    args = (gen, index, grads, arrays, params[0] if params else None)
+    args = (gen, file_index(part, axis, mesh.axis_names), grads, arrays,
+            params[0] if params else None)
     if not part.split:
       return kernel(*args)
     bits = paths.put(paths.host_region(lambda *a: _as_bits(kernel(*a)),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dos_jax.geometry import layout as layout_lib
@@ -48,7 +49,8 @@ def lane_count(plan, streamed_rows: int, lanes: int = 0) -> int:
 
 def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
                            tiers: dict[Tier, tuple], native: bool, options: StepOptions,
-                           host_update=None, barrier: bool = False, sharded_host=None):
+                           host_update=None, barrier: bool = False, sharded_host=None,
+                           sharded_disk=None):
   """The accelerator program's tiers, host and device halves concurrent by construction:
   the host tier in host regions and the device tiers (streamed, resident) in stream
   regions, one per lane (`stream_lanes`), each on a GPU stream of its own, the first
@@ -57,10 +59,12 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   `host_update(group)`, if given, builds the host tier and puts in the group what
   should run beside the device tiers (early chunks: the last chunk and the redo).
   A state sharded shard-major runs the same on each device's columns
-  (`sharded_two_streams`, `sharded_host` making each device's `host_update`;
-  `barrier`: each region's results through an optimization barrier, which that needs)."""
+  (`sharded_two_streams`, `sharded_host` making each device's `host_update` and
+  `sharded_disk` its disk call; `barrier`: each region's results through an
+  optimization barrier, which that needs)."""
   if context.mesh is not None:
-    return sharded_two_streams(context, base_step, tiers, native, options, sharded_host)
+    return sharded_two_streams(context, base_step, tiers, native, options, sharded_host,
+                               sharded_disk)
   group = device_stream.next_group()
   if host_update is not None:
     host, outs = host_update(group)
@@ -147,12 +151,14 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
 
 def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
                          tiers: dict[Tier, tuple], native: bool, options: StepOptions,
-                         host=None):
+                         host=None, disk=None):
   """`update_on_two_streams` on each device's own columns, inside `shard_map`: a state
   packed shard-major holds, on device d, exactly the rows one shard's layout packs
   (`layout_lib.local`), so each device runs the unsharded construction on its shards;
   `host(local context, step, local host tier)`, if given, makes its `host_update` (the
-  early chunks). Jit's partitioning would split a stream region into several calls
+  early chunks); `disk` (`program._ShardedDisk`), if given, puts each device's disk
+  call in the group (`disk.compose`) and takes the new generation (`disk.done`).
+  Jit's partitioning would split a stream region into several calls
   (tests/test_compiled_sharded_region.py)."""
   mesh, axis = context.mesh, options.data_axis
   rows_spec, view_spec, whole = P(None, None, axis), P(axis, None), P()
@@ -162,7 +168,8 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
       else fused_lib.split_scalars(context.adam_scalars)
   pieces = []
 
-  def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, grad_scale):
+  def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, grad_scale,
+           gen):
     # Each host-bound gradient piece leaves for host memory as the backward pass makes
     # it, outside the scheduling group (rule 2), as in the unsharded step; early chunks
     # send each block's pieces themselves, ungated, so that a chunk waits for its own.
@@ -179,26 +186,35 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
     local_tiers = {t: () for t in TIERS}
     local_tiers.update(zip(names, arrays))
     host_update = None if host is None else host(local, step, local_tiers[Tier.HOST])
+    disk_update = None
+    if disk is not None:
+      host_update, disk_update = disk.compose(local, step, host_update,
+                                              local_tiers[Tier.HOST], gen, mesh.axis_names)
     new_tiers, outs = update_on_two_streams(local, step, local_tiers, native, options,
                                              host_update, barrier=True)
+    if disk_update is not None:
+      outs, gen = list(outs) + disk_update.outs, disk_update.gen
     pieces[:] = [runs for _, runs in outs]
-    return [new_tiers[t] for t in names], [o for o, _ in outs]
+    return [new_tiers[t] for t in names], [o for o, _ in outs], gen
 
   param_views = context.param_leaves
   grad_scale = () if base_step.grad_scale is None else (base_step.grad_scale,)
   args = (list(context.grad_leaves), None if param_views is None else list(param_views),
           [tiers[t] for t in names], tuple(context.scalars), tuple(context.new_scalars),
-          adam_arrays, grad_scale)
+          adam_arrays, grad_scale, jnp.zeros((), jnp.int32) if disk is None else disk.gen)
   in_specs = (view_spec, None if param_views is None else view_spec, rows_spec, whole,
-              whole, whole, whole)
+              whole, whole, whole, whole)
   device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
   if device is not None:
     # Lowered for a GPU where there is none (`dataflow.lower_for_gpu`): the kernels
     # lower inside the shard_map's mesh, which must name the abstract GPU too.
     mesh = getattr(mesh, 'abstract_mesh', mesh).update(abstract_device=device)
   # The kernels and regions have no replication rule for the checker.
-  new, outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                            out_specs=(rows_spec, P(None, axis)), check_vma=False)(*args)
+  new, outs, gen = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                                 out_specs=(rows_spec, P(None, axis), whole),
+                                 check_vma=False)(*args)
+  if disk is not None:
+    disk.done(gen)
   new_tiers = dict(tiers)
   new_tiers.update(zip(names, (tuple(x) for x in new)))
   return new_tiers, list(zip(outs, pieces))

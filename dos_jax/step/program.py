@@ -150,12 +150,35 @@ class _DiskUpdate:
   """The disk tier's update (`disk_tier.update`), run once where the step puts it: its
   new generation and `(out rows, pieces)` once called."""
 
-  def __init__(self, context, base_step: paths.RowStep, gen):
-    self._args = (context, base_step, gen)
+  def __init__(self, context, base_step: paths.RowStep, gen, index=None):
+    self.gen_in, self._args, self._index = gen, (context, base_step), index
     self.gen, self.outs = None, []
 
   def __call__(self) -> None:
-    self.gen, self.outs = disk_tier.update(*self._args)
+    self.gen, self.outs = disk_tier.update(*self._args, self.gen_in, index=self._index)
+
+
+class _ShardedDisk:
+  """The disk tier inside the sharded construction (`lanes.sharded_two_streams`): on
+  each device, its disk call in its own `shard_map` body, the host call of that
+  device's stream lanes' group; the new generation comes back through `done`, the
+  out rows with the construction's."""
+
+  def __init__(self, outer: _DiskUpdate, native: bool, axis: str):
+    self.outer, self.native, self.axis = outer, native, axis
+    self.gen = outer.gen_in
+
+  def compose(self, local, step, host_update, host_tier, gen, axis_names):
+    """`(host update with the disk call in its group, the disk update)` for a device's
+    local context; `host_update` the early calls' (or None)."""
+    disk = _DiskUpdate(local, step, gen, disk_tier.file_index(local.part, self.axis,
+                                                              axis_names))
+    if host_update is not None:
+      return functools.partial(_early_then_disk, host_update, disk), disk
+    return functools.partial(_host_and_disk, local, step, host_tier, self.native, disk), disk
+
+  def done(self, new_gen) -> None:
+    self.outer.gen, self.outer.outs = new_gen, []
 
 
 def _host_and_disk(context, base_step, host_tier, native: bool, disk: _DiskUpdate,
@@ -199,12 +222,16 @@ def _update_tiers(context, base_step, state: OffloadedState, native: bool,
         _host_and_disk, context, base_step, state.tier(Tier.HOST),
         native and options.host_impl is UpdateImpl.KERNEL, disk)
   if construction.on_two_streams(part, layout, mesh):
-    sharded_host = None
+    sharded_host = sharded_disk = None
     if run_early and mesh is not None:  # each device's early calls, inside shard_map
       sharded_host = lambda local, step, host: functools.partial(
           early_chunks.update_host, local, step, host, part.early)
+    if disk is not None and mesh is not None:  # each device's disk call, in its group
+      sharded_disk = _ShardedDisk(disk, native and options.host_impl is UpdateImpl.KERNEL,
+                                  options.data_axis)
     return lanes_lib.update_on_two_streams(context, base_step, state.tiers, native, options,
-                                           host_update, sharded_host=sharded_host)
+                                           host_update, sharded_host=sharded_host,
+                                           sharded_disk=sharded_disk)
   new_tiers, outs = dict(state.tiers), []
   if run_early:
     new_tiers[Tier.HOST], outs = host_update()
