@@ -114,14 +114,28 @@ def async_compute_limit(told: int | None = None) -> int:
 
 @contextlib.contextmanager
 def compiled_with(options: Mapping[str, Any] | None) -> Iterator[None]:
-  """Context: the steps traced inside will be compiled with XLA `options` (their limit
-  on asynchronous calls in flight, if they set one, is what `async_compute_limit`
-  gives there)."""
-  token = _compiled_with.set((options or {}).get(LIMIT_OPTION))
+  """Context: the steps traced inside will be compiled with XLA `options`: their limit
+  on asynchronous calls in flight (the options', else `XLA_FLAGS`', else XLA's
+  default) is what `async_compute_limit` and `compiled_limit` give there."""
+  limit = (options or {}).get(LIMIT_OPTION)
+  if limit is None:
+    limit = xla_flags_async_compute_limit() or XLA_ASYNC_COMPUTE_LIMIT
+  token = _compiled_with.set(int(limit))
   try:
     yield
   finally:
     _compiled_with.reset(token)
+
+
+def compiled_limit() -> int | None:
+  """The limit on asynchronous calls in flight of the options an enclosing
+  `compiled_with` names, or None outside one.
+
+  >>> with compiled_with({}):
+  ...   compiled_limit()
+  2
+  """
+  return _compiled_with.get()
 
 
 def jit(fun: Callable[..., Any], *, compiler_options: Mapping[str, Any] | None = None,

@@ -112,3 +112,18 @@ def test_the_step_compiles_under_the_options_users_set(layers, width, dtype, pol
     last = schedule.host_calls[-1]
     assert any(s.overlaps(last) for s in schedule.stream_calls), (
         last, schedule.stream_calls)
+
+
+@pytest.mark.parametrize('options', ['xla_defaults', 'lhs_alone'])
+def test_the_runners_step_with_early_calls_compiles_under_other_options(options):
+  """The runner's step compiled with other options (`gpu_program.compile_step(cfg,
+  compiler_options=...)`, `experiments/compile_gpu.py --default-schedule`) is built told
+  their limit, and compiles, its early host calls' second compile (their profiled
+  latency) included. Stride(2) with fp32 params: the H100 node's cost model gives it an
+  early call. Built for the runner's limit (3), it stopped XLA (the RET_CHECK above)."""
+  from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load(None, ['offload.policy=stride', 'model.param_dtype=float32',
+                               'offload.subgroup_size=65536', 'optim.clip_norm=1.0'])
+  program = compiled.compile_step(cfg, compiler_options=OPTIONS[options])
+  assert len(program.schedule.host_calls) >= 2, program.schedule.host_calls
+  assert program.early_calls_profiled

@@ -133,7 +133,8 @@ def compile_step(cfg: RunConfig, target: dataflow.GpuTarget | str = 'h100_sxm',
   options = step_lib.compiler_options_for('gpu') if compiler_options is None \
       else compiler_options
   native = compile_lib.prepare(target)  # before tracing: the kernel goes in host regions
-  program = build_step(cfg, devices, profile=profile)
+  with dos_jax.compiled_with(options):  # the step told their limit
+    program = build_step(cfg, devices, profile=profile)
   lowered = dataflow.lower_for_gpu(
       program.step, program.params, program.opt_state, program.tokens,
       target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})

@@ -119,9 +119,10 @@ def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'dat
     kwargs['disk'] = dos_jax.Disk(os.path.abspath(cfg.disk_dir), host_state_bytes=cap)
   platform = cfg.platform if platform is None else platform
   if dos_jax.Offload(platform=platform).target() is dos_jax.Program.TWO_MEMORIES:
-    # The runner compiles the accelerator program with `compiler_options_for('gpu')`.
-    kwargs['async_compute_limit'] = compiler_options_for('gpu')[
-        'xla_gpu_experimental_parallel_async_compute_limit']
+    # The runner compiles the accelerator program with `compiler_options_for('gpu')`;
+    # a step built to be compiled with other options says so (`compiled_with`).
+    kwargs['async_compute_limit'] = dos_jax.compiled_limit() or \
+        compiler_options_for('gpu')['xla_gpu_experimental_parallel_async_compute_limit']
   return dos_jax.Offload(policy=cfg.placement, platform=platform, data_axis=data_axis,
                          **kwargs)
 
