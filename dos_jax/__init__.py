@@ -43,6 +43,7 @@ from dos_jax.policies import Stride as Stride
 from dos_jax.policies import SubgroupSpec as SubgroupSpec
 from dos_jax.state_files import files_packing_mismatch as files_packing_mismatch
 from dos_jax.state_files import has_disk_tier as has_disk_tier
+from dos_jax.state_files import restoring_state as restoring_state
 from dos_jax.state_files import state_files_tree as state_files_tree
 from dos_jax.state_files import state_from_files as state_from_files
 from dos_jax.state_files import state_to_files as state_to_files

@@ -12,10 +12,11 @@ such a folder, one subgroup at a time: no more memory than the target's own tier
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -25,6 +26,7 @@ from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.state import OffloadedState
 from dos_jax.kernels import host_adamw_disk
 from dos_jax.step import disk_tier
+from dos_jax.step import state_init
 
 PyTree = Any
 _DESCRIPTION = 'states.json'
@@ -160,6 +162,27 @@ def _write_state(state: OffloadedState, folder: str) -> None:
         host_adamw_disk.write_state(folder, g, 0, rows[j])
   with open(os.path.join(folder, 'shards.json'), 'w', encoding='utf-8') as f:
     json.dump({'disk': list(part.disk), 'disk_shards': part.disk_shards}, f)
+
+
+@contextlib.contextmanager
+def restoring_state() -> Iterator[None]:
+  """Inside, `init` builds a disk tier's state without writing its first generation:
+  for a state a restore fills next (`state_from_files`, `state_from_pytrees` write or
+  link every disk subgroup's files), so that a resumed run does not first write a
+  generation it throws away. Stepping such a state before a restore fails on a missing
+  file, naming it.
+
+  >>> import os, tempfile, jax.numpy as jnp, dos_jax
+  >>> tmp = tempfile.mkdtemp()
+  >>> tx = dos_jax.adamw(0.1, offload=dos_jax.Offload(subgroup_size=128,
+  ...                                                  disk=dos_jax.Disk(tmp)))
+  >>> with dos_jax.restoring_state():
+  ...   state = tx.init({'w': jnp.zeros(300)})
+  >>> os.listdir(tmp), dos_jax.has_disk_tier(state)
+  ([], True)
+  """
+  with state_init.shapes_only():
+    yield
 
 
 def state_from_files(saved: PyTree, folder: str, template: PyTree) -> PyTree:

@@ -73,8 +73,8 @@ def test_resuming_a_disk_tiers_checkpoint_with_another_subgroup_size_is_one_line
   subgroup size is refused, naming the key, before the checkpoint is touched. The
   disk check counts the earlier run's files: a resume needs one new generation, not
   two (the checkpoint's is linked back). The split between disk and memory may change
-  (the whole state in memory at the end). (The refused run has built its optimizer
-  state: the disk tier's files are a fresh state's, the checkpoint's its own.)"""
+  (the whole state in memory at the end). The refused run is refused before it builds
+  anything."""
   from dos_jax.planner import memory  # pylint: disable=import-outside-toplevel
   out, state = str(tmp_path / 'run'), str(tmp_path / 'state')
   disk = 'offload.disk_dir=' + state
@@ -105,13 +105,15 @@ def test_resuming_a_disk_tiers_checkpoint_with_another_subgroup_size_is_one_line
 
 @pytest.mark.slow
 def test_a_zero3_run_keeps_each_devices_state_on_disk_and_resumes_in_its_packing(
-    dataset, tmp_path, capsys):
+    dataset, tmp_path, capsys, monkeypatch):
   """The accelerator program (`offload.platform=gpu` on the CPU backend) on the 8 devices
   as mesh.fsdp=4 (x data 2): the state packed shard-major over `fsdp`, each device with
   its own files (4 shards, 2 copies). Its checkpoint resumes on a mesh of the same
   packing (mesh.data=4 x tensor=2: ZeRO-1 over 4 shards by the same table); a mesh of
   another (mesh.data=8) is refused in one line naming `mesh` before the checkpoint is
-  touched."""
+  touched. A resumed run writes no first generation of its own: the restore links
+  the checkpoint's back."""
+  from dos_jax.step import disk_tier  # pylint: disable=import-outside-toplevel
   out, state = str(tmp_path / 'run'), str(tmp_path / 'state')
   common = ['offload.disk_dir=' + state, 'offload.platform=gpu', 'offload.policy=stride']
   code, err = _train(dataset, out, capsys, *common, 'mesh.fsdp=4', 'train.steps=2')
@@ -124,6 +126,11 @@ def test_a_zero3_run_keeps_each_devices_state_on_disk_and_resumes_in_its_packing
   assert code == 2 and len(lines) == 1, err[-3000:]
   assert lines[0].startswith('dos-jax: error: --set mesh.data=8: mesh: the checkpoint'), lines
   assert integrity.read_manifest(ckpt) == before
+
+  def written(*args):
+    raise AssertionError('a resumed run wrote a first generation')
+
+  monkeypatch.setattr(disk_tier, 'write_initial', written)
   code, err = _train(dataset, out, capsys, *common, 'mesh.data=4', 'mesh.tensor=2',
                      'train.steps=3')
   assert code == 0 and f'resumed from {os.path.dirname(ckpt)} at step 2' in err, err[-3000:]

@@ -203,7 +203,7 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
   disk_gen = None
   if part.disk:
     disk_tier.check_usable(fused, layout, slots, part.split, mesh, params)
-    if _SHAPES_ONLY.get():  # `abstract_state`: the state's shapes, no file written
+    if _SHAPES_ONLY.get():  # shapes only, or a restore fills the files
       disk_gen = jnp.zeros((), jnp.int32)
     elif traced_params(params):
       raise ValueError('Offload.disk: init writes the disk tier\'s files; call it outside '
@@ -225,8 +225,9 @@ _SHAPES_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar('shapes_only
 
 @contextlib.contextmanager
 def shapes_only() -> Iterator[None]:
-  """Inside, `init_state` is traced for its shapes only (`dos_jax.abstract_state`): a
-  disk tier writes no file."""
+  """Inside, `init_state` builds a disk tier's state without writing its files: traced
+  for its shapes only (`dos_jax.abstract_state`), or to be filled by a restore
+  (`dos_jax.restoring_state`)."""
   token = _SHAPES_ONLY.set(True)
   try:
     yield

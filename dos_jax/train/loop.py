@@ -24,6 +24,7 @@ import jax
 import yaml
 
 from dos_jax.train import checkpoint as ckpt_lib
+from dos_jax.train import data as data_lib
 from dos_jax.train import placement as placement_lib
 from dos_jax.train import resume as resume_lib
 from dos_jax.train import rundir
@@ -171,11 +172,15 @@ def train(
 def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device] | None,
            stream: TextIO | None) -> Summary:
   stream = stream if stream is not None else sys.stderr
-  trainer = trainer_lib.build(cfg, devices=devices)
+  # The checkpoint to resume is known before the run is built: a disk tier's state is
+  # then built without a first generation of files, which the restore writes or links.
+  dataset_dir = trainer_lib.dataset_dir_for(cfg.data)
+  run_id = resume_lib.identity(cfg, dataset_dir, data_lib.load_meta(dataset_dir))
+  latest, verified, skipped = resume_lib.resume_point(cfg, run_id)
+  trainer = trainer_lib.build(cfg, devices=devices, restoring=latest is not None)
+  resume_lib.check_packing(cfg, latest, trainer.opt_state)
   schedule = step_lib.make_schedule(cfg.optim, cfg.train.steps)
   sampler = trainer.train_sampler()
-  run_id = resume_lib.identity(cfg, trainer.dataset_dir, sampler.meta)
-  latest, verified, skipped = resume_lib.resume_point(cfg, run_id, trainer.opt_state)
   if latest is None and cfg.model.from_hf is not None and not trainer.started_from_hf:
     # Every checkpoint was damaged: the run starts again, from the weights it began with.
     del trainer

@@ -78,23 +78,30 @@ def check(saved: dict[str, Any] | None, now: dict[str, Any], where: str,
     )
 
 
-def resume_point(cfg: Any, run_id: dict[str, Any], opt_state: Any = None):
+def resume_point(cfg: Any, run_id: dict[str, Any]):
   """The checkpoint to resume (after the identity check) and the damaged newer ones.
 
-  Reads only. Raises ConfigError if resuming would change the model or data stream, or
-  where a checkpoint of a disk tier's files cannot fill `opt_state` (the run's fresh
-  state) as it is packed (another mesh: `dos_jax.files_packing_mismatch`).
+  Reads only. Raises ConfigError if resuming would change the model or data stream.
   """
   restorable, manifest, skipped = ckpt_lib.find_restorable(cfg.checkpoint_dir)
   if manifest is not None:
     where = os.path.join(cfg.checkpoint_dir, str(restorable))
-    files = os.path.join(where, ckpt_lib.SUBGROUPS)
-    check(manifest.get('run'), run_id, where, by_subgroup=os.path.isdir(files))
-    mismatch = (None if opt_state is None or not os.path.isdir(files)
-                else dos_jax.files_packing_mismatch(files, opt_state))
-    if mismatch is not None:
-      raise ConfigError(f'mesh: {mismatch} ({where}), or set a new train.out_dir')
+    check(manifest.get('run'), run_id, where,
+          by_subgroup=os.path.isdir(os.path.join(where, ckpt_lib.SUBGROUPS)))
   return restorable, manifest is not None, skipped
+
+
+def check_packing(cfg: Any, latest: int | None, opt_state: Any) -> None:
+  """Raises ConfigError, naming `mesh`, where checkpoint `latest` keeps a disk tier's
+  files that cannot fill `opt_state` (the run's fresh state) as it is packed (another
+  mesh: `dos_jax.files_packing_mismatch`). Reads only."""
+  if latest is None:
+    return
+  where = os.path.join(cfg.checkpoint_dir, str(latest))
+  files = os.path.join(where, ckpt_lib.SUBGROUPS)
+  mismatch = os.path.isdir(files) and dos_jax.files_packing_mismatch(files, opt_state)
+  if mismatch:
+    raise ConfigError(f'mesh: {mismatch} ({where}), or set a new train.out_dir')
 
 
 def restore(cfg: Any, checkpointer: ckpt_lib.Checkpointer, trainer, sampler, *,

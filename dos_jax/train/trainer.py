@@ -9,6 +9,7 @@ timed), so they measure and compare the same code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -208,6 +209,7 @@ def build(
     devices: Sequence[jax.Device] | None = None,
     tx: optax.GradientTransformation | None = None,
     from_hf: bool | None = None,
+    restoring: bool = False,
 ) -> Trainer:
   """Assembles a run from its config, writing nothing.
 
@@ -218,6 +220,8 @@ def build(
       benchmark pass `optax.adamw` here as the reference).
     from_hf: start from `model.from_hf`'s weights; None: when it is set and the run
       has no checkpoint to resume (whose params would replace them).
+    restoring: a checkpoint will be restored into the run: a disk tier's first
+      generation is not written (`dos_jax.restoring_state`).
 
   Raises:
     ConfigError: the config does not fit the machine or the files (names the key).
@@ -246,7 +250,8 @@ def build(
     params = jax.device_put(params, param_shardings)
   if mesh.size > 1:  # cuDNN's attention needs q, k and v sharded alike on the mesh
     apply = model_lib.make_apply(cfg.model, mesh)
-  built = optimizer_lib.build_optimizer(cfg, mesh, params, tx=tx)
+  with dos_jax.restoring_state() if restoring else contextlib.nullcontext():
+    built = optimizer_lib.build_optimizer(cfg, mesh, params, tx=tx)
   tx, opt_state = built.tx, built.opt_state
   state_shardings = step_lib.state_shardings(opt_state, mesh)
   compiler_options = step_lib.compiler_options_for(mesh.devices.flat[0].platform)
