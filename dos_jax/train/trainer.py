@@ -203,6 +203,15 @@ def hf_params(cfg: RunConfig, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
     raise ConfigError(f'model.from_hf: {err}') from None
 
 
+def _check_disk_processes(cfg: RunConfig) -> None:
+  """A disk tier in a run of several processes is not supported yet (each process
+  would write every file of the first generation): one line naming the key."""
+  if cfg.offload.disk_dir is not None and agree.processes() > 1:
+    raise ConfigError(f'offload.disk_dir: a run of {agree.processes()} processes cannot '
+                      'keep its optimizer state on disk yet; run it in one process or '
+                      'unset offload.disk_dir')
+
+
 def build(
     cfg: RunConfig,
     *,
@@ -228,10 +237,7 @@ def build(
   """
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   mesh_lib.check_divisible(mesh, cfg.data.batch_size)
-  if cfg.offload.disk_dir is not None and agree.processes() > 1:
-    raise ConfigError(f'offload.disk_dir: a run of {agree.processes()} processes cannot '
-                      'keep its optimizer state on disk yet; run it in one process or '
-                      'unset offload.disk_dir')
+  _check_disk_processes(cfg)
   dataset_dir = dataset_dir_for(cfg.data)
   check_dataset(cfg, dataset_dir)
   if cfg.mesh.pipeline > 1:
