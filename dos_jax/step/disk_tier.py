@@ -126,8 +126,7 @@ def live_path(part: partition_lib.Partition, g: int, parity: int, shard: int | N
   """The file of data shard `shard`'s columns of subgroup `g` in half `parity` that
   the device of copy `replica` reads and writes (the kernel's `shard` is the file's
   index, `replica * disk_shards + shard`, among `_files(part)`)."""
-  index = None if _files(part) == 1 else replica * part.disk_shards + (shard or 0)
-  return host_adamw_disk.state_path(part.disk_dir, g, parity, index)
+  return host_adamw_disk.state_path(part.disk_dir, g, parity, _file_index(part, shard, replica))
 
 
 def _files(part: partition_lib.Partition) -> int:
@@ -177,8 +176,9 @@ def write_rows(part: partition_lib.Partition, g: int, parity: int, rows: np.ndar
   link_copies(part, g, parity)
 
 
-def _file_index(part: partition_lib.Partition, shard: int | None) -> int | None:
-  return None if _files(part) == 1 else shard or 0
+def _file_index(part: partition_lib.Partition, shard: int | None,
+                replica: int = 0) -> int | None:
+  return None if _files(part) == 1 else replica * part.disk_shards + (shard or 0)
 
 
 def read_rows(part: partition_lib.Partition, slots: slots_lib.Slots, size: int,
@@ -187,21 +187,25 @@ def read_rows(part: partition_lib.Partition, slots: slots_lib.Slots, size: int,
   subgroup, from the first copy's files: for inspection and checkpoints, not for the
   training step."""
   parity, k = int(gen) % 2, slots.group_sizes[0]
-  width = size // part.disk_shards
-  return {g: np.concatenate([host_adamw_disk.read_state(part.disk_dir, g, parity, k, width,
-                                                        _file_index(part, shard))
-                             for shard in shard_ids(part)], axis=1) for g in part.disk}
+  files = [_file_index(part, shard) for shard in shard_ids(part)]
+  return {g: _read_columns(part.disk_dir, g, parity, k, size, files) for g in part.disk}
 
 
 def read_subgroup(directory: str, g: int, parity: int, num_slots: int, size: int,
                   shards: int = 1) -> np.ndarray:
   """Subgroup `g`'s `(K, S)` state from its file in half `parity`, or from the files
   of its `shards` data shards (their columns, side by side)."""
-  if shards == 1:
-    return host_adamw_disk.read_state(directory, g, parity, num_slots, size)
-  width = size // shards
-  return np.concatenate([host_adamw_disk.read_state(directory, g, parity, num_slots, width, d)
-                         for d in range(shards)], axis=1)
+  return _read_columns(directory, g, parity, num_slots, size,
+                       [None] if shards == 1 else list(range(shards)))
+
+
+def _read_columns(directory: str, g: int, parity: int, num_slots: int, size: int,
+                  files: list[int | None]) -> np.ndarray:
+  """Subgroup `g`'s `(K, S)` state from `files` (their indices), each holding the next
+  `S / len(files)` columns."""
+  width = size // len(files)
+  return np.concatenate([host_adamw_disk.read_state(directory, g, parity, num_slots, width, f)
+                         for f in files], axis=1)
 
 
 def update(context, base_step: paths.RowStep, gen, index=None):
@@ -229,16 +233,20 @@ def update(context, base_step: paths.RowStep, gen, index=None):
     return host_adamw_disk.adamw_disk_rows(gen, grad_rows, param_rows, join(arrays),
                                            shard=index, **kernel_args)
 
-  if part.split:  # the accelerator program: in a host region, its inputs in host memory
-    dtypes = (jnp.dtype(base_step.out_dtype), jnp.dtype(jnp.int32))
-    bits = paths.put(
-        paths.host_region(lambda *args: _as_bits(run(*args)),
-                          out_spaces=(paths.HOST, paths.HOST))(
-            *paths.to_host((gen, index, grads, params, arrays))), paths.DEVICE)
-    out, new_gen = (jax.lax.bitcast_convert_type(x, d) for x, d in zip(bits, dtypes))
-  else:
-    out, new_gen = run(gen, index, grads, params, arrays)
+  args = (gen, index, grads, params, arrays)
+  out, new_gen = _in_host_region(run, args, base_step) if part.split else run(*args)
   return new_gen, [(out, runs)]
+
+
+def _in_host_region(kernel, args, base_step: paths.RowStep):
+  """`kernel(*args)` (`(out rows, new generation)`) in a host region of the accelerator
+  program, its inputs sent to host memory, its results back to the device through
+  `_as_bits`."""
+  bits = paths.put(paths.host_region(lambda *a: _as_bits(kernel(*a)),
+                                     out_spaces=(paths.HOST, paths.HOST))(
+                                         *paths.to_host(args)), paths.DEVICE)
+  dtypes = (jnp.dtype(base_step.out_dtype), jnp.dtype(jnp.int32))
+  return tuple(jax.lax.bitcast_convert_type(x, d) for x, d in zip(bits, dtypes))
 
 
 def file_index(part: partition_lib.Partition, axis: str, axis_names) -> jax.Array:
@@ -299,7 +307,6 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
   arrays, join = fused_lib.split_scalars(context.adam_scalars)
   kernel_args = _kernel_args(context, base_step, shards=_files(part))
   kernel_args['num_threads'] = _threads_per_device(context)
-  out_dtype = jnp.dtype(base_step.out_dtype)
 
   def kernel(gen, index, grads, arrays, params):
     return host_adamw_disk.adamw_disk_rows(gen, grads, params, join(arrays), shard=index,
@@ -308,13 +315,7 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
   def per_device(gen, grads, arrays, *params):
     args = (gen, file_index(part, axis, mesh.axis_names), grads, arrays,
             params[0] if params else None)
-    if not part.split:
-      return kernel(*args)
-    bits = paths.put(paths.host_region(lambda *a: _as_bits(kernel(*a)),
-                                       out_spaces=(paths.HOST, paths.HOST))(
-                                           *paths.to_host(args)), paths.DEVICE)
-    return tuple(jax.lax.bitcast_convert_type(x, d)
-                 for x, d in zip(bits, (out_dtype, jnp.dtype(jnp.int32))))
+    return _in_host_region(kernel, args, base_step) if part.split else kernel(*args)
 
   extra = () if params is None else (params,)
   out, new_gen = jax.shard_map(

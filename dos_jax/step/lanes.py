@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dos_jax.geometry import layout as layout_lib
@@ -169,7 +168,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   pieces = []
 
   def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, grad_scale,
-           gen):
+           *gen):
     # Each host-bound gradient piece leaves for host memory as the backward pass makes
     # it, outside the scheduling group (rule 2), as in the unsharded step; early chunks
     # send each block's pieces themselves, ungated, so that a chunk waits for its own.
@@ -189,32 +188,33 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
     disk_update = None
     if disk is not None:
       host_update, disk_update = disk.compose(local, step, host_update,
-                                              local_tiers[Tier.HOST], gen, mesh.axis_names)
+                                              local_tiers[Tier.HOST], gen[0], mesh.axis_names)
     new_tiers, outs = update_on_two_streams(local, step, local_tiers, native, options,
                                              host_update, barrier=True)
     if disk_update is not None:
-      outs, gen = list(outs) + disk_update.outs, disk_update.gen
+      outs, gen = list(outs) + disk_update.outs, (disk_update.gen,)
     pieces[:] = [runs for _, runs in outs]
-    return [new_tiers[t] for t in names], [o for o, _ in outs], gen
+    return ([new_tiers[t] for t in names], [o for o, _ in outs]) + gen
 
   param_views = context.param_leaves
   grad_scale = () if base_step.grad_scale is None else (base_step.grad_scale,)
   args = (list(context.grad_leaves), None if param_views is None else list(param_views),
           [tiers[t] for t in names], tuple(context.scalars), tuple(context.new_scalars),
-          adam_arrays, grad_scale, jnp.zeros((), jnp.int32) if disk is None else disk.gen)
+          adam_arrays, grad_scale) + (() if disk is None else (disk.gen,))
   in_specs = (view_spec, None if param_views is None else view_spec, rows_spec, whole,
-              whole, whole, whole, whole)
+              whole, whole, whole) + (() if disk is None else (whole,))
   device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
   if device is not None:
     # Lowered for a GPU where there is none (`dataflow.lower_for_gpu`): the kernels
     # lower inside the shard_map's mesh, which must name the abstract GPU too.
     mesh = getattr(mesh, 'abstract_mesh', mesh).update(abstract_device=device)
   # The kernels and regions have no replication rule for the checker.
-  new, outs, gen = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                                 out_specs=(rows_spec, P(None, axis), whole),
-                                 check_vma=False)(*args)
+  new, outs, *gen = jax.shard_map(
+      body, mesh=mesh, in_specs=in_specs,
+      out_specs=(rows_spec, P(None, axis)) + (() if disk is None else (whole,)),
+      check_vma=False)(*args)
   if disk is not None:
-    disk.done(gen)
+    disk.done(gen[0])
   new_tiers = dict(tiers)
   new_tiers.update(zip(names, (tuple(x) for x in new)))
   return new_tiers, list(zip(outs, pieces))
