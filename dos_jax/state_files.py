@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
@@ -43,10 +44,9 @@ def _states(opt_state: PyTree) -> list[OffloadedState]:
 def has_disk_tier(opt_state: PyTree) -> bool:
   """Whether `opt_state` holds a state with a disk tier that `state_to_files` can
   write: every offloaded state in it with one float32 array per subgroup (the disk
-  tier's form), all of it addressable by this process."""
+  tier's form). In a run of several processes each writes its own devices' part."""
   states = _states(opt_state)
-  return (any(s.partition.disk for s in states) and jax.process_count() == 1
-          and all(_one_f32_group(s) for s in states))
+  return any(s.partition.disk for s in states) and all(_one_f32_group(s) for s in states)
 
 
 def _one_f32_group(state: OffloadedState) -> bool:
@@ -113,6 +113,11 @@ def state_to_files(opt_state: PyTree, folder: str) -> PyTree:
   Call it between steps: the links are to the disk tier's current files, which the
   step after next replaces. `folder` must not exist (it is made).
 
+  In a run of several processes every process calls it, with the same `folder` (one
+  file system, as orbax assumes): each writes the files of its own devices' shards
+  (the first copy of each data shard once, the subgroups in memory from its
+  addressable shards), process 0 the descriptions; it returns when all are written.
+
   Example (a state all on disk, saved, then restored with every subgroup in memory;
   the next step is the same, bit for bit):
 
@@ -135,33 +140,81 @@ def state_to_files(opt_state: PyTree, folder: str) -> PyTree:
   True
   >>> import shutil; shutil.rmtree(tmp)
   """
-  os.makedirs(folder)
+  lead = jax.process_index() == 0
+  if lead:
+    os.makedirs(folder)
+  _sync(f'dos_jax.state_to_files:made:{folder}')
   shapes = []
   for i, state in enumerate(_states(opt_state)):
-    _write_state(state, os.path.join(folder, str(i)))
+    _write_state(state, os.path.join(folder, str(i)), lead)
     shapes.append(_shape(state))
-  with open(os.path.join(folder, _DESCRIPTION), 'w', encoding='utf-8') as f:
-    json.dump({'states': shapes}, f)
+  if lead:
+    with open(os.path.join(folder, _DESCRIPTION), 'w', encoding='utf-8') as f:
+      json.dump({'states': shapes}, f)
+  _sync(f'dos_jax.state_to_files:written:{folder}')
   return state_files_tree(opt_state)
 
 
-def _write_state(state: OffloadedState, folder: str) -> None:
-  os.makedirs(folder)
+def _sync(name: str) -> None:
+  """Waits for every process to get here (nothing in one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def _generation(disk_gen) -> int:
+  """The disk tier's generation, from this process's copy (it is the same on all)."""
+  if isinstance(disk_gen, jax.Array):
+    return int(np.asarray(disk_gen.addressable_data(0)))
+  return int(disk_gen)
+
+
+def _mesh(state: OffloadedState):
+  return None if state.sharded is None else state.sharded.mesh
+
+
+def _write_state(state: OffloadedState, folder: str, lead: bool) -> None:
+  """`state`'s subgroups into `folder`: this process's part of them (all in one
+  process). A subgroup in memory split over processes is written by columns, as the
+  disk tier's shards are (`shards.json` says how many)."""
+  os.makedirs(folder, exist_ok=True)
   part = state.partition
   if part.disk:
-    parity = int(state.disk_gen) % 2
-    for g in part.disk:
-      for shard in disk_tier.shard_ids(part):
-        disk_tier.link_or_copy(disk_tier.live_path(part, g, parity, shard),
-                               host_adamw_disk.state_path(folder, g, 0, shard))
+    parity = _generation(state.disk_gen) % 2
+    for shard, replicas in disk_tier.local_files(part, _mesh(state)).items():
+      if replicas[0] == 0:  # the first copy: on one device, of one process
+        for g in part.disk:
+          disk_tier.link_or_copy(disk_tier.live_path(part, g, parity, shard),
+                                 host_adamw_disk.state_path(folder, g, 0, shard))
+  split = {}
   for tier in TIERS:
     blocks = part.blocks(tier)
     for ids, block in zip(blocks, partition_lib.blocks_of(state.tier(tier), len(blocks))):
-      rows = np.asarray(jax.device_get(block[0]))
-      for j, g in enumerate(ids):
-        host_adamw_disk.write_state(folder, g, 0, rows[j])
-  with open(os.path.join(folder, 'shards.json'), 'w', encoding='utf-8') as f:
-    json.dump({'disk': list(part.disk), 'disk_shards': part.disk_shards}, f)
+      if ids and not block[0].is_fully_addressable:
+        split.update(dict.fromkeys(map(str, ids), _write_columns(block[0], ids, folder)))
+      elif ids:
+        rows = np.asarray(jax.device_get(block[0]))
+        for j, g in enumerate(ids):
+          host_adamw_disk.write_state(folder, g, 0, rows[j])
+  if lead:
+    with open(os.path.join(folder, 'shards.json'), 'w', encoding='utf-8') as f:
+      json.dump({'disk': list(part.disk), 'disk_shards': part.disk_shards,
+                 'memory_shards': split}, f)
+
+
+def _write_columns(rows: jax.Array, ids: tuple[int, ...], folder: str) -> int:
+  """The `(R, K, S)` `rows` of subgroups `ids` written by this process's shards (one
+  copy of each), as files of their columns; returns how many such files a row has."""
+  size = rows.shape[-1]
+  count = size // rows.sharding.shard_shape(rows.shape)[-1]
+  for shard in rows.addressable_shards:
+    if shard.replica_id:
+      continue
+    data = np.asarray(shard.data)
+    start = shard.index[-1].indices(size)[0]
+    for j, g in enumerate(ids[shard.index[0]]):
+      host_adamw_disk.write_state(folder, g, 0, np.ascontiguousarray(data[j]),
+                                  None if count == 1 else start * count // size)
+  return count
 
 
 @contextlib.contextmanager
@@ -188,6 +241,7 @@ def restoring_state() -> Iterator[None]:
 def state_from_files(saved: PyTree, folder: str, template: PyTree) -> PyTree:
   """`template` (a fresh `init`'s state, any split between disk and memory) filled from
   `state_to_files`' `folder` and the scalars restored from its returned tree (`saved`).
+  In a run of several processes each fills only its own devices' files and shards.
 
   Raises:
     ValueError: a state of `template` has other subgroups than the saved one (another
@@ -232,22 +286,41 @@ def _fill(target: OffloadedState, shape: dict, folder: str) -> OffloadedState:
     saved = json.load(f)
   part, k, size = target.partition, mine['num_slots'], mine['subgroup_size']
   saved_shards = saved['disk_shards'] if saved['disk'] else 1
-  read = lambda g: disk_tier.read_subgroup(folder, g, 0, k, size,
-                                           saved_shards if g in saved['disk'] else 1)
+  split = saved.get('memory_shards', {})
+
+  def read(g, start=0, stop=size):  # columns [start, stop) of the saved subgroup g
+    files = saved_shards if g in saved['disk'] else split.get(str(g), 1)
+    return disk_tier.read_columns(folder, g, k, size, files, start, stop)
+
   if part.disk:
-    parity = int(target.disk_gen) % 2
-    for g in part.disk:
-      if g in saved['disk'] and saved_shards == part.disk_shards:
-        disk_tier.link_copies(part, g, parity, lambda shard, g=g: host_adamw_disk.state_path(
-            folder, g, 0, shard))
-      else:
-        disk_tier.write_rows(part, g, parity, read(g))
+    parity, width = _generation(target.disk_gen) % 2, size // part.disk_shards
+    for shard, replicas in disk_tier.local_files(part, _mesh(target)).items():
+      for g in part.disk:
+        if g in saved['disk'] and saved_shards == part.disk_shards:
+          disk_tier.link_local(part, g, parity, shard, replicas,
+                               host_adamw_disk.state_path(folder, g, 0, shard))
+        else:
+          start = (shard or 0) * width
+          disk_tier.write_local(part, g, parity, shard, replicas, read(g, start, start + width))
   tiers = {}
   for tier in TIERS:
     blocks = part.blocks(tier)
     arrays = partition_lib.blocks_of(target.tier(tier), len(blocks))
-    tiers[tier] = tuple(
-        jax.device_put(np.stack([read(g) for g in ids]).reshape(block[0].shape),
-                       block[0].sharding) if ids else block[0]
-        for ids, block in zip(blocks, arrays))
+    tiers[tier] = tuple(_placed(block[0], ids, read) if ids else block[0]
+                        for ids, block in zip(blocks, arrays))
   return target.with_tiers(tiers, part)
+
+
+def _placed(like: jax.Array, ids: tuple[int, ...], read) -> jax.Array:
+  """The `(R, K, S)` rows of subgroups `ids` placed as `like`, each process reading only
+  its devices' columns (`read(g, start, stop)`)."""
+  if like.is_fully_addressable:
+    return jax.device_put(np.stack([read(g) for g in ids]).reshape(like.shape), like.sharding)
+  size = like.shape[-1]
+
+  def columns(index):
+    start, stop, _ = index[-1].indices(size)
+    rows = np.stack([read(g, start, stop) for g in ids[index[0]]])
+    return rows[(slice(None),) + tuple(index[1:-1])]
+
+  return jax.make_array_from_callback(like.shape, like.sharding, columns)

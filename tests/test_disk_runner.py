@@ -135,16 +135,3 @@ def test_a_zero3_run_keeps_each_devices_state_on_disk_and_resumes_in_its_packing
                      'train.steps=3')
   assert code == 0 and f'resumed from {os.path.dirname(ckpt)} at step 2' in err, err[-3000:]
 
-
-def test_a_run_of_several_processes_with_a_disk_tier_is_refused_in_one_line(
-    dataset, tmp_path, capsys, monkeypatch):
-  """Not yet supported (each process would write every file of the first generation):
-  one line naming the key, nothing written."""
-  from dos_jax.train import agree  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(agree, 'processes', lambda: 2)
-  code, err = _train(dataset, str(tmp_path / 'run'), capsys,
-                     'offload.disk_dir=' + str(tmp_path / 'state'))
-  lines = [line for line in err.splitlines() if 'offload.disk_dir' in line]
-  assert code == 2 and len(lines) == 1, err[-2000:]
-  assert 'a run of 2 processes cannot keep its optimizer state on disk yet' in lines[0]
-  assert not os.path.exists(tmp_path / 'state') and not os.path.exists(tmp_path / 'run')

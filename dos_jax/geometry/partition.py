@@ -83,6 +83,8 @@ class Partition:
       its own files, of its columns of the rows.
     disk_replicas: the copies of each data shard on a mesh's other axes: each device
       reads and writes its own files, as it keeps its own copy of a state in memory.
+    disk_axis: the mesh axis of the data shards (None: no mesh), which with the mesh
+      names each device's files (`disk_tier.local_files`).
   """
 
   host: tuple[int, ...]
@@ -97,6 +99,7 @@ class Partition:
   direct_io: bool = True
   disk_shards: int = 1
   disk_replicas: int = 1
+  disk_axis: str | None = None
 
   @property
   def per_subgroup(self) -> bool:
@@ -117,7 +120,7 @@ class Partition:
     if not self.disk:
       return None
     return DiskSpill(self.disk_dir, len(self.host), self.direct_io, self.disk_shards,
-                     self.disk_replicas)
+                     self.disk_replicas, self.disk_axis)
 
   def with_early(self, early: tuple[int, ...] | None) -> 'Partition':
     """This partition with other early host calls (None: `early_host_calls`' rule)."""
@@ -227,6 +230,7 @@ class DiskSpill:
   direct_io: bool = True
   shards: int = 1
   replicas: int = 1
+  axis: str | None = None  # the mesh axis of the shards
 
 
 def spill_to_disk(host: tuple[int, ...], disk: DiskSpill | None
@@ -249,7 +253,7 @@ def _disk_fields(on_disk: tuple[int, ...], disk: DiskSpill | None) -> dict:
   if not on_disk:
     return {}
   return dict(disk=on_disk, disk_dir=disk.directory, direct_io=disk.direct_io,
-              disk_shards=disk.shards, disk_replicas=disk.replicas)
+              disk_shards=disk.shards, disk_replicas=disk.replicas, disk_axis=disk.axis)
 
 
 def stream_order(part: Partition, streamed: Sequence[int]) -> list[int]:

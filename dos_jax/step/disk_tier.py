@@ -18,6 +18,7 @@ host region of their own: the host call the device tiers' stream lanes run besid
 from __future__ import annotations
 
 import errno
+import math
 import os
 
 import jax
@@ -46,7 +47,8 @@ def spill_of(disk, slots: slots_lib.Slots, size: int, mesh=None, data_axis: str 
       per_subgroup * size)
   shards = 1 if mesh is None else mesh.shape[data_axis]
   replicas = 1 if mesh is None else mesh.size // shards
-  return partition_lib.DiskSpill(disk.directory, in_memory, disk.direct_io, shards, replicas)
+  return partition_lib.DiskSpill(disk.directory, in_memory, disk.direct_io, shards, replicas,
+                                 None if mesh is None else data_axis)
 
 
 def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, split: bool,
@@ -83,41 +85,156 @@ def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout, para
   """Writes each disk subgroup's first state (generation 0), one subgroup at a time,
   from `params` (concrete), its rows made by `split_rows(master rows)` (the state
   builder's) and packed as the layout packs them (shard-major: each device's columns
-  hold its own shards, `layout.to_shards`); returns the generation, `int32 0`."""
+  hold its own shards, `layout.to_shards`); returns the generation, `int32 0`.
+
+  Each process writes only the files of its own devices (`local_files`: their data
+  shard's columns, their copy), from its own shards of `params`: no process gathers
+  the state, nor the params beyond what its devices' columns need.
+
+  Raises:
+    ValueError: this process's shards of a param do not hold what one of its devices'
+      columns need (a param split on another axis across processes), naming
+      `Offload.disk`.
+  """
   os.makedirs(part.disk_dir, exist_ok=True)
-  shards, size = layout.shards, layout.subgroup_size
   leaves = layout.treedef.flatten_up_to(params)
-  views = [np.asarray(jax.device_get(x)).reshape(1, -1) if shards == 1 else
-           np.asarray(jax.device_get(layout_lib.to_shards(x, layout, i)))
-           for i, x in enumerate(leaves)]
-  local, dtype = size // shards, np.dtype(layout.state_dtype)
+  local = local_files(part, _mesh_of(leaves, part.disk_axis))
+  width, dtype = layout.subgroup_size // part.disk_shards, np.dtype(layout.state_dtype)
+  views = {(i, shard): _leaf_columns(x, layout, i, shard)
+           for shard in local for i, x in enumerate(leaves)}
   for g in part.disk:
-    master = np.zeros((1, size), dtype)
-    for run in partition_lib.pieces_of(layout, (g,)):
-      for d in range(shards):
-        start = d * local + run.offset
-        master[0, start:start + run.size] = views[run.leaf][d, run.start:run.start + run.size]
-    block, _ = split_rows(jnp.asarray(master))
-    _remove_stale(part, g)
-    write_rows(part, g, 0, np.asarray(block[0])[0])
+    for shard, replicas in local.items():
+      cols = np.zeros((1, width if layout.shards > 1 else layout.subgroup_size), dtype)
+      for run in partition_lib.pieces_of(layout, (g,)):
+        cols[0, run.offset:run.offset + run.size] = views[run.leaf, shard][
+            run.start:run.start + run.size]
+      if layout.shards == 1 and shard is not None:  # leaf after leaf: the row, cut
+        cols = cols[:, shard * width:(shard + 1) * width]
+      block, _ = split_rows(jnp.asarray(cols))
+      # Half 1, left by an earlier run, goes: generation 0 never reads it, and a run
+      # resuming from a checkpoint would otherwise hold three generations at once.
+      for replica in replicas:
+        _unlink(live_path(part, g, 1, shard, replica))
+      write_local(part, g, 0, shard, replicas, np.asarray(block[0])[0])
   return jnp.zeros((), jnp.int32)
 
 
-def _remove_stale(part: partition_lib.Partition, g: int) -> None:
-  """Removes subgroup `g`'s files in half 1, left by an earlier run: generation 0 never
-  reads them, and a run resuming from a checkpoint would otherwise hold three
-  generations of the state at once (that one, the checkpoint's and the new one)."""
-  for shard in shard_ids(part):
-    for replica in range(part.disk_replicas):
-      try:
-        os.unlink(live_path(part, g, 1, shard, replica))
-      except FileNotFoundError:
-        pass
+def _mesh_of(leaves, axis: str | None):
+  """The mesh of the first param placed on one with the data `axis` (None: none)."""
+  for leaf in leaves:
+    sharding = _sharding(leaf)
+    if isinstance(sharding, NamedSharding) and axis in sharding.mesh.shape:
+      return sharding.mesh
+  return None
+
+
+def _leaf_columns(leaf, layout: layout_lib.Layout, i: int, shard: int | None) -> np.ndarray:
+  """What data shard `shard`'s columns hold of leaf `i`, raveled, from this process's
+  shards of it: shard-major its row of `layout.to_shards` (of a leaf split on no
+  dimension, read from the rows of its first dimension that hold that row's elements);
+  leaf after leaf, the leaf whole (the rows are cut after packing)."""
+  shape, n = tuple(layout.shapes[i]), layout.shards
+  dim = layout.shard_dims[i] if n > 1 else None
+  box, start, stop = [(0, d) for d in shape], 0, math.prod(shape)
+  if dim is not None:
+    box[dim] = (shard * shape[dim] // n, (shard + 1) * shape[dim] // n)
+    stop //= n
+  elif n > 1:
+    size = layout.shard_sizes[i]
+    start, stop = min(shard * size, stop), min((shard + 1) * size, stop)
+    if shape:
+      inner = math.prod(shape[1:])
+      box[0] = (start // inner, -(-stop // inner)) if inner else (0, 0)
+      start, stop = start - box[0][0] * inner, stop - box[0][0] * inner
+  block = _local_block(leaf, box)
+  if block is None:
+    raise ValueError(f'Offload.disk: process {jax.process_index()} holds only part of '
+                     f'param {i} (shape {shape}) where its devices\' columns of the state '
+                     'need it whole; split the params over no other mesh axis across '
+                     'processes')
+  flat = block.reshape(-1)[start:stop]
+  return np.pad(flat, (0, layout.shard_sizes[i] - flat.size)) if n > 1 and dim is None else flat
+
+
+def _local_block(x, box: list[tuple[int, int]]) -> np.ndarray | None:
+  """`x[box]` (`box`: `(start, stop)` per dimension) from this process's shards of `x`,
+  or None where they do not hold all of it."""
+  if not isinstance(x, jax.Array):
+    return np.asarray(x)[tuple(slice(a, b) for a, b in box)]
+  out = np.zeros([b - a for a, b in box], x.dtype)
+  filled, seen = 0, set()
+  for where, data in _shards(x):
+    index = tuple(s.indices(d)[:2] for s, d in zip(where, x.shape))
+    if index in seen:  # a copy of a shard seen (a sharding's shards never overlap)
+      continue
+    seen.add(index)
+    lo = [max(a, c) for (a, _), (c, _) in zip(box, index)]
+    hi = [min(b, d) for (_, b), (_, d) in zip(box, index)]
+    if any(l >= h for l, h in zip(lo, hi)):
+      continue
+    data = np.asarray(data)[tuple(slice(l - c, h - c) for l, h, (c, _) in zip(lo, hi, index))]
+    out[tuple(slice(l - a, h - a) for l, h, (a, _) in zip(lo, hi, box))] = data
+    filled += data.size
+  return out if filled == out.size else None
+
+
+def _shards(x: jax.Array) -> list[tuple[tuple[slice, ...], jax.Array]]:
+  """`(index, data)` of each of this process's shards of `x`; of a replicated `x`, one
+  (jax 0.10 cannot list the shards of a replicated array put across processes)."""
+  if x.is_fully_replicated:
+    return [((slice(None),) * x.ndim, x.addressable_data(0))]
+  return [(shard.index, shard.data) for shard in x.addressable_shards]
+
+
+def local_files(part: partition_lib.Partition, mesh) -> dict[int | None, list[int]]:
+  """This process's files of each disk subgroup: by data shard (as `shard_ids` names
+  it), the copies its devices hold (`file_index`'s numbering: a device's position on
+  the mesh's other axes), ascending. Without a mesh, or on one device: `{None: [0]}`."""
+  if _files(part) == 1 or mesh is None:
+    return {shard_ids(part)[0]: [0]}
+  names = mesh.axis_names
+  others = [k for k, a in enumerate(names) if a != part.disk_axis]
+  axis = names.index(part.disk_axis)
+  files: dict[int | None, list[int]] = {}
+  for where, device in np.ndenumerate(mesh.devices):
+    if device.process_index != jax.process_index():
+      continue
+    replica = int(np.ravel_multi_index([where[k] for k in others],
+                                       [mesh.devices.shape[k] for k in others])) if others else 0
+    files.setdefault(where[axis] if part.disk_shards > 1 else None, []).append(replica)
+  return {shard: sorted(files[shard]) for shard in sorted(files, key=lambda s: s or 0)}
+
+
+def write_local(part: partition_lib.Partition, g: int, parity: int, shard: int | None,
+                replicas: list[int], cols: np.ndarray) -> None:
+  """Data shard `shard`'s `(K, S / disk_shards)` columns of subgroup `g` written as the
+  file of copy `replicas[0]`, the other `replicas` (this process's) linked to it."""
+  host_adamw_disk.write_state(part.disk_dir, g, parity, np.ascontiguousarray(cols),
+                              _file_index(part, shard, replicas[0]))
+  link_local(part, g, parity, shard, replicas[1:], live_path(part, g, parity, shard,
+                                                             replicas[0]))
+
+
+def link_local(part: partition_lib.Partition, g: int, parity: int, shard: int | None,
+               replicas: list[int], source: str) -> None:
+  """The files of data shard `shard` of subgroup `g` in half `parity` of copies
+  `replicas` linked to `source`."""
+  for replica in replicas:
+    target = live_path(part, g, parity, shard, replica)
+    if target != source:
+      link_or_copy(source, target)
+
+
+def _unlink(path: str) -> None:
+  try:
+    os.unlink(path)
+  except FileNotFoundError:
+    pass
 
 
 def shard_ids(part: partition_lib.Partition) -> list[int | None]:
   """The data shards whose columns each disk subgroup's files hold (`None`: one), as a
-  checkpoint names them (`read_subgroup`)."""
+  checkpoint names them (`read_columns`)."""
   return [None] if part.disk_shards == 1 else list(range(part.disk_shards))
 
 
@@ -153,27 +270,13 @@ def link_or_copy(source: str, target: str) -> None:
   os.replace(tmp, target)
 
 
-def link_copies(part: partition_lib.Partition, g: int, parity: int,
-                source=lambda shard: None) -> None:
-  """Subgroup `g`'s files in half `parity` of every copy linked to `source(shard)` (by
-  default the first copy's)."""
-  for shard in shard_ids(part):
-    first = source(shard) or live_path(part, g, parity, shard)
-    for replica in range(part.disk_replicas):
-      target = live_path(part, g, parity, shard, replica)
-      if target != first:
-        link_or_copy(first, target)
-
-
 def write_rows(part: partition_lib.Partition, g: int, parity: int, rows: np.ndarray) -> None:
   """Subgroup `g`'s `(K, S)` state written as its files (one per data shard and copy:
   the first copy's written, the others linked to it)."""
   width = rows.shape[1] // part.disk_shards
   for shard in shard_ids(part):
     cols = rows if shard is None else rows[:, shard * width:(shard + 1) * width]
-    host_adamw_disk.write_state(part.disk_dir, g, parity, np.ascontiguousarray(cols),
-                                _file_index(part, shard))
-  link_copies(part, g, parity)
+    write_local(part, g, parity, shard, list(range(part.disk_replicas)), cols)
 
 
 def _file_index(part: partition_lib.Partition, shard: int | None,
@@ -191,12 +294,17 @@ def read_rows(part: partition_lib.Partition, slots: slots_lib.Slots, size: int,
   return {g: _read_columns(part.disk_dir, g, parity, k, size, files) for g in part.disk}
 
 
-def read_subgroup(directory: str, g: int, parity: int, num_slots: int, size: int,
-                  shards: int = 1) -> np.ndarray:
-  """Subgroup `g`'s `(K, S)` state from its file in half `parity`, or from the files
-  of its `shards` data shards (their columns, side by side)."""
-  return _read_columns(directory, g, parity, num_slots, size,
-                       [None] if shards == 1 else list(range(shards)))
+def read_columns(directory: str, g: int, num_slots: int, size: int, shards: int,
+                 start: int, stop: int) -> np.ndarray:
+  """Columns `[start, stop)` of subgroup `g`'s `(K, S)` state in half 0, kept as the
+  files of `shards` data shards: only the files that hold them are read."""
+  if shards == 1:
+    return _read_columns(directory, g, 0, num_slots, size, [None])[:, start:stop]
+  width = size // shards
+  first, last = start // width, (stop - 1) // width
+  cols = _read_columns(directory, g, 0, num_slots, (last - first + 1) * width,
+                       list(range(first, last + 1)))
+  return cols[:, start - first * width:stop - first * width]
 
 
 def _read_columns(directory: str, g: int, parity: int, num_slots: int, size: int,

@@ -19,9 +19,9 @@ are never saved.
 A state with a disk tier does not fit in memory to be unpacked: it is saved as one file
 per subgroup (`dos_jax.state_to_files`, the disk tier's files hard-linked) in the
 checkpoint's `subgroups/` folder, staged beside the checkpoints while orbax writes
-(`.subgroups-<step>`) and moved in before the manifest, which covers its files too.
-It restores into a run with the same subgroups, whatever its split between disk and
-memory.
+(`.subgroups-<step>`, each process writing its own devices' files) and moved in before
+the manifest, which covers its files too. It restores into a run with the same
+subgroups, whatever its split between disk and memory.
 """
 
 from __future__ import annotations
@@ -281,8 +281,9 @@ class Checkpointer:
     if getattr(opt_state, 'to_trees', None) is not None or not dos_jax.has_disk_tier(opt_state):
       return state_to_trees(opt_state, params)
     staging = os.path.join(self.directory, f'{_STAGING}{step}')
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(self.directory, exist_ok=True)
+    if self._lead:  # every process writes its own devices' files into it: process 0 makes it
+      shutil.rmtree(staging, ignore_errors=True)
+      os.makedirs(self.directory, exist_ok=True)
     return dos_jax.state_to_files(opt_state, staging)
 
   def find_restorable(self) -> tuple[int | None, dict | None, list[Skipped]]:

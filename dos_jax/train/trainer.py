@@ -30,6 +30,7 @@ from dos_jax.train import step as step_lib
 from dos_jax.train.config import RunConfig
 from dos_jax.train.configlib import ConfigError
 from dos_jax.train.results import StepResult
+from dos_jax.train.sharding import TENSOR
 
 
 @dataclasses.dataclass
@@ -203,13 +204,29 @@ def hf_params(cfg: RunConfig, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
     raise ConfigError(f'model.from_hf: {err}') from None
 
 
-def _check_disk_processes(cfg: RunConfig) -> None:
-  """A disk tier in a run of several processes is not supported yet (each process
-  would write every file of the first generation): one line naming the key."""
-  if cfg.offload.disk_dir is not None and agree.processes() > 1:
-    raise ConfigError(f'offload.disk_dir: a run of {agree.processes()} processes cannot '
-                      'keep its optimizer state on disk yet; run it in one process or '
-                      'unset offload.disk_dir')
+def _check_disk_processes(cfg: RunConfig, mesh: jax.sharding.Mesh) -> None:
+  """A disk tier's first generation is written by each process from its own shards of
+  the params (`dos_jax.Disk`): in a run of several processes, the `tensor` shards of
+  each device's params must be on devices of its own process, and a ZeRO-3 state
+  packed by the params' shards (the accelerator program's). One line naming the key."""
+  processes = agree.processes()
+  if cfg.offload.disk_dir is None or processes == 1:
+    return
+  if mesh_lib.has_fsdp(mesh) and step_lib.make_offload(
+      cfg.offload).target() is not dos_jax.Program.TWO_MEMORIES:
+    raise ConfigError(f'offload.disk_dir: a ZeRO-3 run (mesh.fsdp={cfg.mesh.fsdp}) of '
+                      f'{processes} processes keeps its optimizer state on disk only in the '
+                      'accelerator program, which packs each device\'s state from its own '
+                      'shards of the params; set offload.platform=gpu or unset '
+                      'offload.disk_dir')
+  if TENSOR not in mesh.shape:
+    return
+  owners = np.vectorize(lambda device: device.process_index)(mesh.devices)
+  if (owners != owners.take([0], axis=list(mesh.axis_names).index(TENSOR))).any():
+    raise ConfigError(f'offload.disk_dir: a run of {processes} processes keeps its '
+                      'optimizer state on disk only where each process holds every '
+                      'mesh.tensor shard of its devices\' params; keep mesh.tensor within '
+                      'a process or unset offload.disk_dir')
 
 
 def build(
@@ -237,7 +254,7 @@ def build(
   """
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   mesh_lib.check_divisible(mesh, cfg.data.batch_size)
-  _check_disk_processes(cfg)
+  _check_disk_processes(cfg, mesh)
   dataset_dir = dataset_dir_for(cfg.data)
   check_dataset(cfg, dataset_dir)
   if cfg.mesh.pipeline > 1:
