@@ -9,13 +9,21 @@ needed; Python 3.12 with jax[cuda13]==0.11.2):
 
   JAX_PLATFORMS=cpu python3.12 experiments/compile_vs_subgroups.py --subgroups 100,300,700
 
-Prints one JSON line per G: lower and compile seconds of both, their ratio, host calls.
+Prints one JSON line per G: lower and compile seconds of both (every compile: the step
+with early host calls compiles twice, `dataflow.early_windows`), their ratio, host calls,
+and the seconds of XLA's slowest passes in each (from its module metadata, dumped to a
+temporary folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
+import os
+import re
+import tempfile
 import time
 
 import jax
@@ -30,11 +38,31 @@ from dos_jax.dataflow import probes
 
 
 def _timed(step, args, target, early_windows):
+  """(lowering seconds, the compiled program, {XLA pass: seconds over every compile})."""
   start = time.perf_counter()
   lowered = dataflow.lower_for_gpu(step, *args, target=dataflow.GpuTarget.parse(target))
   lower_s = time.perf_counter() - start
-  program = compile_lib.compile_lowered(lowered, target, early_windows=early_windows)
-  return lower_s, program
+  with tempfile.TemporaryDirectory(prefix='dos_jax_passes_') as dump:
+    options = dict(compile_lib.GPU_COMPILER_OPTIONS, xla_dump_to=dump,
+                   xla_dump_module_metadata=True, xla_dump_hlo_pass_re='NONE')
+    program = compile_lib.compile_lowered(lowered, target, compiler_options=options,
+                                          early_windows=early_windows)
+    passes = collections.Counter()
+    for path in glob.glob(os.path.join(dump, '*.metadata.textproto')):
+      with open(path, encoding='utf-8') as f:
+        passes.update(_pass_seconds(f.read()))
+  return lower_s, program, passes
+
+
+def _pass_seconds(metadata: str) -> dict[str, float]:
+  """{pass name: seconds} from one module's metadata (`HloModuleMetadataProto` text)."""
+  seconds = collections.Counter()
+  for block in metadata.split('pass_metadata {')[1:]:
+    name = re.search(r'pass_name: "([^"]*)"', block).group(1)
+    start, end = (int(re.search(rf'{k}_timestamp_usec: (\d+)', block).group(1))
+                  for k in ('start', 'end'))
+    seconds[name] += (end - start) / 1e6
+  return seconds
 
 
 def measure(layers: int, width: int, target: str) -> dict:
@@ -53,8 +81,10 @@ def measure(layers: int, width: int, target: str) -> dict:
   theirs = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
   native = compile_lib.prepare(target)
   del native
-  lower_ours, prog_ours = _timed(make(ours), (params, ours.init(params), x), target, True)
-  lower_base, prog_base = _timed(make(theirs), (params, theirs.init(params), x), target, False)
+  lower_ours, prog_ours, passes_ours = _timed(make(ours), (params, ours.init(params), x),
+                                              target, True)
+  lower_base, prog_base, passes_base = _timed(make(theirs), (params, theirs.init(params), x),
+                                              target, False)
   schedule = prog_ours.schedule
   return {
       'subgroups': layers, 'width': width, 'target': target,
@@ -63,7 +93,14 @@ def measure(layers: int, width: int, target: str) -> dict:
       'ratio_lower_plus_compile': round((lower_ours + prog_ours.compile_s)
                                         / (lower_base + prog_base.compile_s), 1),
       'host_calls': len(schedule.host_calls),
+      'compiles': 2 if prog_ours.early_calls_profiled else 1,
+      'dos_jax_slowest_passes_s': _slowest(passes_ours),
+      'optax_slowest_passes_s': _slowest(passes_base),
   }
+
+
+def _slowest(passes, n: int = 3) -> dict[str, float]:
+  return {name: round(s, 1) for name, s in passes.most_common(n)}
 
 
 def main() -> None:

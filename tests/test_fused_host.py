@@ -275,3 +275,26 @@ def test_pallas_device_path_matches_xla(policy, dtype, seed):
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                rtol=1e-5, atol=1e-6)
   assert results[0][3][-1] == results[0][3][1]  # no recompilation after the first steps
+
+
+@pytest.mark.parametrize('seed', [7])
+def test_adamw_scalars_cross_into_host_regions_as_one_vector(seed):
+  """Each array a host region takes costs XLA's host offloader a walk of the program
+  (experiments/RESULTS.md, `construction-compile-g-both`): the step's float32 scalars
+  cross as one vector, and come back out bit for bit; scalars of another dtype cross
+  as they are."""
+  values = np.random.default_rng(seed).random(4).astype(np.float32)
+  scalars = fused.AdamWScalars(
+      lr=jnp.asarray(values[0]), b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+      weight_decay=1e-4, bc1=jnp.asarray(values[1]), bc2=jnp.asarray(values[2]),
+      grad_scale=jnp.asarray(values[3]))
+  arrays, join = fused.split_scalars(scalars)
+  assert [a.shape for a in arrays] == [(4,)], f'seed {seed}'
+  joined = jax.jit(join)(arrays)
+  for field in ('lr', 'bc1', 'bc2', 'grad_scale'):
+    np.testing.assert_array_equal(getattr(joined, field), getattr(scalars, field))
+  assert (joined.b1, joined.weight_decay) == (0.9, 1e-4)  # Python floats stay closed over
+  mixed = dataclasses.replace(scalars, grad_scale=jnp.asarray(values[3], jnp.bfloat16))
+  arrays, join = fused.split_scalars(mixed)
+  assert [a.dtype for a in arrays] == [jnp.float32] * 3 + [jnp.bfloat16]
+  assert join(arrays).grad_scale.dtype == jnp.bfloat16

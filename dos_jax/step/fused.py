@@ -98,15 +98,21 @@ def split_scalars(adam_scalars: AdamWScalars):
   """`(arrays, join)`: the step's array scalars (schedule value, bias corrections, clip
   factor), which cross into host regions and `shard_map`s as operands, and
   `join(arrays)` rebuilding the `AdamWScalars` from them there. Python floats stay
-  closed over (never traced), which `AdamWScalars` rounds as optax does."""
+  closed over (never traced), which `AdamWScalars` rounds as optax does.
+
+  Float32 scalars cross as one vector: XLA's host offloader walks the whole program
+  for each array sent to host memory (experiments/RESULTS.md,
+  `construction-compile-g-both`)."""
   leaves, tree = jax.tree.flatten(adam_scalars)
   is_array = [isinstance(x, jax.Array) for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_array) if a]
+  packed = len(arrays) > 1 and all(x.shape == () and x.dtype == jnp.float32 for x in arrays)
 
-  def join(arrays):
-    it = iter(arrays)
+  def join(crossed):
+    it = iter([crossed[0][i] for i in range(len(arrays))] if packed else crossed)
     return tree.unflatten([next(it) if a else x for x, a in zip(leaves, is_array)])
 
-  return [x for x, a in zip(leaves, is_array) if a], join
+  return ([jnp.stack(arrays)] if packed else arrays), join
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
