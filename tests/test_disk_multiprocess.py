@@ -111,6 +111,7 @@ def test_two_processes_keep_their_own_files_and_resume_as_one_in_memory(
                   strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
 
+
 def test_what_a_process_cannot_write_from_its_own_shards_is_refused_in_one_line(monkeypatch):
   """Each process writes the first generation from its own shards of the params: the
   `tensor` shards of its devices' params must be its own, and ZeRO-3's state packed by
