@@ -128,7 +128,6 @@ KNOWN_REGRESSIONS = {
        f'[{p}-float32]': _EARLY_FP32 for p in ('stride', 'device_fraction')},
     'tests/test_step_memory.py::test_prediction_within_10_percent_of_the_compiled_h100_step'
     '[all_host-float32]': _EARLY_FP32_MEMORY,
-    'tests/test_compiled_gpu.py::test_default_options_overlap_nothing': _EARLY_DEFAULT,
     'tests/test_compiled_gpu.py::test_library_step_overlaps_every_weight_gradient_but_the_last':
         _EARLY_DEFAULT,
     'tests/test_compiled_fsdp.py::test_the_prediction_is_within_10_percent_under_fsdp':
