@@ -115,13 +115,13 @@ _EARLY_DEFAULT = ('early host calls are on by default, each issued as soon as it
                   'are in host memory (its profiled latency, `dataflow.early_windows`): the '
                   'scheduler puts its last gradient copies right before it, with no gemm '
                   'beside them (2 of the 6 layers\' weight copies overlap one)')
-_SHARD_MAJOR_PEAK = ('ZeRO-3 packs the state shard-major in the accelerator program since the one '
-                     'construction (`step.make_optimizer` passes `shard_dims`): the compiled peak is '
-                     '57.1 / 73.0 / 31.0 MB against 30.6 / 53.8 / 15.9 MB packed leaf after leaf, '
-                     'which the prediction models (30.4 / 52.6 / 16.3 MB). XLA\'s live ranges peak '
-                     'at the same 26.9 MB in both (fsdp 4): its buffer assignment packs the '
-                     'shard-major step\'s temporaries into 56.6 MB against 30.1 MB. Not early calls '
-                     '(these steps have none)')
+_SHARD_MAJOR_PEAK = ('ZeRO-3 packs the state shard-major in the accelerator program since '
+                     'the one construction (`step.make_optimizer` passes `shard_dims`): the '
+                     'compiled peak is 57.1 / 73.0 / 31.0 MB against 30.6 / 53.8 / 15.9 MB packed '
+                     'leaf after leaf, which the prediction models (30.4 / 52.6 / 16.3 MB). '
+                     'XLA\'s live ranges peak at the same 26.9 MB in both (fsdp 4): its buffer '
+                     'assignment packs the shard-major step\'s temporaries into 56.6 MB against '
+                     '30.1 MB. Not early calls (these steps have none)')
 _EARLY_FP32 = ('fp32 params: the early host calls the H100 node\'s cost model chooses for this '
                'step (gpu_program.COMPILED_FOR) start as early as their operands allow, so '
                'their last gradient copies (the fp32 converts of the layer\'s weight '
