@@ -29,6 +29,7 @@ from dos_jax.offload import UpdateImpl as UpdateImpl
 from dos_jax.pinned_pool import check_pinned_pool as check_pinned_pool
 from dos_jax.pinned_pool import PinnedPoolError as PinnedPoolError
 from dos_jax.pinned_pool import size_pinned_pool as size_pinned_pool
+from dos_jax.portable import pytree_targets as pytree_targets
 from dos_jax.portable import state_from_pytrees as state_from_pytrees
 from dos_jax.portable import state_to_pytrees as state_to_pytrees
 from dos_jax.policies import AdaptivePolicy as AdaptivePolicy

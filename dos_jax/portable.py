@@ -17,8 +17,9 @@ import numpy as np
 
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
-from dos_jax.step import paths
 from dos_jax.geometry import slots as slots_lib
+from dos_jax.step import disk_tier
+from dos_jax.step import paths
 from dos_jax.geometry.partition import Tier
 from dos_jax.step.transform import OffloadedState
 
@@ -83,6 +84,45 @@ def state_to_pytrees(opt_state: PyTree, params: PyTree) -> PyTree:
   return jax.tree.map(
       lambda x: _unpack_state(x) if _is_offloaded(x) else x, opt_state, is_leaf=_is_offloaded
   )
+
+
+def pytree_targets(opt_state: PyTree, params: PyTree) -> PyTree:
+  """What `state_to_pytrees(opt_state, params)` gives, as restore targets: a state with a
+  disk tier as `jax.ShapeDtypeStruct`s, its per-element leaves placed like `params`
+  and its scalars replicated, without reading its files (a run being restored has
+  written none, `dos_jax.restoring_state`); any other state unpacked as
+  `state_to_pytrees` does."""
+  def target(x):
+    if not _is_offloaded(x):
+      return x
+    return _disk_targets(x, params) if x.partition.disk else _unpack_state(x)
+
+  return jax.tree.map(target, opt_state, is_leaf=_is_offloaded)
+
+
+def _disk_targets(state: OffloadedState, params: PyTree) -> dict[str, Any]:
+  layout = state.layout
+  rows = tuple(jax.ShapeDtypeStruct((state.partition.num_subgroups, k, layout.subgroup_size),
+                                    jnp.dtype(g))
+               for g, k in zip(state.slots.groups, state.slots.group_sizes))
+  master, inner = jax.eval_shape(lambda r, s: slots_lib.join(r, s, state.slots, axis=1),
+                                 rows, state.scalars)
+  shardings = [getattr(p, 'sharding', None) for p in layout.treedef.flatten_up_to(params)]
+  first = next((s for s in shardings if s is not None), None)
+  if isinstance(first, jax.sharding.NamedSharding):
+    whole = jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+  else:
+    whole = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+  def to_target(x):
+    if len(x.shape) == 2:  # a (G, S) per-element leaf: params-shaped
+      return layout.treedef.unflatten([
+          jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=sh or whole)
+          for shape, sh in zip(layout.shapes, shardings)])
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole)
+
+  return {'inner': jax.tree.map(to_target, inner),
+          'master': None if master is None else to_target(master)}
 
 
 def _move_rows(saved_inner: PyTree, template_inner: PyTree, move) -> PyTree:
@@ -172,19 +212,53 @@ def _rebuild_with_disk(target: OffloadedState, pack_rows, saved_inner, master_so
                        out_shardings) -> OffloadedState:
   """`target` (with a disk tier) filled from saved trees: packed whole in memory (the
   state must fit there once), the disk subgroups' rows written to their files at the
-  target's generation, the others placed like the target's arrays."""
-  from dos_jax.step import disk_tier  # pylint: disable=import-outside-toplevel
+  target's generation, the others placed like the target's arrays. In a run of several
+  processes the rows are packed split over the state's mesh axis and each process
+  writes its own devices' files."""
   part = target.partition
-  # Packed whole in one device's memory, then placed like the target.
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind='device')
-  rows, scalars = jax.jit(pack_rows)(
-      *jax.tree.map(lambda x: jax.device_put(x, one), (saved_inner, master_source)))
-  parity = int(target.disk_gen) % 2
-  for g in part.disk:
-    disk_tier.write_rows(part, g, parity, np.asarray(rows[0][g]))
-  tiers = partition_lib.split_tiers(rows, part)
-  tiers = {t: tuple(jax.device_put(x, sh) for x, sh in zip(tiers[t], out_shardings[0][t]))
-           for t in tiers}
-  scalars = tuple(jax.device_put(x, sh) for x, sh in zip(scalars, out_shardings[1]))
+  mesh = next((sh.mesh for sh in jax.tree.leaves(out_shardings)
+               if isinstance(sh, jax.sharding.NamedSharding)), None)
+  if jax.process_count() > 1 and mesh is not None and part.disk_axis is not None:
+    rows, scalars = _pack_split(pack_rows, saved_inner, master_source, mesh, part.disk_axis)
+    _write_local_files(target, rows[0], mesh)
+    tiers, scalars = jax.jit(lambda r, s: (partition_lib.split_tiers(r, part), s),
+                             out_shardings=out_shardings)(rows, scalars)
+  else:
+    # Packed whole in one device's memory, then placed like the target.
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind='device')
+    rows, scalars = jax.jit(pack_rows)(
+        *jax.tree.map(lambda x: jax.device_put(x, one), (saved_inner, master_source)))
+    parity = int(target.disk_gen) % 2
+    for g in part.disk:
+      disk_tier.write_rows(part, g, parity, np.asarray(rows[0][g]))
+    tiers = partition_lib.split_tiers(rows, part)
+    tiers = {t: tuple(jax.device_put(x, sh) for x, sh in zip(tiers[t], out_shardings[0][t]))
+             for t in tiers}
+    scalars = tuple(jax.device_put(x, sh) for x, sh in zip(scalars, out_shardings[1]))
   return dataclasses.replace(target, host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED],
                              resident=tiers[Tier.RESIDENT], scalars=scalars)
+
+
+def _pack_split(pack_rows, saved_inner, master_source, mesh, axis: str):
+  """`pack_rows` over the processes' devices: the `(G, K, S)` rows split by columns over
+  `axis` (each data shard's columns on its devices), the scalars whole."""
+  cols = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, axis))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(pack_rows, out_shardings=(cols, whole))(saved_inner, master_source)
+
+
+def _write_local_files(target: OffloadedState, rows: jax.Array, mesh) -> None:
+  """Each disk subgroup's files of this process's devices (`disk_tier.local_files`),
+  from its addressable columns of `rows`."""
+  part = target.partition
+  parity = int(target.disk_gen) % 2
+  local = disk_tier.local_files(part, mesh)
+  width = rows.shape[2] // part.disk_shards
+  columns = {}
+  for shard in rows.addressable_shards:
+    start = shard.index[2].start or 0
+    columns.setdefault(start // width if part.disk_shards > 1 else None, shard.data)
+  for g in part.disk:
+    for data_shard, replicas in local.items():
+      block = np.asarray(columns[data_shard][g])
+      disk_tier.write_local(part, g, parity, data_shard, replicas, block)

@@ -42,15 +42,17 @@ SETS = [
 DISK_CAP = 'offload.host_state_gib=0.001'
 
 
-def _start_two(sets: list[str], states: list[str]) -> None:
-  """`dos-jax train` twice, joined, process i keeping its disk tier in `states[i]`."""
+def _start_two(sets: list[str], states: list[str] | None) -> None:
+  """`dos-jax train` twice, joined, process i keeping its disk tier in `states[i]`
+  (None: no disk tier)."""
   env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_NUM_PROCESSES='2',
              XLA_FLAGS='--xla_force_host_platform_device_count=1',
              JAX_COORDINATOR_ADDRESS=f'localhost:{_free_port()}')
-  _finish([subprocess.Popen(_train_cmd([*sets, DISK_CAP, f'offload.disk_dir={state}']),
+  disk = lambda rank: [] if states is None else [DISK_CAP, f'offload.disk_dir={states[rank]}']
+  _finish([subprocess.Popen(_train_cmd([*sets, *disk(rank)]),
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dict(env, JAX_PROCESS_ID=str(rank)))
-           for rank, state in enumerate(states)])
+           for rank in range(2)])
 
 
 def _losses(run_dir: str) -> dict[int, tuple[float, float]]:
@@ -110,6 +112,26 @@ def test_two_processes_keep_their_own_files_and_resume_as_one_in_memory(
   for a, b in zip(jax.tree.leaves((restored.params, got)), jax.tree.leaves((ref.params, want)),
                   strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 (virtual) devices')
+def test_a_checkpoint_without_a_disk_tier_resumes_onto_disk_in_two_processes(dataset, tmp_path):
+  """Steps 1-2 in two processes with the state in memory, 3-4 resumed with a disk tier:
+  each process writes its own device's files from the restored checkpoint (packed split
+  over the processes, nothing gathered), and the run matches one process on 2 devices
+  with the state in memory, bit for bit."""
+  run_dir, states = str(tmp_path / 'run'), [str(tmp_path / f'state{i}') for i in range(2)]
+  sets = [f'data.path={dataset}', *SETS, 'mesh.data=2', f'train.out_dir={run_dir}']
+  _start_two([*sets, 'train.steps=2'], None)
+  _start_two([*sets, 'train.steps=4'], states)
+  assert [_file_indices(state) for state in states] == [{'s000'}, {'s001'}]
+  resumed = _losses(run_dir)
+  ref = trainer.build(config.load(None, [*sets, 'train.steps=4']), devices=jax.devices()[:2])
+  sampler = ref.train_sampler()
+  for step in range(1, 5):
+    result = ref.step(next(sampler), split=True)
+    np.testing.assert_array_equal(resumed[step], (result.loss, result.grad_norm), f'step {step}')
 
 
 def test_what_a_process_cannot_write_from_its_own_shards_is_refused_in_one_line(monkeypatch):

@@ -135,3 +135,18 @@ def test_a_zero3_run_keeps_each_devices_state_on_disk_and_resumes_in_its_packing
                      'train.steps=3')
   assert code == 0 and f'resumed from {os.path.dirname(ckpt)} at step 2' in err, err[-3000:]
 
+
+
+@pytest.mark.slow
+def test_a_run_moves_its_state_to_disk_and_back_across_resumes_exactly(
+    dataset, reference, tmp_path, capsys):
+  """Steps 1-2 without a disk tier, 3-4 with one (the checkpoint of trees restored into
+  files the run had not written), 5-8 without (the checkpoint of files restored into
+  memory): the uninterrupted run's losses and eval loss, bit for bit."""
+  out, disk = str(tmp_path / 'run'), 'offload.disk_dir=' + str(tmp_path / 'state')
+  for steps, extra in ((EVERY, ()), (2 * EVERY, (disk,)), (None, ())):
+    more = () if steps is None else (f'train.steps={steps}',)
+    code, err = _train(dataset, out, capsys, *more, *extra)
+    assert code == 0, err[-3000:]
+  assert os.listdir(tmp_path / 'state')
+  assert _outcome(out) == reference['outcome']

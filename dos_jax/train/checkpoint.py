@@ -313,8 +313,10 @@ class Checkpointer:
     files = os.path.join(self.step_dir(step), SUBGROUPS)
     if os.path.isdir(files):
       trees = dos_jax.state_files_tree(opt_state)
-    else:
+    elif getattr(opt_state, 'to_trees', None) is not None:
       trees = state_to_trees(opt_state, params)
+    else:  # a disk tier's files are not read: the run being restored wrote none
+      trees = dos_jax.pytree_targets(opt_state, params)
     restored = self._manager.restore(
         step,
         args=ocp.args.Composite(
