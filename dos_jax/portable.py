@@ -18,7 +18,7 @@ import numpy as np
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
-from dos_jax.step import disk_tier
+from dos_jax.step import disk_files
 from dos_jax.step import paths
 from dos_jax.geometry.partition import Tier
 from dos_jax.step.transform import OffloadedState
@@ -220,7 +220,7 @@ def _rebuild_with_disk(target: OffloadedState, pack_rows, saved_inner, master_so
                if isinstance(sh, jax.sharding.NamedSharding)), None)
   if jax.process_count() > 1 and mesh is not None and part.disk_axis is not None:
     rows, scalars = _pack_split(pack_rows, saved_inner, master_source, mesh, part.disk_axis)
-    _write_local_files(target, rows[0], mesh)
+    disk_files.write_split_rows(part, target.disk_gen, rows[0], mesh)
     tiers, scalars = jax.jit(lambda r, s: (partition_lib.split_tiers(r, part), s),
                              out_shardings=out_shardings)(rows, scalars)
   else:
@@ -228,9 +228,9 @@ def _rebuild_with_disk(target: OffloadedState, pack_rows, saved_inner, master_so
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind='device')
     rows, scalars = jax.jit(pack_rows)(
         *jax.tree.map(lambda x: jax.device_put(x, one), (saved_inner, master_source)))
-    parity = int(target.disk_gen) % 2
+    half = disk_files.parity(target.disk_gen)
     for g in part.disk:
-      disk_tier.write_rows(part, g, parity, np.asarray(rows[0][g]))
+      disk_files.write_rows(part, g, half, np.asarray(rows[0][g]))
     tiers = partition_lib.split_tiers(rows, part)
     tiers = {t: tuple(jax.device_put(x, sh) for x, sh in zip(tiers[t], out_shardings[0][t]))
              for t in tiers}
@@ -246,19 +246,3 @@ def _pack_split(pack_rows, saved_inner, master_source, mesh, axis: str):
   whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   return jax.jit(pack_rows, out_shardings=(cols, whole))(saved_inner, master_source)
 
-
-def _write_local_files(target: OffloadedState, rows: jax.Array, mesh) -> None:
-  """Each disk subgroup's files of this process's devices (`disk_tier.local_files`),
-  from its addressable columns of `rows`."""
-  part = target.partition
-  parity = int(target.disk_gen) % 2
-  local = disk_tier.local_files(part, mesh)
-  width = rows.shape[2] // part.disk_shards
-  columns = {}
-  for shard in rows.addressable_shards:
-    start = shard.index[2].start or 0
-    columns.setdefault(start // width if part.disk_shards > 1 else None, shard.data)
-  for g in part.disk:
-    for data_shard, replicas in local.items():
-      block = np.asarray(columns[data_shard][g])
-      disk_tier.write_local(part, g, parity, data_shard, replicas, block)

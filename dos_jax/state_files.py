@@ -26,7 +26,7 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.state import OffloadedState
 from dos_jax.kernels import host_adamw_disk
-from dos_jax.step import disk_tier
+from dos_jax.step import disk_files
 from dos_jax.step import state_init
 
 PyTree = Any
@@ -161,13 +161,6 @@ def _sync(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def _generation(disk_gen) -> int:
-  """The disk tier's generation, from this process's copy (it is the same on all)."""
-  if isinstance(disk_gen, jax.Array):
-    return int(np.asarray(disk_gen.addressable_data(0)))
-  return int(disk_gen)
-
-
 def _mesh(state: OffloadedState):
   return None if state.sharded is None else state.sharded.mesh
 
@@ -179,11 +172,11 @@ def _write_state(state: OffloadedState, folder: str, lead: bool) -> None:
   os.makedirs(folder, exist_ok=True)
   part = state.partition
   if part.disk:
-    parity = _generation(state.disk_gen) % 2
-    for shard, replicas in disk_tier.local_files(part, _mesh(state)).items():
+    parity = disk_files.parity(state.disk_gen)
+    for shard, replicas in disk_files.local_files(part, _mesh(state)).items():
       if replicas[0] == 0:  # the first copy: on one device, of one process
         for g in part.disk:
-          disk_tier.link_or_copy(disk_tier.live_path(part, g, parity, shard),
+          disk_files.link_or_copy(disk_files.live_path(part, g, parity, shard),
                                  host_adamw_disk.state_path(folder, g, 0, shard))
   split = {}
   for tier in TIERS:
@@ -290,18 +283,18 @@ def _fill(target: OffloadedState, shape: dict, folder: str) -> OffloadedState:
 
   def read(g, start=0, stop=size):  # columns [start, stop) of the saved subgroup g
     files = saved_shards if g in saved['disk'] else split.get(str(g), 1)
-    return disk_tier.read_columns(folder, g, k, size, files, start, stop)
+    return disk_files.read_columns(folder, g, k, size, files, start, stop)
 
   if part.disk:
-    parity, width = _generation(target.disk_gen) % 2, size // part.disk_shards
-    for shard, replicas in disk_tier.local_files(part, _mesh(target)).items():
+    parity, width = disk_files.parity(target.disk_gen), size // part.disk_shards
+    for shard, replicas in disk_files.local_files(part, _mesh(target)).items():
       for g in part.disk:
         if g in saved['disk'] and saved_shards == part.disk_shards:
-          disk_tier.link_local(part, g, parity, shard, replicas,
+          disk_files.link_local(part, g, parity, shard, replicas,
                                host_adamw_disk.state_path(folder, g, 0, shard))
         else:
           start = (shard or 0) * width
-          disk_tier.write_local(part, g, parity, shard, replicas, read(g, start, start + width))
+          disk_files.write_local(part, g, parity, shard, replicas, read(g, start, start + width))
   tiers = {}
   for tier in TIERS:
     blocks = part.blocks(tier)

@@ -84,7 +84,7 @@ class Partition:
     disk_replicas: the copies of each data shard on a mesh's other axes: each device
       reads and writes its own files, as it keeps its own copy of a state in memory.
     disk_axis: the mesh axis of the data shards (None: no mesh), which with the mesh
-      names each device's files (`disk_tier.local_files`).
+      names each device's files (`disk_files.local_files`).
   """
 
   host: tuple[int, ...]

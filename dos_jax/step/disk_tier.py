@@ -12,12 +12,12 @@ The disk subgroups are updated after the gradients' clip factor is known (no
 speculation), in the one-memory program as they are, in the accelerator program inside a
 host region of their own: the host call the device tiers' stream lanes run beside
 (`step.program`; on a GPU the kernel is registered in the CUDA plugin,
-`kernels.plugin_kernel`).
+`kernels.plugin_kernel`). Which files a process holds, and reading and writing them
+outside the step: `dos_jax.step.disk_files`.
 """
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 
@@ -31,6 +31,7 @@ from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_disk
+from dos_jax.step import disk_files
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import paths
 
@@ -87,9 +88,9 @@ def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout, para
   builder's) and packed as the layout packs them (shard-major: each device's columns
   hold its own shards, `layout.to_shards`); returns the generation, `int32 0`.
 
-  Each process writes only the files of its own devices (`local_files`: their data
-  shard's columns, their copy), from its own shards of `params`: no process gathers
-  the state, nor the params beyond what its devices' columns need.
+  Each process writes only the files of its own devices (`disk_files.local_files`:
+  their data shard's columns, their copy), from its own shards of `params`: no process
+  gathers the state, nor the params beyond what its devices' columns need.
 
   Raises:
     ValueError: this process's shards of a param do not hold what one of its devices'
@@ -98,7 +99,7 @@ def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout, para
   """
   os.makedirs(part.disk_dir, exist_ok=True)
   leaves = layout.treedef.flatten_up_to(params)
-  local = local_files(part, _mesh_of(leaves, part.disk_axis))
+  local = disk_files.local_files(part, _mesh_of(leaves, part.disk_axis))
   width, dtype = layout.subgroup_size // part.disk_shards, np.dtype(layout.state_dtype)
   views = {(i, shard): _leaf_columns(x, layout, i, shard)
            for shard in local for i, x in enumerate(leaves)}
@@ -114,8 +115,8 @@ def write_initial(part: partition_lib.Partition, layout: layout_lib.Layout, para
       # Half 1, left by an earlier run, goes: generation 0 never reads it, and a run
       # resuming from a checkpoint would otherwise hold three generations at once.
       for replica in replicas:
-        _unlink(live_path(part, g, 1, shard, replica))
-      write_local(part, g, 0, shard, replicas, np.asarray(block[0])[0])
+        disk_files.remove_file(disk_files.live_path(part, g, 1, shard, replica))
+      disk_files.write_local(part, g, 0, shard, replicas, np.asarray(block[0])[0])
   return jnp.zeros((), jnp.int32)
 
 
@@ -186,141 +187,11 @@ def _shards(x: jax.Array) -> list[tuple[tuple[slice, ...], jax.Array]]:
   return [(shard.index, shard.data) for shard in x.addressable_shards]
 
 
-def local_files(part: partition_lib.Partition, mesh) -> dict[int | None, list[int]]:
-  """This process's files of each disk subgroup: by data shard (as `shard_ids` names
-  it), the copies its devices hold (`file_index`'s numbering: a device's position on
-  the mesh's other axes), ascending. Without a mesh, or on one device: `{None: [0]}`."""
-  if _files(part) == 1 or mesh is None:
-    return {shard_ids(part)[0]: [0]}
-  names = mesh.axis_names
-  others = [k for k, a in enumerate(names) if a != part.disk_axis]
-  axis = names.index(part.disk_axis)
-  files: dict[int | None, list[int]] = {}
-  for where, device in np.ndenumerate(mesh.devices):
-    if device.process_index != jax.process_index():
-      continue
-    replica = int(np.ravel_multi_index([where[k] for k in others],
-                                       [mesh.devices.shape[k] for k in others])) if others else 0
-    files.setdefault(where[axis] if part.disk_shards > 1 else None, []).append(replica)
-  return {shard: sorted(files[shard]) for shard in sorted(files, key=lambda s: s or 0)}
-
-
-def write_local(part: partition_lib.Partition, g: int, parity: int, shard: int | None,
-                replicas: list[int], cols: np.ndarray) -> None:
-  """Data shard `shard`'s `(K, S / disk_shards)` columns of subgroup `g` written as the
-  file of copy `replicas[0]`, the other `replicas` (this process's) linked to it."""
-  host_adamw_disk.write_state(part.disk_dir, g, parity, np.ascontiguousarray(cols),
-                              _file_index(part, shard, replicas[0]))
-  link_local(part, g, parity, shard, replicas[1:], live_path(part, g, parity, shard,
-                                                             replicas[0]))
-
-
-def link_local(part: partition_lib.Partition, g: int, parity: int, shard: int | None,
-               replicas: list[int], source: str) -> None:
-  """The files of data shard `shard` of subgroup `g` in half `parity` of copies
-  `replicas` linked to `source`."""
-  for replica in replicas:
-    target = live_path(part, g, parity, shard, replica)
-    if target != source:
-      link_or_copy(source, target)
-
-
-def _unlink(path: str) -> None:
-  try:
-    os.unlink(path)
-  except FileNotFoundError:
-    pass
-
-
-def shard_ids(part: partition_lib.Partition) -> list[int | None]:
-  """The data shards whose columns each disk subgroup's files hold (`None`: one), as a
-  checkpoint names them (`read_columns`)."""
-  return [None] if part.disk_shards == 1 else list(range(part.disk_shards))
-
-
-def live_path(part: partition_lib.Partition, g: int, parity: int, shard: int | None,
-              replica: int = 0) -> str:
-  """The file of data shard `shard`'s columns of subgroup `g` in half `parity` that
-  the device of copy `replica` reads and writes (the kernel's `shard` is the file's
-  index, `replica * disk_shards + shard`, among `_files(part)`)."""
-  return host_adamw_disk.state_path(part.disk_dir, g, parity, _file_index(part, shard, replica))
-
-
-def _files(part: partition_lib.Partition) -> int:
-  return part.disk_shards * part.disk_replicas
-
-
-def link_or_copy(source: str, target: str) -> None:
-  """`target` made a hard link to `source` (a copy across file systems), replacing
-  `target` atomically if it exists. The kernel replaces a file, never writes into one,
-  so the link keeps `source`'s bytes."""
-  tmp = target + '.tmp'
-  if os.path.lexists(tmp):
-    os.unlink(tmp)
-  try:
-    os.link(source, tmp)
-  except OSError as err:
-    if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-      raise
-    with open(source, 'rb') as src, open(tmp, 'xb') as dst:
-      while chunk := src.read(1 << 26):
-        dst.write(chunk)
-      dst.flush()
-      os.fsync(dst.fileno())
-  os.replace(tmp, target)
-
-
-def write_rows(part: partition_lib.Partition, g: int, parity: int, rows: np.ndarray) -> None:
-  """Subgroup `g`'s `(K, S)` state written as its files (one per data shard and copy:
-  the first copy's written, the others linked to it)."""
-  width = rows.shape[1] // part.disk_shards
-  for shard in shard_ids(part):
-    cols = rows if shard is None else rows[:, shard * width:(shard + 1) * width]
-    write_local(part, g, parity, shard, list(range(part.disk_replicas)), cols)
-
-
-def _file_index(part: partition_lib.Partition, shard: int | None,
-                replica: int = 0) -> int | None:
-  return None if _files(part) == 1 else replica * part.disk_shards + (shard or 0)
-
-
-def read_rows(part: partition_lib.Partition, slots: slots_lib.Slots, size: int,
-              gen) -> dict[int, np.ndarray]:
-  """Each disk subgroup's `(K, S)` float32 state at generation `gen` (concrete), by
-  subgroup, from the first copy's files: for inspection and checkpoints, not for the
-  training step."""
-  parity, k = int(gen) % 2, slots.group_sizes[0]
-  files = [_file_index(part, shard) for shard in shard_ids(part)]
-  return {g: _read_columns(part.disk_dir, g, parity, k, size, files) for g in part.disk}
-
-
-def read_columns(directory: str, g: int, num_slots: int, size: int, shards: int,
-                 start: int, stop: int) -> np.ndarray:
-  """Columns `[start, stop)` of subgroup `g`'s `(K, S)` state in half 0, kept as the
-  files of `shards` data shards: only the files that hold them are read."""
-  if shards == 1:
-    return _read_columns(directory, g, 0, num_slots, size, [None])[:, start:stop]
-  width = size // shards
-  first, last = start // width, (stop - 1) // width
-  cols = _read_columns(directory, g, 0, num_slots, (last - first + 1) * width,
-                       list(range(first, last + 1)))
-  return cols[:, start - first * width:stop - first * width]
-
-
-def _read_columns(directory: str, g: int, parity: int, num_slots: int, size: int,
-                  files: list[int | None]) -> np.ndarray:
-  """Subgroup `g`'s `(K, S)` state from `files` (their indices), each holding the next
-  `S / len(files)` columns."""
-  width = size // len(files)
-  return np.concatenate([host_adamw_disk.read_state(directory, g, parity, num_slots, width, f)
-                         for f in files], axis=1)
-
-
 def update(context, base_step: paths.RowStep, gen, index=None):
   """One step of the disk tier: `(next generation, [(out rows, pieces)])`. `index`:
   inside the sharded construction's `shard_map` (`lanes.sharded_two_streams`, the
   context then the device's own), this device's file (`file_index`)."""
-  if index is None and _files(context.part) > 1:  # on a mesh: each device its own files
+  if index is None and disk_files.file_count(context.part) > 1:  # on a mesh: own files
     return _update_sharded(context, base_step, gen)
   part, layout = context.part, context.layout
   runs = partition_lib.pieces_of(layout, part.disk)
@@ -331,7 +202,8 @@ def update(context, base_step: paths.RowStep, gen, index=None):
   arrays, join = fused_lib.split_scalars(context.adam_scalars)
   kernel_args = _kernel_args(context, base_step)
   if index is not None:
-    kernel_args.update(shards=_files(part), num_threads=_threads_per_device(context))
+    kernel_args.update(shards=disk_files.file_count(part),
+                       num_threads=_threads_per_device(context))
   index = jnp.zeros((), jnp.int32) if index is None else index
 
   def run(gen, index, grads, params, arrays):
@@ -359,8 +231,8 @@ def _in_host_region(kernel, args, base_step: paths.RowStep):
 
 def file_index(part: partition_lib.Partition, axis: str, axis_names) -> jax.Array:
   """Inside `shard_map` over a mesh with `axis_names`, this device's file among
-  `_files(part)` (`live_path`): its copy on the axes other than the data `axis`, then
-  its data shard."""
+  `disk_files.file_count(part)` (`disk_files.live_path`): its copy on the axes other
+  than the data `axis`, then its data shard."""
   others = tuple(a for a in axis_names if a != axis)
   replica = jax.lax.axis_index(others) if others else 0
   return replica * part.disk_shards + jax.lax.axis_index(axis)
@@ -395,8 +267,8 @@ def _kernel_args(context, base_step: paths.RowStep, **more) -> dict:
 def _update_sharded(context, base_step: paths.RowStep, gen):
   """The disk tier on a mesh: each device's kernel call on its columns of the rows (the
   state split over the data axis: ZeRO-1, and ZeRO-3's shard-major packing) in its own
-  files (`live_path`: its data shard's, of its copy on the other axes); in the
-  accelerator program inside a host region, as the in-memory host tier's
+  files (`disk_files.live_path`: its data shard's, of its copy on the other axes); in
+  the accelerator program inside a host region, as the in-memory host tier's
   (`fused.sharded_host_region_update`). The rows are packed on the device, where XLA
   can move the pieces between devices (`tier_updates.host_rows`)."""
   part, layout, mesh = context.part, context.layout, context.mesh
@@ -413,7 +285,7 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
   grads = packed(context.grad_leaves, context.grad_dtype)
   params = None if context.param_leaves is None else packed(context.param_leaves, jnp.float32)
   arrays, join = fused_lib.split_scalars(context.adam_scalars)
-  kernel_args = _kernel_args(context, base_step, shards=_files(part))
+  kernel_args = _kernel_args(context, base_step, shards=disk_files.file_count(part))
   kernel_args['num_threads'] = _threads_per_device(context)
 
   def kernel(gen, index, grads, arrays, params):
