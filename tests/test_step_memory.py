@@ -133,21 +133,17 @@ def test_prediction_within_10_percent_of_the_compiled_h100_step(policy, dtype):
   assert predicted.host_temp_bytes == pytest.approx(compiled.host_temp_bytes, rel=0.10)
 
 
-def test_zero3_mlp_gradient_gather_by_hand():
-  # tiny (D 128, F 384) over fsdp=4, 8 sequences of 128 per device, bf16: the MLP's
-  # gate and up gradients gathered over the whole batch (2 x 2 B x 32 x 128 x 384),
-  # float32 weight-gradient partials (16 pieces of 256 tokens x 32 x 768), less the
-  # last layer's dead gate/up/product (2 x 8 x 128 x 384).
-  shape = model_shapes.PRESETS['tiny']
-  got = memory.fsdp_gradient_bytes(shape, seq_len=128, micro_batch=8, fsdp=4)
-  assert got == 2 * 2 * 32 * 128 * 384 + 4 * 16 * 32 * 768 - 2 * 8 * 128 * 384
-  assert memory.fsdp_gradient_bytes(shape, seq_len=128, micro_batch=8, fsdp=1) == 0
-  kw = dict(seq_len=128, micro_batch=8, attention='cudnn')
-  assert memory.activation_bytes(shape, **kw, fsdp=1) == memory.activation_bytes(shape, **kw)
-  assert memory.activation_bytes(shape, **kw, fsdp=4) > memory.activation_bytes(shape, **kw)
-  # At the paper's widths the weight-gradient block fills the GPU: no split.
-  big = model_shapes.PRESETS['20b']
-  assert memory._split_k_pieces(8192, big.dim // 4, 2 * big.ffn_dim) == 1  # pylint: disable=protected-access
+def test_zero3_adds_the_gathered_matrices_to_a_devices_activations_by_hand():
+  # tiny (4 layers, bf16) over fsdp=4, 32 sequences of 128: a device's 8 sequences of
+  # activations, as one device would hold them (the model keeps them batch-split), plus
+  # every layer's gathered matrices in bf16 (kept from the forward pass without remat).
+  cfg = config_lib.load(None, ['mesh.data=1', 'mesh.fsdp=4', 'model.param_dtype=bfloat16',
+                               'model.attention=cudnn'])
+  shape = cfg.model.shape()
+  acts = memory.activation_bytes(shape, seq_len=128, micro_batch=8, attention='cudnn')
+  matrices = shape.num_params() - shape.vocab_size * shape.dim
+  got = step_memory.predict_step(cfg, devices=4).backward_temp
+  assert got == acts + 2 * matrices
 
 
 def _update_bound_cfg(*overrides):

@@ -106,57 +106,15 @@ def _score_gradient_bytes(shape, seq_len: int, micro_batch: int, compute_bytes: 
   return _attention_bytes(shape, seq_len, micro_batch, compute_bytes, attention)
 
 
-# The weight-gradient GEMMs of ZeRO-3's MLP contract over every token of the whole
-# batch into a (D / fsdp) x 2F block. Where that block's 128 x 128 tiles leave most of
-# the GPU's 132 SMs idle, the GPU compiler splits the contraction into pieces of 256
-# tokens (up to one piece per idle SM's share) and keeps one float32 partial block per
-# piece. The tile/SM rule is this model's, not XLA's code: it gives what the step
-# compiled for an H100 holds (16 pieces at 4096 tokens, 8 at 2048, for 32 x 768 and
-# 64 x 768 blocks) and 1 piece at the paper's widths, where the block fills the GPU.
-SPLIT_K_TOKENS = 256
-_GEMM_TILE = 128
-_H100_SMS = 132
-
-
-def _split_k_pieces(tokens: int, rows: int, cols: int) -> int:
-  tiles = -(-rows // _GEMM_TILE) * -(-cols // _GEMM_TILE)
-  return max(1, min(tokens // SPLIT_K_TOKENS, _H100_SMS // tiles))
-
-
-def fsdp_gradient_bytes(shape, *, seq_len: int, micro_batch: int, fsdp: int,
-                        compute_bytes: int = 2) -> float:
-  """What ZeRO-3 adds to the activations at the last layer's MLP weight gradient, the
-  backward pass's peak under `fsdp` > 1 at small widths.
-
-  There XLA keeps each matrix split over `fsdp` on its width D and moves the
-  activations instead of gathering the matrix (read off the step compiled for 4 and 2
-  H100s, RESULTS.md 2026-11-25): the forward pass computes the MLP's gate and up over
-  the whole batch with partial sums over D and reduce-scatters them; the backward pass
-  all-gathers their gradients over the whole batch (2 c s B F, B = b x fsdp) to make each
-  device's own rows of the weight gradient, in float32 (4 x D / fsdp x 2 F, times the
-  GEMM's split of the contraction, `_split_k_pieces`). The last layer's gate, up and
-  silu(gate) x up are then dead or replaced by the gradient of the product (net - c s b F).
-  0 without fsdp."""
-  if fsdp <= 1:
-    return 0.0
-  s, b, c, f = seq_len, micro_batch, compute_bytes, shape.ffn_dim
-  tokens = s * b * fsdp
-  gathered = 2 * c * tokens * f
-  rows = shape.dim // fsdp
-  partials = 4 * _split_k_pieces(tokens, rows, 2 * f) * rows * 2 * f
-  return float(gathered + partials - c * s * b * f)
-
-
 def activation_bytes(shape, *, seq_len: int, micro_batch: int, compute_bytes: int = 2,
-                     remat: bool = False, attention: str = 'xla', fsdp: int = 1) -> float:
+                     remat: bool = False, attention: str = 'xla') -> float:
   """Device bytes the forward and backward passes of one micro-batch hold at their peak
   (the start of the backward pass), for the runner's model: every layer's
   `layer_activation_bytes`, the float32 logits and their gradient (2 x 4 s b V), and
   the last layer's attention gradient being made (`_score_gradient_bytes`). With
   `remat`, each block keeps only its input (c s b h) and one block's activations are
-  rebuilt at a time. `attention` is the resolved kind, 'xla' or 'cudnn'. With `fsdp`
-  > 1 (ZeRO-3, `micro_batch` a device's share) the peak is the larger of that and the
-  last layer's MLP weight gradient (`fsdp_gradient_bytes`)."""
+  rebuilt at a time. `attention` is the resolved kind, 'xla' or 'cudnn'. Under ZeRO-3
+  `micro_batch` is a device's share: the model keeps the activations batch-split."""
   s, b, c = seq_len, micro_batch, compute_bytes
   per_layer = layer_activation_bytes(shape, seq_len=s, micro_batch=b, compute_bytes=c,
                                      attention=attention)
@@ -164,9 +122,7 @@ def activation_bytes(shape, *, seq_len: int, micro_batch: int, compute_bytes: in
     layers = shape.n_layers * c * s * b * shape.dim + per_layer
   else:
     layers = shape.n_layers * per_layer
-  transient = max(_score_gradient_bytes(shape, s, b, c, attention),
-                  fsdp_gradient_bytes(shape, seq_len=s, micro_batch=b, fsdp=fsdp,
-                                      compute_bytes=c))
+  transient = _score_gradient_bytes(shape, s, b, c, attention)
   return float(layers + transient + 2 * 4 * s * b * shape.vocab_size)
 
 

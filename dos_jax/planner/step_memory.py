@@ -8,9 +8,8 @@ the formula `dos-jax plan` and `dos-jax train`'s check use, and adds what only t
 compiled program holds: the token batch, the resident tier, the update phase's buffers,
 and on the host the gradient pieces and the host tier's new state.
 
-The device peak is the larger of two moments (three under fsdp, see below), which never
-overlap in the compiled schedule (the update's device work waits for the clip factor,
-i.e. for every gradient):
+The device peak is the larger of two moments, which never overlap in the compiled
+schedule (the update's device work waits for the clip factor, i.e. for every gradient):
 
 * the start of the backward pass: every layer's activations, the logits and their
   gradient (`memory.activation_bytes`);
@@ -21,18 +20,13 @@ i.e. for every gradient):
 
 Checked against the program compiled for an H100 (experiments/memory_vs_compiled.py,
 RESULTS.md 2026-11-24): within 10% for the tiny and 125m presets at small scale. Under
-ZeRO-3 (`fsdp`) the backward moment is the last layer's MLP weight gradient, where XLA
-holds the MLP's gradients gathered over the whole batch (`memory.fsdp_gradient_bytes`):
-within 10% of the tiny model compiled for 2 and 4 H100s (tests/test_compiled_fsdp.py,
-RESULTS.md 2026-11-25). With the state packed shard-major (the two-memory program's) the
-update phase keeps its rows split, as modelled here, and ZeRO-3 has a third moment, the
-end of the forward pass: every layer's activations and gathered matrices and the whole
-batch's float32 logits (`forward_temp`). That is the peak of the paper's 7B, 13B and
-20B steps, within 10% at 2 layers and for the 20B at 4 (RESULTS.md 2026-11-26). Not
-modelled under fsdp: the whole rows the update gathers when packed leaf after leaf
-(the peak from the 125m width up), the weight gradients that shard-major packing lets
-XLA compute late at small widths, and the other layouts XLA picks for some tiny shapes
-(one sequence per device, or activations split over the width); see RESULTS.md.
+ZeRO-3 (`fsdp`) the model keeps its activations batch-split (`train/model.py`), so the
+step is the data-parallel one at a device's batch plus the gathered matrices: within
+10% of the paper's 7B, 13B and 20B steps at 2 layers, the 20B at 4 and the 125m width
+(tests/test_compiled_fsdp.py, RESULTS.md "memory-zero3-activations"). Not modelled: the
+float32 split-K partials XLA gives GEMMs with few tokens per device (the tiny model at
+8 sequences of 128, on one device or four, RESULTS.md), and the whole rows the update
+gathers when packed leaf after leaf.
 """
 
 from __future__ import annotations
@@ -58,22 +52,19 @@ class StepMemory:
       streamed buffers, new parameter rows).
     host_temp_bytes: host temporaries: the host-bound gradient pieces (and fp32
       params, which are their own master); the state is updated in its own buffer.
-    forward_temp: with fsdp, temporaries at the end of the forward pass (activations,
-      gathered matrices, the whole batch's float32 logits); 0 otherwise.
   """
 
   arguments: float
   backward_temp: float
   update_temp: float
   host_temp_bytes: float
-  forward_temp: float = 0.0
 
   @property
   def device_bytes(self) -> float:
     """The device peak: arguments plus the larger temporary; the outputs (new params and
     state) reuse the donated arguments' buffers. Compare with
     `MemoryStats.device_peak_bytes`."""
-    return self.arguments + max(self.backward_temp, self.update_temp, self.forward_temp)
+    return self.arguments + max(self.backward_temp, self.update_temp)
 
 
 def packed_rows(shape, subgroup_size: int, shard_multiple: int = 1) -> tuple[int, list[int]]:
@@ -131,8 +122,7 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   the batch over data x fsdp; tensor parallelism's split of the activations is not
   modelled. With fsdp, the backward pass also holds gathered matrices in the compute
   dtype (one layer's and its gradient before it is reduce-scattered; without remat every
-  layer's, kept from the forward pass), and its peak may be the last layer's MLP weight
-  gradient (`memory.fsdp_gradient_bytes`).
+  layer's, kept from the forward pass).
 
   Args:
     cfg: a `dos_jax.train.config.RunConfig`.
@@ -159,18 +149,17 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   compute_bytes = _BYTES[str(cfg.model.compute_dtype)]
   acts = memory.activation_bytes(shape, seq_len=s, micro_batch=b,
                                  compute_bytes=compute_bytes, remat=bool(cfg.model.remat),
-                                 attention=cfg.model.attention_impl('gpu'), fsdp=fsdp)
+                                 attention=cfg.model.attention_impl('gpu'))
   matrices = (shape.num_params() - shape.vocab_size * shape.dim) // tensor
   # The matrices cast to the compute dtype, kept for the backward.
   kept = matrices // fsdp * compute_bytes if pb != compute_bytes else 0
-  gathered = forward = 0.0
+  gathered = 0.0
   if fsdp > 1:
     # Gathered matrices: one layer's and its gradient before the reduce-scatter, and
     # without remat every layer's, which XLA keeps from the forward pass to the backward
     # (the paper's 20B at 4 layers, RESULTS.md 2026-11-26).
     held = 2 if cfg.model.remat else max(2, shape.n_layers)
     gathered = held * matrices // shape.n_layers * compute_bytes
-    forward = _forward_end_bytes(cfg, shape, s, b, compute_bytes, fsdp) + kept + gathered
   acts += kept + gathered
   dev_rows = (len(plan.streamed) + len(plan.resident)) * size
   own_master = 0 if pb < 4 else pb  # fp32 params are packed with their gradients
@@ -191,8 +180,7 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
   # the host temporaries are what it reads, the gradient pieces (and fp32 params).
   host_temp = host_elements * pulled
   return StepMemory(arguments=float(arguments), backward_temp=acts,
-                    update_temp=float(update), host_temp_bytes=float(host_temp),
-                    forward_temp=float(forward))
+                    update_temp=float(update), host_temp_bytes=float(host_temp))
 
 
 def stream_construction(cfg, plan: Plan, devices: int) -> bool:
@@ -284,21 +272,3 @@ def _stream_need(cfg, plan: Plan, devices, *, device_bytes, regions) -> _Need | 
   return _Need(resident=resident, activations=acts, stream=stream, rows=rows,
                budget=budget_bytes)
 
-
-def _forward_end_bytes(cfg, shape, seq_len: int, micro_batch: int, compute_bytes: int,
-                       fsdp: int) -> float:
-  """ZeRO-3's other moment, the end of the forward pass, less the matrices: every
-  layer's activations (with remat, each block's input and one block's) and the output
-  head's float32 logits for the whole batch (B = b x fsdp sequences), which XLA makes as
-  partial sums over the D split and reduce-scatters, beside a device's own; at the
-  125m width the backward pass gathers their gradient over the whole batch instead,
-  the same bytes. Read off the steps compiled for 4 H100s (RESULTS.md 2026-11-26)."""
-  s, b, c = seq_len, micro_batch, compute_bytes
-  per_layer = memory.layer_activation_bytes(shape, seq_len=s, micro_batch=b,
-                                            compute_bytes=c,
-                                            attention=cfg.model.attention_impl('gpu'))
-  if cfg.model.remat:
-    layers = shape.n_layers * c * s * b * shape.dim + per_layer
-  else:
-    layers = shape.n_layers * per_layer
-  return float(layers + (fsdp + 1) * 4 * s * b * shape.vocab_size)

@@ -147,6 +147,8 @@ class SwiGLU(nnx.Module):
     dt = self.compute_dtype
     gate_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_gate[...].astype(dt))
     up_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_up[...].astype(dt))
+    gate_BxLxF, up_BxLxF = _constrain((gate_BxLxF, up_BxLxF),
+                                      lambda batch, tensor: (batch, None, tensor))
     h_BxLxF = jax.nn.silu(gate_BxLxF) * up_BxLxF
     return jnp.einsum('blf,fd->bld', h_BxLxF, self.w_down[...].astype(dt))
 
@@ -165,6 +167,11 @@ class Block(nnx.Module):
     self.mlp = SwiGLU(shape, **kw)
 
   def __call__(self, x_BxLxD, sin_LxK2, cos_LxK2):
+    # The stream pinned batch-split (and SwiGLU's hidden layer): left to itself,
+    # XLA's partitioner gathers whole-batch activations under ZeRO-3 for some layers to
+    # compute a slice of a weight's gradient, instead of reduce-scattering the gradient
+    # (RESULTS.md "memory-zero3-tiny-shard-major").
+    x_BxLxD, = _constrain((x_BxLxD,), lambda batch, tensor: (batch, None, None))
     x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), sin_LxK2, cos_LxK2)
     return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
 
@@ -222,7 +229,10 @@ class Transformer(nnx.Module):
     for i in range(self.n_layers):
       x_BxLxD = run(self.blocks[block_name(i, self.n_layers)], x_BxLxD, sin_LxK2, cos_LxK2)
     head_DxV = self.embedding[...].T if self.tie_embeddings else self.head[...]
-    return logits(head_DxV, self.final_norm(x_BxLxD), self.compute_dtype)
+    x_BxLxD, = _constrain((self.final_norm(x_BxLxD),), lambda batch, tensor: (batch, None, None))
+    logits_BxLxV, = _constrain((logits(head_DxV, x_BxLxD, self.compute_dtype),),
+                               lambda batch, tensor: (batch, None, tensor))
+    return logits_BxLxV
 
 
 def embed(embedding_VxD: jax.Array, tokens_BxL: jax.Array, compute_dtype) -> jax.Array:

@@ -10,7 +10,10 @@ head are split over the vocabulary. Norm scales are replicated. The batch is spl
 ZeRO-3 (`megatron_fsdp`, MaxText's `fsdp` axis): every matrix is also split over `fsdp`,
 on the dimension the `tensor` split leaves whole (the model width D), and the batch over
 `data` x `fsdp`. jit and the shardings make XLA gather each matrix before it is used and
-reduce-scatter its gradient; no collective is written by hand.
+reduce-scatter its gradient; no collective is written by hand. The model pins its
+activations batch-split (`model.py`): without that, XLA's partitioner moved the whole
+batch's activations instead for some layers (experiments/RESULTS.md,
+`memory-zero3-activations`).
 
 The table is matched against the leaf names `model.py` gives its parameters; a parameter
 the table does not know is an error, never silently replicated.
