@@ -115,11 +115,13 @@ _EARLY_DEFAULT = ('early host calls are on by default, each issued as soon as it
                   'are in host memory (its profiled latency, `dataflow.early_windows`): the '
                   'scheduler puts its last gradient copies right before it, with no gemm '
                   'beside them (2 of the 6 layers\' weight copies overlap one)')
-_FEW_TOKENS = ('the tiny model at 1,024 or fewer tokens per device (2,048 at fsdp 2): XLA '
-               'splits the contraction of its small GEMMs and holds float32 partials (two '
-               'f32[4,1024,128] at the fsdp 4 peak), which the prediction does not model: '
-               '12-21% short, as on one device at batch 8 (32.0 MB compiled, 24.7 '
-               'predicted). Not ZeRO-3: the paper\'s steps and the 125m width are within 7%')
+_FEW_TOKENS = ('the tiny model at 1,024 or fewer tokens per device (2,048 at fsdp 2): compiled '
+               'without a GPU, XLA gives every GEMM one untuned Triton config (16 x 8 '
+               'output tiles) and splits the contraction of small ones to fill the GPU, '
+               'holding float32 partials (two f32[4,1024,128] at the fsdp 4 peak) that the '
+               'prediction does not model: 12-21% short, as on one device at batch 8 (32.0 '
+               'MB compiled, 24.7 predicted). A GPU\'s autotuner picks its own split. Not '
+               'ZeRO-3: the paper\'s steps and the 125m width are within 7%')
 _EARLY_FP32 = ('fp32 params: the early host calls the H100 node\'s cost model chooses for this '
                'step (gpu_program.COMPILED_FOR) start as early as their operands allow, so '
                'their last gradient copies (the fp32 converts of the layer\'s weight '

@@ -24,9 +24,10 @@ ZeRO-3 (`fsdp`) the model keeps its activations batch-split (`train/model.py`), 
 step is the data-parallel one at a device's batch plus the gathered matrices: within
 10% of the paper's 7B, 13B and 20B steps at 2 layers, the 20B at 4 and the 125m width
 (tests/test_compiled_fsdp.py, RESULTS.md "memory-zero3-activations"). Not modelled: the
-float32 split-K partials XLA gives GEMMs with few tokens per device (the tiny model at
-8 sequences of 128, on one device or four, RESULTS.md), and the whole rows the update
-gathers when packed leaf after leaf.
+float32 split-K partials of GEMMs with few tokens per device in a program compiled
+without a GPU (its GEMM configs are not autotuned; the tiny model at 8 sequences of 128,
+on one device or four, RESULTS.md), and the whole rows the update gathers when packed
+leaf after leaf.
 """
 
 from __future__ import annotations
