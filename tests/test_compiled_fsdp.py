@@ -23,13 +23,13 @@ OVERRIDES = ['mesh.data=1', 'mesh.fsdp=4', 'model.param_dtype=bfloat16',
              'model.attention=cudnn', 'offload.subgroup_size=65536', 'optim.clip_norm=1.0']
 
 
-def _compiled(cfg, devices=4):
+def _compiled(cfg, devices=4, **kwargs):
   available, why = dataflow.gpu_compiler_available()
   if not available:
     pytest.skip(f'no GPU compiler here: {why}')
   if jax.default_backend() != 'cpu' or jax.device_count() < 4:
     pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu and 4 CPU devices')
-  return compiled.compile_step(cfg, devices=jax.devices()[:devices])
+  return compiled.compile_step(cfg, devices=jax.devices()[:devices], **kwargs)
 
 
 @pytest.fixture(scope='module')
@@ -65,6 +65,15 @@ def test_the_zero3_step_keeps_the_activations_batch_split(tiny_fsdp4):
   # whole batch's MLP activations and norm statistics in 29 collectives of this step
   # (RESULTS.md "memory-zero3-activations"). The family and the paper's steps below too.
   cfg, program = tiny_fsdp4
+  assert not _batch_gathers(program.hlo_text, cfg)
+
+
+@pytest.mark.parametrize('options', [{}, {'xla_gpu_enable_latency_hiding_scheduler': True}],
+                         ids=['xla_defaults', 'lhs_alone'])
+def test_the_zero3_step_keeps_the_activations_batch_split_under_other_options(options):
+  # A sharding constraint, not a schedule: it holds whatever options the user compiles with.
+  cfg = config_lib.load(None, OVERRIDES)
+  program = _compiled(cfg, compiler_options=options)
   assert not _batch_gathers(program.hlo_text, cfg)
 
 
