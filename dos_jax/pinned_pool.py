@@ -143,7 +143,9 @@ def state_pinned_bytes(params: Any, offload: Offload, mask: Any = None,
   state_bytes = spec.state_bytes_per_element - 4 + mu_bytes
   rows = len(plan.streamed) + len(plan.host)
   if offload.target() is Program.TWO_MEMORIES and len(plan.host) > 1:
-    # Early host calls may keep an undo of every host subgroup's state but the last's.
+    # Early host calls may keep an undo of every host subgroup's state but the last's:
+    # the kernel library's own (pageable) memory since 2026-11-29, counted here still,
+    # which errs on the safe side of the pool.
     rows += len(plan.host) - 1
   pinned = rows * spec.subgroup_size * state_bytes / shards
   local = 1

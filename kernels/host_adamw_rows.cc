@@ -20,8 +20,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "adamw_loop.h"
@@ -236,14 +239,73 @@ ffi::Error LeavesStateArgImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S3
                       nesterov, isa);
 }
 
+// The undo copies of speculated updates, kept here between a speculated call and its redo
+// and found by the state buffer's address (the donated state both calls update in
+// place). Not a result of the call: XLA:GPU gives a host call's result that another host
+// call reads a buffer in device memory, so a state-sized undo would cross to the device
+// and back (dos_jax.step.early_chunks). A redo hands its copy back for the next
+// speculated call of the same size to reuse: the pages stay mapped from step to step.
+class UndoStore {
+ public:
+  // A buffer of `n` floats for the state at `key`, until `Release(key)`.
+  float* Keep(const void* key, size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto live = live_.find(key);
+    if (live != live_.end() && live->second.n == n) return live->second.data.get();
+    Copy copy;
+    auto spare = spare_.find(n);
+    if (spare != spare_.end() && !spare->second.empty()) {
+      copy = std::move(spare->second.back());
+      spare->second.pop_back();
+    } else {
+      copy.n = n;
+      copy.data.reset(new float[n]);  // not zeroed: only the elements copied in are read
+      AdviseHugePages(copy.data.get(), n * sizeof(float));
+    }
+    float* data = copy.data.get();
+    live_[key] = std::move(copy);
+    return data;
+  }
+
+  // The buffer kept for the state at `key`, or nullptr when none of `n` floats is.
+  const float* Find(const void* key, size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto live = live_.find(key);
+    return live != live_.end() && live->second.n == n ? live->second.data.get() : nullptr;
+  }
+
+  // Hands the buffer kept for `key` back for reuse.
+  void Release(const void* key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto live = live_.find(key);
+    if (live == live_.end()) return;
+    spare_[live->second.n].push_back(std::move(live->second));
+    live_.erase(live);
+  }
+
+ private:
+  struct Copy {
+    size_t n = 0;
+    std::unique_ptr<float[]> data;
+  };
+  std::mutex mu_;
+  std::unordered_map<const void*, Copy> live_;
+  std::unordered_map<size_t, std::vector<Copy>> spare_;
+};
+
+UndoStore& Undos() {
+  static UndoStore* store = new UndoStore();  // never destroyed: calls may outlive exit
+  return *store;
+}
+
 // The state-argument form keeping what it needs to undo: before a segment of the state
-// is updated, its slots are copied into `undo` (a (G, K, S) result; elements of rows
-// not updated are left unwritten). For an update made before its clip factor is known
-// (dos_jax.speculative): LeavesRedoImpl puts the copy back and updates again.
+// is updated, its slots are copied into the undo copy this library keeps for the state
+// buffer (`UndoStore`; elements of rows not updated are left unwritten). For an update
+// made before its clip factor is known (dos_jax.step.early_chunks): LeavesRedoImpl puts
+// the copy back and updates again.
 ffi::Error LeavesStateArgUndoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
                                   ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
                                   ffi::Result<ffi::AnyBuffer> out,
-                                  ffi::ResultBuffer<ffi::F32> undo,
                                   ffi::Span<const int64_t> offsets,
                                   ffi::Span<const int64_t> sizes, int64_t master_k,
                                   int64_t mu_k, int64_t nu_k, int64_t decayed_rows,
@@ -252,21 +314,22 @@ ffi::Error LeavesStateArgUndoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi
   if (dims.size() == 3 && static_cast<int64_t>(out->element_count()) != dims[0] * dims[2]) {
     return Invalid("out is not (G, S)");
   }
-  if (undo->element_count() != stacked.element_count()) return Invalid("undo is not (G, K, S)");
   AdviseHugePages(out->untyped_data(), out->size_bytes());
+  float* undo = Undos().Keep(stacked.untyped_data(), stacked.element_count());
   return LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
                       out->element_type(), static_cast<char*>(out->untyped_data()),
                       offsets, sizes, 0, master_k, mu_k, nu_k, decayed_rows, num_threads,
-                      nesterov, isa, undo->typed_data());
+                      nesterov, isa, undo);
 }
 
-// Redoes an update made by LeavesStateArgUndoImpl when `redo` (an s32[1] argument after
-// the leaves, then `undo`) is non-zero: each segment's state is put back from `undo` and
-// updated with these coefficients, the state in its argument's buffer (the caller's to
-// overwrite, read only after this call) and the out rows in the `out` result. With
-// `redo` zero it touches nothing, `out` included (the caller then keeps the out rows of
-// the call it would have redone). One result: XLA names a host call after its last
-// instruction, and a second result's get-tuple-element carries no attributes.
+// Redoes an update made by LeavesStateArgUndoImpl on the same state buffer when `redo`
+// (an s32[1] argument after the leaves) is non-zero: each segment's state is put back
+// from the kept copy and updated with these coefficients, the state in its argument's
+// buffer (the caller's to overwrite, read only after this call) and the out rows in the
+// `out` result. With `redo` zero it touches nothing, `out` included (the caller then
+// keeps the out rows of the call it would have redone). Either way the copy is handed
+// back. One result: XLA names a host call after its last instruction, and a second
+// result's get-tuple-element carries no attributes.
 ffi::Error LeavesRedoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
                           ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
                           ffi::Result<ffi::AnyBuffer> out,
@@ -276,22 +339,29 @@ ffi::Error LeavesRedoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> r
                           int64_t isa) {
   const size_t n = offsets.size();
   const size_t sources = master_k >= 0 ? n : 2 * n;
-  if (leaves.size() != sources + 2) return Invalid("leaves, redo and undo do not match");
+  if (leaves.size() != sources + 1) return Invalid("leaves and redo do not match");
   auto redo = leaves.get<ffi::Buffer<ffi::S32>>(sources);
-  auto undo = leaves.get<ffi::Buffer<ffi::F32>>(sources + 1);
   if (!redo.has_value()) return redo.error();
-  if (!undo.has_value()) return undo.error();
   if (redo->element_count() != 1) return Invalid("redo is not (1,)");
-  if (undo->element_count() != stacked.element_count()) return Invalid("undo is not (G, K, S)");
   const auto dims = stacked.dimensions();
   if (dims.size() == 3 && static_cast<int64_t>(out->element_count()) != dims[0] * dims[2]) {
     return Invalid("out is not (G, S)");
   }
-  if (redo->typed_data()[0] == 0) return ffi::Error::Success();
-  return LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
-                      out->element_type(), static_cast<char*>(out->untyped_data()),
-                      offsets, sizes, 2, master_k, mu_k, nu_k, decayed_rows, num_threads,
-                      nesterov, isa, nullptr, undo->typed_data());
+  const void* key = stacked.untyped_data();
+  if (redo->typed_data()[0] == 0) {
+    Undos().Release(key);
+    return ffi::Error::Success();
+  }
+  const float* undo = Undos().Find(key, stacked.element_count());
+  if (undo == nullptr) {
+    return Invalid("no undo copy is kept for this state: its speculated update did not run");
+  }
+  ffi::Error e = LeavesCommon(stacked, rows, coeffs, leaves, stacked.typed_data(),
+                              out->element_type(), static_cast<char*>(out->untyped_data()),
+                              offsets, sizes, 1, master_k, mu_k, nu_k, decayed_rows,
+                              num_threads, nesterov, isa, nullptr, undo);
+  Undos().Release(key);
+  return e;
 }
 
 }  // namespace
@@ -355,7 +425,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesStateArg, LeavesStateArgImpl,
 // The same keeping an undo copy, and its redo (see LeavesStateArgUndoImpl, LeavesRedoImpl).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     DosJaxAdamWHostLeavesStateArgUndo, LeavesStateArgUndoImpl,
-    DOS_LEAVES_BINDING(.Ret<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()));
+    DOS_LEAVES_BINDING(.Ret<ffi::AnyBuffer>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DosJaxAdamWHostLeavesRedo, LeavesRedoImpl,
                               DOS_LEAVES_BINDING(.Ret<ffi::AnyBuffer>()));
 
@@ -405,9 +475,9 @@ static PyMethodDef kMethods[] = {
     {"handler_leaves_state_arg", HandlerLeavesStateArg, METH_NOARGS,
      "The leaves form, updating the state in its argument's buffer (no state result)."},
     {"handler_leaves_state_arg_undo", HandlerLeavesStateArgUndo, METH_NOARGS,
-     "The same, copying each segment's state into an undo result before updating it."},
+     "The same, keeping a copy of each segment's state before updating it (its undo)."},
     {"handler_leaves_redo", HandlerLeavesRedo, METH_NOARGS,
-     "Puts an undo copy back and updates again (state in place, out rows a result), when asked."},
+     "Puts the kept undo back and updates again (state in place, out rows a result), if asked."},
     DOS_PJRT_METHODS,
     {"_test_handler_api_0_99", DosJaxTestHandlerApi099, METH_NOARGS,
      "For tests: the row-wise handler, reporting XLA FFI API version 0.99 (too new for "

@@ -244,14 +244,15 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
       state on every step (see `dos_jax.step.fused.host_region_update`). The caller owns the
       ordering: `stacked` must be a buffer it may overwrite (the donated state), read
       only after the call. Not with `out`.
-    keep_undo: with `state_in_arg`, also return `undo`, a `(G, K, S)` copy of every
-      state element the call overwrites, taken just before (other elements are not
-      written): what `adamw_host_leaves_redo` needs to put the state back.
+    keep_undo: with `state_in_arg`, also keep a copy of every state element the call
+      overwrites, taken just before, in the kernel library (found by the state
+      buffer's address, not a result): what `adamw_host_leaves_redo` on the same
+      buffer needs to put the state back. A result would be device memory in XLA:GPU
+      when the redo's host call reads it (`dos_jax.step.early_chunks`).
     Others as `adamw_host_rows`.
 
   Returns:
-    `(new_stacked, new_out)` with new_out `(G, S)`; with `state_in_arg` only new_out,
-    and with `keep_undo` `(new_out, undo)`.
+    `(new_stacked, new_out)` with new_out `(G, S)`; with `state_in_arg` only new_out.
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())
@@ -281,15 +282,9 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
   if state_in_arg:
     if out is not None:
       raise ValueError('state_in_arg takes no out buffer')
-    if keep_undo:
-      call = jax.ffi.ffi_call(
-          _TARGET_STATE_ARG_UNDO,
-          (jax.ShapeDtypeStruct((num_groups, size), jnp.dtype(lowp_dtype)),
-           jax.ShapeDtypeStruct(stacked.shape, stacked.dtype)),
-          has_side_effect=True)
-      return tuple(call(stacked, rows.astype(jnp.int32), packed, *sources, **common))
     call = jax.ffi.ffi_call(
-        _TARGET_STATE_ARG, jax.ShapeDtypeStruct((num_groups, size), jnp.dtype(lowp_dtype)),
+        _TARGET_STATE_ARG_UNDO if keep_undo else _TARGET_STATE_ARG,
+        jax.ShapeDtypeStruct((num_groups, size), jnp.dtype(lowp_dtype)),
         has_side_effect=True)
     return call(stacked, rows.astype(jnp.int32), packed, *sources, **common)
   reuse = out is not None
@@ -304,18 +299,20 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
 
 
 def adamw_host_leaves_redo(stacked, grad_leaves, param_leaves, rows, scalars: AdamWScalars,
-                           *, redo, undo, offsets, slots: tuple[int, int, int],
+                           *, redo, offsets, slots: tuple[int, int, int],
                            decayed_rows: int, lowp_dtype: Any, nesterov: bool = False,
                            num_threads: int | None = None, isa: HostIsa = HostIsa.AUTO):
-  """Redoes an `adamw_host_leaves(..., state_in_arg=True, keep_undo=True)` call when
-  `redo` is true: every element it updated is put back from `undo` and updated again
-  with `scalars`, the state in the buffer of `stacked` (an argument: the caller's to
-  overwrite, read only after this call) and the out rows in a `(G, S)` result. With
-  `redo` false nothing is touched and the out result is not written: the caller keeps
-  the out rows of the call it would have redone. Returns the out rows; the caller
-  orders its reads of the state after the call through them. Same leaves,
-  offsets, rows and slots as the call it redoes (for a host region of the accelerator
-  program only, like `state_in_arg`).
+  """Redoes an `adamw_host_leaves(..., state_in_arg=True, keep_undo=True)` call on the
+  same `stacked` buffer when `redo` is true: every element it updated is put back from
+  the copy it kept and updated again with `scalars`, the state in the buffer of
+  `stacked` (an argument: the caller's to overwrite, read only after this call) and the
+  out rows in a `(G, S)` result. With `redo` false nothing is touched and the out result
+  is not written: the caller keeps the out rows of the call it would have redone. Either
+  way the kept copy is handed back to the library (one redo per speculated call; a redo
+  with no speculated call before it on that buffer fails). Returns the out rows; the
+  caller orders its reads of the state after the call through them, and this call after
+  the speculated one. Same leaves, offsets, rows and slots as the call it redoes (for a
+  host region of the accelerator program only, like `state_in_arg`).
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())
@@ -325,8 +322,6 @@ def adamw_host_leaves_redo(stacked, grad_leaves, param_leaves, rows, scalars: Ad
   sizes = [int(g.shape[0]) for g in grad_leaves]
   offsets = [int(o) for o in offsets]
   order = sorted(range(len(offsets)), key=offsets.__getitem__)
-  if undo.shape != stacked.shape:
-    raise ValueError(f'undo must be {stacked.shape}, got {undo.shape}')
   master_k, mu_k, nu_k = (int(s) for s in slots)
   sources = [grad_leaves[i] for i in order]
   if master_k < 0:
@@ -338,7 +333,7 @@ def adamw_host_leaves_redo(stacked, grad_leaves, param_leaves, rows, scalars: Ad
       has_side_effect=True)
   flag = jnp.reshape(jnp.asarray(redo).astype(jnp.int32), (1,))
   return (call(
-      stacked, jnp.asarray(rows).astype(jnp.int32), packed, *sources, flag, undo,
+      stacked, jnp.asarray(rows).astype(jnp.int32), packed, *sources, flag,
       offsets=np.asarray([offsets[i] for i in order], np.int64),
       sizes=np.asarray([sizes[i] for i in order], np.int64), master_k=np.int64(master_k),
       mu_k=np.int64(mu_k), nu_k=np.int64(nu_k), decayed_rows=np.int64(decayed_rows),

@@ -30,6 +30,7 @@ Compiled with the CUDA plugin's compile-only client; skipped where it is not ins
 import pytest
 
 from dos_jax import dataflow
+from dos_jax.dataflow import hlo
 from dos_jax.dataflow import early_windows
 from dos_jax.step import device_stream
 from dos_jax.step import early_chunks
@@ -106,3 +107,24 @@ def test_early_host_chunks_start_during_the_backward_pass(layers, width, dtype, 
       calls, schedule.gemm_positions)
   last_copy = max(c.start for c in schedule.gradient_copies() if c.to_host)
   assert calls[0].start < last_copy, (calls[0], last_copy)
+
+
+def _state_blocks_returned(program) -> list[str]:
+  """The (G, K, S) state blocks (rank 3) among the results of the program's host calls."""
+  entry = hlo.Module.parse(program.hlo_text).entry_computation
+  by_name = entry.by_name()
+  dones = [by_name[c.name.replace('call-start', 'call-done')]
+           for c in program.schedule.host_calls]
+  return [f'{d.name}: {a}' for d in dones for a in d.arrays if len(a.dims) == 3]
+
+
+@pytest.mark.parametrize('layers, width, dtype, chunks', SHAPES, ids=lambda v: str(v))
+def test_no_host_call_returns_a_state_block(layers, width, dtype, chunks):
+  """The state stays in host memory: every host call updates it in place, and a
+  speculating early call's undo is the kernel library's own (`keep_undo`). A host call
+  result that the program reads is a device buffer in XLA:GPU, so an undo returned by
+  the early call held its blocks' state in device memory until the redo and copied it
+  back (one (1, K, S) block per speculated subgroup, the 8 x 1024 step's 3 of 12.6 MB)."""
+  program = _schedule(layers, width, dtype, chunks)
+  assert not _state_blocks_returned(program), _state_blocks_returned(program)
+  assert not compiled.host_results_sent_back(program), compiled.host_results_sent_back(program)

@@ -101,23 +101,20 @@ def test_family_step_holds_what_its_construction_guarantees(layers, width, dtype
   # Every fetch independent of the write-backs, in the schedule and on the streams.
   assert schedule.streamed_rows and schedule.stream_full_duplex(), schedule.streamed_rows
   assert not program.transfers_one_after_another(), schedule.streamed_rows
-  # Host-bound weight gradients leave while backward compute is issued (the state
-  # blocks that early calls return through device memory are not gradients:
+  # Host-bound weight gradients leave while backward compute is issued (a host call's
+  # result sent back would not be a gradient:
   # `test_no_host_call_result_goes_back_to_host_memory`).
   copies = compiled.gradient_copies(program)
   assert copies and sum(not c.overlaps_compute for c in copies) <= 1, copies
   assert not schedule.large_host_copies(), schedule.host_copies
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    'early host calls return their blocks through device memory: XLA 0.11.2 gives the '
-    "speculating host call's undo (and out rows) device-memory results, which the last "
-    'early call passes on and which are then copied back to host memory for the redo '
-    '(3 state blocks of 12.6 MB each in the 8 x 1024 step; the same at HEAD with '
-    'early_chunks=4 before issue 40)'))
 def test_no_host_call_result_goes_back_to_host_memory():
-  """Strict: when the early calls keep their undo in host memory this passes, and the
-  xfail goes."""
+  """No host call result is copied back to host memory: XLA:GPU gives a host call's
+  results that the program reads device buffers, so the speculating calls' undo is the
+  kernel library's own (`keep_undo`) and the redo's out rows are asked for in device
+  memory. Before, 3 state blocks of 12.6 MB each in the 8 x 1024 step went to the
+  device and back (`dos_jax.step.early_chunks`)."""
   program, _ = _program(8, 1024, 'bfloat16')
   assert not compiled.host_results_sent_back(program), sorted(
       compiled.host_results_sent_back(program))

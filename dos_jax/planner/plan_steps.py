@@ -51,4 +51,4 @@ def chunk_line(profile, spec, name, plan, fwd, bwd, clip_rate: float) -> str:
           f' during the backward pass (Partition.early: ({early[0]},) x {len(early)}),'
           f' speculating on the clip factor: {_ms(calm)}, {_ms(fired)} on a step that rolls'
           f' back, mean {_ms(mean)} at a clip rate of {clip_rate:g} ({one / mean:.2f}x);'
-          f' their undo copy takes {_gib(undo)} of pinned host memory')
+          f' their undo copy takes {_gib(undo)} of host memory')

@@ -29,7 +29,11 @@ their params leave at once.
 
 The cost: a host copy of the early chunks' state (their undo), alive from the early
 call to the redo call, and, on a rollback step, the early chunks' host work twice
-(`dos_jax.planner.timeline`).
+(`dos_jax.planner.timeline`). On a GPU the kernel library keeps that copy, found by the
+state buffer both calls update in place, and reuses its pages from step to step: as a
+result of the early call, XLA:GPU would place it in device memory (a host call's result
+that another host call reads is device memory there) and copy it back for the redo.
+The redo comes after its early call through the link.
 
 Why a device op links the calls: XLA:GPU regroups the host instructions of a program into
 host calls, and includes one disconnected from the current call in it; one reachable
@@ -128,8 +132,10 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, adam_scalars, grad_
   `(state, out rows in device memory, undo, token in device memory)` for `redo_region`.
 
   On a GPU the state is updated in its (donated) buffer, as `fused.host_region_update`
-  does, and is read by the redo call; on the platforms in `fused.STATE_RESULT_PLATFORMS`
-  the state is a result and the undo is the old state itself.
+  does, and is read by the redo call; the kernel keeps the undo itself, found by that
+  buffer (`keep_undo`: as a result of the host call it would be device memory), and
+  `undo` is the state. On the platforms in `fused.STATE_RESULT_PLATFORMS` the state is
+  a result and the undo is the old state itself.
   """
   rows_h = paths.to_host(jnp.arange(stacked[0].shape[0], dtype=jnp.int32))
   arrays, join = fused_lib.split_scalars(dataclasses.replace(adam_scalars, grad_scale=1.0))
@@ -142,17 +148,16 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, adam_scalars, grad_
     result = host_adamw_rows.adamw_host_leaves(
         state, grad_pieces, param_pieces, rows_h, join(arrays_h), lowp_dtype=step.out_dtype,
         state_in_arg=in_place, keep_undo=in_place, **kernel_args)
-    out = result[0] if in_place else result[1]
+    out = result if in_place else result[1]
     token = out[:1, :1].reshape(1).astype(jnp.float32)
-    return (*result, token) if in_place else (result[0], out, token)
+    return (out, token) if in_place else (result[0], out, token)
 
   args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h, link)
 
   def in_place(*args):
-    out_h, undo, token = paths.host_region(
-        lambda *a: run(*a, in_place=True),
-        out_spaces=(paths.HOST, paths.HOST, paths.DEVICE))(*args)
-    return args[0], paths.put(out_h, paths.DEVICE), undo, token
+    out_h, token = paths.host_region(
+        lambda *a: run(*a, in_place=True), out_spaces=(paths.HOST, paths.DEVICE))(*args)
+    return args[0], paths.put(out_h, paths.DEVICE), args[0], token
 
   def with_result(*args):
     new_state, out_h, token = paths.host_region(
@@ -175,8 +180,9 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, adam_scal
   op, and a group holds only those).
 
   The redone out rows are a result of the redo call, so whatever reads them comes after
-  it in every schedule; they cross to the device only when `redo` is true (a
-  conditional on the device), so a step that does not roll back moves nothing more.
+  it in every schedule. They are device memory: XLA:GPU gives a host call's results
+  device buffers when the program reads them there, and asked for host memory it would
+  copy them back to the host only for the conditional to fetch them again.
   """
   rows_h = paths.to_host(jnp.arange(state.shape[0], dtype=jnp.int32))
   arrays, join = fused_lib.split_scalars(adam_scalars)
@@ -185,15 +191,17 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, adam_scal
   redo_h = redo_on_host(redo) if redo_h is None else redo_h
 
   def in_place(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
-    def run(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
+    del undo  # the kernel's own copy, kept by the speculated call on the same buffer
+
+    def run(state, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
       if link is not None:
         rows_h = _rows_after(rows_h, link)
       return host_adamw_rows.adamw_host_leaves_redo(
-          state, grad_pieces, param_pieces, rows_h, join(arrays_h), redo=redo_h, undo=undo,
+          state, grad_pieces, param_pieces, rows_h, join(arrays_h), redo=redo_h,
           lowp_dtype=step.out_dtype, **kernel_args)
 
-    again = paths.host_region(run, out_spaces=paths.HOST)(
-        state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link)
+    again = paths.host_region(run, out_spaces=paths.DEVICE)(
+        state, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jax.lax.optimization_barrier((state, again))
 
   def with_result(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
@@ -204,7 +212,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, adam_scal
           undo, grad_pieces, param_pieces, rows_h, join(arrays_h), lowp_dtype=step.out_dtype,
           **kernel_args)
 
-    again_state, again = paths.host_region(run, out_spaces=paths.HOST)(
+    again_state, again = paths.host_region(run, out_spaces=(paths.HOST, paths.DEVICE))(
         undo, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jnp.where(redo_h[0] != 0, again_state, state), again
 
