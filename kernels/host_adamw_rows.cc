@@ -20,11 +20,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <type_traits>
-#include <unordered_map>
 #include <vector>
 
 #include "adamw_loop.h"
@@ -32,6 +29,7 @@
 #include "adamw_rows_setup.h"
 #include "xla/ffi/api/ffi.h"
 #include "pjrt_register.h"
+#include "undo_store.h"
 
 namespace ffi = xla::ffi;
 
@@ -239,68 +237,9 @@ ffi::Error LeavesStateArgImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S3
                       nesterov, isa);
 }
 
-// The undo copies of speculated updates, kept here between a speculated call and its redo
-// and found by the state buffer's address (the donated state both calls update in
-// place). Not a result of the call: XLA:GPU gives a host call's result that another host
-// call reads a buffer in device memory, so a state-sized undo would cross to the device
-// and back (dos_jax.step.early_chunks). A redo hands its copy back for the next
-// speculated call of the same size to reuse: the pages stay mapped from step to step.
-class UndoStore {
- public:
-  // A buffer of `n` floats for the state at `key`, until `Release(key)`.
-  float* Keep(const void* key, size_t n) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto live = live_.find(key);
-    if (live != live_.end() && live->second.n == n) return live->second.data.get();
-    Copy copy;
-    auto spare = spare_.find(n);
-    if (spare != spare_.end() && !spare->second.empty()) {
-      copy = std::move(spare->second.back());
-      spare->second.pop_back();
-    } else {
-      copy.n = n;
-      copy.data.reset(new float[n]);  // not zeroed: only the elements copied in are read
-      AdviseHugePages(copy.data.get(), n * sizeof(float));
-    }
-    float* data = copy.data.get();
-    live_[key] = std::move(copy);
-    return data;
-  }
-
-  // The buffer kept for the state at `key`, or nullptr when none of `n` floats is.
-  const float* Find(const void* key, size_t n) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto live = live_.find(key);
-    return live != live_.end() && live->second.n == n ? live->second.data.get() : nullptr;
-  }
-
-  // Hands the buffer kept for `key` back for reuse.
-  void Release(const void* key) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto live = live_.find(key);
-    if (live == live_.end()) return;
-    spare_[live->second.n].push_back(std::move(live->second));
-    live_.erase(live);
-  }
-
- private:
-  struct Copy {
-    size_t n = 0;
-    std::unique_ptr<float[]> data;
-  };
-  std::mutex mu_;
-  std::unordered_map<const void*, Copy> live_;
-  std::unordered_map<size_t, std::vector<Copy>> spare_;
-};
-
-UndoStore& Undos() {
-  static UndoStore* store = new UndoStore();  // never destroyed: calls may outlive exit
-  return *store;
-}
-
 // The state-argument form keeping what it needs to undo: before a segment of the state
 // is updated, its slots are copied into the undo copy this library keeps for the state
-// buffer (`UndoStore`; elements of rows not updated are left unwritten). For an update
+// buffer (undo_store.h; elements of rows not updated are left unwritten). For an update
 // made before its clip factor is known (dos_jax.step.early_chunks): LeavesRedoImpl puts
 // the copy back and updates again.
 ffi::Error LeavesStateArgUndoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
