@@ -144,7 +144,7 @@ def state_pinned_bytes(params: Any, offload: Offload, mask: Any = None,
   rows = len(plan.streamed) + len(plan.host)
   if offload.target() is Program.TWO_MEMORIES and len(plan.host) > 1:
     # Early host calls may keep an undo of every host subgroup's state but the last's:
-    # the kernel library's own (pageable) memory since 2026-11-29, counted here still,
+    # the kernel library's own (pageable) memory, not the pool's, yet counted here,
     # which errs on the safe side of the pool.
     rows += len(plan.host) - 1
   pinned = rows * spec.subgroup_size * state_bytes / shards
