@@ -28,12 +28,10 @@ def skip_without_gpu_compiler() -> None:
 def host_results_sent_back(program) -> set[str]:
   """The device->host copies (copy-start names) of a compiled program's host-call
   results: values a host call returned in device memory that go back to host memory
-  (the early calls' state blocks, not gradients: `Schedule.gradient_copies` counts them,
+  (not gradients, although `Schedule.gradient_copies` counts them
   as they are computed from matrix multiplications)."""
-  from dos_jax.dataflow import hlo  # pylint: disable=import-outside-toplevel
-  entry = hlo.Module.parse(program.hlo_text).entry_computation
-  by_name = entry.by_name()
-  dones = {c.name.replace('call-start', 'call-done') for c in program.schedule.host_calls}
+  by_name = _entry_by_name(program)
+  dones = {d.name for d in host_call_dones(program)}
   found = set()
   for copy in program.schedule.copies:
     if not copy.to_host:
@@ -44,6 +42,18 @@ def host_results_sent_back(program) -> set[str]:
     if source is not None and source.name in dones:
       found.add(copy.name)
   return found
+
+
+def host_call_dones(program) -> list:
+  """The `custom-call-done` instructions (`hlo.Instruction`) of the program's host calls."""
+  by_name = _entry_by_name(program)
+  return [by_name[c.name.replace('call-start', 'call-done')]
+          for c in program.schedule.host_calls]
+
+
+def _entry_by_name(program):
+  from dos_jax.dataflow import hlo  # pylint: disable=import-outside-toplevel
+  return hlo.Module.parse(program.hlo_text).entry_computation.by_name()
 
 
 def gradient_copies(program):

@@ -30,7 +30,6 @@ Compiled with the CUDA plugin's compile-only client; skipped where it is not ins
 import pytest
 
 from dos_jax import dataflow
-from dos_jax.dataflow import hlo
 from dos_jax.dataflow import early_windows
 from dos_jax.step import device_stream
 from dos_jax.step import early_chunks
@@ -111,11 +110,8 @@ def test_early_host_chunks_start_during_the_backward_pass(layers, width, dtype, 
 
 def _state_blocks_returned(program) -> list[str]:
   """The (G, K, S) state blocks (rank 3) among the results of the program's host calls."""
-  entry = hlo.Module.parse(program.hlo_text).entry_computation
-  by_name = entry.by_name()
-  dones = [by_name[c.name.replace('call-start', 'call-done')]
-           for c in program.schedule.host_calls]
-  return [f'{d.name}: {a}' for d in dones for a in d.arrays if len(a.dims) == 3]
+  return [f'{d.name}: {a}' for d in compiled.host_call_dones(program) for a in d.arrays
+          if len(a.dims) == 3]
 
 
 @pytest.mark.parametrize('layers, width, dtype, chunks', SHAPES, ids=lambda v: str(v))

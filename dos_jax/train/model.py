@@ -120,6 +120,17 @@ def _sharded_alike(*xs_BxLxHxK: jax.Array) -> tuple[jax.Array, ...]:
   return _constrain(xs_BxLxHxK, lambda batch, tensor: (batch, None, tensor, None))
 
 
+def _stream(batch, tensor):
+  """(B, L, D) pinned batch-split, the width whole (Megatron keeps the stream whole)."""
+  del tensor
+  return (batch, None, None)
+
+
+def _columns(batch, tensor):
+  """(B, L, F) or (B, L, V) pinned batch-split, the last dimension over `tensor`."""
+  return (batch, None, tensor)
+
+
 def _constrain(xs, spec_of) -> tuple[jax.Array, ...]:
   mesh = jax.sharding.get_abstract_mesh()
   manual = getattr(jax.sharding.AxisType, 'Manual', None)
@@ -147,8 +158,7 @@ class SwiGLU(nnx.Module):
     dt = self.compute_dtype
     gate_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_gate[...].astype(dt))
     up_BxLxF = jnp.einsum('bld,df->blf', x_BxLxD, self.w_up[...].astype(dt))
-    gate_BxLxF, up_BxLxF = _constrain((gate_BxLxF, up_BxLxF),
-                                      lambda batch, tensor: (batch, None, tensor))
+    gate_BxLxF, up_BxLxF = _constrain((gate_BxLxF, up_BxLxF), _columns)
     h_BxLxF = jax.nn.silu(gate_BxLxF) * up_BxLxF
     return jnp.einsum('blf,fd->bld', h_BxLxF, self.w_down[...].astype(dt))
 
@@ -170,8 +180,8 @@ class Block(nnx.Module):
     # The stream pinned batch-split (and SwiGLU's hidden layer): left to itself,
     # XLA's partitioner gathers whole-batch activations under ZeRO-3 for some layers to
     # compute a slice of a weight's gradient, instead of reduce-scattering the gradient
-    # (RESULTS.md "memory-zero3-tiny-shard-major").
-    x_BxLxD, = _constrain((x_BxLxD,), lambda batch, tensor: (batch, None, None))
+    # (RESULTS.md "memory-zero3-activations").
+    x_BxLxD, = _constrain((x_BxLxD,), _stream)
     x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), sin_LxK2, cos_LxK2)
     return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
 
@@ -229,9 +239,8 @@ class Transformer(nnx.Module):
     for i in range(self.n_layers):
       x_BxLxD = run(self.blocks[block_name(i, self.n_layers)], x_BxLxD, sin_LxK2, cos_LxK2)
     head_DxV = self.embedding[...].T if self.tie_embeddings else self.head[...]
-    x_BxLxD, = _constrain((self.final_norm(x_BxLxD),), lambda batch, tensor: (batch, None, None))
-    logits_BxLxV, = _constrain((logits(head_DxV, x_BxLxD, self.compute_dtype),),
-                               lambda batch, tensor: (batch, None, tensor))
+    x_BxLxD, = _constrain((self.final_norm(x_BxLxD),), _stream)
+    logits_BxLxV, = _constrain((logits(head_DxV, x_BxLxD, self.compute_dtype),), _columns)
     return logits_BxLxV
 
 
