@@ -3,7 +3,7 @@
 Compiles steps with early host calls for an H100 (CUDA plugin, no GPU) twice: as XLA's
 scheduler places them by its own latency estimate (`early_windows=False`), and as
 dos_jax compiles them (`dataflow.early_windows`: each early call given a latency no step
-covers, a second compile). For each it prints the host calls' (start, done) positions,
+covers). For each it prints the host calls' (start, done) positions,
 the last backward gemm, the gemms inside early windows, the gemms held back (issued
 before an early start that does not wait for them, outside an earlier window), device
 updates outside host windows, and the compiled device peak. The first thing to rerun

@@ -246,8 +246,8 @@ export -f early_runs
 part early_step "11. the runner's step, early host calls off (one host call) and the default" 240 \
   bash -c 'early_runs'
 # The trainer itself, as a user runs it on one GPU: the params on a one-device mesh, the
-# step built as unsharded (stream lanes and early host calls), compiled twice for the
-# early windows, the memory check; loss and metrics logged.
+# step built as unsharded (stream lanes and early host calls), compiled with the early
+# windows' profile (once where XLA names the calls as predicted), the memory check; loss and metrics logged.
 part train "12. dos-jax train on this GPU: 30 steps, Stride(2), the one construction" 120 \
   dos-jax train --set train.steps=30 --set train.eval_every=0 --set train.log_every=10 \
   --set offload.policy=stride --set "train.out_dir=$OUT/train"

@@ -17,7 +17,8 @@ Where each early call starts (`test_early_host_calls_start_as_soon_as_their_oper
 allow`): XLA's latency-hiding scheduler places an asynchronous start, working back from
 its done, once the work placed after it covers the call's estimated latency. The step
 is compiled with a profile that gives every early call a latency no step covers
-(`dataflow.early_windows`, a second compile), so the start goes as early as its
+(`dataflow.early_windows`; the calls' names predicted from the lowered step, a second
+compile where XLA names them otherwise), so the start goes as early as its
 operands allow: no backward gemm that the call does not wait for is issued before it,
 outside an earlier early window. Without the profile, programs with one early call
 started it after the last gemm (RESULTS.md, 2026-11-26); this test fails if the
@@ -84,12 +85,14 @@ def test_early_host_chunks_hold_their_construction(layers, width, dtype, chunks)
 
 @pytest.mark.parametrize('layers, width, dtype, chunks', SHAPES, ids=lambda v: str(v))
 def test_early_host_calls_start_as_soon_as_their_operands_allow(layers, width, dtype, chunks):
-  """Every early call was profiled, and no backward gemm it does not wait for is issued
-  before its start outside an earlier early window."""
+  """Every early call was profiled, in one compile (XLA named the calls as
+  `early_windows.predicted_early_calls` says), and no backward gemm it does not wait for
+  is issued before its start outside an earlier early window."""
   program = _schedule(layers, width, dtype, chunks)
   calls = program.schedule.host_calls
   assert program.early_calls_profiled == tuple(c.name for c in calls[:-1]), (
       program.early_calls_profiled, calls)
+  assert program.compiles == 1, program.early_calls_profiled
   assert not early_windows.gemms_held_back(program.hlo_text), (
       early_windows.gemms_held_back(program.hlo_text), calls)
 
@@ -124,3 +127,19 @@ def test_no_host_call_returns_a_state_block(layers, width, dtype, chunks):
   program = _schedule(layers, width, dtype, chunks)
   assert not _state_blocks_returned(program), _state_blocks_returned(program)
   assert not compiled.host_results_sent_back(program), compiled.host_results_sent_back(program)
+
+
+def test_a_wrong_name_prediction_costs_a_second_compile_not_the_windows(monkeypatch):
+  """Where XLA names the early calls otherwise than `predicted_early_calls` says (here:
+  the prediction names the last call, which must not be profiled), the step is compiled
+  again with the names it has: every early call profiled, none held back."""
+  layers, width, dtype, chunks = 4, 256, 'float32', 2
+  right = _schedule(layers, width, dtype, chunks)
+  last = right.schedule.host_calls[-1].name
+  monkeypatch.setattr(early_windows, 'predicted_early_calls', lambda text: (last,))
+  fn, args, jit_kwargs = probes.mlp_step(layers, width, dtype=dtype,
+                                         early=_early(layers, chunks))
+  program = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
+  assert program.compiles == 2, program.early_calls_profiled
+  assert program.early_calls_profiled == right.early_calls_profiled
+  assert not early_windows.gemms_held_back(program.hlo_text)

@@ -126,4 +126,4 @@ def test_the_runners_step_with_early_calls_compiles_under_other_options(options)
                                'offload.subgroup_size=65536', 'optim.clip_norm=1.0'])
   program = compiled.compile_step(cfg, compiler_options=OPTIONS[options])
   assert len(program.schedule.host_calls) >= 2, program.schedule.host_calls
-  assert program.early_calls_profiled
+  assert program.early_calls_profiled and program.compiles == 1, program.compiles

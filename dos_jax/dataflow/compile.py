@@ -78,12 +78,14 @@ class CompiledGpuProgram:
   target: GpuTarget
   hlo_text: str
   memory: MemoryStats
-  compile_s: float  # every compile it took (two where it has early host calls)
+  compile_s: float  # every compile it took (`compiles`)
   compiler_options: Mapping[str, Any]
   native_host_kernel: bool  # the native host AdamW was registered for host regions
   thunks: ThunkProgram | None = None  # what the GPU runs (compiled with `thunks=True`)
-  # The early host calls given a profiled latency (`dos_jax.early_windows`; a second compile).
+  # The early host calls given a profiled latency (`dos_jax.early_windows`).
   early_calls_profiled: tuple[str, ...] = ()
+  # How many compiles it took: 2 where XLA did not name the early calls as predicted.
+  compiles: int = 1
 
   @functools.cached_property
   def schedule(self) -> Schedule:
@@ -174,8 +176,8 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
     thunks: also read what the GPU would run, thunk by thunk (`dataflow.thunks`), from
       an XLA dump in a temporary directory.
     early_windows: give the program's early host calls a profiled latency, as
-      `dataflow.compile_step` does (`dataflow.early_windows`: a second compile where the
-      program has early host calls).
+      `dataflow.compile_step` does (`dataflow.early_windows`: a second compile where XLA
+      did not name them as predicted).
   """
   import jax  # pylint: disable=import-outside-toplevel
   target = GpuTarget.parse(target)
@@ -211,16 +213,19 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
       compiles.append(compile_once(extra))
       return compiles[-1]
 
-    (executable, hlo_text, _, program), profiled = early_windows_lib.compile_twice(
-        counted, lambda result: result[1])
+    (executable, hlo_text, _, program), profiled, _ = early_windows_lib.compile_profiled(
+        counted, lambda result: result[1],
+        early_windows_lib.predicted_early_calls(lowered.as_text()))
     compile_s = sum(c[2] for c in compiles)
+    count = len(compiles)
   else:
-    (executable, hlo_text, compile_s, program), profiled = compile_once({}), ()
+    (executable, hlo_text, compile_s, program), profiled, count = compile_once({}), (), 1
   return CompiledGpuProgram(
       target=target, hlo_text=hlo_text,
       memory=MemoryStats.from_xla(executable.get_compiled_memory_stats()),
       compile_s=compile_s, compiler_options=options,
-      native_host_kernel=native_host_kernel, thunks=program, early_calls_profiled=profiled)
+      native_host_kernel=native_host_kernel, thunks=program, early_calls_profiled=profiled,
+      compiles=count)
 
 
 def prepare(target: GpuTarget | str = gpu_target.DEFAULT_TARGET) -> bool:

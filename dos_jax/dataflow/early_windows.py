@@ -8,8 +8,9 @@ done, once the work placed after it covers the call's estimated latency. A profi
 that scheduler (XLA's `ProfiledInstructionsProto`, passed as the compile option
 `fdo_profile`) that gives each early call a latency no step can cover
 (`EARLY_CALL_LATENCY_US`) leaves it one place for the start: as early as its operands
-allow. The profile names the calls, and the names exist only once the program is
-compiled, so a step with early calls is compiled twice (docs/design.md, rule 6).
+allow. The profile names the calls by the names XLA gives them: predicted from the
+lowered step (`predicted_early_calls`) and checked once it is compiled; where XLA named
+them otherwise the step is compiled again with their names (docs/design.md, rule 6).
 
 Example (the runner does this on a GPU; elsewhere the step has no early host call and
 compiles once):
@@ -23,6 +24,7 @@ compiles once):
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Mapping, TypeVar
 import warnings
 
@@ -92,32 +94,53 @@ def early_call_profile(names: tuple[str, ...]) -> bytes:
                  for n in names).encode()
 
 
-def compile_twice(compile_fn: Callable[[Mapping[str, Any]], T],
-                  hlo_text_of: Callable[[T], str]) -> tuple[T, tuple[str, ...]]:
-  """`(program, early calls profiled)`: `compile_fn({})`, then, when that program has
-  early host calls, `compile_fn({'fdo_profile': ...})` with their profile.
+def predicted_early_calls(lowered_text: str) -> tuple[str, ...]:
+  """XLA's names for a step's early host calls, predicted from the lowered step (its
+  StableHLO text) before any compile: the early chunks (`device_stream.early_call`,
+  numbered) and the last chunk make `calls` host calls, which XLA's host-call wrapper
+  names `host-call.{calls}` (the last) to `host-call.{2 calls - 1}` (the first early
+  one), in reverse order. An implementation detail of XLA, checked after the compile
+  (`compile_profiled`). Not so inside `shard_map` (a mesh's step), where each host call
+  keeps the name of the call XLA made of its region (`call.N`, numbered among all the
+  program's calls): those steps compile twice. `()` for a step with no early call."""
+  chunks = len(set(re.findall(device_stream.EARLY_CALL_ATTRIBUTE + r' = "(\d+)"', lowered_text)))
+  if not chunks:
+    return ()
+  calls = chunks + 1
+  return tuple(f'host-call.{n}.cloned.1.call-start' for n in range(2 * calls - 1, calls, -1))
+
+
+def compile_profiled(compile_fn: Callable[[Mapping[str, Any]], T],
+                     hlo_text_of: Callable[[T], str],
+                     predicted: tuple[str, ...] = ()) -> tuple[T, tuple[str, ...], int]:
+  """`(program, early calls profiled, compiles)`: `compile_fn` with the profile of the
+  `predicted` early calls (`predicted_early_calls`; none: no profile); when the
+  program's early calls are not those, compiled again with the profile of the ones it
+  has (a second compile).
 
   `compile_fn` takes extra compiler options; `hlo_text_of` reads a program's
   optimized HLO. Warns when the second program's early calls are not the ones the
   profile names (the profile then moved nothing)."""
-  first = compile_fn({})
+  first = compile_fn({'fdo_profile': early_call_profile(predicted)} if predicted else {})
   names = early_call_names(hlo_text_of(first))
   if not names:
-    return first, ()
+    return first, (), 1
+  if set(names) == set(predicted):
+    return first, names, 1
   second = compile_fn({'fdo_profile': early_call_profile(names)})
   if early_call_names(hlo_text_of(second)) != names:
     warnings.warn(f'dos_jax: the second compile renamed the early host calls {names}: '
                   'their profiled latency was not applied, so XLA placed them by its own '
                   'estimate (dos_jax.dataflow.early_windows)', RuntimeWarning, stacklevel=3)
-    return second, ()
-  return second, names
+    return second, (), 2
+  return second, names, 2
 
 
 def compile_step(lowered: Any) -> Any:
   """Compiles a lowered step (`jax.jit(step, ...).lower(...)`, a `jax.stages.Lowered`)
   with its early host calls issued as soon as their operands allow (module docstring);
   returns the `jax.stages.Compiled`. A step without early host calls compiles once."""
-  compiled, _ = compile_twice(
+  compiled, _, _ = compile_profiled(
       lambda extra: lowered.compile(dict(extra)) if extra else lowered.compile(),
-      lambda c: c.as_text())
+      lambda c: c.as_text(), predicted_early_calls(lowered.as_text()))
   return compiled

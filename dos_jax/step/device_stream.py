@@ -114,11 +114,12 @@ def in_group(group: int):
 EARLY_CALL_ATTRIBUTE = '_dos_jax_early_call'
 
 
-def early_call():
-  """Context: the host regions traced inside belong to an early host call; its host
-  call carries the frontend attribute `EARLY_CALL_ATTRIBUTE` in the compiled program,
-  where `dataflow.early_windows` finds it."""
-  return set_xla_metadata(**{EARLY_CALL_ATTRIBUTE: 'true'})
+def early_call(index: int):
+  """Context: the host regions traced inside belong to early host call `index` (0, 1,
+  ... in the step's order); its host call carries the frontend attribute
+  `EARLY_CALL_ATTRIBUTE` in the compiled program, where `dataflow.early_windows` finds
+  it (and counts the calls in the lowered step)."""
+  return set_xla_metadata(**{EARLY_CALL_ATTRIBUTE: str(index)})
 
 
 def on_stream(fn: Callable[..., Any], group: int | None,

@@ -45,7 +45,6 @@ those of one host call bit for bit.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -126,10 +125,12 @@ def _rows_after(rows_h, link):
   return rows_h + link[0].astype(rows_h.dtype)  # exactly zero: the indices do not change
 
 
-def speculate_region(step: paths.RowStep, fused, *, stacked, adam_scalars, grad_pieces,
+def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, grad_pieces,
                      param_pieces, runs, num_threads=None, link=None):
   """An early block's host call with a clip factor of 1, keeping its undo; returns
   `(state, out rows in device memory, undo, token in device memory)` for `redo_region`.
+  `scalars_h` and `rows_h` as `fused.host_region_update` takes them (the scalars with a
+  clip factor of 1: `StepContext.host_scalars(speculate=True)`).
 
   On a GPU the state is updated in its (donated) buffer, as `fused.host_region_update`
   does, and is read by the redo call; the kernel keeps the undo itself, found by that
@@ -137,9 +138,7 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, adam_scalars, grad_
   `undo` is the state. On the platforms in `fused.STATE_RESULT_PLATFORMS` the state is
   a result and the undo is the old state itself.
   """
-  rows_h = paths.to_host(jnp.arange(stacked[0].shape[0], dtype=jnp.int32))
-  arrays, join = fused_lib.split_scalars(dataclasses.replace(adam_scalars, grad_scale=1.0))
-  arrays_h = paths.to_host(arrays)
+  arrays_h, join = scalars_h  # with a clip factor of 1
   kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
 
   def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, in_place):
@@ -169,7 +168,7 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, adam_scalars, grad_
   return jax.lax.platform_dependent(*args, **branches, default=in_place)
 
 
-def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, adam_scalars,
+def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h, rows_h,
                 grad_pieces, param_pieces, runs, num_threads=None, link=None,
                 redo_h=None):
   """After the backward pass: an early block's update redone with the true scalars when
@@ -184,9 +183,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, adam_scal
   device buffers when the program reads them there, and asked for host memory it would
   copy them back to the host only for the conditional to fetch them again.
   """
-  rows_h = paths.to_host(jnp.arange(state.shape[0], dtype=jnp.int32))
-  arrays, join = fused_lib.split_scalars(adam_scalars)
-  arrays_h = paths.to_host(arrays)
+  arrays_h, join = scalars_h
   kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
   redo_h = redo_on_host(redo) if redo_h is None else redo_h
 
@@ -237,7 +234,11 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
   parts = split(host_blocks(part, layout.decayed_rows), chunks)
   redo = redo_flag(context.adam_scalars)
   redo_h = None if redo is None else redo_on_host(redo)
-  common = dict(adam_scalars=context.adam_scalars, num_threads=context.options.host_threads)
+  # What every region reads, sent to host memory once, outside the calls' contexts.
+  threads = dict(num_threads=context.options.host_threads)
+  scalars_h = context.host_scalars()
+  speculated_h = context.host_scalars(speculate=True) if redo is not None else None
+  rows_h = [context.host_row_indices(block[0].shape[0]) for block in new]
   outs, pending, link = [], [], None
 
   def block_args(b):
@@ -245,19 +246,19 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
     runs = partition_lib.pieces_of(layout, blocks[b])
     grad_pieces, param_pieces = context.host_pieces(runs)
     return context.block_step(base_step, blocks[b]), dict(
-        grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs)
+        grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs, rows_h=rows_h[b])
 
   def host_call(b, link, sink=None):
     step, piece_args = block_args(b)
     arrays, out, token = fused_lib.host_region_update(
         step, context.fused, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
-        **common)
+        scalars_h=scalars_h, **threads)
     new[b] = paths.put(arrays, paths.HOST)
     outs.append((out, piece_args['runs']))
     return token
 
-  for chunk in parts[:-1]:
-    with device_stream.early_call():
+  for index, chunk in enumerate(parts[:-1]):
+    with device_stream.early_call(index):
       tokens = []
       for b in chunk:
         if redo is None:
@@ -265,7 +266,8 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
           continue
         step, piece_args = block_args(b)
         state, out, undo, token = speculate_region(
-            step, context.fused, stacked=new[b], link=link, **piece_args, **common)
+            step, context.fused, stacked=new[b], link=link, **piece_args,
+            scalars_h=speculated_h, **threads)
         pending.append((b, step, state, out, undo, piece_args))
         tokens.append(token)
       link = paths.to_host(sum(zero_of(t) for t in tokens))
@@ -277,7 +279,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
     for b, step, state, out, undo, piece_args in pending:
       arrays, out = redo_region(
           step, context.fused, state=state, out=out, undo=undo, redo=redo, redo_h=redo_h,
-          link=link, **piece_args, **common)
+          link=link, **piece_args, scalars_h=scalars_h, **threads)
       new[b] = paths.put(arrays, paths.HOST)
       redone.append((out, piece_args['runs']))
   outs += [(out(), runs) for out, runs in redone]

@@ -203,12 +203,16 @@ def region_kernel_args(step: paths.RowStep, fused: FusedAdamW, runs,
 STATE_RESULT_PLATFORMS = ('cpu',)
 
 
-def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
-                       adam_scalars: AdamWScalars, grad_pieces, param_pieces, runs,
+def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars_h,
+                       rows_h, grad_pieces, param_pieces, runs,
                        num_threads: int | None = None, inputs_sink: list | None = None,
                        link=None):
   """The host tier in one native call inside a host region (the accelerator program);
   returns (stacked, out rows in device memory, link token in device memory).
+
+  `scalars_h` (`(arrays in host memory, join)`: `split_scalars`'s, sent to host
+  memory) and `rows_h` (the row indices `0 .. R - 1`, int32, in host memory) are the
+  step's, shared by its host regions (`tier_updates.StepContext.host_scalars`).
 
   `link` (a `(1,)` float32 zero in host memory, or None): the previous chunk's link,
   read by the kernel call through its row indices, so that XLA keeps this region its
@@ -233,9 +237,7 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
   must, and the caller's state array is overwritten as well. On the platforms in
   `STATE_RESULT_PLATFORMS` the region returns the state as before.
   """
-  rows_h = paths.to_host(jnp.arange(stacked[0].shape[0], dtype=jnp.int32))
-  arrays, join = split_scalars(adam_scalars)
-  arrays_h = paths.to_host(arrays)
+  arrays_h, join = scalars_h
   kernel_args = dict(region_kernel_args(step, fused, runs, num_threads),
                      lowp_dtype=step.out_dtype)
 

@@ -92,11 +92,36 @@ class StepContext:
   # Accelerator program: the host regions' inputs other than the state, appended as the
   # host tier is built (see `gate`).
   host_inputs: list[Any] = dataclasses.field(default_factory=list)
+  # Accelerator program: what every host region of the step reads, sent to host memory
+  # once (`host_scalars`, `host_row_indices`).
+  host_shared: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def split(self) -> bool:
     """The accelerator program: host and device memories apart."""
     return self.program is Program.TWO_MEMORIES
+
+  def host_scalars(self, speculate: bool = False):
+    """`(arrays in host memory, join)`: the step's AdamW scalars as host regions read
+    them (`fused.split_scalars`; with a clip factor of 1 where `speculate`), sent to
+    host memory once per step for all of them: XLA's host offloader walks the whole
+    program for each array sent there (experiments/RESULTS.md, `construction-compile-g-once`)."""
+    key = ('scalars', speculate)
+    if key not in self.host_shared:
+      adam_scalars = self.adam_scalars
+      if speculate:
+        adam_scalars = dataclasses.replace(adam_scalars, grad_scale=1.0)
+      arrays, join = fused_lib.split_scalars(adam_scalars)
+      self.host_shared[key] = (paths.to_host(arrays), join)
+    return self.host_shared[key]
+
+  def host_row_indices(self, rows: int) -> jax.Array:
+    """`0 .. rows - 1` (int32) in host memory, sent once per step for every host region
+    of that many rows (see `host_scalars`)."""
+    key = ('rows', rows)
+    if key not in self.host_shared:
+      self.host_shared[key] = paths.to_host(jnp.arange(rows, dtype=jnp.int32))
+    return self.host_shared[key]
 
   def gate(self) -> 'StepContext':
     """This context with the device tiers' gradients let through an optimization barrier
@@ -232,7 +257,8 @@ class StepContext:
   def _host_native(self, step, arrays, ids, runs):
     grad_pieces, param_pieces = self._host_pieces(ids, runs)
     arrays, out, _ = fused_lib.host_region_update(
-        step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
+        step, self.fused, stacked=arrays, scalars_h=self.host_scalars(),
+        rows_h=self.host_row_indices(arrays[0].shape[0]),
         grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs,
         num_threads=self.options.host_threads, inputs_sink=self.host_inputs)
     return paths.put(arrays, paths.HOST), out
