@@ -213,11 +213,10 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
       compiles.append(compile_once(extra))
       return compiles[-1]
 
-    (executable, hlo_text, _, program), profiled, _ = early_windows_lib.compile_profiled(
+    (executable, hlo_text, _, program), profiled, count = early_windows_lib.compile_profiled(
         counted, lambda result: result[1],
         early_windows_lib.predicted_early_calls(lowered.as_text()))
     compile_s = sum(c[2] for c in compiles)
-    count = len(compiles)
   else:
     (executable, hlo_text, compile_s, program), profiled, count = compile_once({}), (), 1
   return CompiledGpuProgram(

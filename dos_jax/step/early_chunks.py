@@ -233,11 +233,13 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
   new = list(partition_lib.blocks_of(host_tier, len(blocks)))
   parts = split(host_blocks(part, layout.decayed_rows), chunks)
   redo = redo_flag(context.adam_scalars)
-  redo_h = None if redo is None else redo_on_host(redo)
-  # What every region reads, sent to host memory once, outside the calls' contexts.
+  # What every region reads, sent to host memory once, outside the calls' contexts
+  # (the redo flag and the speculated scalars only where early calls speculate).
+  speculates = redo is not None and len(parts) > 1
+  redo_h = redo_on_host(redo) if speculates else None
   threads = dict(num_threads=context.options.host_threads)
   scalars_h = context.host_scalars()
-  speculated_h = context.host_scalars(speculate=True) if redo is not None else None
+  speculated_h = context.host_scalars(speculate=True) if speculates else None
   rows_h = [context.host_row_indices(block[0].shape[0]) for block in new]
   outs, pending, link = [], [], None
 
