@@ -49,6 +49,13 @@ _LIMIT_FLAG = re.compile(rf'--{LIMIT_OPTION}=(\S*)')
 # does the jitting (`jit`, `dataflow.compile_for_gpu`): None elsewhere.
 _compiled_with: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     'dos_jax_async_compute_limit', default=None)
+SCHEDULER_OPTION = 'xla_gpu_enable_latency_hiding_scheduler'
+# Whether the options an enclosing `compiled_with` names turn the scheduler on (None
+# outside one: the options are not known while the step traces).
+_scheduler_told: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    'dos_jax_scheduler_on', default=None)
+_SCHEDULER_FLAG = re.compile(rf'--{SCHEDULER_OPTION}(?:=(\S*))?')
+_warned: set[str] = set()  # the once-per-process warnings given
 
 GPU_COMPILER_OPTIONS: Mapping[str, Any] = types.MappingProxyType({
     'xla_gpu_enable_latency_hiding_scheduler': True,
@@ -121,10 +128,13 @@ def compiled_with(options: Mapping[str, Any] | None) -> Iterator[None]:
   if limit is None:
     limit = xla_flags_async_compute_limit() or XLA_ASYNC_COMPUTE_LIMIT
   token = _compiled_with.set(int(limit))
+  told = _scheduler_told.set(bool((options or {}).get(SCHEDULER_OPTION)) or
+                             scheduler_in_xla_flags())
   try:
     yield
   finally:
     _compiled_with.reset(token)
+    _scheduler_told.reset(told)
 
 
 def compiled_limit() -> int | None:
@@ -159,3 +169,38 @@ def jit(fun: Callable[..., Any], *, compiler_options: Mapping[str, Any] | None =
       return fun(*args, **kwargs)
 
   return jax.jit(traced, compiler_options=options or None, **jit_kwargs)
+
+
+def scheduler_in_xla_flags(flags: str | None = None) -> bool:
+  """Whether `flags` (default: `XLA_FLAGS`) turn on XLA's latency-hiding scheduler.
+
+  >>> scheduler_in_xla_flags('--xla_gpu_enable_latency_hiding_scheduler=true')
+  True
+  >>> scheduler_in_xla_flags('--xla_gpu_enable_latency_hiding_scheduler=false')
+  False
+  """
+  flags = os.environ.get('XLA_FLAGS', '') if flags is None else flags
+  found = _SCHEDULER_FLAG.findall(flags)
+  return bool(found) and found[-1].lower() in ('', 'true', '1')
+
+
+def warn_where_serial(version: str, checked: bool) -> None:
+  """Once per process, one line each: where the step being traced for a GPU has no word
+  that XLA's latency-hiding scheduler will be on (no `jit`, no `compiled_with`, not in
+  `XLA_FLAGS`), and where jax `version`'s schedule of the construction was not
+  `checked` by the compiled tests."""
+  import warnings  # pylint: disable=import-outside-toplevel
+  told = _scheduler_told.get()
+  if told is None and not scheduler_in_xla_flags() and 'scheduler' not in _warned:
+    _warned.add('scheduler')
+    warnings.warn(
+        f'dos_jax: this step is traced for a GPU with no word that XLA\'s latency-hiding '
+        f'scheduler is on: without it the host update, the device update and the gradient '
+        f'copies run one after the other; jit the step with dos_jax.jit, or set '
+        f'--{SCHEDULER_OPTION}=true in XLA_FLAGS', stacklevel=4)
+  if not checked and 'version' not in _warned:
+    _warned.add('version')
+    warnings.warn(
+        f'dos_jax: jax {version} is newer than the versions whose compiled GPU schedule of '
+        f'the step was checked (0.10-0.12): the step is built as for 0.12, and that the '
+        f'device updates run inside a host call\'s window is not known', stacklevel=4)

@@ -201,6 +201,22 @@ def adamw_pallas_rows(state, grad, scalars: AdamWScalars, *, slots: tuple[int, i
                           nesterov=nesterov, config=config, interpret=interpret)
 
 
+def packed_scalars(scalars: AdamWScalars, *, nesterov: bool = False) -> jax.Array:
+  """The f32 vector of one step's AdamW coefficients that the kernel reads."""
+  return adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
+
+
+def adamw_pallas_rows_packed(packed, limit, state, grad, param=None, *, slots, lowp_dtype,
+                             nesterov: bool = False, config: BlockConfig = DEFAULT_CONFIG,
+                             interpret: bool = False):
+  """`adamw_pallas_rows` with its coefficients already packed (`packed_scalars`) and its
+  decay limit an int32 `(1,)` array: every input an operand, so a caller can compute them
+  elsewhere (a GPU stream region on jax 0.12 must hold no constant). Same results."""
+  return _adamw_rows_call(packed, limit, state, grad, param, slots=tuple(slots),
+                          lowp_dtype=None if lowp_dtype is None else jnp.dtype(lowp_dtype),
+                          nesterov=nesterov, config=config, interpret=interpret)
+
+
 def adamw_reference(master, mu, nu, grad, scalars: AdamWScalars, *, decay_limit,
                     lowp_dtype: Any, nesterov: bool = False):
   """Pure-jnp AdamW step on one subgroup's flat rows: the semantics of `adamw_pallas_rows`.

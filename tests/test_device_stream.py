@@ -101,16 +101,19 @@ def test_group_ids_are_numbered_per_traced_program(seed):
   assert len(set(re.findall(r'_scheduling_group_id = "(\d+)"', text))) == 2, text
 
 
-@pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
+@pytest.mark.skipif(device_stream.lowering() is not device_stream.Lowering.IN_REGION,
+                    reason="the staged lowering keeps XLA's update out of stream regions; "
+                    'its lanes are read in the compiled program (tests/test_compiled_*)')
 @pytest.mark.parametrize('limit, flags, jitted_with, expected', [
     (None, '', None, 2), (3, '', None, 3), (None, '3', None, 3), (1, '3', None, 1),
     (None, '', 3, 3), (None, '3', 2, 2), (2, '', 3, 2)])
 def test_the_group_holds_one_lane_fewer_than_the_async_limit(limit, flags, jitted_with,
                                                               expected, seed, monkeypatch):
-  """The host call's scheduling group holds `limit - 1` of the two stream lanes
-  (`lanes.grouped_lanes`): the limit the optimizer is told, else that of the options
-  `dos_jax.jit` compiles the step with, else the one `XLA_FLAGS` sets, else XLA's 2.
-  Every lane is named as the group's (`LANES_ATTRIBUTE`)."""
+  """The step runs as many stream lanes as the host call's scheduling group holds,
+  `limit - 1` of Stride(2)'s two (`lanes.grouped_lanes`), one at least: the limit the
+  optimizer is told, else that of the options `dos_jax.jit` compiles the step with,
+  else the one `XLA_FLAGS` sets, else XLA's 2. Every lane is named as the group's
+  (`LANES_ATTRIBUTE`)."""
   monkeypatch.setenv('XLA_FLAGS', f'--xla_gpu_experimental_parallel_async_compute_limit={flags}'
                      if flags else '--xla_force_host_platform_device_count=8')
   params = jax.device_put(random_tree(seed), jax.devices()[0])
@@ -127,9 +130,10 @@ def test_the_group_holds_one_lane_fewer_than_the_async_limit(limit, flags, jitte
     text = dos_jax.jit(_step(opt), compiler_options=options).trace(
         params, state, grads).lower(lowering_platforms=('cuda',)).as_text()
   streams = _ops_with(text, '_xla_stream_annotation')
-  assert len(streams) == 2, streams  # Stride(2)'s two buffers: two lanes
+  lanes = max(1, min(2, expected - 1))  # Stride(2)'s two buffers, as the group allows
+  assert len(streams) == lanes, streams
   grouped = [op for op in streams if '_scheduling_group_id' in op]
-  assert len(grouped) == min(2, expected - 1), streams
+  assert len(grouped) == min(lanes, expected - 1), streams
   assert all(device_stream.LANES_ATTRIBUTE in op for op in streams), streams
 
 
@@ -147,7 +151,7 @@ def _lanes(monkeypatch, count: int) -> None:
     monkeypatch.setattr(device_stream, 'available', lambda: False)
   elif count:
     monkeypatch.setattr(lanes_lib, 'lane_count',
-                        lambda plan, rows, lanes=0: max(1, min(lanes or count, rows)))
+                        lambda plan, rows, lanes=0, limit=None: max(1, min(lanes or count, rows)))
 
 
 def _step(opt):
@@ -198,10 +202,11 @@ def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, lanes, 
 
 
 @pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
-@pytest.mark.parametrize('lanes, regions', [(0, 2), (1, 1), (2, 2), (3, 3), (50, 0)])
+@pytest.mark.parametrize('lanes, regions', [(0, 1), (1, 1), (2, 2), (3, 3), (50, 0)])
 def test_streamed_rows_go_round_robin_over_the_lanes(lanes, regions, seed, monkeypatch):
-  """One stream region per lane (0: the library's, the plan's 2 buffers), at most one
-  per streamed row (`regions` 0: as many as the plan streams)."""
+  """One stream region per lane (0: the library's, one where the step is traced for
+  XLA's default limit of 2 asynchronous calls in flight), at most one per streamed row
+  (`regions` 0: as many as the plan streams)."""
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   _lanes(monkeypatch, lanes)
   opt = _pair()

@@ -6,29 +6,31 @@ from __future__ import annotations
 from dos_jax.policies import Plan
 from dos_jax.step import device_stream
 
+MAX_LANES = 2  # `dos_jax.step.lanes.MAX_LANES`: one row in flight per lane
+
 
 def regions_by_default(plan: Plan) -> bool:
   """Whether an unsharded state's step runs the streamed rows of `plan` in stream
-  regions: on a jax that builds them, beside host subgroups (the state is stored per
-  subgroup)."""
+  regions: beside host subgroups (the state is stored per subgroup)."""
   return device_stream.available() and bool(plan.host)
 
 
 def streamed_elements_held(plan: Plan, dev_sizes: list[int], *,
                            regions: bool | None = None) -> int:
-  """Elements of streamed state in device memory at once during the update: the
-  stream's `buffers` rows, or, where the step runs the device tiers in stream regions
-  (`device_stream.available()`), every streamed row. XLA keeps each value of an
-  asynchronous computation live until its done (`HloLiveRange`), so a lane's region
-  holds all of its rows; chaining one region per row would need a data edge between
-  grouped calls, which XLA 0.11 rejects ("annotation groups with gaps"; RESULTS.md,
-  2026-11-26, ninth session). `regions`: whether the step runs the rows in stream
-  regions (`dos_jax.stream_regions` says for a built state); None: where this jax
-  builds regions and the plan has host subgroups (an unsharded state)."""
+  """Elements of streamed state in device memory at once during the update. XLA keeps
+  each value of an asynchronous computation live until its done (`HloLiveRange`): where
+  the step runs the device tiers in stream regions holding a lane's rows together
+  (`device_stream.Lowering.IN_REGION`, jax 0.10-0.11) that is every streamed row; where
+  each region holds one row (`STAGED`, jax 0.12), one row per lane; without regions,
+  the stream's `buffers` rows. `regions`: whether the step runs the rows in stream
+  regions (`dos_jax.stream_regions` says for a built state); None: where the plan has
+  host subgroups (an unsharded state)."""
   if not dev_sizes:
     return 0
   if regions is None:
     regions = regions_by_default(plan)
-  if regions:
+  if regions and device_stream.lowering() is device_stream.Lowering.IN_REGION:
     return int(sum(dev_sizes))
+  if regions:
+    return min(plan.buffers, MAX_LANES, len(dev_sizes)) * max(dev_sizes)
   return plan.buffers * max(dev_sizes)

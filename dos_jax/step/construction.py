@@ -13,8 +13,7 @@ def on_two_streams(part, layout, mesh) -> bool:
   """Whether the step runs the host and device halves concurrently by construction
   (`dos_jax.step.lanes`): an accelerator-program state with host subgroups (in memory
   or on disk) and device ones, unsharded or packed shard-major (each device then runs
-  the construction on its own columns), on a jax whose XLA keeps stream regions
-  (`device_stream.available`)."""
+  the construction on its own columns; `device_stream.available`)."""
   return bool(part.split and device_stream.available()
               and (mesh is None or layout.shards > 1)
               and (part.ids(Tier.HOST) or part.disk)

@@ -44,7 +44,6 @@ those of one host call bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +54,7 @@ from dos_jax.geometry.partition import Tier
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
+from dos_jax.step.host_work import HostWork
 from dos_jax.step import paths
 
 
@@ -221,12 +221,12 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
                                         lambda: out)
 
 
-def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, group=None):
+def host_work(context, base_step: paths.RowStep, host_tier: tuple, chunks) -> HostWork:
   """The host tier of a per-subgroup state in host calls as `split(..., chunks)` gives
-  them (see the module docstring); returns (its new arrays, `(out rows on the device, pieces)` per block).
-
-  The last chunk and the redo calls are built inside `device_stream.in_group(group)`
-  (when `group` is not None), for the caller's device tiers to join.
+  them (see the module docstring): the early calls traced now, what runs after the
+  backward pass (the last chunk's blocks, then each early block's redo) as the items of
+  the returned `HostWork`, whose `finish()` gives (the tier's new arrays, `(out rows on
+  the device, pieces)` per block).
   """
   part, layout = context.part, context.layout
   blocks = part.blocks(Tier.HOST)
@@ -241,7 +241,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
   scalars_h = context.host_scalars()
   speculated_h = context.host_scalars(speculate=True) if speculates else None
   rows_h = [context.host_row_indices(block[0].shape[0]) for block in new]
-  outs, pending, link = [], [], None
+  outs, redone, link = [], [], None
 
   def block_args(b):
     """The block's step and its gradient (and param) pieces, sent to host memory."""
@@ -259,6 +259,17 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
     outs.append((out, piece_args['runs']))
     return token
 
+  def redo_item(b, step, state, out, undo, piece_args):
+    def item(link):
+      arrays, again = redo_region(
+          step, context.fused, state=state, out=out, undo=undo, redo=redo, redo_h=redo_h,
+          link=link, **piece_args, scalars_h=scalars_h, **threads)
+      new[b] = paths.put(arrays, paths.HOST)
+      redone.append((again, piece_args['runs']))
+      return again
+    return item
+
+  pending = []
   for index, chunk in enumerate(parts[:-1]):
     with device_stream.early_call(index):
       tokens = []
@@ -270,19 +281,26 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
         state, out, undo, token = speculate_region(
             step, context.fused, stacked=new[b], link=link, **piece_args,
             scalars_h=speculated_h, **threads)
-        pending.append((b, step, state, out, undo, piece_args))
+        pending.append(redo_item(b, step, state, out, undo, piece_args))
         tokens.append(token)
-      link = paths.to_host(sum(zero_of(t) for t in tokens))
+      link = link_after(tokens)
 
-  with device_stream.in_group(group) if group is not None else contextlib.nullcontext():
-    for b in parts[-1]:
-      host_call(b, link, sink=context.host_inputs)
-    redone = []
-    for b, step, state, out, undo, piece_args in pending:
-      arrays, out = redo_region(
-          step, context.fused, state=state, out=out, undo=undo, redo=redo, redo_h=redo_h,
-          link=link, **piece_args, scalars_h=scalars_h, **threads)
-      new[b] = paths.put(arrays, paths.HOST)
-      redone.append((out, piece_args['runs']))
-  outs += [(out(), runs) for out, runs in redone]
-  return tuple(x for block in new for x in block), outs
+  def finish():
+    return (tuple(x for block in new for x in block),
+            outs + [(out(), runs) for out, runs in redone])
+
+  items = [lambda link, b=b: host_call(b, link, sink=context.host_inputs)
+           for b in parts[-1]]
+  return HostWork(items=items + pending, finish=finish, link=link)
+
+
+def link_after(tokens) -> jax.Array:
+  """The link of the host calls after those whose `tokens` are given: an exact zero in
+  host memory computed on the device from every token (a redo's: its out-rows thunk)."""
+  return paths.to_host(sum(zero_of(t() if callable(t) else t) for t in tokens))
+
+
+def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, group=None):
+  """`host_work(...)` traced with its items in one host call in scheduling group
+  `group` (None: in none): (new arrays, `(out rows, pieces)` per block)."""
+  return host_work(context, base_step, host_tier, chunks).run_grouped(group)

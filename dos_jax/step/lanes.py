@@ -18,6 +18,7 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec as P
 
+from dos_jax import compiler_options
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
@@ -26,6 +27,8 @@ from dos_jax.offload import UpdateImpl
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import paths
+from dos_jax.step import host_work as host_work_lib
+from dos_jax.step import stages
 from dos_jax.step import tier_updates
 from dos_jax.step.options import StepOptions
 
@@ -40,47 +43,56 @@ from dos_jax.step.options import StepOptions
 MAX_LANES = 2
 
 
-def lane_count(plan, streamed_rows: int, lanes: int = 0) -> int:
+def lane_count(plan, streamed_rows: int, lanes: int = 0, limit: int | None = None) -> int:
   """How many stream lanes the device tiers run in: `lanes` (0: the plan's `buffers`,
-  at most `MAX_LANES`), at most one per streamed row, one at least."""
-  return max(1, min(lanes or min(plan.buffers, MAX_LANES), streamed_rows))
+  at most `MAX_LANES`), at most one per streamed row and at most `limit` (the lanes the
+  host call's scheduling group may hold, `StepOptions.grouped_lanes`; None: no limit),
+  one at least."""
+  count = lanes or min(plan.buffers, MAX_LANES)
+  if limit is not None:
+    count = min(count, limit)
+  return max(1, min(count, streamed_rows))
 
 
 def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
                            tiers: dict[Tier, tuple], native: bool, options: StepOptions,
-                           host_update=None, barrier: bool = False, sharded_host=None,
+                           host_work=None, barrier: bool = False, sharded_host=None,
                            sharded_disk=None):
   """The accelerator program's tiers, host and device halves concurrent by construction:
   the host tier in host regions and the device tiers (streamed, resident) in stream
-  regions, one per lane (`stream_lanes`), each on a GPU stream of its own, the first
-  `grouped_lanes` in one scheduling group with the host call. Returns
-  (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop does.
-  `host_update(group)`, if given, builds the host tier and puts in the group what
-  should run beside the device tiers (early chunks: the last chunk and the redo).
-  A state sharded shard-major runs the same on each device's columns
-  (`sharded_two_streams`, `sharded_host` making each device's `host_update` and
+  regions, one per lane (`stream_lanes`), each on a GPU stream of its own, laid out as
+  this jax's XLA accepts (`device_stream.lowering`): in one scheduling group with the
+  last host call (`IN_REGION`), or stage by stage, each stage's regions with a host call
+  of their own (`STAGED`, `dos_jax.step.stages`). Returns (new tiers, `(out rows, their
+  pieces)` per block), as the tier-by-tier loop does. `host_work()`, if given, makes the
+  host tier's `HostWork` (early calls, a disk call); by default the host tier in one
+  call. A state sharded shard-major runs the same on each device's columns
+  (`sharded_two_streams`, `sharded_host` making each device's `host_work` and
   `sharded_disk` its disk call; `barrier`: each region's results through an
   optimization barrier, which that needs)."""
+  if jax.default_backend() == 'gpu':
+    compiler_options.warn_where_serial(jax.__version__, device_stream.checked())
   if context.mesh is not None:
     return sharded_two_streams(context, base_step, tiers, native, options, sharded_host,
                                sharded_disk)
-  group = device_stream.next_group()
-  if host_update is not None:
-    host, outs = host_update(group)
-  else:
-    with device_stream.in_group(group):
-      host, outs = context.update_tier(
-          Tier.HOST, base_step, tiers[Tier.HOST],
-          native=native and options.host_impl is UpdateImpl.KERNEL)
+  if host_work is None:
+    host_work = lambda: host_work_lib.of_tier(
+        context, base_step, tiers[Tier.HOST],
+        native and options.host_impl is UpdateImpl.KERNEL)
   part = context.part
+  lanes = stream_lanes(context.plan, part, count=lane_count(
+      context.plan, len(part.ids(Tier.STREAMED)), limit=options.grouped_lanes()))
+  device_native = native and options.device_impl is UpdateImpl.KERNEL
+  if device_stream.lowering() is device_stream.Lowering.STAGED:
+    return stages.update(context, base_step, tiers, host_work(), lanes, native=device_native,
+                         pallas=options.device_impl is UpdateImpl.KERNEL, barrier=barrier)
+  group = device_stream.next_group()
+  host, outs = host_work().run_grouped(group)
   given = {t: partition_lib.blocks_of(tiers[t], len(part.blocks(t)))
            for t in (Tier.STREAMED, Tier.RESIDENT) if part.ids(t)}
-  new_blocks, rows = device_lanes(
-      context, given, base_step=base_step,
-      native=native and options.device_impl is UpdateImpl.KERNEL,
-      lanes=stream_lanes(context.plan, part),
-      group=group,
-      barrier=barrier)
+  new_blocks, rows = device_lanes(context, given, base_step=base_step,
+                                  native=device_native, lanes=lanes, group=group,
+                                  barrier=barrier)
   new_tiers = dict(tiers)
   new_tiers[Tier.HOST] = host
   new_tiers.update({t: tuple(x for block in blocks for x in block)
@@ -112,9 +124,8 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
                   barrier: bool = False):
   """The device tiers' blocks `given`, lane by lane, each lane one stream region, the
   first `grouped_lanes` of them in scheduling group `group` and all of them named as
-  its lanes. Returns ({tier: new blocks}, [((tier, block), out rows)]). With two lanes
-  or more, a row's state enters a lane only once the lane's previous row is back in
-  host memory: the region runs its copies one after another anyway, and XLA then
+  its lanes. Returns ({tier: new blocks}, [((tier, block), out rows)]). A row's state
+  enters a lane only once the lane's previous row is back in host memory: the region runs its copies one after another anyway, and XLA then
   counts one copy in flight for it (`grouped_lanes`; one lane holding two rows in
   flight does not compile under the scheduler alone). `barrier`: each region's
   results through an optimization barrier (inside `shard_map`, read piecewise, they
@@ -130,7 +141,7 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
       for (tier, indices), arrays in zip(work, blocks_in):
         tier_new, tier_outs = local.update_blocks(
             tier, base_step, dict(zip(indices, arrays)), native,
-            in_flight=1 if len(lanes) > 1 else None)
+            in_flight=1)
         new.append([tier_new[b] for b in indices])
         rows.append([tier_outs[b][0] for b in indices])
       return new, rows
@@ -154,9 +165,10 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   """`update_on_two_streams` on each device's own columns, inside `shard_map`: a state
   packed shard-major holds, on device d, exactly the rows one shard's layout packs
   (`layout_lib.local`), so each device runs the unsharded construction on its shards;
-  `host(local context, step, local host tier)`, if given, makes its `host_update` (the
-  early chunks); `disk` (`program._ShardedDisk`), if given, puts each device's disk
-  call in the group (`disk.compose`) and takes the new generation (`disk.done`).
+  `host(local context, step, local host tier)`, if given, makes its `host_work` maker
+  (the early chunks); `disk` (`program._ShardedDisk`), if given, runs each device's disk
+  call after its other host work (`disk.compose`) and takes the new generation
+  (`disk.done`).
   Jit's partitioning would split a stream region into several calls
   (tests/test_compiled_sharded_region.py)."""
   mesh, axis = context.mesh, options.data_axis
@@ -184,13 +196,13 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
     step = dataclasses.replace(base_step, grad_scale=grad_scale[0] if grad_scale else None)
     local_tiers = {t: () for t in TIERS}
     local_tiers.update(zip(names, arrays))
-    host_update = None if host is None else host(local, step, local_tiers[Tier.HOST])
+    host_work = None if host is None else host(local, step, local_tiers[Tier.HOST])
     disk_update = None
     if disk is not None:
-      host_update, disk_update = disk.compose(local, step, host_update,
+      host_work, disk_update = disk.compose(local, step, host_work,
                                               local_tiers[Tier.HOST], gen[0], mesh.axis_names)
     new_tiers, outs = update_on_two_streams(local, step, local_tiers, native, options,
-                                             host_update, barrier=True)
+                                             host_work, barrier=True)
     if disk_update is not None:
       outs, gen = list(outs) + disk_update.outs, (disk_update.gen,)
     pieces[:] = [runs for _, runs in outs]

@@ -9,7 +9,6 @@ inputs and calls it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -32,10 +31,10 @@ from dos_jax.geometry.state import ShardedOver
 from dos_jax.offload import Program
 from dos_jax.offload import UpdateImpl
 from dos_jax.step import construction
-from dos_jax.step import device_stream
 from dos_jax.step import disk_tier
 from dos_jax.step import early_chunks
 from dos_jax.step import fused as fused_lib
+from dos_jax.step import host_work as host_work_lib
 from dos_jax.step import lanes as lanes_lib
 from dos_jax.step import paths
 from dos_jax.step import state_init
@@ -160,47 +159,34 @@ class _DiskUpdate:
 
 class _ShardedDisk:
   """The disk tier inside the sharded construction (`lanes.sharded_two_streams`): on
-  each device, its disk call in its own `shard_map` body, the host call of that
-  device's stream lanes' group; the new generation comes back through `done`, the
-  out rows with the construction's."""
+  each device, its disk call in its own `shard_map` body, run after that device's
+  other host work; the new generation comes back through `done`, the out rows with the
+  construction's."""
 
   def __init__(self, outer: _DiskUpdate, native: bool, axis: str):
     self.outer, self.native, self.axis = outer, native, axis
     self.gen = outer.gen_in
 
-  def compose(self, local, step, host_update, host_tier, gen, axis_names):
-    """`(host update with the disk call in its group, the disk update)` for a device's
-    local context; `host_update` the early calls' (or None)."""
+  def compose(self, local, step, host_work, host_tier, gen, axis_names):
+    """`(the device's host work with its disk call last, the disk update)` for a
+    device's local context; `host_work` the early calls' (or None)."""
     disk = _DiskUpdate(local, step, gen, disk_tier.file_index(local.part, self.axis,
                                                               axis_names))
-    if host_update is not None:
-      return functools.partial(_early_then_disk, host_update, disk), disk
-    return functools.partial(_host_and_disk, local, step, host_tier, self.native, disk), disk
+    work = host_work if host_work is not None else (
+        lambda: host_work_lib.of_tier(local, step, host_tier, self.native))
+    return _then_disk(work, disk), disk
 
   def done(self, new_gen) -> None:
     self.outer.gen, self.outer.outs = new_gen, []
 
 
-def _host_and_disk(context, base_step, host_tier, native: bool, disk: _DiskUpdate,
-                   group: int):
-  """The host tier in memory, then the disk tier, both in scheduling group `group`: the
-  disk call is a host call the device tiers' grouped lanes run beside (all host
-  subgroups on disk, it is the only one). Returns the host tier's `(new, outs)`."""
-  with device_stream.in_group(group):
-    host, outs = (context.update_tier(Tier.HOST, base_step, host_tier, native=native)
-                  if context.part.ids(Tier.HOST) else (host_tier, []))
+def _then_disk(work, disk: _DiskUpdate):
+  """`work` (a `HostWork` maker) with the disk call after it: the disk call, the
+  longest host call, is the one the device tiers' lanes run beside."""
+  def call_disk(link):
+    del link  # the disk call reads its files; it waits for no earlier call
     disk()
-  return host, outs
-
-
-def _early_then_disk(early, disk: _DiskUpdate, group: int | None = None):
-  """The host tier's early calls (`early(None)`: none of them in the group), then the
-  disk call in `group`: the last host call, the longest, is the one the device tiers'
-  lanes run beside. Returns the host tier's `(new, outs)`."""
-  host, outs = early(None)
-  with device_stream.in_group(group) if group is not None else contextlib.nullcontext():
-    disk()
-  return host, outs
+  return lambda: work().then(call_disk)
 
 
 def _update_tiers(context, base_step, state: OffloadedState, native: bool,
@@ -211,30 +197,31 @@ def _update_tiers(context, base_step, state: OffloadedState, native: bool,
   run beside; elsewhere the caller runs it after the others."""
   part, layout, mesh, options = context.part, context.layout, context.mesh, context.options
   run_early = _runs_early(options, part, layout, mesh, native)
-  host_update = None
-  if run_early and mesh is None:  # the host tier in early calls (`step.early_chunks`)
-    host_update = functools.partial(early_chunks.update_host, context, base_step,
-                                    state.tier(Tier.HOST), part.early)
-    if disk is not None:
-      host_update = functools.partial(_early_then_disk, host_update, disk)
-  elif disk is not None and mesh is None:
-    host_update = functools.partial(
-        _host_and_disk, context, base_step, state.tier(Tier.HOST),
-        native and options.host_impl is UpdateImpl.KERNEL, disk)
+  host_native = native and options.host_impl is UpdateImpl.KERNEL
+  host_tier = state.tier(Tier.HOST)
   if construction.on_two_streams(part, layout, mesh):
+    if mesh is None:
+      work = (functools.partial(early_chunks.host_work, context, base_step, host_tier,
+                                part.early) if run_early else
+              functools.partial(host_work_lib.of_tier, context, base_step, host_tier,
+                                host_native))
+      if disk is not None:
+        work = _then_disk(work, disk)
+      return lanes_lib.update_on_two_streams(context, base_step, state.tiers, native,
+                                             options, work)
     sharded_host = sharded_disk = None
-    if run_early and mesh is not None:  # each device's early calls, inside shard_map
+    if run_early:  # each device's early calls, inside shard_map
       sharded_host = lambda local, step, host: functools.partial(
-          early_chunks.update_host, local, step, host, part.early)
-    if disk is not None and mesh is not None:  # each device's disk call, in its group
-      sharded_disk = _ShardedDisk(disk, native and options.host_impl is UpdateImpl.KERNEL,
-                                  options.data_axis)
+          early_chunks.host_work, local, step, host, part.early)
+    if disk is not None:  # each device's disk call, after its other host work
+      sharded_disk = _ShardedDisk(disk, host_native, options.data_axis)
     return lanes_lib.update_on_two_streams(context, base_step, state.tiers, native, options,
-                                           host_update, sharded_host=sharded_host,
+                                           sharded_host=sharded_host,
                                            sharded_disk=sharded_disk)
   new_tiers, outs = dict(state.tiers), []
   if run_early:
-    new_tiers[Tier.HOST], outs = host_update()
+    new_tiers[Tier.HOST], outs = early_chunks.update_host(context, base_step, host_tier,
+                                                          part.early)
   for tier in TIERS:
     if not part.ids(tier) or (run_early and tier is Tier.HOST):
       continue

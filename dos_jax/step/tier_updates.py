@@ -244,7 +244,7 @@ class StepContext:
   def _one_memory_xla(self, step, arrays, ids, runs):
     # The rows are packed where the gradients are and updated where the state is; no
     # op may mix memories, so for a host-memory state the rows go there first.
-    grads, params = self._rows(step, arrays, runs)
+    grads, params = self.device_rows(step, arrays, runs)
     out = jnp.zeros(grads.shape, step.out_dtype)
     on_host = self.part.tier_of(ids[0]) is Tier.HOST
     if on_host:
@@ -292,7 +292,7 @@ class StepContext:
   def streamed(self, step, arrays, ids, runs):
     """The streamed block through the device, in stream order; returns (arrays, out
     rows)."""
-    grads, params = self._rows(step, arrays, runs)
+    grads, params = self.device_rows(step, arrays, runs)
     local = {g: i for i, g in enumerate(ids)}
     order = tuple(local[g] for g in self.plan.streamed if g in local)
     out = jnp.zeros(grads.shape, step.out_dtype)
@@ -301,7 +301,7 @@ class StepContext:
 
   def _resident(self, step, arrays, ids, runs):
     del ids
-    grads, params = self._rows(step, arrays, runs)
+    grads, params = self.device_rows(step, arrays, runs)
     out = jnp.zeros(grads.shape, step.out_dtype)
     return paths.resident_loop(range(arrays[0].shape[0]), self._device_step(step),
                                stacked=arrays, scalars=self.scalars, grads=grads,
@@ -309,7 +309,7 @@ class StepContext:
 
   # What the paths share.
 
-  def _rows(self, step, arrays, runs):
+  def device_rows(self, step, arrays, runs):
     """The block's packed `(R, S)` gradient rows (and fp32 param rows, or None), where
     the gradients are."""
     num_rows, size, shards = arrays[0].shape[0], self.layout.subgroup_size, self.layout.shards

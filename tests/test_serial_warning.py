@@ -1,0 +1,66 @@
+"""The one-line warnings of a step traced for a GPU whose schedule would be serial, or
+whose jax's schedule of the construction the compiled tests have not read
+(`compiler_options.warn_where_serial`)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import dos_jax
+from dos_jax import compiler_options
+from dos_jax.step import device_stream
+
+
+def _trace(jitter=jax.jit):
+  params = jax.device_put({'w': jnp.ones((4, 8)), 'b': jnp.ones(8)}, jax.devices()[0])
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=8,
+                                                    policy=dos_jax.Stride(2), platform='gpu'))
+  state = opt.init(params)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    for _ in range(2):  # traced twice: warned once
+      jitter(opt.update).trace(params, state, params)
+  return [str(w.message) for w in caught if str(w.message).startswith('dos_jax:')]
+
+
+@pytest.fixture(name='on_gpu')
+def _on_gpu(monkeypatch):
+  """The step traced as on a GPU backend, with no warning given yet in this process."""
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  monkeypatch.setattr(compiler_options, '_warned', set())
+  monkeypatch.setenv('XLA_FLAGS', '')
+
+
+def test_a_plain_jit_on_a_gpu_is_told_once_what_runs_serially(on_gpu):
+  del on_gpu
+  messages = _trace()
+  assert len(messages) == 1, messages
+  assert 'latency-hiding scheduler' in messages[0] and 'dos_jax.jit' in messages[0]
+  assert 'xla_gpu_enable_latency_hiding_scheduler=true' in messages[0]
+
+
+@pytest.mark.parametrize('where', ['xla_flags', 'dos_jax_jit'])
+def test_no_warning_where_the_scheduler_is_said_to_be_on(on_gpu, where, monkeypatch):
+  del on_gpu
+  if where == 'xla_flags':
+    monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_enable_latency_hiding_scheduler=true')
+    assert _trace() == []
+  else:
+    assert _trace(dos_jax.jit) == []
+
+
+def test_an_unchecked_jax_is_named_once(on_gpu, monkeypatch):
+  del on_gpu
+  monkeypatch.setattr(device_stream, 'checked', lambda version=None: False)
+  messages = _trace(dos_jax.jit)
+  assert len(messages) == 1 and f'jax {jax.__version__}' in messages[0], messages
+  assert "inside a host call's window" in messages[0]
+
+
+def test_nothing_is_said_on_a_cpu(monkeypatch):
+  monkeypatch.setattr(compiler_options, '_warned', set())
+  monkeypatch.setenv('XLA_FLAGS', '')
+  assert jax.default_backend() == 'cpu'
+  assert _trace() == []
