@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 from typing import Any, Protocol
 
@@ -56,16 +56,21 @@ class Tracker(Protocol):
 def check_installed(cfg) -> None:
   """Raises ConfigError naming the extra of the first tracker whose package is missing."""
   for name in cfg.track.trackers:
-    if name in _NEEDS and importlib.util.find_spec(_NEEDS[name][0]) is None:
-      module, extra = _NEEDS[name]
+    if name not in _NEEDS:
+      continue
+    module, extra = _NEEDS[name]
+    try:
+      importlib.import_module(module)
+    except ImportError:
       raise ConfigError(f'track.trackers: {name!r} needs the {module} package, which is not'
-                        f' installed: pip install "dos_jax[{extra}]"')
+                        f' installed: pip install "dos_jax[{extra}]"') from None
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float | int | bool]:
-  """The scalars of a cleaned record: its numbers and bools, less `step` and `time`."""
+  """The scalars of a cleaned record: its numbers and bools, less `step`, `time` and
+  the summary record's mark."""
   return {k: v for k, v in record.items()
-          if k not in ('step', 'time') and isinstance(v, (int, float, bool))}
+          if k not in ('step', 'time', 'summary') and isinstance(v, (int, float, bool))}
 
 
 def hyperparameters(cfg) -> dict[str, Any]:
