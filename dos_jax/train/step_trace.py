@@ -16,12 +16,14 @@ Example:
   >>> from dos_jax.train import config
   >>> folder = tempfile.mkdtemp()
   >>> cfg = config.load(None, [f'train.out_dir={folder}', 'track.profile_steps=[2, 2]'])
-  >>> trace = StepTrace(cfg)
+  >>> trace, lines = StepTrace(cfg), []
   >>> for step in (1, 2, 3):
   ...   trace.before(step)
   ...   with trace.annotate(step):
   ...     _ = (jnp.ones(4) * step).block_until_ready()
-  ...   trace.after(step)
+  ...   lines.append(trace.after(step))
+  >>> lines == [None, f'step 2: profiler trace in {folder}/profile', None]
+  True
   >>> [trace.traced(s) for s in (1, 2, 3)], len(glob.glob(f'{folder}/profile/**/*.xplane.pb',
   ...                                                      recursive=True))
   ([False, True, False], 1)
