@@ -26,9 +26,13 @@
 #               dos_jax.migrate: compile_gpu.py --early none) and as built (the default)
 #  12. train    `dos-jax train` itself on this GPU: 30 steps of the packaged tiny config,
 #               Stride(2) (the trainer's own path: the one construction)
+#  13. train_trace the runner's own profiler trace (track.profile_steps) of steps 6-7 of a
+#               10-step Stride(2) run, and the host/device overlap in it (trace_overlap.py
+#               on the run's profile/ folder; docs/runner.md says how to read it)
 # Writes under $OUT (default experiments/gpu_check_out/, git-ignored): report.md (each
 # part's output and wall time, a summary table at the end), logs/, update.json,
-# pallas.json, migration.json, early_update.json, trace/ and step.hlo.txt. Exits 1 if any part failed.
+# pallas.json, migration.json, early_update.json, trace/, step.hlo.txt and train_trace/ (the
+# run folder of part 13, its trace in profile/). Exits 1 if any part failed.
 #
 #   bash experiments/gpu_check.sh            # the GPU machine
 #   bash experiments/gpu_check.sh --small    # smoke test on any machine, CPU included:
@@ -45,14 +49,14 @@ SMALL="${DOS_JAX_GPU_CHECK_SMALL:-0}"
 for arg in "$@"; do
   case "$arg" in
     --small|--dry-run) SMALL=1 ;;
-    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
   esac
 done
 
 OUT="${OUT:-experiments/gpu_check_out}"
 mkdir -p "$OUT/logs"
-OUT="$(cd "$OUT" && pwd)"
+OUT="$(cd "$OUT" && pwd)"; export OUT
 REPORT="$OUT/report.md"
 export LOGS="$OUT/logs" REINSTALL="${DOS_JAX_GPU_CHECK_REINSTALL:-0}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -251,6 +255,16 @@ part early_step "11. the runner's step, early host calls off (one host call) and
 part train "12. dos-jax train on this GPU: 30 steps, Stride(2), the one construction" 120 \
   dos-jax train --set train.steps=30 --set train.eval_every=0 --set train.log_every=10 \
   --set offload.policy=stride --set "train.out_dir=$OUT/train"
+train_trace() {  # the runner's trace of two steps, then what overlapped in it
+  rm -rf "$OUT/train_trace"
+  dos-jax train --set train.steps=10 --set train.eval_every=0 --set train.log_every=1 \
+    --set offload.policy=stride --set 'track.profile_steps=[6, 7]' \
+    --set "train.out_dir=$OUT/train_trace" || return 1
+  python3 experiments/trace_overlap.py --trace-dir "$OUT/train_trace/profile"
+}
+export -f train_trace
+part train_trace "13. the runner's profiler trace of steps 6-7 (track.profile_steps) and its overlap" \
+  120 bash -c 'train_trace'
 
 {
   echo; echo "## Summary"; echo

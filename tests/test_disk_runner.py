@@ -10,6 +10,7 @@ import pytest
 
 from dos_jax.kernels import host_adamw_disk
 from dos_jax.train import integrity
+from dos_jax.train import rundir
 from tests.test_faults import _names
 from tests.test_faults import _outcome
 from tests.test_faults import _rows_since_resume
@@ -48,10 +49,17 @@ def test_a_killed_run_with_its_state_on_disk_resumes_exactly(
     proc.communicate(timeout=60)
   assert proc.returncode == -signal.SIGKILL
   names = os.listdir(tmp_path / 'state')
+  assert rundir.STATE_LOCK_FILE in names, names  # the killed run's, left behind
+  names.remove(rundir.STATE_LOCK_FILE)
   assert names and all(n.startswith('sg') for n in names), names
   code, err = _train(dataset, out, capsys, *disk)
   assert code == 0, err[-3000:]
   assert f'resumed from {ckpt_dir} at step' in err, err[-3000:]
+  # Both locks the killed run left are taken over, each in one line naming it.
+  taken = [line for line in err.splitlines() if 'took over the lock left by' in line]
+  assert [line.split(':')[0] for line in taken] == ['train.out_dir', 'offload.disk_dir'], taken
+  assert all(f'pid {proc.pid} on host' in line for line in taken), taken
+  assert not os.path.exists(os.path.join(tmp_path / 'state', rundir.STATE_LOCK_FILE))
   assert _outcome(out) == reference['outcome']
 
 

@@ -3,7 +3,7 @@
 `construction.stream_regions`, the early host calls' rule and order
 (`partition.early_host_calls`, `early_chunks.host_blocks`), the thunk reader
 `dos_jax.dataflow.thunks`, `dos_jax.dataflow.compile_step`, `dos_jax.state_to_files` and the runner's
-`compile_cache`) run as doctests, on the
+`compile_cache`, run-folder lock, trackers and step trace) run as doctests, on the
 CPU backend, as CI runs them. Each example compares with optax (stated tolerance) or
 prints exact values."""
 
@@ -22,11 +22,14 @@ from dos_jax.step import construction
 from dos_jax.step import device_stream
 from dos_jax.step import early_chunks
 from dos_jax.train import compile_cache
+from dos_jax.train import rundir
+from dos_jax.train import step_trace
+from dos_jax.train import trackers
 
 
 @pytest.mark.parametrize('module', [alias, clipping, device_stream, thunks, early_windows,
                                     construction, migration, partition, early_chunks,
-                                    compile_cache, state_files],
+                                    compile_cache, state_files, rundir, trackers, step_trace],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -231,6 +231,63 @@ class TrainConfig:
       )
 
 
+TrackerName = Literal['jsonl', 'tensorboard', 'wandb']
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig:
+  """The Weights & Biases run of the `wandb` tracker (`WANDB_MODE=offline` logs with no
+  network; `wandb sync` uploads later).
+
+  Attributes:
+    project: the W&B project.
+    name: the run's display name; null: the run folder's name.
+    tags: the run's tags.
+  """
+
+  project: str = field('dos_jax', check=NON_EMPTY)
+  name: str | None = field(None, check=NON_EMPTY)
+  tags: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackConfig:
+  """Where a run's metrics go, and which steps a profiler trace records.
+
+  Attributes:
+    trackers: where each metrics record goes, any of 'jsonl' (`train.metrics_file`),
+      'tensorboard' (event files in `<train.out_dir>/tensorboard`, the `tensorboard`
+      extra) and 'wandb' (a W&B run, the `wandb` extra); each gets every scalar at the
+      same step, and the resolved config as hyperparameters.
+    wandb: the W&B run of the 'wandb' tracker.
+    profile_steps: [first, last]: a `jax.profiler` trace of steps first..last (step
+      numbers as in the metrics, both traced) into `<train.out_dir>/profile`; those
+      steps are left out of the run's step times. null: no trace.
+  """
+
+  trackers: tuple[TrackerName, ...] = ('jsonl',)
+  wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+  profile_steps: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    if not self.trackers:
+      raise ValueError("trackers: expected at least one of 'jsonl', 'tensorboard', 'wandb'")
+    twice = [t for i, t in enumerate(self.trackers) if t in self.trackers[:i]]
+    if twice:
+      raise ValueError(f'trackers: {twice[0]!r} is given twice')
+    steps = self.profile_steps
+    if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+      raise ValueError(f'profile_steps: expected [first, last] with 1 <= first <= last,'
+                       f' got {list(steps)}')
+
+  @property
+  def profiled(self) -> range:
+    """The step numbers traced (empty without `profile_steps`)."""
+    if self.profile_steps is None:
+      return range(0)
+    return range(self.profile_steps[0], self.profile_steps[1] + 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """Everything `dos-jax train` needs; each section documents its fields."""
@@ -242,6 +299,7 @@ class RunConfig:
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  track: TrackConfig = dataclasses.field(default_factory=TrackConfig)
 
   def __post_init__(self):
     if self.data.seq_len > self.model.max_seq_len:
@@ -264,6 +322,11 @@ class RunConfig:
           f'train.microbatches: {self.train.microbatches} needs mesh.pipeline > 1'
           ' (microbatches feed pipeline stages; there is no gradient accumulation)'
       )
+
+    if self.track.profile_steps is not None and self.track.profile_steps[0] > self.train.steps:
+      raise ValueError(
+          f'track.profile_steps: first step {self.track.profile_steps[0]} is past'
+          f' train.steps ({self.train.steps}); nothing would be traced')
 
   @property
   def checkpoint_dir(self) -> str:

@@ -28,12 +28,14 @@ from dos_jax.train import data as data_lib
 from dos_jax.train import placement as placement_lib
 from dos_jax.train import resume as resume_lib
 from dos_jax.train import rundir
+from dos_jax.train import step_trace
 from dos_jax.train import step as step_lib
 from dos_jax.train import optimizer as optimizer_lib
+from dos_jax.train import trackers as trackers_lib
 from dos_jax.train import trainer as trainer_lib
 from dos_jax.train.config import RunConfig
-from dos_jax.train.configlib import to_dict
-from dos_jax.train.progress import MetricsLog, Progress, rate
+from dos_jax.train.configlib import ConfigError, to_dict
+from dos_jax.train.progress import Progress, rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,15 +142,18 @@ def train(
 ) -> Summary:
   """Trains (or resumes) the run `cfg` describes; returns its summary.
 
-  The run holds its folder's lock (`rundir.RunLock`) from before it builds anything
-  until it returns, so a second run on the folder stops at once.
+  The run holds its folder's lock (`rundir.RunLock`), and its disk tier's state
+  folder's (`offload.disk_dir`), from before it builds anything until it returns, so a
+  second run on either folder stops at once.
 
   Raises:
     ConfigError: a mistake in `cfg` found against the machine or the files, or a resume
       that would change the model or the data stream (nothing has been written then).
-    RunLocked: another run holds the folder (a ConfigError; nothing has been written).
+    RunLocked: another run holds the run folder or the state folder (a ConfigError;
+      nothing has been written).
     SaveFailed: a checkpoint could not be written (its temporary files are removed).
   """
+  trackers_lib.check_installed(cfg)
   rundir.check(cfg)
   birth = rundir.Birth(cfg)
   try:
@@ -157,7 +162,18 @@ def train(
     birth.undo()
     raise rundir.created_error(err, cfg) from None
   # On RunLocked nothing is undone: what looked new may be the other run's by now.
+  state_lock = None
   try:
+    try:
+      state_lock = rundir.lock_state(cfg)
+    except OSError as err:
+      where = err.filename or cfg.offload.disk_dir
+      raise ConfigError(f'offload.disk_dir: cannot write {where}'
+                        f' ({err.strerror or type(err).__name__})') from None
+    for held in (lock, state_lock):
+      line = held.taken_over() if held is not None else None
+      if line is not None:
+        print(line, file=stream if stream is not None else sys.stderr)
     return _train(cfg, birth, devices=devices, stream=stream)
   except BaseException:
     # A run that ends before any checkpoint exists leaves nothing half-made behind.
@@ -165,8 +181,10 @@ def train(
       birth.undo()
     raise
   finally:
+    if state_lock is not None:
+      state_lock.release()
     lock.release()
-    birth.remove_empty()  # Folders made only for the lock (e.g. nothing to do).
+    birth.remove_empty()  # Folders made only for the locks (e.g. nothing to do).
 
 
 def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device] | None,
@@ -195,8 +213,12 @@ def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device]
   checkpointer = _open_run_dir(cfg, birth, stream)
   step = resume_lib.restore(cfg, checkpointer, trainer, sampler, latest=latest,
                             verified=verified, skipped=skipped, stream=stream)
-  run = _Run(cfg, trainer, sampler, checkpointer, schedule, run_id, step=step,
-             last_saved=latest, stream=stream)
+  try:
+    run = _Run(cfg, trainer, sampler, checkpointer, schedule, run_id, step=step,
+               last_saved=latest, stream=stream)
+  except BaseException:  # A tracker that could not start (e.g. wandb without a server).
+    checkpointer.close()
+    raise
   summary = run.train(birth)
   # A run stopped by a non-finite value fails (exit 1): its line reads as the CLI's errors.
   prefix = 'dos-jax: error: ' if summary.nonfinite_step is not None else ''
@@ -222,9 +244,14 @@ def _open_run_dir(cfg: RunConfig, birth: rundir.Birth, stream: TextIO) -> ckpt_l
   where = os.path.abspath(cfg.train.out_dir)
   elsewhere = '' if os.path.abspath(cfg.checkpoint_dir).startswith(where + os.sep) else (
       f', checkpoints in {os.path.abspath(cfg.checkpoint_dir)}')
-  print(f'run directory: {where} (config.yaml, {cfg.train.metrics_file}{elsewhere})',
-        file=stream)
+  tracked = ', '.join(_TRACKER_OUTPUT[name].format(metrics=cfg.train.metrics_file)
+                      for name in cfg.track.trackers)
+  print(f'run directory: {where} (config.yaml, {tracked}{elsewhere})', file=stream)
   return checkpointer
+
+
+_TRACKER_OUTPUT = {'jsonl': '{metrics}', 'tensorboard': trackers_lib.TENSORBOARD_DIR + '/',
+                   'wandb': trackers_lib.WANDB_DIR + '/'}
 
 
 @dataclasses.dataclass
@@ -239,11 +266,12 @@ class _Timing:
   split_steps: int = 0  # Every split step, compiled or not.
   last_update_s: float = math.nan  # The latest measured update phase, for the progress line.
 
-  def add(self, result) -> None:
+  def add(self, result, *, traced: bool = False) -> None:
+    """Counts a step; one that compiled or ran under the profiler is not timed."""
     if result.split:
       self.split_steps += 1
       self.last_update_s = result.update_s
-    if not result.compiled:
+    if not result.compiled and not traced:
       self.steps += 1
       self.total += result.step_s
       if result.split:
@@ -263,10 +291,11 @@ class _Run:
     # update times; for fixed ones the plan stays None and the optimizer applies its own.
     self.placement = placement_lib.PlanDriver(cfg.offload.placement, trainer.opt_state)
     # Records past the resumed step belong to work that was lost: they are dropped, and a
-    # marker record says where the file continues (see MetricsLog). Only process 0
-    # writes them.
-    self.metrics = MetricsLog(cfg.metrics_path if jax.process_index() == 0 else os.devnull,
-                              resume_step=step)
+    # marker record says where the metrics continue (see MetricsLog and trackers). Only
+    # process 0 writes them.
+    self.metrics = trackers_lib.open_trackers(cfg, resume_step=step,
+                                              process_index=jax.process_index())
+    self.trace = step_trace.StepTrace(cfg, process_index=jax.process_index())
     self.progress = Progress(cfg.train.steps, start_step=step, every=cfg.train.log_every,
                              stream=stream)
     self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -291,6 +320,9 @@ class _Run:
       summary = self._finish()
       succeeded = True
     finally:
+      line = self.trace.stop(self.step)  # A run that stopped inside the traced steps.
+      if line is not None:
+        self.progress.message(line)
       self.progress.close()
       try:
         self.checkpointer.close()
@@ -346,23 +378,32 @@ class _Run:
   def _one_step(self) -> bool:
     """Runs one step and records it; False when the run must stop (`self.bad`)."""
     cfg = self.cfg
-    result = self.trainer.step(next(self.sampler), plan=self.placement.plan,
-                               split=self._split(self.step + 1))
-    self.step = step = self.step + 1
-    placement_metrics = self.placement.observe(step, result.update_s)
+    step = self.step + 1
+    traced = self.trace.traced(step)
+    self.trace.before(step)
+    with self.trace.annotate(step):
+      result = self.trainer.step(next(self.sampler), plan=self.placement.plan,
+                                 split=self._split(step))
+    traced_line = self.trace.after(step)
+    self.step = step
+    # A traced step's times include the profiler's work: no policy learns from them.
+    placement_metrics = self.placement.observe(step, None if traced else result.update_s)
     self.loss = result.loss
-    self.timing.add(result)
+    self.timing.add(result, traced=traced)
     self.progress.update(
         step, loss=self.loss, tokens_per_s=self.tokens_per_step / result.step_s,
-        step_s=result.step_s, update_s=self.timing.last_update_s, compiled=result.compiled,
+        step_s=result.step_s, update_s=self.timing.last_update_s,
+        compiled=result.compiled or traced,
     )
+    if traced_line is not None:
+      self.progress.message(traced_line)
     finite = math.isfinite(self.loss) and math.isfinite(result.grad_norm)
     speculation = self._speculation(result)
     moved = {'migrate_s': result.migrate_s} if result.migrate_s else {}
     if moved:  # A plan change: rare, so always on record.
       self.progress.message(f'step {step}: state moved to the new plan in'
                             f' {result.migrate_s:.3f} s')
-    if self._logged(step) or not finite or moved:
+    if self._logged(step) or not finite or moved or traced:
       # grad_s and update_s are null on a fused step (no phases of its own).
       self.metrics.write({
           'step': step, 'loss': self.loss, 'grad_norm': result.grad_norm,
@@ -370,7 +411,7 @@ class _Run:
           'tokens_per_s': self.tokens_per_step / result.step_s,
           'step_s': result.step_s, 'split': result.split, 'grad_s': result.grad_s,
           'update_s': result.update_s, 'time': time.time(), **placement_metrics,
-          **speculation, **moved,
+          **speculation, **moved, **({'profiled': True} if traced else {}),
       })
     if not finite:  # The params now hold the bad update: never save them.
       self.bad = _NonFinite(step, f'loss {self.loss}, grad_norm {result.grad_norm}')

@@ -131,8 +131,7 @@ class MetricsLog:
       self.write({'resumed_from': resume_step, 'time': time.time()})
 
   def write(self, record: dict[str, Any]) -> None:
-    clean = {k: _jsonable(v) for k, v in record.items()}
-    self._file.write(json.dumps(clean, sort_keys=False) + '\n')
+    self._file.write(json.dumps(clean(record), sort_keys=False) + '\n')
     self._file.flush()
 
   def close(self) -> None:
@@ -170,6 +169,12 @@ def _truncate_after(path: str, step: int) -> None:
   if not newline:  # A whole last record without its newline: finish the line.
     with open(path, 'ab') as f:
       f.write(b'\n')
+
+
+def clean(record: dict[str, Any]) -> dict[str, Any]:
+  """A record as `metrics.jsonl` holds it: numbers as floats (non-finite ones as None),
+  ints, bools, strings and None as they are, anything else as its text."""
+  return {k: _jsonable(v) for k, v in record.items()}
 
 
 def _jsonable(value: Any) -> Any:
