@@ -158,3 +158,26 @@ KNOWN_REGRESSIONS = {
     'tests/test_compiled_fsdp.py::test_the_prediction_is_within_10_percent_for_more_fsdp_'
     'shapes[fsdp4 L4 s64 b32]': _FEW_TOKENS,
 }
+
+
+def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
+  """`(host calls, stream calls updating device rows)` the accelerator-program step of
+  `state` compiles to under the lowering this jax gets (`device_stream.lowering`), traced
+  for `limit` asynchronous calls in flight: one host call per early call and the last
+  (`IN_REGION`), or per early call and per stage (`STAGED`, `step.stages.layout`), and one
+  stream call per lane (per lane and stage, and per row run after the stages)."""
+  from dos_jax.geometry.partition import Tier  # pylint: disable=import-outside-toplevel
+  from dos_jax.step import device_stream, early_chunks, lanes as lanes_lib, stages  # pylint: disable=import-outside-toplevel
+  part = state.partition
+  streamed = len(part.ids(Tier.STREAMED))
+  lanes = lanes_lib.stream_lanes(part.plan, part, count=lanes_lib.lane_count(
+      part.plan, streamed, limit=max(0, limit - 1)))
+  early = len(part.early)
+  if device_stream.lowering() is device_stream.Lowering.IN_REGION:
+    return early + 1, len(lanes)
+  parts = early_chunks.split(early_chunks.host_blocks(part), part.early)
+  items = (len(parts[-1]) + (sum(len(p) for p in parts[:-1]) if clip and early else 0)
+           + (1 if part.disk else 0))
+  layout = stages.layout(lanes, items)
+  regions = sum(1 for stage in layout.grouped for rows in stage if rows)
+  return early + len(layout.grouped), regions + sum(len(rows) for rows in layout.after)

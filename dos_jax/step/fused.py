@@ -384,12 +384,17 @@ class DeviceKernelStep:
     decay_limit = jnp.where(index < self.step.decayed_rows, size, 0).astype(jnp.int32)
     lowp_dtype = self.step.out_dtype if self.step.has_master else None
 
+    # The kernel's coefficients and decay limit are made here, outside the platform
+    # branches, as the staged lowering makes them outside its stream regions
+    # (`step.stages`): both lowerings compute them in the same XLA computation, so their
+    # numbers agree bit for bit.
+    packed = pallas_adamw.packed_scalars(adam_scalars, nesterov=self.fused.nesterov)
+    limit = jnp.reshape(decay_limit, (1,))
+
     def kernel(interpret):
-      # The scalars are closed over: Python floats among them must stay Python floats.
-      return lambda block, grad, param: pallas_adamw.adamw_pallas_rows(
-          block, grad, adam_scalars, slots=slots, decay_limit=decay_limit,
-          lowp_dtype=lowp_dtype, param=param, nesterov=self.fused.nesterov,
-          interpret=interpret)
+      return lambda block, grad, param: pallas_adamw.adamw_pallas_rows_packed(
+          packed, limit, block, grad, param, slots=slots, lowp_dtype=lowp_dtype,
+          nesterov=self.fused.nesterov, interpret=interpret)
 
     # Triton where the program is lowered for a GPU, the Pallas interpreter where it
     # runs on a CPU backend: each platform lowers only its own branch. The block is

@@ -170,7 +170,11 @@ class _Kernel:
     context, step = self.context, self.base_step
     inputs = [self._row_inputs(tier, b, arrays) for (tier, b), arrays in zip(rows, blocks_in)]
     packed = pallas_adamw.packed_scalars(context.adam_scalars, nesterov=context.fused.nesterov)
-    packed, inputs = jax.lax.optimization_barrier((packed, inputs))
+    # The decay limits are constants: through a barrier, XLA cannot fold them in. (The
+    # coefficients derive from the step count; they pass as they are, computed as the
+    # other lowering computes them.)
+    limits = jax.lax.optimization_barrier([limit for _, _, limit in inputs])
+    inputs = [(grad, param, limit) for (grad, param, _), limit in zip(inputs, limits)]
     tiers = [tier for tier, _ in rows]
     slots = fused_lib.slot_rows(step.slots, step.has_master)
     lowp = step.out_dtype if step.has_master else None
