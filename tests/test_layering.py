@@ -62,10 +62,10 @@ _RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 def _source_roots() -> dict[str, pathlib.Path]:
   """Package name -> directory: `dos_jax`, and `dos_jax.kernels` where it lies apart
   (kernels/ in the repository, installed as `dos_jax.kernels`)."""
-  roots = {'dos_jax': pathlib.Path(dos_jax.__file__).parent}
+  roots = {'dos_jax': pathlib.Path(dos_jax.__file__).parent.resolve()}
   spec = importlib.util.find_spec('dos_jax.kernels')
   for location in spec.submodule_search_locations or ():
-    path = pathlib.Path(location)
+    path = pathlib.Path(location).resolve()  # a checkout may link dos_jax/kernels there
     if roots['dos_jax'] not in path.parents:
       roots['dos_jax.kernels'] = path
   return roots
