@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Sequence
 import jax.numpy as jnp
 
 from dos_jax.step import paths
-from dos_jax.step.fused import FusedAdamW
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step.fused import slot_rows
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.offload import Program
@@ -51,7 +51,7 @@ _GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def capability(kernel: Kernel, fused: FusedAdamW | None, step: paths.RowStep,
+def capability(kernel: Kernel, fused: AdamWHyperparams | None, step: paths.RowStep,
                program: Program, grad_leaves: Sequence[Any] = ()) -> Capability:
   """Whether `kernel` can update the rows of `step` in `program`.
 
@@ -86,7 +86,7 @@ def _pallas(step: paths.RowStep, program: Program) -> Capability:
   return _adamw_layout(step)
 
 
-def _native_host(fused: FusedAdamW, step: paths.RowStep, program: Program,
+def _native_host(fused: AdamWHyperparams, step: paths.RowStep, program: Program,
                  grad_leaves: Sequence[Any]) -> Capability:
   if fused.nesterov:
     # The kernel rounds Nesterov's sum an ulp apart from XLA's program in a few

@@ -1,17 +1,10 @@
-"""The host path of `dos_jax.adamw` as one call of the native host AdamW per step.
+"""The native host AdamW's and the Pallas AdamW's call sites in the step: the host tier
+in one native call per step (`kernels.host_adamw_rows`), in place, multi-threaded over
+all host elements, and the device rows one Pallas call each (`kernels.pallas_adamw`).
 
-`paths.host_update` runs the wrapped optax transforms row by row in an XLA loop; that
-is general (any element-wise chain) but, to stay in place, XLA materializes each new
-row behind an optimization barrier, which makes it several times slower than
-`jax.jit(optax.adamw)` on a CPU. When the transform is known to be AdamW, its
-hyperparameters are handed to the core as a `FusedAdamW` and `host_update` here
-updates every host row with one call of the native host AdamW
-(`kernels.host_adamw_rows`), in place, multi-threaded over all host elements.
-
-The step's scalars come from the wrapped transforms themselves: their update is run on
-zero-length rows once per step (`paths.scalar_update`, read by `step_scalars`), so the
-step counts advance exactly as on the XLA path, and the bias corrections and learning
-rate are computed from the same counts with optax's expressions. Results are bit-identical to the XLA path.
+Their scalars are `AdamWHyperparams.scalars` of the step's scalar state, computed once
+per step (`step_scalars`), with optax's expressions: results are bit-identical to the
+XLA path, which runs `AdamWHyperparams.chain()` row by row.
 """
 
 from __future__ import annotations
@@ -22,47 +15,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
-from optax._src import numerics
 
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.step import paths
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FusedAdamW:
-  """AdamW's hyperparameters, for a fused update of the chain `dos_jax.adamw` builds:
-  `(scale_by_adam, decay_where_row, scale_by_learning_rate)`, in that order.
-
-  Values may be Python floats or (under `optax.inject_hyperparams`) arrays; the
-  learning rate may be a schedule.
-  """
-
-  learning_rate: optax.ScalarOrSchedule
-  b1: Any = 0.9
-  b2: Any = 0.999
-  eps: Any = 1e-8
-  eps_root: Any = 0.0
-  weight_decay: Any = 1e-4
-  nesterov: bool = False
-  mu_dtype: Any = None
-
-  def scalars(self, inner_state, new_inner_state) -> AdamWScalars:
-    """The step's `AdamWScalars` from the chain's state before and after the step."""
-    count = new_inner_state[0].count  # scale_by_adam's safe_increment(count)
-    if callable(self.learning_rate):
-      # scale_by_schedule evaluates the schedule at the count before the step.
-      lr = self.learning_rate(inner_state[2].count)
-    else:
-      lr = self.learning_rate
-    # optax.tree.bias_correction: `1 - decay**count` with the incremented count.
-    return AdamWScalars(
-        lr=lr, b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,
-        weight_decay=self.weight_decay, bc1=1 - self.b1**count, bc2=1 - self.b2**count,
-        bc1_next=(1 - self.b1**numerics.safe_increment(count)) if self.nesterov else None)
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 
 
 def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] | None:
@@ -81,14 +40,12 @@ def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] 
   return (master[1] if has_master else -1, mu[1], nu[1])
 
 
-def step_scalars(fused: FusedAdamW, step: paths.RowStep,
+def step_scalars(fused: AdamWHyperparams, step: paths.RowStep,
                  scalar_update: tuple[Any, Any, tuple]) -> AdamWScalars:
-  """The step's `AdamWScalars`, read from the wrapped transforms' scalar update
-  (`paths.scalar_update`) as AdamW's step count and schedule value, with the step's
-  gradient scale (the clip factor) folded in. Computed once per step; every kernel
-  call of the step takes it."""
-  inner_state, new_inner, _ = scalar_update
-  adam_scalars = fused.scalars(inner_state, new_inner)
+  """The step's `AdamWScalars`, from the scalar state before the step (the first of
+  `paths.scalar_update`'s results), with the step's gradient scale (the clip factor)
+  folded in. Computed once per step; every kernel call of the step takes it."""
+  adam_scalars = fused.scalars(scalar_update[0])
   if step.grad_scale is not None:
     adam_scalars = dataclasses.replace(adam_scalars, grad_scale=step.grad_scale)
   return adam_scalars
@@ -125,7 +82,7 @@ class Leaves:
   offsets: tuple[int, ...]
 
 
-def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+def host_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
                 adam_scalars: AdamWScalars, leaves: Leaves, resident: bool,
                 num_threads: int | None = None):
   """Every row of a one-memory (CPU program) state in one native call; returns
@@ -148,7 +105,7 @@ def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
   return (jax.device_put(new_state, space),), out
 
 
-def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+def sharded_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
                    adam_scalars: AdamWScalars, grads, params, mesh, data_axis: str,
                    resident: bool, num_threads: int | None = None):
   """One-memory (CPU program) state sharded over `data_axis` (ZeRO-1): the native call
@@ -185,7 +142,7 @@ def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
   return (jax.device_put(new_state, space),), out
 
 
-def region_kernel_args(step: paths.RowStep, fused: FusedAdamW, runs,
+def region_kernel_args(step: paths.RowStep, fused: AdamWHyperparams, runs,
                        num_threads: int | None) -> dict:
   """The native host AdamW's arguments for a block's host region: its pieces' offsets in
   the block's rows, the slots, its decayed rows, nesterov and the thread count."""
@@ -203,7 +160,7 @@ def region_kernel_args(step: paths.RowStep, fused: FusedAdamW, runs,
 STATE_RESULT_PLATFORMS = ('cpu',)
 
 
-def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars_h,
+def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked, scalars_h,
                        rows_h, grad_pieces, param_pieces, runs,
                        num_threads: int | None = None, inputs_sink: list | None = None,
                        link=None):
@@ -275,7 +232,7 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scala
   return (new_state,), out, token
 
 
-def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+def sharded_host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
                                adam_scalars: AdamWScalars, grad_rows, param_rows, mesh,
                                data_axis: str, num_threads: int | None = None,
                                inputs_sink: list | None = None):
@@ -341,7 +298,7 @@ class DeviceKernelStep:
   """
 
   step: paths.RowStep
-  fused: FusedAdamW
+  fused: AdamWHyperparams
   adam_scalars: AdamWScalars
   new_scalars: tuple
   # A shard-major state (ZeRO-3, `layout.Layout.shards`): the mesh and the axis its rows
@@ -405,7 +362,7 @@ class DeviceKernelStep:
     return (new_block,), self.new_scalars, out_row
 
 
-def device_step(fused: FusedAdamW, step: paths.RowStep, adam_scalars: AdamWScalars,
+def device_step(fused: AdamWHyperparams, step: paths.RowStep, adam_scalars: AdamWScalars,
                 new_scalars: tuple, mesh: Any = None,
                 axis: str | None = None) -> DeviceKernelStep:
   """The Pallas row update; per shard of `mesh`'s `axis` when given (see

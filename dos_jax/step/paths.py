@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,17 @@ from jax.experimental import compute_on as _compute_on_mod
 
 from dos_jax.geometry import slots as slots_lib
 
-RowUpdate = Callable[..., tuple[jax.Array, Any]]
+
+
+class RowUpdate(Protocol):
+  """The wrapped transforms' update of one subgroup row, and of their scalar state."""
+
+  def __call__(self, grad_row, state_row, param_row, decayed) -> tuple[jax.Array, Any]:
+    """`(update_row, new_state_row)`: the update of one row (`decayed`: whether the row
+    holds weight-decayed leaves)."""
+
+  def advance(self, inner_state, state_dtype) -> Any:
+    """The state after one step, as far as its scalar leaves go (the rest unread)."""
 
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
@@ -154,14 +164,14 @@ def scalar_update(step: RowStep, scalars: tuple) -> tuple[Any, Any, tuple]:
   scalar leaves: `(inner state, new inner state, new scalars)`.
 
   Every row's update computes the same new scalars from the same pre-step values, so
-  they are computed once per step, outside the paths, by running the wrapped update on
-  zero-length rows; no path hands them to another.
+  they are computed once per step, outside the paths, by the row update's `advance`
+  (see `RowUpdate`); no path hands them to another. The state's per-element leaves
+  are zero-length here: only its scalar leaves are read.
   """
   empty = tuple(jnp.zeros((n, 0), dtype) for n, dtype in
                 zip(step.slots.group_sizes, step.slots.groups))
   master, inner_state = slots_lib.join(empty, scalars, step.slots, axis=0)
-  zero = jnp.zeros((0,), step.state_dtype)
-  _, new_inner = step.row_update(zero, inner_state, zero, True)
+  new_inner = step.row_update.advance(inner_state, step.state_dtype)
   _, new_scalars = slots_lib.split((master, new_inner), step.slots, axis=0)
   new_scalars = tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
   return inner_state, new_inner, new_scalars

@@ -27,6 +27,7 @@ from dos_jax.step import fused as fused_lib
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.step import paths
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step.options import StepOptions
 from dos_jax.capability import Kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
@@ -78,7 +79,7 @@ class StepContext:
   plan: Plan
   options: StepOptions  # what the step needs of `Offload`
   program: Program
-  fused: fused_lib.FusedAdamW | None
+  fused: AdamWHyperparams | None
   grad_leaves: list[Any]
   param_leaves: list[Any] | None  # only for fp32 params (no master)
   grad_dtype: Any
