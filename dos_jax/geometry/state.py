@@ -25,7 +25,7 @@ import numpy as np
 
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
-from dos_jax.step import paths
+from dos_jax import memory_spaces
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.partition import Tier
@@ -161,7 +161,7 @@ def to_memory(x: jax.Array, tier: Tier) -> jax.Array:
   keeping its sharding: by memory space under a trace, by memory kind eagerly."""
   resident = tier is Tier.RESIDENT
   if isinstance(x, jax.core.Tracer):
-    return jax.device_put(x, paths.DEVICE if resident else paths.HOST)
+    return jax.device_put(x, memory_spaces.DEVICE if resident else memory_spaces.HOST)
   return jax.device_put(x, x.sharding.with_memory_kind(tier.memory_kind))
 
 

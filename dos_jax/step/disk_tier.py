@@ -33,6 +33,7 @@ from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_disk
 from dos_jax.step import disk_files
 from dos_jax.step import fused as fused_lib
+from dos_jax import memory_spaces
 from dos_jax.step import paths
 
 
@@ -222,9 +223,9 @@ def _in_host_region(kernel, args, base_step: paths.RowStep):
   """`kernel(*args)` (`(out rows, new generation)`) in a host region of the accelerator
   program, its inputs sent to host memory, its results back to the device through
   `_as_bits`."""
-  bits = paths.put(paths.host_region(lambda *a: _as_bits(kernel(*a)),
-                                     out_spaces=(paths.HOST, paths.HOST))(
-                                         *paths.to_host(args)), paths.DEVICE)
+  bits = memory_spaces.put(memory_spaces.host_region(lambda *a: _as_bits(kernel(*a)),
+                                     out_spaces=(memory_spaces.HOST, memory_spaces.HOST))(
+                                         *memory_spaces.to_host(args)), memory_spaces.DEVICE)
   dtypes = (jnp.dtype(base_step.out_dtype), jnp.dtype(jnp.int32))
   return tuple(jax.lax.bitcast_convert_type(x, d) for x, d in zip(bits, dtypes))
 

@@ -55,6 +55,7 @@ from dos_jax.geometry.partition import Tier
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
+from dos_jax import memory_spaces
 from dos_jax.step import paths
 
 
@@ -118,7 +119,7 @@ def redo_on_host(redo) -> jax.Array:
   """The redo flag as the redo kernel reads it: an int32 `(1,)` in host memory.
   Computed once per step before the scheduling group (a device op inside it would
   carry the group's annotation, and XLA keeps a group for asynchronous ops alone)."""
-  return paths.to_host(jnp.reshape(redo, (1,)).astype(jnp.int32))
+  return memory_spaces.to_host(jnp.reshape(redo, (1,)).astype(jnp.int32))
 
 
 def _rows_after(rows_h, link):
@@ -154,15 +155,15 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
   args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h, link)
 
   def in_place(*args):
-    out_h, token = paths.host_region(
-        lambda *a: run(*a, in_place=True), out_spaces=(paths.HOST, paths.DEVICE))(*args)
-    return args[0], paths.put(out_h, paths.DEVICE), args[0], token
+    out_h, token = memory_spaces.host_region(
+        lambda *a: run(*a, in_place=True), out_spaces=(memory_spaces.HOST, memory_spaces.DEVICE))(*args)
+    return args[0], memory_spaces.put(out_h, memory_spaces.DEVICE), args[0], token
 
   def with_result(*args):
-    new_state, out_h, token = paths.host_region(
+    new_state, out_h, token = memory_spaces.host_region(
         lambda *a: run(*a, in_place=False),
-        out_spaces=(paths.HOST, paths.HOST, paths.DEVICE))(*args)
-    return new_state, paths.put(out_h, paths.DEVICE), args[0], token
+        out_spaces=(memory_spaces.HOST, memory_spaces.HOST, memory_spaces.DEVICE))(*args)
+    return new_state, memory_spaces.put(out_h, memory_spaces.DEVICE), args[0], token
 
   branches = {p: with_result for p in fused_lib.STATE_RESULT_PLATFORMS}
   return jax.lax.platform_dependent(*args, **branches, default=in_place)
@@ -197,7 +198,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
           state, grad_pieces, param_pieces, rows_h, join(arrays_h), redo=redo_h,
           lowp_dtype=step.out_dtype, **kernel_args)
 
-    again = paths.host_region(run, out_spaces=paths.DEVICE)(
+    again = memory_spaces.host_region(run, out_spaces=memory_spaces.DEVICE)(
         state, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jax.lax.optimization_barrier((state, again))
 
@@ -209,7 +210,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
           undo, grad_pieces, param_pieces, rows_h, join(arrays_h), lowp_dtype=step.out_dtype,
           **kernel_args)
 
-    again_state, again = paths.host_region(run, out_spaces=(paths.HOST, paths.DEVICE))(
+    again_state, again = memory_spaces.host_region(run, out_spaces=(memory_spaces.HOST, memory_spaces.DEVICE))(
         undo, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jnp.where(redo_h[0] != 0, again_state, state), again
 
@@ -217,7 +218,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
   state, again = jax.lax.platform_dependent(
       state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link,
       **branches, default=in_place)
-  return (state,), lambda: jax.lax.cond(redo, lambda: paths.put(again, paths.DEVICE),
+  return (state,), lambda: jax.lax.cond(redo, lambda: memory_spaces.put(again, memory_spaces.DEVICE),
                                         lambda: out)
 
 
@@ -255,7 +256,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
     arrays, out, token = fused_lib.host_region_update(
         step, context.fused, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
         scalars_h=scalars_h, **threads)
-    new[b] = paths.put(arrays, paths.HOST)
+    new[b] = memory_spaces.put(arrays, memory_spaces.HOST)
     outs.append((out, piece_args['runs']))
     return token
 
@@ -272,7 +273,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
             scalars_h=speculated_h, **threads)
         pending.append((b, step, state, out, undo, piece_args))
         tokens.append(token)
-      link = paths.to_host(sum(zero_of(t) for t in tokens))
+      link = memory_spaces.to_host(sum(zero_of(t) for t in tokens))
 
   with device_stream.in_group(group) if group is not None else contextlib.nullcontext():
     for b in parts[-1]:
@@ -282,7 +283,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
       arrays, out = redo_region(
           step, context.fused, state=state, out=out, undo=undo, redo=redo, redo_h=redo_h,
           link=link, **piece_args, scalars_h=scalars_h, **threads)
-      new[b] = paths.put(arrays, paths.HOST)
+      new[b] = memory_spaces.put(arrays, memory_spaces.HOST)
       redone.append((out, piece_args['runs']))
   outs += [(out(), runs) for out, runs in redone]
   return tuple(x for block in new for x in block), outs

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
+from dos_jax import memory_spaces
 from dos_jax.step import paths
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 
@@ -101,7 +102,7 @@ def host_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
   # A custom call's results are typed as device memory; the state keeps its memory
   # kind (on CPU both are one memory, and this is no copy: see the memory test).
-  space = paths.DEVICE if resident else paths.HOST
+  space = memory_spaces.DEVICE if resident else memory_spaces.HOST
   return (jax.device_put(new_state, space),), out
 
 
@@ -138,7 +139,7 @@ def sharded_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
       in_specs=(state_spec, rows_spec, [P()] * len(arrays)) + (rows_spec,) * len(extra),
       out_specs=(state_spec, rows_spec), check_vma=False,
   )(stacked[0], grads, arrays, *extra)
-  space = paths.DEVICE if resident else paths.HOST
+  space = memory_spaces.DEVICE if resident else memory_spaces.HOST
   return (jax.device_put(new_state, space),), out
 
 
@@ -214,18 +215,18 @@ def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
     # Not the link: what gates on these inputs (a device update) must not wait for the
     # earlier host calls the link comes from.
     inputs_sink.extend(jax.tree.leaves(args[1:-1]))
-  spaces = (paths.HOST, paths.DEVICE)
+  spaces = (memory_spaces.HOST, memory_spaces.DEVICE)
 
   def in_place(*args):
-    out_h, token = paths.host_region(lambda *a: run(*a, state_in_arg=True),
+    out_h, token = memory_spaces.host_region(lambda *a: run(*a, state_in_arg=True),
                                      out_spaces=spaces)(*args)
-    out = paths.put(out_h, paths.DEVICE)
+    out = memory_spaces.put(out_h, memory_spaces.DEVICE)
     new_state, out = jax.lax.optimization_barrier((args[0], out))
     return new_state, out, token
 
   def with_result(*args):
-    new_state, out_h, token = paths.host_region(run, out_spaces=(paths.HOST,) + spaces)(*args)
-    return new_state, paths.put(out_h, paths.DEVICE), token
+    new_state, out_h, token = memory_spaces.host_region(run, out_spaces=(memory_spaces.HOST,) + spaces)(*args)
+    return new_state, memory_spaces.put(out_h, memory_spaces.DEVICE), token
 
   branches = {platform: with_result for platform in STATE_RESULT_PLATFORMS}
   new_state, out, token = jax.lax.platform_dependent(*args, **branches, default=in_place)
@@ -252,7 +253,7 @@ def sharded_host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, 
   # Array scalars (schedule value, bias corrections, clip factor) cross whole to every
   # shard; Python floats stay closed over (see `host_region_update`).
   arrays, join = split_scalars(adam_scalars)
-  arrays_h = paths.to_host(arrays)
+  arrays_h = memory_spaces.to_host(arrays)
   if num_threads is None:
     # Every device of the process runs its shard's host call at once: share the cores.
     num_threads = max(1, (os.cpu_count() or 1) // max(1, min(mesh.size,
@@ -270,8 +271,8 @@ def sharded_host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, 
     inputs_sink.extend(jax.tree.leaves((list(grad_rows), arrays_h, param_rows)))
 
   def per_shard(state, grad_rows, arrays_h, *param_rows):
-    rows_h = paths.to_host(jnp.arange(num_rows, dtype=jnp.int32))
-    return paths.host_region(run)(state, grad_rows, param_rows[0] if param_rows else None,
+    rows_h = memory_spaces.to_host(jnp.arange(num_rows, dtype=jnp.int32))
+    return memory_spaces.host_region(run)(state, grad_rows, param_rows[0] if param_rows else None,
                                   rows_h, arrays_h)
 
   rows_spec, state_spec = P(None, data_axis), P(None, None, data_axis)

@@ -28,17 +28,18 @@ copying it at every iteration.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import compute_on as _compute_on_mod
 
 from dos_jax.geometry import slots as slots_lib
-
+from dos_jax.memory_spaces import DEVICE
+from dos_jax.memory_spaces import HOST
+from dos_jax.memory_spaces import host_region
+from dos_jax.memory_spaces import put
+from dos_jax.memory_spaces import to_host
 
 
 class RowUpdate(Protocol):
@@ -50,64 +51,6 @@ class RowUpdate(Protocol):
 
   def advance(self, inner_state, state_dtype) -> Any:
     """The state after one step, as far as its scalar leaves go (the rest unread)."""
-
-HOST = jax.memory.Space.Host
-DEVICE = jax.memory.Space.Device
-
-
-def function_form(module: Any = _compute_on_mod) -> Callable[..., Any] | None:
-  """The function form of `compute_on` in `module`, or None if it has only the old one.
-
-  jax 0.11: `compute_on(f=None, *, compute_type, out_memory_spaces, compiler_options)`.
-  jax 0.10: `compute_on(compute_type)` is a context manager, and the function form is
-  `compute_on2` with 0.11's signature. Both old and new name a parameter
-  `compute_type`, so the forms are told apart by `out_memory_spaces`, which only the
-  function form has (and which has no default there).
-  """
-  for name in ('compute_on', 'compute_on2'):
-    candidate = getattr(module, name, None)
-    if candidate is None:
-      continue
-    try:
-      parameters = inspect.signature(candidate).parameters
-    except (TypeError, ValueError):
-      continue
-    if 'out_memory_spaces' in parameters:
-      return candidate
-  return None
-
-
-def host_region(fn: Callable[..., Any], out_spaces: Any = None,
-                module: Any = _compute_on_mod) -> Callable[..., Any]:
-  """`fn` as a host-compute region (`compute_on('device_host')`) on every backend.
-
-  Args:
-    fn: the computation; its array inputs must already be in host memory.
-    out_spaces: memory space of each output (a pytree prefix of the outputs, e.g. one
-      `HOST` for all); default: host memory.
-    module: where `compute_on` comes from (tests pass stand-ins of both versions).
-  """
-  out_spaces = HOST if out_spaces is None else out_spaces
-  form = function_form(module)
-  if form is not None:
-    return form(fn, compute_type='device_host', out_memory_spaces=out_spaces)
-
-  @functools.wraps(fn)
-  def wrapped(*args):
-    with module.compute_on('device_host'):
-      return fn(*args)
-
-  return wrapped
-
-
-def put(tree: Any, space) -> Any:
-  """Copies every array of `tree` to a memory space (inside jit: an async copy)."""
-  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
-
-
-def to_host(tree: Any) -> Any:
-  """Copies every array of `tree` to host memory (inside jit: an async D2H copy)."""
-  return put(tree, HOST)
 
 
 def _row(x: jax.Array, i) -> jax.Array:
