@@ -18,10 +18,10 @@ import numpy as np
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
-from dos_jax.step import disk_files
+from dos_jax.geometry import disk_files
 from dos_jax import memory_spaces
 from dos_jax.geometry.partition import Tier
-from dos_jax.step.transform import OffloadedState
+from dos_jax.geometry.state import OffloadedState
 
 PyTree = Any
 

@@ -57,7 +57,7 @@ def _with_early(state, early):
   early call sizes (`Partition.early`)."""
   part = _offloaded(state).partition
   if isinstance(early, int):
-    early = tuple(len(c) for c in early_chunks.split(range(len(part.host)), early)[:-1])
+    early = tuple(len(c) for c in partition_lib.host_calls(range(len(part.host)), early)[:-1])
   moved = dos_jax.migrate(state, part.plan, early=early)
   assert _offloaded(moved).partition.early == early
   return moved

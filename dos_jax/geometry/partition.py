@@ -27,6 +27,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry.layout import Layout
@@ -192,6 +193,24 @@ def early_host_calls(host_subgroups: int) -> tuple[int, ...]:
     return ()
   sizes = [host_subgroups // calls + (k < host_subgroups % calls) for k in range(calls)]
   return tuple(sizes[:-1])
+
+
+def host_calls(items, early) -> list[list]:
+  """`items` (host blocks or subgroups, in backward order) as the host calls take them:
+  `early` an int K, K calls of near-equal size; a tuple of sizes, one early call of
+  each size in turn and a last call with the rest. The last call is never empty (a
+  tuple covering every item makes its last call the last)."""
+  items = list(items)
+  if isinstance(early, int):
+    count = max(1, min(early, len(items)))
+    return [list(a) for a in np.array_split(np.asarray(items, dtype=object), count)]
+  parts, at = [], 0
+  for size in early:
+    if at + size >= len(items):
+      break
+    parts.append(items[at:at + size])
+    at += size
+  return parts + [items[at:]]
 
 
 def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None,

@@ -13,7 +13,7 @@ speculation), in the one-memory program as they are, in the accelerator program 
 host region of their own: the host call the device tiers' stream lanes run beside
 (`step.program`; on a GPU the kernel is registered in the CUDA plugin,
 `kernels.plugin_kernel`). Which files a process holds, and reading and writing them
-outside the step: `dos_jax.step.disk_files`.
+outside the step: `dos_jax.geometry.disk_files`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_disk
-from dos_jax.step import disk_files
+from dos_jax.geometry import disk_files
 from dos_jax.step import fused as fused_lib
 from dos_jax import memory_spaces
 from dos_jax.step import paths

@@ -48,7 +48,6 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
@@ -88,22 +87,8 @@ def zero_of(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), x, 0) * 0
 
 
-def split(items, early) -> list[list]:
-  """`items` (host blocks or subgroups, in backward order) as the host calls take them:
-  `early` an int K, K calls of near-equal size; a tuple of sizes, one early call of
-  each size in turn and a last call with the rest. The last call is never empty (a
-  tuple covering every item makes its last call the last)."""
-  items = list(items)
-  if isinstance(early, int):
-    count = max(1, min(early, len(items)))
-    return [list(a) for a in np.array_split(np.asarray(items, dtype=object), count)]
-  parts, at = [], 0
-  for size in early:
-    if at + size >= len(items):
-      break
-    parts.append(items[at:at + size])
-    at += size
-  return parts + [items[at:]]
+# The name tests/compiled.py reads the host calls' split by.
+split = partition_lib.host_calls
 
 
 def redo_flag(adam_scalars) -> jax.Array | None:
@@ -223,7 +208,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
 
 
 def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, group=None):
-  """The host tier of a per-subgroup state in host calls as `split(..., chunks)` gives
+  """The host tier of a per-subgroup state in host calls as `partition.host_calls(..., chunks)` gives
   them (see the module docstring); returns (its new arrays, `(out rows on the device, pieces)` per block).
 
   The last chunk and the redo calls are built inside `device_stream.in_group(group)`
@@ -232,7 +217,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
   part, layout = context.part, context.layout
   blocks = part.blocks(Tier.HOST)
   new = list(partition_lib.blocks_of(host_tier, len(blocks)))
-  parts = split(host_blocks(part, layout.decayed_rows), chunks)
+  parts = partition_lib.host_calls(host_blocks(part, layout.decayed_rows), chunks)
   redo = redo_flag(context.adam_scalars)
   # What every region reads, sent to host memory once, outside the calls' contexts
   # (the redo flag and the speculated scalars only where early calls speculate).
