@@ -44,7 +44,6 @@ from dos_jax.dataflow.ops import TensorType as TensorType
 from dos_jax.dataflow.compile import compile_for_gpu as compile_for_gpu
 from dos_jax.dataflow.compile import compile_lowered as compile_lowered
 from dos_jax.dataflow.compile import CompiledGpuProgram as CompiledGpuProgram
-from dos_jax.dataflow.compile import GPU_COMPILER_OPTIONS as GPU_COMPILER_OPTIONS
 from dos_jax.dataflow.compile import gpu_compiler_available as gpu_compiler_available
 from dos_jax.dataflow.compile import GpuCompilerUnavailable as GpuCompilerUnavailable
 from dos_jax.dataflow.compile import MemoryStats as MemoryStats
