@@ -20,6 +20,8 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.geometry import disk_files
 from dos_jax import memory_spaces
+from dos_jax.memory_spaces import DEVICE
+from dos_jax.memory_spaces import HOST
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.state import OffloadedState
 
@@ -44,7 +46,7 @@ def _unpack_state(state: OffloadedState) -> dict[str, Any]:
   if state.partition.disk:
     return _unpack_with_disk(state)
   resident = not (state.partition.host or state.partition.streamed)
-  space = memory_spaces.DEVICE if resident else memory_spaces.HOST
+  space = DEVICE if resident else HOST
 
   def unpack_all(tiers, scalars):
     rows = partition_lib.merge_tiers(tiers, state.partition)
@@ -186,7 +188,7 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
       # Packed where the state lives (host memory for an offloaded state, like init),
       # whatever memory the saved trees come from. 0-d leaves would drop their memory
       # space, and packing ravels every leaf anyway.
-      space = memory_spaces.DEVICE if resident else memory_spaces.HOST
+      space = DEVICE if resident else HOST
       move = lambda tree: memory_spaces.put(jax.tree.map(jnp.atleast_1d, tree), space)
       saved_inner = _move_rows(saved_inner, template_full[1], move)
       return _in_host_memory(pack_all, resident)(saved_inner, move(master_source))
@@ -196,7 +198,7 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
                      tuple(x.sharding for x in target.scalars))
     if part.disk:
       def whole_rows(saved_inner, master_source):  # in device memory: all of the state
-        move = lambda tree: memory_spaces.put(jax.tree.map(jnp.atleast_1d, tree), memory_spaces.DEVICE)
+        move = lambda tree: memory_spaces.put(jax.tree.map(jnp.atleast_1d, tree), DEVICE)
         return pack_rows(_move_rows(saved_inner, template_full[1], move), move(master_source))
 
       return _rebuild_with_disk(target, whole_rows, saved['inner'], master_source,

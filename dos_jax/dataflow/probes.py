@@ -58,7 +58,7 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
   consumed by `chunks` host regions (the last layers first), linked by `link`."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from dos_jax.step import paths  # pylint: disable=import-outside-toplevel
+  from dos_jax import memory_spaces  # pylint: disable=import-outside-toplevel
 
   params = {k: v['w'] for k, v in mlp_params(num_layers, width, jnp.bfloat16).items()}
   host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind='pinned_host')
@@ -86,7 +86,8 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
       # With a device link the token is returned in device memory, where a device op
       # makes the next region's input from it.
       token_space = memory_spaces.DEVICE if link is Link.DEVICE else memory_spaces.HOST
-      last, out = memory_spaces.host_region(update, out_spaces=(token_space, memory_spaces.HOST))(
+      last, out = memory_spaces.host_region(
+          update, out_spaces=(token_space, memory_spaces.HOST))(
           token, tuple(rows[int(i)] for i in chunk), *[on_host[int(i)] for i in chunk])
       if link is Link.HOST:
         token = last

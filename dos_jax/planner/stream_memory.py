@@ -21,9 +21,10 @@ def streamed_elements_held(plan: Plan, dev_sizes: list[int], *,
   (`device_stream.available()`), every streamed row. XLA keeps each value of an
   asynchronous computation live until its done (`HloLiveRange`), so a lane's region
   holds all of its rows; chaining one region per row would need a data edge between
-  grouped calls, which XLA 0.11 rejects ("annotation groups with gaps"). `regions`: whether the step runs the rows in stream
-  regions (`dos_jax.stream_regions` says for a built state); None: where this jax
-  builds regions and the plan has host subgroups (an unsharded state)."""
+  grouped calls, which XLA 0.11 rejects ("annotation groups with gaps"). `regions`:
+  whether the step runs the rows in stream regions (`dos_jax.stream_regions` says for
+  a built state); None: where this jax builds regions and the plan has host subgroups
+  (an unsharded state)."""
   if not dev_sizes:
     return 0
   if regions is None:

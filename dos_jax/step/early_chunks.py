@@ -55,6 +55,8 @@ from dos_jax.kernels import host_adamw_rows
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
 from dos_jax import memory_spaces
+from dos_jax.memory_spaces import DEVICE
+from dos_jax.memory_spaces import HOST
 from dos_jax.step import paths
 
 
@@ -121,8 +123,8 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
   On a GPU the state is updated in its (donated) buffer, as `fused.host_region_update`
   does, and is read by the redo call; the kernel keeps the undo itself, found by that
   buffer (`keep_undo`: as a result of the host call it would be device memory), and
-  `undo` is the state. On the platforms in `fused.STATE_RESULT_PLATFORMS` the state is
-  a result and the undo is the old state itself.
+  `undo` is the state. On a CPU backend (`fused.state_in_place`) the state is a result
+  and the undo is the old state itself.
   """
   arrays_h, join = scalars_h  # with a clip factor of 1
   kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
@@ -141,17 +143,16 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
 
   def in_place(*args):
     out_h, token = memory_spaces.host_region(
-        lambda *a: run(*a, in_place=True), out_spaces=(memory_spaces.HOST, memory_spaces.DEVICE))(*args)
-    return args[0], memory_spaces.put(out_h, memory_spaces.DEVICE), args[0], token
+        lambda *a: run(*a, in_place=True), out_spaces=(HOST, DEVICE))(*args)
+    return args[0], memory_spaces.put(out_h, DEVICE), args[0], token
 
   def with_result(*args):
     new_state, out_h, token = memory_spaces.host_region(
         lambda *a: run(*a, in_place=False),
-        out_spaces=(memory_spaces.HOST, memory_spaces.HOST, memory_spaces.DEVICE))(*args)
-    return new_state, memory_spaces.put(out_h, memory_spaces.DEVICE), args[0], token
+        out_spaces=(HOST, HOST, DEVICE))(*args)
+    return new_state, memory_spaces.put(out_h, DEVICE), args[0], token
 
-  branches = {p: with_result for p in fused_lib.STATE_RESULT_PLATFORMS}
-  return jax.lax.platform_dependent(*args, **branches, default=in_place)
+  return fused_lib.state_in_place(in_place, with_result, *args)
 
 
 def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h, rows_h,
@@ -183,7 +184,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
           state, grad_pieces, param_pieces, rows_h, join(arrays_h), redo=redo_h,
           lowp_dtype=step.out_dtype, **kernel_args)
 
-    again = memory_spaces.host_region(run, out_spaces=memory_spaces.DEVICE)(
+    again = memory_spaces.host_region(run, out_spaces=DEVICE)(
         state, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jax.lax.optimization_barrier((state, again))
 
@@ -195,21 +196,21 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
           undo, grad_pieces, param_pieces, rows_h, join(arrays_h), lowp_dtype=step.out_dtype,
           **kernel_args)
 
-    again_state, again = memory_spaces.host_region(run, out_spaces=(memory_spaces.HOST, memory_spaces.DEVICE))(
+    again_state, again = memory_spaces.host_region(run, out_spaces=(HOST, DEVICE))(
         undo, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jnp.where(redo_h[0] != 0, again_state, state), again
 
-  branches = {p: with_result for p in fused_lib.STATE_RESULT_PLATFORMS}
-  state, again = jax.lax.platform_dependent(
-      state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link,
-      **branches, default=in_place)
-  return (state,), lambda: jax.lax.cond(redo, lambda: memory_spaces.put(again, memory_spaces.DEVICE),
+  state, again = fused_lib.state_in_place(
+      in_place, with_result, state, undo, redo_h, grad_pieces, param_pieces, rows_h,
+      arrays_h, link)
+  return (state,), lambda: jax.lax.cond(redo, lambda: memory_spaces.put(again, DEVICE),
                                         lambda: out)
 
 
 def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, group=None):
-  """The host tier of a per-subgroup state in host calls as `partition.host_calls(..., chunks)` gives
-  them (see the module docstring); returns (its new arrays, `(out rows on the device, pieces)` per block).
+  """The host tier of a per-subgroup state in host calls as
+  `partition.host_calls(..., chunks)` gives them (see the module docstring); returns
+  (its new arrays, `(out rows on the device, pieces)` per block).
 
   The last chunk and the redo calls are built inside `device_stream.in_group(group)`
   (when `group` is not None), for the caller's device tiers to join.
@@ -241,7 +242,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
     arrays, out, token = fused_lib.host_region_update(
         step, context.fused, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
         scalars_h=scalars_h, **threads)
-    new[b] = memory_spaces.put(arrays, memory_spaces.HOST)
+    new[b] = memory_spaces.put(arrays, HOST)
     outs.append((out, piece_args['runs']))
     return token
 
@@ -268,7 +269,7 @@ def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, gro
       arrays, out = redo_region(
           step, context.fused, state=state, out=out, undo=undo, redo=redo, redo_h=redo_h,
           link=link, **piece_args, scalars_h=scalars_h, **threads)
-      new[b] = memory_spaces.put(arrays, memory_spaces.HOST)
+      new[b] = memory_spaces.put(arrays, HOST)
       redone.append((out, piece_args['runs']))
   outs += [(out(), runs) for out, runs in redone]
   return tuple(x for block in new for x in block), outs

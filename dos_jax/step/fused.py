@@ -21,6 +21,8 @@ from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax import memory_spaces
+from dos_jax.memory_spaces import DEVICE
+from dos_jax.memory_spaces import HOST
 from dos_jax.step import paths
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 
@@ -102,7 +104,7 @@ def host_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
   # A custom call's results are typed as device memory; the state keeps its memory
   # kind (on CPU both are one memory, and this is no copy: see the memory test).
-  space = memory_spaces.DEVICE if resident else memory_spaces.HOST
+  space = DEVICE if resident else HOST
   return (jax.device_put(new_state, space),), out
 
 
@@ -139,7 +141,7 @@ def sharded_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
       in_specs=(state_spec, rows_spec, [P()] * len(arrays)) + (rows_spec,) * len(extra),
       out_specs=(state_spec, rows_spec), check_vma=False,
   )(stacked[0], grads, arrays, *extra)
-  space = memory_spaces.DEVICE if resident else memory_spaces.HOST
+  space = DEVICE if resident else HOST
   return (jax.device_put(new_state, space),), out
 
 
@@ -152,13 +154,19 @@ def region_kernel_args(step: paths.RowStep, fused: AdamWHyperparams, runs,
               nesterov=fused.nesterov, num_threads=num_threads)
 
 
-# Platforms whose accelerator program returns the host tier's state from the host region
-# (a copy per step) instead of updating it in its buffer: a CPU backend, where the
-# accelerator program runs only as a test of its numbers. Its compiler drops the
-# optimization barrier before scheduling, so without donation the copy of the state into
-# the program's output could run before the host call writes it; XLA:GPU drops the
-# barrier only after scheduling, so the order holds there donated or not.
-STATE_RESULT_PLATFORMS = ('cpu',)
+def state_in_place(in_place, with_result, *args):
+  """The host tier's state update in the form the platform keeps in order:
+  `in_place(*args)` (the kernel writes the donated state in its buffer, which leaves
+  through an optimization barrier) where the program is lowered for a GPU, and
+  `with_result(*args)` (the state a result of the host region, a copy per step) on a
+  CPU backend, where the accelerator program runs only as a test of its numbers.
+
+  A CPU backend's compiler drops the optimization barrier before scheduling, so
+  without donation the copy of the state into the program's output could run before
+  the host call writes it; XLA:GPU drops the barrier only after scheduling, so the
+  order holds there donated or not. Each platform lowers only its own branch.
+  """
+  return jax.lax.platform_dependent(*args, cpu=with_result, default=in_place)
 
 
 def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked, scalars_h,
@@ -192,8 +200,8 @@ def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
   barrier with them: whatever reads the new state runs after the host call is done.
   Nothing else in the step reads the old host state. Donate the state (every training
   step does): without donation XLA copies it into the output after the call, as it
-  must, and the caller's state array is overwritten as well. On the platforms in
-  `STATE_RESULT_PLATFORMS` the region returns the state as before.
+  must, and the caller's state array is overwritten as well. On a CPU backend the
+  region returns the state (`state_in_place`).
   """
   arrays_h, join = scalars_h
   kernel_args = dict(region_kernel_args(step, fused, runs, num_threads),
@@ -215,21 +223,20 @@ def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
     # Not the link: what gates on these inputs (a device update) must not wait for the
     # earlier host calls the link comes from.
     inputs_sink.extend(jax.tree.leaves(args[1:-1]))
-  spaces = (memory_spaces.HOST, memory_spaces.DEVICE)
+  spaces = (HOST, DEVICE)
 
   def in_place(*args):
     out_h, token = memory_spaces.host_region(lambda *a: run(*a, state_in_arg=True),
                                      out_spaces=spaces)(*args)
-    out = memory_spaces.put(out_h, memory_spaces.DEVICE)
+    out = memory_spaces.put(out_h, DEVICE)
     new_state, out = jax.lax.optimization_barrier((args[0], out))
     return new_state, out, token
 
   def with_result(*args):
-    new_state, out_h, token = memory_spaces.host_region(run, out_spaces=(memory_spaces.HOST,) + spaces)(*args)
-    return new_state, memory_spaces.put(out_h, memory_spaces.DEVICE), token
+    new_state, out_h, token = memory_spaces.host_region(run, out_spaces=(HOST,) + spaces)(*args)
+    return new_state, memory_spaces.put(out_h, DEVICE), token
 
-  branches = {platform: with_result for platform in STATE_RESULT_PLATFORMS}
-  new_state, out, token = jax.lax.platform_dependent(*args, **branches, default=in_place)
+  new_state, out, token = state_in_place(in_place, with_result, *args)
   return (new_state,), out, token
 
 

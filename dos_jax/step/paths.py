@@ -28,7 +28,7 @@ copying it at every iteration.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
