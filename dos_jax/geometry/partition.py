@@ -312,11 +312,6 @@ class Piece:
   offset: int
 
 
-def pieces(layout: Layout, partition: Partition, tier: Tier) -> tuple[Piece, ...]:
-  """The runs of every leaf that fall in `tier`, ordered by leaf, then by start."""
-  return pieces_of(layout, partition.ids(tier))
-
-
 def pieces_of(layout: Layout, ids: Sequence[int]) -> tuple[Piece, ...]:
   """The runs of every leaf that fall in rows holding subgroups `ids` (in that order),
   ordered by leaf, then by start.

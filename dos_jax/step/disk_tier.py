@@ -241,8 +241,7 @@ def file_index(part: partition_lib.Partition, axis: str, axis_names) -> jax.Arra
 
 def _threads_per_device(context) -> int:
   """Every device of the process runs its call at once: they share the cores."""
-  return context.options.host_threads or max(
-      1, (os.cpu_count() or 1) // jax.local_device_count())
+  return context.options.host_threads or fused_lib.threads_per_shard(context.mesh)
 
 
 def _as_bits(arrays):

@@ -108,6 +108,14 @@ def host_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
   return (jax.device_put(new_state, space),), out
 
 
+def threads_per_shard(mesh=None) -> int:
+  """The host threads of one device's native call: every device of `mesh` (None: every
+  device) in this process runs its call at once, so they share the cores."""
+  devices = jax.local_devices() if mesh is None else mesh.devices.flat
+  local = sum(d.process_index == jax.process_index() for d in devices)
+  return max(1, (os.cpu_count() or 1) // max(1, local))
+
+
 def sharded_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
                    adam_scalars: AdamWScalars, grads, params, mesh, data_axis: str,
                    resident: bool, num_threads: int | None = None):
@@ -121,8 +129,7 @@ def sharded_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
   arrays, join = split_scalars(adam_scalars)
   num_rows = stacked[0].shape[0]
   if num_threads is None:
-    # The shards run at once, one per device: share the cores among them.
-    num_threads = max(1, (os.cpu_count() or 1) // max(1, mesh.shape[data_axis]))
+    num_threads = threads_per_shard(mesh)
   kernel_args = dict(
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads,
@@ -262,9 +269,7 @@ def sharded_host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, 
   arrays, join = split_scalars(adam_scalars)
   arrays_h = memory_spaces.to_host(arrays)
   if num_threads is None:
-    # Every device of the process runs its shard's host call at once: share the cores.
-    num_threads = max(1, (os.cpu_count() or 1) // max(1, min(mesh.size,
-                                                             jax.local_device_count())))
+    num_threads = threads_per_shard(mesh)
   kernel_args = dict(
       offsets=tuple(r * local_size for r in range(num_rows)),
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
