@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dos_jax.geometry import disk_files
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax import memory_spaces
@@ -131,7 +132,6 @@ class OffloadedState:
       return partition_lib.merge_tiers(moved, part)
     # The disk tier's files read back, with the tiers in memory (one f32 group: the
     # disk tier's only form).
-    from dos_jax.geometry import disk_files  # pylint: disable=import-outside-toplevel
     rows = dict(disk_files.read_rows(part, self.slots, self.layout.subgroup_size,
                                     self.disk_gen))
     for tier in TIERS:

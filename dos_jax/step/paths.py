@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.memory_spaces import DEVICE
 from dos_jax.memory_spaces import HOST
@@ -195,8 +196,6 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
     inputs_sink: where to append the region's inputs other than the state.
     shards: the pieces' shards (`partition.assemble`): > 1 for a shard-major layout.
   """
-  # Deferred import: `partition` depends on `layout`, which the paths need not.
-  from dos_jax.geometry import partition as partition_lib  # pylint: disable=import-outside-toplevel
   num_rows, _, size = stacked[0].shape
   out_dtype = step.out_dtype
   # Every input of a host region must already be in host memory.
