@@ -110,9 +110,11 @@ def host_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
 
 def threads_per_shard(mesh=None) -> int:
   """The host threads of one device's native call: every device of `mesh` (None: every
-  device) in this process runs its call at once, so they share the cores."""
-  devices = jax.local_devices() if mesh is None else mesh.devices.flat
-  local = sum(d.process_index == jax.process_index() for d in devices)
+  device) in this process runs its call at once, so they share the cores. `mesh` may
+  be abstract (as under `auto_axes`)."""
+  local = jax.local_device_count()
+  if mesh is not None:
+    local = min(mesh.size, local)
   return max(1, (os.cpu_count() or 1) // max(1, local))
 
 
