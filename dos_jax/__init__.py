@@ -19,6 +19,7 @@ from dos_jax.compiler_options import GPU_COMPILER_OPTIONS as GPU_COMPILER_OPTION
 from dos_jax.compiler_options import PARALLEL_ASYNC_COMPUTE_LIMIT as PARALLEL_ASYNC_COMPUTE_LIMIT
 from dos_jax.compiler_options import compiled_limit as compiled_limit
 from dos_jax.compiler_options import compiled_with as compiled_with
+from dos_jax.compiler_options import for_platform as compiler_options_for
 from dos_jax.compiler_options import jit as jit
 from dos_jax.host_memory import keep_freed_host_memory as keep_freed_host_memory
 from dos_jax.migration import migrate as migrate

@@ -5,58 +5,55 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from dos_jax import clipping
 from dos_jax import pinned_pool
 from dos_jax import validate as validate_lib
-from dos_jax.step.fused import FusedAdamW
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
+from dos_jax.step.adamw_hyperparams import decay_where_row
 from dos_jax.offload import Offload
 from dos_jax.step.transform import offloaded
 
 PyTree = Any
 
-# Optax transforms whose update treats every element independently, by the name of the
-# factory that built them. Only these can run on a flat subgroup row.
-ELEMENTWISE = frozenset({
-    'add_decayed_weights', 'clip', 'ema', 'identity', 'keep_params_nonnegative', 'scale',
-    'scale_by_adam', 'scale_by_adamax', 'scale_by_amsgrad', 'scale_by_belief',
-    'scale_by_learning_rate', 'scale_by_lion', 'scale_by_rms', 'scale_by_schedule',
-    'scale_by_sign', 'scale_by_stddev', 'scale_by_yogi', 'trace', 'decay_where_row',
-})
+
+def _elementwise_updates() -> dict[Any, str]:
+  """The update functions' code of optax's transforms that treat every element
+  independently, by the factory that builds them: one code object per factory,
+  whatever its arguments. Only these can run on a flat subgroup row."""
+  built = {
+      'add_decayed_weights': optax.add_decayed_weights(), 'clip': optax.clip(1.0),
+      'ema': optax.ema(0.9), 'identity': optax.identity(),
+      'keep_params_nonnegative': optax.keep_params_nonnegative(),
+      'scale': optax.scale(1.0), 'scale_by_adam': optax.scale_by_adam(),
+      'scale_by_adamax': optax.scale_by_adamax(), 'scale_by_amsgrad': optax.scale_by_amsgrad(),
+      'scale_by_belief': optax.scale_by_belief(), 'scale_by_lion': optax.scale_by_lion(),
+      'scale_by_rms': optax.scale_by_rms(),
+      'scale_by_schedule': optax.scale_by_schedule(optax.constant_schedule(1.0)),
+      'scale_by_sign': optax.scale_by_sign(), 'scale_by_stddev': optax.scale_by_stddev(),
+      'scale_by_yogi': optax.scale_by_yogi(), 'trace': optax.trace(0.9),
+      'decay_where_row': decay_where_row(0.0),
+  }
+  return {transform.update.__code__: name for name, transform in built.items()}
 
 
-def _factory_name(transform: optax.GradientTransformation) -> str:
+# `optax.scale_by_learning_rate` builds `scale` or `scale_by_schedule`: both are here.
+ELEMENTWISE = _elementwise_updates()
+
+
+def _elementwise(transform: optax.GradientTransformation) -> bool:
+  return getattr(transform.update, '__code__', None) in ELEMENTWISE
+
+
+def _display_name(transform: optax.GradientTransformation) -> str:
+  """The factory's name as Python shows it, for an error message only."""
   return getattr(transform.update, '__qualname__', repr(transform.update)).split('.<locals>')[0]
 
 
 def _is_stateless(transform: optax.GradientTransformation) -> bool:
-  return getattr(transform.init, '__qualname__', '') == 'init_empty_state'
-
-
-def decay_where_row(weight_decay: float | jax.Array) -> optax.GradientTransformationExtraArgs:
-  """`optax.add_decayed_weights` for one subgroup row: decays only rows of decayed leaves.
-
-  The layout packs masked-in leaves into whole subgroups, so the mask becomes the
-  per-row flag `row_decayed` that the offloaded update passes in.
-  """
-
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None, *, row_decayed=True, **extra_args):
-    del extra_args
-    if params is None:
-      raise ValueError(optax.NO_PARAMS_MSG)
-    decayed = jax.tree.map(
-        lambda u, p: jnp.where(row_decayed, u + weight_decay * p, u), updates, params
-    )
-    return decayed, state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return transform.init is optax.init_empty_state
 
 
 def chain(
@@ -114,8 +111,8 @@ def chain(
   def validate(params):
     del params
     for position, transform in enumerate(rest, start=split):
-      name = _factory_name(transform)
-      if name not in ELEMENTWISE:
+      if not _elementwise(transform):
+        name = _display_name(transform)
         raise TypeError(
             f'dos_jax.chain: transform #{position} ({name}) is not element-wise, so it cannot'
             ' run on flat subgroups. Stateless global transforms (clip_by_global_norm) must'
@@ -198,20 +195,15 @@ def adamw(
   """
   validate_lib.check_offload(offload, 'dos_jax.adamw')
   mu_dtype = _checked_mu_dtype(mu_dtype)
-  inner = optax.chain(
-      optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-                          nesterov=nesterov),
-      decay_where_row(weight_decay),
-      optax.scale_by_learning_rate(learning_rate),
-  )
-  fused = FusedAdamW(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-                     weight_decay=weight_decay, nesterov=nesterov, mu_dtype=mu_dtype)
+  hyperparams = AdamWHyperparams(
+      learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+      weight_decay=weight_decay, nesterov=nesterov, mu_dtype=mu_dtype)
   checked = Offload() if offload is None else offload
   mu_bytes = 4 if mu_dtype is None else mu_dtype.itemsize
   # On a GPU, before any state exists: XLA's pinned-host pool must hold the host tiers.
   validate = functools.partial(pinned_pool.check_init, offload=checked, mask=mask,
                                mu_bytes=mu_bytes)
-  return offloaded(inner, offload, mask=mask, validate=validate, fused=fused,
+  return offloaded(hyperparams, offload, mask=mask, validate=validate,
                    shard_dims=shard_dims)
 
 

@@ -21,8 +21,9 @@ from typing import Any, NamedTuple, Sequence
 import jax.numpy as jnp
 
 from dos_jax.step import paths
-from dos_jax.step.fused import FusedAdamW
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step.fused import slot_rows
+from dos_jax.kernels import host_adamw
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.offload import Program
 
@@ -47,11 +48,8 @@ class Capability(NamedTuple):
 
 USABLE = Capability(True, '')
 
-_GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-
-def capability(kernel: Kernel, fused: FusedAdamW | None, step: paths.RowStep,
+def capability(kernel: Kernel, fused: AdamWHyperparams | None, step: paths.RowStep,
                program: Program, grad_leaves: Sequence[Any] = ()) -> Capability:
   """Whether `kernel` can update the rows of `step` in `program`.
 
@@ -86,7 +84,7 @@ def _pallas(step: paths.RowStep, program: Program) -> Capability:
   return _adamw_layout(step)
 
 
-def _native_host(fused: FusedAdamW, step: paths.RowStep, program: Program,
+def _native_host(fused: AdamWHyperparams, step: paths.RowStep, program: Program,
                  grad_leaves: Sequence[Any]) -> Capability:
   if fused.nesterov:
     # The kernel rounds Nesterov's sum an ulp apart from XLA's program in a few
@@ -100,10 +98,10 @@ def _native_host(fused: FusedAdamW, step: paths.RowStep, program: Program,
   # One gradient dtype: XLA rounds a moment's FMA by whether the gradient arrives as
   # bf16 or f32 (see host_adamw_rows.cc); packed rows of mixed leaves blur that.
   grad_dtypes = {jnp.dtype(g.dtype) for g in grad_leaves}
-  if len(grad_dtypes) != 1 or next(iter(grad_dtypes)) not in _GRAD_DTYPES:
+  if len(grad_dtypes) != 1 or next(iter(grad_dtypes)) not in host_adamw.GRAD_DTYPES:
     names = ', '.join(sorted(d.name for d in grad_dtypes))
     return Capability(False, f'gradients must be all float32 or all bfloat16, got {names}')
-  if jnp.dtype(step.out_dtype) not in _OUT_DTYPES:
+  if jnp.dtype(step.out_dtype) not in host_adamw.LOWP_DTYPES:
     return Capability(False, f'parameters of dtype {jnp.dtype(step.out_dtype).name}')
   if program is Program.TWO_MEMORIES:
     # For a GPU the host regions run in the CUDA plugin's own XLA: the kernel must be

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dos_jax.geometry import partition as partition_lib
-from dos_jax.step import paths
+from dos_jax import memory_spaces
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.partition import TIERS
 from dos_jax.policies import Plan
@@ -145,13 +145,13 @@ def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> Offloade
   (host tiers sliced inside host regions in the accelerator program). Device memory
   holds moved rows only when they become resident."""
   old = state.partition
-  region = paths.host_region if wanted.split else (lambda fn: fn)
+  region = memory_spaces.host_region if wanted.split else (lambda fn: fn)
   old_blocks = {t: partition_lib.blocks_of(state.tier(t), len(old.blocks(t))) for t in TIERS}
   tiers = dict(state.tiers)
   for tier in TIERS:
     if wanted.blocks(tier) == old.blocks(tier):
       continue
-    dest = paths.DEVICE if tier is Tier.RESIDENT else paths.HOST
+    dest = memory_spaces.DEVICE if tier is Tier.RESIDENT else memory_spaces.HOST
     rebuilt = []
     for ids in wanted.blocks(tier):
       segments = segments_of(old, ids)

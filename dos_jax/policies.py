@@ -118,8 +118,8 @@ class AdaptivePolicy(Protocol):
 
   A runner passes each step's plan to the step as a static argument and reports the
   measured update time to `observe`, which returns the plan for the next step. The
-  state of such a policy is stored per subgroup by default (`Offload.storage`), so
-  that a change of plan moves only the rows that change tier.
+  state is stored per subgroup, so a change of plan moves only the rows that change
+  tier.
   """
 
   def plan(self, spec: SubgroupSpec) -> Plan:

@@ -18,10 +18,12 @@ import numpy as np
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
-from dos_jax.step import disk_files
-from dos_jax.step import paths
+from dos_jax.geometry import disk_files
+from dos_jax import memory_spaces
+from dos_jax.memory_spaces import DEVICE
+from dos_jax.memory_spaces import HOST
 from dos_jax.geometry.partition import Tier
-from dos_jax.step.transform import OffloadedState
+from dos_jax.geometry.state import OffloadedState
 
 PyTree = Any
 
@@ -34,7 +36,7 @@ def _in_host_memory(fn, resident: bool):
   """`fn` where an offloaded state lives: in a host region when the program has them."""
   if resident or jax.default_backend() == 'cpu':
     return fn
-  return paths.host_region(fn)
+  return memory_spaces.host_region(fn)
 
 
 def _unpack_state(state: OffloadedState) -> dict[str, Any]:
@@ -44,14 +46,14 @@ def _unpack_state(state: OffloadedState) -> dict[str, Any]:
   if state.partition.disk:
     return _unpack_with_disk(state)
   resident = not (state.partition.host or state.partition.streamed)
-  space = paths.DEVICE if resident else paths.HOST
+  space = DEVICE if resident else HOST
 
   def unpack_all(tiers, scalars):
     rows = partition_lib.merge_tiers(tiers, state.partition)
     return _as_trees(*slots_lib.join(rows, scalars, state.slots, axis=1), layout)
 
-  tiers = {t: paths.put(arrays, space) for t, arrays in state.tiers.items()}
-  scalars = state.scalars if resident else paths.to_host(state.scalars)
+  tiers = {t: memory_spaces.put(arrays, space) for t, arrays in state.tiers.items()}
+  scalars = state.scalars if resident else memory_spaces.to_host(state.scalars)
   return jax.jit(_in_host_memory(unpack_all, resident))(tiers, scalars)
 
 
@@ -186,8 +188,8 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
       # Packed where the state lives (host memory for an offloaded state, like init),
       # whatever memory the saved trees come from. 0-d leaves would drop their memory
       # space, and packing ravels every leaf anyway.
-      space = paths.DEVICE if resident else paths.HOST
-      move = lambda tree: paths.put(jax.tree.map(jnp.atleast_1d, tree), space)
+      space = DEVICE if resident else HOST
+      move = lambda tree: memory_spaces.put(jax.tree.map(jnp.atleast_1d, tree), space)
       saved_inner = _move_rows(saved_inner, template_full[1], move)
       return _in_host_memory(pack_all, resident)(saved_inner, move(master_source))
 
@@ -196,7 +198,7 @@ def state_from_pytrees(trees: PyTree, params: PyTree, opt) -> PyTree:
                      tuple(x.sharding for x in target.scalars))
     if part.disk:
       def whole_rows(saved_inner, master_source):  # in device memory: all of the state
-        move = lambda tree: paths.put(jax.tree.map(jnp.atleast_1d, tree), paths.DEVICE)
+        move = lambda tree: memory_spaces.put(jax.tree.map(jnp.atleast_1d, tree), DEVICE)
         return pack_rows(_move_rows(saved_inner, template_full[1], move), move(master_source))
 
       return _rebuild_with_disk(target, whole_rows, saved['inner'], master_source,

@@ -26,7 +26,7 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.state import OffloadedState
 from dos_jax.kernels import host_adamw_disk
-from dos_jax.step import disk_files
+from dos_jax.geometry import disk_files
 from dos_jax.step import state_init
 
 PyTree = Any

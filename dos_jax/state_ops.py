@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dos_jax.step import paths
+from dos_jax import memory_spaces
 from dos_jax.step import state_init
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.state import OffloadedState
@@ -87,7 +87,7 @@ def _reset(state: OffloadedState) -> OffloadedState:
       tiers[tier] = ()
       continue
     in_host = tier is not Tier.RESIDENT and host_program
-    tiers[tier] = (paths.host_region(reset_tier) if in_host else reset_tier)(arrays)
+    tiers[tier] = (memory_spaces.host_region(reset_tier) if in_host else reset_tier)(arrays)
   return dataclasses.replace(
       state, host=tiers[Tier.HOST], streamed=tiers[Tier.STREAMED],
       resident=tiers[Tier.RESIDENT], scalars=tuple(jnp.zeros_like(x) for x in state.scalars))

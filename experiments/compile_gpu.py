@@ -127,6 +127,7 @@ def _one_host_call(opt_state):
 def _compile_step(args, cfg, target, options, devices=None):
   """The runner's step for `cfg` compiled for `target` (`gpu_program.compile_step`),
   with one host call under `--early none`."""
+  import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax import dataflow
   from dos_jax.train import gpu_program
   if args.early == 'default':
@@ -186,6 +187,7 @@ def _update_program(cfg, target, options):
   import numpy as np
   import optax
   import dos_jax
+  import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax import dataflow
   from dos_jax.train import step as step_lib
   rng = np.random.default_rng(0)
@@ -260,6 +262,7 @@ def main(argv=None) -> int:
     if args.devices > 1:  # the mesh's devices, before JAX starts its CPU backend
       os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                                  f' --xla_force_host_platform_device_count={args.devices}')
+  import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax import dataflow
   try:
     target = dataflow.GpuTarget.parse(args.target)
@@ -272,7 +275,7 @@ def main(argv=None) -> int:
   if not available:
     print(f'compile_gpu: error: {why}', file=sys.stderr)
     return 2
-  options = {} if args.default_schedule else dict(dataflow.GPU_COMPILER_OPTIONS)
+  options = {} if args.default_schedule else dict(dos_jax.GPU_COMPILER_OPTIONS)
   if args.devices > 1 or args.extrapolate:
     return _main_sharded(args, target, options)
   return _main_compile(args, target, options)

@@ -44,7 +44,7 @@ def _timed(step, args, target, early_windows):
   lowered = dataflow.lower_for_gpu(step, *args, target=dataflow.GpuTarget.parse(target))
   lower_s = time.perf_counter() - start
   with tempfile.TemporaryDirectory(prefix='dos_jax_passes_') as dump:
-    options = dict(compile_lib.GPU_COMPILER_OPTIONS, xla_dump_to=dump,
+    options = dict(dos_jax.GPU_COMPILER_OPTIONS, xla_dump_to=dump,
                    xla_dump_module_metadata=True, xla_dump_hlo_pass_re='NONE')
     program = compile_lib.compile_lowered(lowered, target, compiler_options=options,
                                           early_windows=early_windows)

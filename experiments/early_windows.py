@@ -50,8 +50,8 @@ def facts(program) -> str:
 
 def _early(host, calls: int) -> tuple[int, ...]:
   """The early calls' sizes of `calls` near-equal host calls over the host subgroups."""
-  from dos_jax.step import early_chunks  # pylint: disable=import-outside-toplevel
-  return tuple(len(p) for p in early_chunks.split(host, calls)[:-1])
+  from dos_jax.geometry import partition as partition_lib  # pylint: disable=import-outside-toplevel
+  return tuple(len(p) for p in partition_lib.host_calls(host, calls)[:-1])
 
 
 def _runner_program(cfg, calls: int | None, profiled: bool):

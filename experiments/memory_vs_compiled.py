@@ -156,13 +156,13 @@ def compile_with_calls(cfg, calls: int):
   calls of near-equal size moved in (`dos_jax.migrate(..., early=...)`)."""
   import dos_jax
   from dos_jax import dataflow
-  from dos_jax.step import early_chunks
+  from dos_jax.geometry import partition as partition_lib
   from dos_jax.train import gpu_program
   from dos_jax.train import step as step_lib
   native = dataflow.compile.prepare()
   program = gpu_program.build_step(cfg)
   part = program.offloaded_state.partition
-  early = tuple(len(p) for p in early_chunks.split(part.host, calls)[:-1])
+  early = tuple(len(p) for p in partition_lib.host_calls(part.host, calls)[:-1])
   opt_state = dos_jax.migrate(program.opt_state, part.plan, early=early)
   lowered = dataflow.lower_for_gpu(program.step, program.params, opt_state, program.tokens,
                                    kwargs={'plan': None})

@@ -19,21 +19,3 @@ from dos_jax.kernels.pallas_adamw import adamw_pallas_rows
 from dos_jax.kernels.pallas_adamw import adamw_reference
 from dos_jax.kernels.pallas_adamw import BlockConfig
 from dos_jax.kernels.pallas_adamw import DEFAULT_CONFIG
-
-# Kernels over flat arrays that only benchmarks used; they left the library.
-_MOVED = {
-    'adamw_pallas': 'the flat Pallas AdamW is experiments/pallas_adamw_flat.py (a benchmark '
-                    "variant); the library's kernel is adamw_pallas_rows",
-    'adamw_host': 'the flat native host AdamW was removed (a benchmark variant); use '
-                  'adamw_host_rows, the kernel the library runs',
-    'host_kernel_available': 'the flat native host AdamW was removed; use '
-                             'rows_kernel_available',
-    'host_kernel_unavailable_reason': 'the flat native host AdamW was removed; use '
-                                      'host_adamw_rows.rows_kernel_unavailable_reason',
-}
-
-
-def __getattr__(name: str):
-  if name in _MOVED:
-    raise AttributeError(f'dos_jax.kernels.{name} is gone: {_MOVED[name]}')
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

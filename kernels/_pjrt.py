@@ -254,7 +254,7 @@ def verdict_line(ok: bool, why: str) -> str:
 
 
 def _probe_command(spec: Mapping[str, Any]) -> list[str]:
-  """The child's command line (tests replace it): `dos_jax.dataflow.kernel_probe`, a
+  """The child's command line: `dos_jax.dataflow.kernel_probe`, a
   program of its own, run where the compile-only client lives. A command line, not an
   import: nothing of the dataflow layer is loaded in this process."""
   return [sys.executable, '-c',

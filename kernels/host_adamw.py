@@ -1,4 +1,5 @@
-"""The native host AdamW's settings: the instruction set of its loop and its threads.
+"""The native host AdamW's settings: the instruction set of its loop, its threads,
+and the dtypes it reads and writes.
 
 The kernel itself is `host_adamw_rows` (host_adamw_rows.cc). Its loop is compiled for
 each instruction set `HostIsa` names and picks the widest this CPU supports unless a
@@ -13,7 +14,13 @@ import functools
 import os
 from typing import Any
 
+import jax.numpy as jnp
+
 from dos_jax.kernels import _native
+
+# The dtypes both native host AdamWs read gradients in, and write parameters in.
+GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 class HostIsa(enum.IntEnum):

@@ -32,13 +32,13 @@ from dos_jax.kernels import adamw_scalars
 from dos_jax.kernels import plugin_kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.kernels.host_adamw import check_threads_and_isa
+from dos_jax.kernels.host_adamw import GRAD_DTYPES
+from dos_jax.kernels.host_adamw import LOWP_DTYPES
 from dos_jax.kernels.host_adamw import HostIsa
 
 _TARGET = 'dos_jax_adamw_disk_rows'
 _PAGE = 4096  # file padding, and the alignment direct I/O needs
 
-_GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @functools.cache
@@ -153,7 +153,7 @@ def _check(gen, grads, params, subgroups, slots, num_slots, lowp_dtype) -> None:
   if (len(set(subgroups)) != len(subgroups)) or any(g < 0 for g in subgroups):
     raise ValueError(f'subgroups must be distinct non-negative ints, got {list(subgroups)}')
   rows = len(subgroups)
-  if grads.ndim != 2 or grads.shape[0] != rows or grads.dtype not in _GRAD_DTYPES:
+  if grads.ndim != 2 or grads.shape[0] != rows or grads.dtype not in GRAD_DTYPES:
     raise ValueError(f'grads must be f32 or bf16 (D, S), D = len(subgroups) = {rows}, got '
                      f'{grads.dtype}{list(grads.shape)}')
   size = grads.shape[1]
@@ -164,7 +164,7 @@ def _check(gen, grads, params, subgroups, slots, num_slots, lowp_dtype) -> None:
   if len(set(used)) != len(used) or any(s >= num_slots for s in used) or min(mu_k, nu_k) < 0:
     raise ValueError(f'slots={slots} must be distinct rows in [0, {num_slots}) '
                      '(master may be -1)')
-  if jnp.dtype(lowp_dtype) not in _LOWP_DTYPES:
+  if jnp.dtype(lowp_dtype) not in LOWP_DTYPES:
     raise ValueError(f'lowp_dtype must be float32, bfloat16 or float16, got {lowp_dtype}')
   if master_k < 0:
     if params is None or params.shape != (rows, size) or params.dtype != jnp.float32:

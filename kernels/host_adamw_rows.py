@@ -23,6 +23,8 @@ from dos_jax.kernels import adamw_scalars
 from dos_jax.kernels import plugin_kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax.kernels.host_adamw import check_threads_and_isa
+from dos_jax.kernels.host_adamw import GRAD_DTYPES
+from dos_jax.kernels.host_adamw import LOWP_DTYPES
 from dos_jax.kernels.host_adamw import HostIsa
 
 _TARGET = 'dos_jax_adamw_host_rows'
@@ -39,8 +41,6 @@ _HANDLERS = {_TARGET: 'handler', _TARGET_OUT_IN: 'handler_out_in',
              _TARGET_STATE_ARG_UNDO: 'handler_leaves_state_arg_undo',
              _TARGET_REDO: 'handler_leaves_redo'}
 
-_GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-_LOWP_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @functools.cache
@@ -105,7 +105,7 @@ def _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed) -> Non
     raise ValueError(f'rows must be a 1-D integer array, got {rows.dtype}{list(rows.shape)}')
   io_rows = num_groups if indexed else rows.shape[0]
   form = '(G, S) since indexed=True' if indexed else '(R, S), R = len(rows)'
-  if grads.shape != (io_rows, size) or grads.dtype not in _GRAD_DTYPES:
+  if grads.shape != (io_rows, size) or grads.dtype not in GRAD_DTYPES:
     raise ValueError(f'grads must be f32 or bf16 {form} = {(io_rows, size)}, got '
                      f'{grads.dtype}{list(grads.shape)}')
   master_k, mu_k, nu_k = slots
@@ -119,7 +119,7 @@ def _check(stacked, grads, params, rows, slots, out, lowp_dtype, indexed) -> Non
     if jnp.dtype(lowp_dtype) != jnp.float32:
       raise ValueError(f'without a master slot the out rows are the f32 update; '
                        f'lowp_dtype must be float32, got {jnp.dtype(lowp_dtype)}')
-  if jnp.dtype(lowp_dtype) not in _LOWP_DTYPES:
+  if jnp.dtype(lowp_dtype) not in LOWP_DTYPES:
     raise ValueError(f'lowp_dtype must be float32, bfloat16 or float16, got {lowp_dtype}')
   if out is not None and (out.shape != (io_rows, size) or out.dtype != jnp.dtype(lowp_dtype)):
     raise ValueError(f'out must be {jnp.dtype(lowp_dtype).name} {form}, got '
@@ -201,7 +201,7 @@ def _checked_leaves(grad_leaves, param_leaves, offsets, master_k: int, elements:
     raise ValueError(f'one offset per gradient leaf: {len(offsets)} offsets, '
                      f'{len(grad_leaves)} leaves')
   dtypes = {g.dtype for g in grad_leaves}
-  if len(dtypes) != 1 or dtypes.pop() not in _GRAD_DTYPES:
+  if len(dtypes) != 1 or dtypes.pop() not in GRAD_DTYPES:
     raise ValueError(f'gradient leaves must all be f32 or all bf16, got '
                      f'{sorted({g.dtype.name for g in grad_leaves})}')
   order = sorted(range(len(offsets)), key=offsets.__getitem__)

@@ -97,20 +97,20 @@ def compile_runner_step(cfg, devices=None, early=None):
   """The runner's step for `cfg` on `devices` (default: one) compiled for an H100 as
   `gpu_program.compile_step` compiles it, with the early host calls `early` moved in
   (`dos_jax.migrate(..., early=early)`): a tuple of sizes, or an int K for K host calls
-  of near-equal size (`early_chunks.split`; 1: one host call); None: the ones the one
+  of near-equal size (`partition.host_calls`; 1: one host call); None: the ones the one
   builder chose."""
   import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax.dataflow import compile as compile_lib  # pylint: disable=import-outside-toplevel
   from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
   from dos_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.step import early_chunks  # pylint: disable=import-outside-toplevel
+  from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
   if early is None:
     return compile_step(cfg, devices=devices)
   native = compile_lib.prepare('h100_sxm')
   program = gpu_program.build_step(cfg, devices)
   part = program.offloaded_state.partition
   if isinstance(early, int):
-    early = tuple(len(p) for p in early_chunks.split(part.host, early)[:-1])
+    early = tuple(len(p) for p in partition.host_calls(part.host, early)[:-1])
   opt_state = dos_jax.migrate(program.opt_state, part.plan, early=tuple(early))
   lowered = dataflow.lower_for_gpu(
       program.step, program.params, opt_state, program.tokens,
@@ -167,6 +167,7 @@ def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
   (`IN_REGION`), or per early call and per stage (`STAGED`, `step.stages.layout`), and one
   stream call per lane (per lane and stage, and per row run after the stages)."""
   from dos_jax.geometry.partition import Tier  # pylint: disable=import-outside-toplevel
+  from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
   from dos_jax.step import device_stream, early_chunks, lanes as lanes_lib, stages  # pylint: disable=import-outside-toplevel
   part = state.partition
   streamed = len(part.ids(Tier.STREAMED))
@@ -175,7 +176,7 @@ def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
   early = len(part.early)
   if device_stream.lowering() is device_stream.Lowering.IN_REGION:
     return early + 1, len(lanes)
-  parts = early_chunks.split(early_chunks.host_blocks(part), part.early)
+  parts = partition.host_calls(early_chunks.host_blocks(part), part.early)
   items = (len(parts[-1]) + (sum(len(p) for p in parts[:-1]) if clip and early else 0)
            + (1 if part.disk else 0))
   layout = stages.layout(lanes, items)

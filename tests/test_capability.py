@@ -13,13 +13,13 @@ from dos_jax.capability import Capability
 from dos_jax.capability import capability
 from dos_jax.capability import Kernel
 from dos_jax.capability import USABLE
-from dos_jax.step.fused import FusedAdamW
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.offload import Program
 
 NATIVE, PALLAS = Kernel.NATIVE_HOST, Kernel.PALLAS
 CPU, GPU = Program.ONE_MEMORY, Program.TWO_MEMORIES
-ADAMW = FusedAdamW(learning_rate=1e-3)
+ADAMW = AdamWHyperparams(learning_rate=1e-3)
 needs_kernel = pytest.mark.skipif(
     not host_adamw_rows.rows_kernel_available(),
     reason=f'not available: {host_adamw_rows.rows_kernel_unavailable_reason()}')
@@ -53,7 +53,7 @@ def test_pallas_runs_the_accelerator_programs_adamw_rows_only():
 
 
 def test_nesterov_keeps_xla_on_the_host():
-  nesterov = FusedAdamW(learning_rate=1e-3, nesterov=True)
+  nesterov = AdamWHyperparams(learning_rate=1e-3, nesterov=True)
   usable, reason = capability(NATIVE, nesterov, _step(), CPU, _grads(jnp.float32))
   assert not usable and 'Nesterov' in reason
   assert capability(PALLAS, nesterov, _step(), GPU) == USABLE

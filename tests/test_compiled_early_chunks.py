@@ -33,7 +33,7 @@ import pytest
 from dos_jax import dataflow
 from dos_jax.dataflow import early_windows
 from dos_jax.step import device_stream
-from dos_jax.step import early_chunks
+from dos_jax.geometry import partition
 from dos_jax.dataflow import probes
 from tests import compiled
 
@@ -53,8 +53,8 @@ _CACHE = {}
 
 def _early(layers, chunks) -> tuple[int, ...]:
   """The early calls of `chunks` near-equal host calls over Stride(2)'s `layers // 2`
-  host subgroups (`early_chunks.split`, as `Offload(early_chunks=K)` did)."""
-  return tuple(len(p) for p in early_chunks.split(range(layers // 2), chunks)[:-1])
+  host subgroups (`partition.host_calls`, as `Offload(early_chunks=K)` did)."""
+  return tuple(len(p) for p in partition.host_calls(range(layers // 2), chunks)[:-1])
 
 
 def _schedule(layers, width, dtype, chunks):

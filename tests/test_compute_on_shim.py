@@ -5,8 +5,19 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import compute_on as compute_on_module
 
+from dos_jax import memory_spaces
 from dos_jax.step import paths
+
+
+def _install(monkeypatch, module):
+  """The installed jax's `compute_on` module reads as `module`'s (a stand-in)."""
+  for name in ('compute_on', 'compute_on2'):
+    if hasattr(module, name):
+      monkeypatch.setattr(compute_on_module, name, getattr(module, name))
+    else:
+      monkeypatch.delattr(compute_on_module, name, raising=False)
 
 
 def _new_module(calls):
@@ -36,25 +47,28 @@ def _old_module(calls):
   return types.SimpleNamespace(compute_on=compute_on, compute_on2=compute_on2)
 
 
-def test_jax_0_11_signature_gets_the_function_form_with_out_memory_spaces():
+def test_jax_0_11_signature_gets_the_function_form_with_out_memory_spaces(monkeypatch):
   calls = []
-  fn = paths.host_region(lambda x: x + 1, module=_new_module(calls))
+  _install(monkeypatch, _new_module(calls))
+  fn = memory_spaces.host_region(lambda x: x + 1)
   assert fn(1) == 2
   assert calls == [('compute_on', 'device_host', paths.HOST, None)]
 
 
-def test_jax_0_10_signature_gets_compute_on2_not_the_context_manager():
+def test_jax_0_10_signature_gets_compute_on2_not_the_context_manager(monkeypatch):
   calls = []
-  fn = paths.host_region(lambda x: x * 3, out_spaces=(paths.HOST,), module=_old_module(calls))
+  _install(monkeypatch, _old_module(calls))
+  fn = memory_spaces.host_region(lambda x: x * 3, out_spaces=(paths.HOST,))
   assert fn(2) == 6
   assert calls == [('compute_on2', 'device_host', (paths.HOST,), None)]
 
 
-def test_context_manager_only_module_still_works():
+def test_context_manager_only_module_still_works(monkeypatch):
   calls = []
   module = _old_module(calls)
   del module.compute_on2
-  fn = paths.host_region(lambda x: x - 1, module=module)
+  _install(monkeypatch, module)
+  fn = memory_spaces.host_region(lambda x: x - 1)
   assert fn(5) == 4
   assert calls == [('context', 'device_host')]
 

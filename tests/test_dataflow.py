@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 from dos_jax import dataflow
-from dos_jax.dataflow import Graph
-from dos_jax.dataflow import OpKind
+from tests.tooling.graph import Graph
+from tests.tooling.graph import Node
+from tests.tooling.ops import OpKind
 
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device
@@ -70,7 +71,7 @@ def host_update(state):
   return host_region(lambda s: lax.fori_loop(0, 3, lambda i, t: t * 0.9 + 1.0, s))(state)
 
 
-def _the_loop(graph: Graph) -> dataflow.Node:
+def _the_loop(graph: Graph) -> Node:
   loops = [n for n in graph.nodes if n.name == 'stablehlo.while']
   assert len(loops) == 1, loops
   return loops[0]

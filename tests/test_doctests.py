@@ -3,7 +3,8 @@
 `construction.stream_regions`, the early host calls' rule and order
 (`partition.early_host_calls`, `early_chunks.host_blocks`), the thunk reader
 `dos_jax.dataflow.thunks`, `dos_jax.dataflow.compile_step`, `dos_jax.state_to_files` and the runner's
-`compile_cache`, run-folder lock, trackers and step trace) run as doctests, on the
+`compile_cache`, run-folder lock, trackers and step trace, `AdamWHyperparams`,
+`memory_spaces.host_region`) run as doctests, on the
 CPU backend, as CI runs them. Each example compares with optax (stated tolerance) or
 prints exact values."""
 
@@ -13,11 +14,13 @@ import pytest
 
 from dos_jax import alias
 from dos_jax import clipping
+from dos_jax import memory_spaces
 from dos_jax import migration
 from dos_jax import state_files
 from dos_jax.dataflow import early_windows
 from dos_jax.dataflow import thunks
 from dos_jax.geometry import partition
+from dos_jax.step import adamw_hyperparams
 from dos_jax.step import construction
 from dos_jax.step import device_stream
 from dos_jax.step import early_chunks
@@ -29,7 +32,8 @@ from dos_jax.train import trackers
 
 @pytest.mark.parametrize('module', [alias, clipping, device_stream, thunks, early_windows,
                                     construction, migration, partition, early_chunks,
-                                    compile_cache, state_files, rundir, trackers, step_trace],
+                                    compile_cache, state_files, rundir, trackers, step_trace,
+                                    adamw_hyperparams, memory_spaces],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

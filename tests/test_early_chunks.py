@@ -36,6 +36,12 @@ MAX_NORM = 1.0
 FIRES = (1, 2, 5)  # steps whose gradients are scaled past MAX_NORM (norm ~17 vs ~0.2)
 
 
+def _in_place_everywhere(in_place, with_result, *args):
+  """`fused.state_in_place` choosing the GPU program's form on every platform."""
+  del with_result
+  return in_place(*args)
+
+
 def _offload(policy=dos_jax.Stride(2)):
   return dos_jax.Offload(subgroup_size=23, policy=policy, platform='gpu')
 
@@ -57,7 +63,7 @@ def _with_early(state, early):
   early call sizes (`Partition.early`)."""
   part = _offloaded(state).partition
   if isinstance(early, int):
-    early = tuple(len(c) for c in early_chunks.split(range(len(part.host)), early)[:-1])
+    early = tuple(len(c) for c in partition_lib.host_calls(range(len(part.host)), early)[:-1])
   moved = dos_jax.migrate(state, part.plan, early=early)
   assert _offloaded(moved).partition.early == early
   return moved
@@ -132,7 +138,7 @@ def test_the_accelerator_form_speculates_in_place_and_redoes(dtype, seed, monkey
   bit for bit the unspeculated step, clip firing or not."""
   params = random_tree(seed, jnp.dtype(dtype))
   want = _run(_opt(), params, seed, steps=7, early=0)
-  monkeypatch.setattr(fused, 'STATE_RESULT_PLATFORMS', ())
+  monkeypatch.setattr(fused, 'state_in_place', _in_place_everywhere)
   texts = []
   got = _run(_opt(), params, seed, steps=7, lowered=texts, early=3)
   assert 'dos_jax_adamw_host_leaves_state_arg_undo' in texts[0]
@@ -241,7 +247,7 @@ class _Chooses(dos_jax.Stride):
 def test_init_takes_the_policys_early_calls(seed, monkeypatch):
   params = random_tree(seed)
   want = _run(_opt(), params, seed, steps=3, early=0)
-  monkeypatch.setattr(fused, 'STATE_RESULT_PLATFORMS', ())
+  monkeypatch.setattr(fused, 'state_in_place', _in_place_everywhere)
   texts = []
   opt = _opt(policy=_Chooses(2))
   assert _offloaded(opt.init(jax.device_put(params, jax.devices()[0]))).partition.early == (1, 2)

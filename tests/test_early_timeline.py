@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import dos_jax
+from dos_jax.geometry import partition as partition_lib
 from dos_jax.step import early_chunks
 from dos_jax.planner import costmodel
 from dos_jax.planner import timeline
@@ -26,10 +27,10 @@ TIMES = dict(forward_seconds=1.0, backward_seconds=2.0)
 
 
 def test_split_takes_sizes_in_backward_order_and_keeps_a_last_call():
-  assert early_chunks.split([9, 7, 5, 3, 1], 2) == [[9, 7, 5], [3, 1]]
-  assert early_chunks.split([9, 7, 5, 3, 1], (1, 2)) == [[9], [7, 5], [3, 1]]
-  assert early_chunks.split([9, 7, 5], (1, 2)) == [[9], [7, 5]]  # the last call is 7, 5
-  assert early_chunks.split([9, 7, 5], (5,)) == [[9, 7, 5]]
+  assert partition_lib.host_calls([9, 7, 5, 3, 1], 2) == [[9, 7, 5], [3, 1]]
+  assert partition_lib.host_calls([9, 7, 5, 3, 1], (1, 2)) == [[9], [7, 5], [3, 1]]
+  assert partition_lib.host_calls([9, 7, 5], (1, 2)) == [[9], [7, 5]]  # the last call is 7, 5
+  assert partition_lib.host_calls([9, 7, 5], (5,)) == [[9, 7, 5]]
 
 
 def test_the_timeline_takes_the_host_rows_in_the_steps_order():

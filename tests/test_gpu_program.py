@@ -13,9 +13,9 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax.dataflow import Graph
+from tests.tooling.graph import Graph
 from dos_jax.dataflow import lower_for_gpu
-from dos_jax.dataflow import OpKind
+from tests.tooling.ops import OpKind
 from dos_jax.kernels import host_adamw_rows
 
 from tests.test_adamw import random_grads

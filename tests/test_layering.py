@@ -9,24 +9,28 @@ The layers, bottom to top:
               their registration in GPU plugins; with `dos_jax.cache`, the one cache
               directory, where the kernels keep their probe verdicts. They know nothing
               of the optimizer state.
-* core     -- every other top-level module of `dos_jax`, with `dos_jax.geometry` (the
-              state: layout, slots, partition, state) and `dos_jax.step` (transform,
-              tier_updates, paths, fused, device_stream, construction, lanes,
-              early_chunks): the optimizer transform and its state, with policies,
-              offload, capability, migration, alias, clipping, ... A jitted step is
-              built from this layer and the kernels alone. The core knows a placement
-              policy only as `policies.Policy` (and `policies.AdaptivePolicy`, one that
-              re-plans as it runs), never the planner's `Auto`.
-* planner  -- `dos_jax.planner`: the cost model and `Auto`, which choose the core's
+* state    -- `dos_jax.geometry` (layout, slots, partition, state, disk_files: how a
+              parameter tree becomes the offloaded state) with the values a step is
+              configured by and the memories it runs in: policies, offload,
+              compiler_options, memory_spaces, validate, meshes, pinned_pool, clipping,
+              host_memory. Nothing here builds a step. The state layer knows a
+              placement policy only as `policies.Policy` (and `policies.AdaptivePolicy`,
+              one that re-plans as it runs), never the planner's `Auto`.
+* step     -- `dos_jax.step` (transform, tier_updates, paths, adamw_hyperparams, fused,
+              device_stream, construction, lanes, early_chunks, ...) with what acts on a
+              state with the step's machinery: capability, migration, state_ops,
+              state_files, portable, alias. A jitted step is built from this layer and
+              those below alone.
+* planner  -- `dos_jax.planner`: the cost model and `Auto`, which choose the state layer's
               `Plan`s; `dos-jax plan`. With `dos_jax.model_shapes`, the transformer
               size presets that `dos-jax plan` and the runner read (the step never does).
 * api      -- the package `dos_jax` itself (`__init__.py`): the public names, re-exported
-              from the core and the planner. What users, and the layers above, import.
+              from the step layer and the planner. What users, and the layers above, import.
 * dataflow -- `dos_jax.dataflow`: the GPU program seen without a GPU, read from lowered
               and compiled programs (graph, HLO, schedule), and compiling for a GPU
               target. The tests and the runner use it; no module of the step does.
 * train    -- `dos_jax.train`: the pretraining runner. It reaches the library through
-              `dos_jax` (api), the planner and dataflow, never a core or kernel module
+              `dos_jax` (api), the planner and dataflow, never a state, step or kernel module
               directly: what it needs from them is a public name.
 * cli      -- `dos_jax.cli`: the `dos-jax` command, dispatching to train and planner.
 
@@ -47,8 +51,11 @@ import dos_jax
 # directly in package P. An exact name wins over a pattern.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('kernels', ('dos_jax.kernels', 'dos_jax.kernels.*', 'dos_jax.cache')),
-    ('core', ('dos_jax.*', 'dos_jax.geometry', 'dos_jax.geometry.*', 'dos_jax.step',
-              'dos_jax.step.*')),
+    ('state', ('dos_jax.geometry', 'dos_jax.geometry.*', 'dos_jax.policies', 'dos_jax.offload',
+               'dos_jax.compiler_options', 'dos_jax.memory_spaces', 'dos_jax.validate',
+               'dos_jax.meshes', 'dos_jax.pinned_pool', 'dos_jax.clipping',
+               'dos_jax.host_memory')),
+    ('step', ('dos_jax.*', 'dos_jax.step', 'dos_jax.step.*')),
     ('planner', ('dos_jax.planner', 'dos_jax.planner.*', 'dos_jax.model_shapes')),
     ('api', ('dos_jax',)),
     ('dataflow', ('dos_jax.dataflow', 'dos_jax.dataflow.*')),
@@ -62,10 +69,10 @@ _RANK = {name: rank for rank, (name, _) in enumerate(LAYERS)}
 def _source_roots() -> dict[str, pathlib.Path]:
   """Package name -> directory: `dos_jax`, and `dos_jax.kernels` where it lies apart
   (kernels/ in the repository, installed as `dos_jax.kernels`)."""
-  roots = {'dos_jax': pathlib.Path(dos_jax.__file__).parent}
+  roots = {'dos_jax': pathlib.Path(dos_jax.__file__).parent.resolve()}
   spec = importlib.util.find_spec('dos_jax.kernels')
   for location in spec.submodule_search_locations or ():
-    path = pathlib.Path(location)
+    path = pathlib.Path(location).resolve()  # a checkout may link dos_jax/kernels there
     if roots['dos_jax'] not in path.parents:
       roots['dos_jax.kernels'] = path
   return roots
@@ -175,9 +182,9 @@ def test_imports_go_down_the_layers():
 
 def test_the_core_knows_neither_the_planner_nor_the_dataflow_readers():
   """The step's modules do not import `Auto` (a policy says whether it re-plans) nor
-  any reader of HLO: both sit above the core."""
+  any reader of HLO: both sit above the state and step layers."""
   graph = _graph()
-  below = {'kernels', 'core'}
+  below = {'kernels', 'state', 'step'}
   offenders = sorted((a, b) for a, targets in graph.items() for b in targets
                      if _layer(a) in below
                      and b.startswith(('dos_jax.planner', 'dos_jax.dataflow')))
@@ -187,8 +194,8 @@ def test_the_core_knows_neither_the_planner_nor_the_dataflow_readers():
 def test_the_runner_reaches_the_core_only_through_the_public_api():
   graph = _graph()
   into_core = sorted((a, b) for a, targets in graph.items() for b in targets
-                     if _layer(a) == 'train' and _layer(b) in ('kernels', 'core'))
-  assert not into_core, (f'the runner imports core modules past the public dos_jax: '
+                     if _layer(a) == 'train' and _layer(b) in ('kernels', 'state', 'step'))
+  assert not into_core, (f'the runner imports state or step modules past the public dos_jax: '
                          f'{into_core}; import the public name from dos_jax instead')
 
 
@@ -217,7 +224,8 @@ def test_the_graph_reads_both_kinds_of_import():
   as module `P.m` (else every `from dos_jax import x` would look like the api)."""
   graph = _graph()
   assert 'dos_jax.geometry.slots' in graph['dos_jax.step.paths']  # `from dos_jax.geometry import slots`
-  assert 'dos_jax.geometry.partition' in graph['dos_jax.step.paths']  # inside a function
+  assert 'dos_jax.geometry.partition' in graph['dos_jax.step.paths']
+  assert 'dos_jax.kernels.pallas_adamw' in graph['dos_jax.step.fused']  # inside a function
   assert 'dos_jax' not in graph['dos_jax.step.paths']
   assert 'dos_jax' in graph['dos_jax.train.step']  # `import dos_jax`
   assert 'dos_jax.kernels.host_adamw_rows' in graph['dos_jax.dataflow.compile']

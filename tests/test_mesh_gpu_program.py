@@ -18,12 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 import dos_jax
 from dos_jax import dataflow
-from dos_jax.dataflow import Graph
-from dos_jax.dataflow import OpKind
+from tests.tooling.graph import Graph
 from dos_jax.dataflow import hlo
-from dos_jax.dataflow.ops import _custom_call_target
-from dos_jax.dataflow.ops import _frontend
-from dos_jax.dataflow.ops import _nested_ops
+from tests.tooling.ops import OpKind
+from tests.tooling.ops import _custom_call_target
+from tests.tooling.ops import _frontend
+from tests.tooling.ops import _nested_ops
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.geometry.partition import Tier
 

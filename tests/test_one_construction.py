@@ -14,9 +14,9 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax.dataflow import Graph
+from tests.tooling.graph import Graph
 from dos_jax.dataflow import lower_for_gpu
-from dos_jax.dataflow import OpKind
+from tests.tooling.ops import OpKind
 from dos_jax.geometry import partition as partition_lib
 
 LAYERS = 6

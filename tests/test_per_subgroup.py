@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax.dataflow import OpKind
+from tests.tooling.ops import OpKind
 from dos_jax.geometry.partition import Tier
 from dos_jax.train import config
 from dos_jax.train import data

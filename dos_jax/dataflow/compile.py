@@ -33,6 +33,7 @@ from dos_jax.compiler_options import GPU_COMPILER_OPTIONS
 from dos_jax.dataflow import early_windows as early_windows_lib
 from dos_jax.dataflow import gpu_target
 from dos_jax.dataflow.gpu_target import GpuTarget
+from dos_jax.dataflow.gpu_target import lower_for_gpu
 from dos_jax.dataflow.schedule import Schedule
 from dos_jax.dataflow.thunks import ThunkProgram
 
@@ -250,7 +251,6 @@ def compile_for_gpu(fn: Callable[..., Any], *args,
   start-up looks for one). Raises `GpuCompilerUnavailable` where no CUDA plugin is
   installed.
   """
-  from dos_jax.dataflow.graph import lower_for_gpu  # pylint: disable=import-outside-toplevel
   native = prepare(target)
   options = GPU_COMPILER_OPTIONS if compiler_options is None else compiler_options
   with compiler_options_lib.compiled_with(options):  # the traced step knows its limit

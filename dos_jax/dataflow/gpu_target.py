@@ -15,7 +15,7 @@ import contextlib
 import enum
 import functools
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 class GpuTarget(enum.Enum):
@@ -107,3 +107,20 @@ def lowering_device(target: GpuTarget | str | None = None) -> Iterator[None]:
   mesh: Any = mesh_lib.AbstractMesh(sizes, names, axis_types=types, abstract_device=device)
   with jax.sharding.use_abstract_mesh(mesh):
     yield
+
+
+def lower_for_gpu(fn: Callable[..., Any], *args, target: Any = None,
+                  kwargs: dict[str, Any] | None = None, **jit_kwargs) -> Any:
+  """`jax.jit(fn, **jit_kwargs)` traced on `args` (and keyword `kwargs`) and lowered
+  for CUDA; `fn` may already be jitted (then `jit_kwargs` must be empty).
+
+  Works on a machine without a GPU (Pallas Triton / Mosaic GPU kernels included),
+  which is the point: the GPU program's structure can be checked anywhere. Where no
+  GPU is present the lowering runs with an abstract GPU device of `target` (a
+  `GpuTarget`, default the H100) in context, which jax >= 0.11 needs to lower Pallas
+  kernels for a GPU (see `gpu_target.lowering_device`).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  jitted = fn if hasattr(fn, 'trace') and not jit_kwargs else jax.jit(fn, **jit_kwargs)
+  with lowering_device(target):
+    return jitted.trace(*args, **(kwargs or {})).lower(lowering_platforms=('cuda',))

@@ -14,7 +14,6 @@ nothing of the dataflow layer: the parent names this module on a command line on
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import os
 import sys
@@ -22,19 +21,17 @@ from typing import Any, Mapping
 
 import jax
 
+from dos_jax import memory_spaces
 from dos_jax.dataflow import compile as compile_lib
 from dos_jax.kernels import _pjrt
 
 
 def _compute_on_function() -> Any:
-  """jax >= 0.11's `compute_on(f, *, compute_type, out_memory_spaces)`, or 0.10's
-  `compute_on2` (same signature; 0.10's `compute_on` is a context manager)."""
-  from jax.experimental import compute_on as module  # pylint: disable=g-import-not-at-top
-  for name in ('compute_on', 'compute_on2'):
-    fn = getattr(module, name, None)
-    if fn is not None and 'out_memory_spaces' in inspect.signature(fn).parameters:
-      return fn
-  raise RuntimeError('no function form of compute_on in this jax')
+  """The function form of `compute_on` (see `memory_spaces.compute_on_function`)."""
+  fn = memory_spaces.compute_on_function()
+  if fn is None:
+    raise RuntimeError('no function form of compute_on in this jax')
+  return fn
 
 
 def probe_program(targets: Mapping[str, str]) -> Any:

@@ -58,7 +58,7 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
   consumed by `chunks` host regions (the last layers first), linked by `link`."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from dos_jax.step import paths  # pylint: disable=import-outside-toplevel
+  from dos_jax import memory_spaces  # pylint: disable=import-outside-toplevel
 
   params = {k: v['w'] for k, v in mlp_params(num_layers, width, jnp.bfloat16).items()}
   host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind='pinned_host')
@@ -73,8 +73,8 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
 
   def step(p, rows, x):
     grads = jax.grad(loss)(p, x)
-    on_host = [paths.to_host(grads[f'layer{i}'].reshape(-1)) for i in range(num_layers)]
-    token, new = paths.to_host(jnp.zeros((1,), jnp.float32)), {}
+    on_host = [memory_spaces.to_host(grads[f'layer{i}'].reshape(-1)) for i in range(num_layers)]
+    token, new = memory_spaces.to_host(jnp.zeros((1,), jnp.float32)), {}
     runtime = x[0, 0].astype(jnp.float32)  # a device value XLA cannot fold
     for chunk in np.array_split(np.arange(num_layers)[::-1], chunks):
       def update(token, old, *g):
@@ -85,13 +85,14 @@ def host_chunks_program(chunks: int, link: Link = Link.DEVICE, num_layers: int =
         return sum(o[:1] for o in out) * 0 + token, out
       # With a device link the token is returned in device memory, where a device op
       # makes the next region's input from it.
-      token_space = paths.DEVICE if link is Link.DEVICE else paths.HOST
-      last, out = paths.host_region(update, out_spaces=(token_space, paths.HOST))(
+      token_space = memory_spaces.DEVICE if link is Link.DEVICE else memory_spaces.HOST
+      last, out = memory_spaces.host_region(
+          update, out_spaces=(token_space, memory_spaces.HOST))(
           token, tuple(rows[int(i)] for i in chunk), *[on_host[int(i)] for i in chunk])
       if link is Link.HOST:
         token = last
       elif link is Link.DEVICE:
-        token = paths.to_host(last * runtime)
+        token = memory_spaces.to_host(last * runtime)
       new.update({int(i): r for i, r in zip(chunk, out)})
     return jnp.stack([new[i] for i in range(num_layers)])
 

@@ -1,6 +1,6 @@
 """The optimizer state's geometry: how a parameter tree becomes the offloaded state.
 
-One concept in four modules, each with one job:
+One concept in five modules, each with one job:
 
 * `layout` -- a parameter tree <-> `(G, S)` subgroup rows: the packing order, the
   weight-decayed block, the padding, and (ZeRO-3) the shard-major packing;
@@ -9,7 +9,8 @@ One concept in four modules, each with one job:
 * `partition` -- the tiers (host, streamed, resident) a plan puts the subgroups in, their
   blocks (stacked or per subgroup) and each leaf's pieces in them;
 * `state` -- `OffloadedState`, the pytree the optimizer returns, and how optax, flax and
-  orbax tools see it.
+  orbax tools see it;
+* `disk_files` -- the disk tier's files: their names, and reading and writing their rows.
 
 The step (`dos_jax.step.transform` and the paths it dispatches to) reads and writes the state
 through these; nothing here builds a step.

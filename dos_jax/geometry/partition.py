@@ -27,6 +27,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry.layout import Layout
@@ -194,6 +195,24 @@ def early_host_calls(host_subgroups: int) -> tuple[int, ...]:
   return tuple(sizes[:-1])
 
 
+def host_calls(items, early) -> list[list]:
+  """`items` (host blocks or subgroups, in backward order) as the host calls take them:
+  `early` an int K, K calls of near-equal size; a tuple of sizes, one early call of
+  each size in turn and a last call with the rest. The last call is never empty (a
+  tuple covering every item makes its last call the last)."""
+  items = list(items)
+  if isinstance(early, int):
+    count = max(1, min(early, len(items)))
+    return [list(a) for a in np.array_split(np.asarray(items, dtype=object), count)]
+  parts, at = [], 0
+  for size in early:
+    if at + size >= len(items):
+      break
+    parts.append(items[at:at + size])
+    at += size
+  return parts + [items[at:]]
+
+
 def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None,
              disk: 'DiskSpill | None' = None) -> Partition:
   """The partition a plan runs on.
@@ -291,11 +310,6 @@ class Piece:
   start: int
   size: int
   offset: int
-
-
-def pieces(layout: Layout, partition: Partition, tier: Tier) -> tuple[Piece, ...]:
-  """The runs of every leaf that fall in `tier`, ordered by leaf, then by start."""
-  return pieces_of(layout, partition.ids(tier))
 
 
 def pieces_of(layout: Layout, ids: Sequence[int]) -> tuple[Piece, ...]:

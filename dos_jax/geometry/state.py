@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dos_jax.geometry import disk_files
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
-from dos_jax.step import paths
+from dos_jax import memory_spaces
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.partition import Tier
@@ -131,7 +132,6 @@ class OffloadedState:
       return partition_lib.merge_tiers(moved, part)
     # The disk tier's files read back, with the tiers in memory (one f32 group: the
     # disk tier's only form).
-    from dos_jax.step import disk_files  # pylint: disable=import-outside-toplevel
     rows = dict(disk_files.read_rows(part, self.slots, self.layout.subgroup_size,
                                     self.disk_gen))
     for tier in TIERS:
@@ -161,7 +161,7 @@ def to_memory(x: jax.Array, tier: Tier) -> jax.Array:
   keeping its sharding: by memory space under a trace, by memory kind eagerly."""
   resident = tier is Tier.RESIDENT
   if isinstance(x, jax.core.Tracer):
-    return jax.device_put(x, paths.DEVICE if resident else paths.HOST)
+    return jax.device_put(x, memory_spaces.DEVICE if resident else memory_spaces.HOST)
   return jax.device_put(x, x.sharding.with_memory_kind(tier.memory_kind))
 
 

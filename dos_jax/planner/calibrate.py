@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dos_jax import cache
-from dos_jax.step import paths
+from dos_jax import memory_spaces
 
 from dos_jax.planner.costmodel import HardwareProfile
 
@@ -52,7 +52,7 @@ def _adamw(p, g, m, v):
 
 def _on_host(fn: Callable) -> Callable:
   """`fn` run by the host inside a jitted program, on jax 0.10 and 0.11 alike."""
-  return paths.host_region(fn, out_spaces=paths.HOST)
+  return memory_spaces.host_region(fn, out_spaces=memory_spaces.HOST)
 
 
 def _median_seconds(run: Callable[[], object], budget: float, min_reps: int = 3) -> float:

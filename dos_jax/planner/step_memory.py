@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dos_jax.offload import Offload
 from dos_jax.planner import costmodel
 from dos_jax.planner import memory
 from dos_jax.policies import Plan

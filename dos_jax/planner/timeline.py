@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dos_jax.step import early_chunks
+from dos_jax.geometry import partition as partition_lib
 from dos_jax.planner import costmodel
 from dos_jax.planner.hardware import HardwareProfile
 from dos_jax.policies import Plan
@@ -148,7 +148,7 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
   sizes = costmodel.subgroup_sizes(spec)
   pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds)
   arrived, link_free = gradient_arrivals(profile, spec, plan, forward_seconds, backward_seconds)
-  parts = early_chunks.split(host_order(spec, plan), chunks)
+  parts = partition_lib.host_calls(host_order(spec, plan), chunks)
   count = len(parts)
   u_host = profile.host_adamw_gparams() * _GB
   slowdown = profile.host_copy_slowdown
@@ -206,7 +206,7 @@ def expected_early_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: P
   kwargs = dict(forward_seconds=forward_seconds, backward_seconds=backward_seconds,
                 chunks=chunks)
   calm = early_timeline(profile, spec, plan, rollback=False, **kwargs).seconds
-  if len(early_chunks.split(plan.host, chunks)) <= 1 or clip_rate == 0.0:
+  if len(partition_lib.host_calls(plan.host, chunks)) <= 1 or clip_rate == 0.0:
     return calm
   fired = early_timeline(profile, spec, plan, rollback=True, **kwargs).seconds
   return (1.0 - clip_rate) * calm + clip_rate * fired

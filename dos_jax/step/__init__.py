@@ -3,8 +3,8 @@
 * `transform` -- `offloaded()`: `init` and `update`, the one place a step asks which
   program it builds (`Program`), and the order of the tiers' updates in it;
 * `tier_updates` -- one tier's update, block by block, on its path (`Path`, a `match`);
-* `paths` -- the loops: the device-streamed rows, the host regions, the resident rows,
-  and the memory kinds every other module names;
+* `paths` -- the loops: the device-streamed rows, the host regions, the resident rows;
+* `adamw_hyperparams` -- AdamW written once: its chain and the scalars the kernels read;
 * `fused` -- the native host AdamW and the Pallas AdamW as the paths call them;
 * `device_stream` -- a function as a call on a GPU stream of its own, in a scheduling
   group with host regions;

@@ -13,7 +13,7 @@ speculation), in the one-memory program as they are, in the accelerator program 
 host region of their own: the host call the device tiers' stream lanes run beside
 (`step.program`; on a GPU the kernel is registered in the CUDA plugin,
 `kernels.plugin_kernel`). Which files a process holds, and reading and writing them
-outside the step: `dos_jax.step.disk_files`.
+outside the step: `dos_jax.geometry.disk_files`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_disk
-from dos_jax.step import disk_files
+from dos_jax.geometry import disk_files
 from dos_jax.step import fused as fused_lib
+from dos_jax import memory_spaces
 from dos_jax.step import paths
 
 
@@ -222,9 +223,9 @@ def _in_host_region(kernel, args, base_step: paths.RowStep):
   """`kernel(*args)` (`(out rows, new generation)`) in a host region of the accelerator
   program, its inputs sent to host memory, its results back to the device through
   `_as_bits`."""
-  bits = paths.put(paths.host_region(lambda *a: _as_bits(kernel(*a)),
-                                     out_spaces=(paths.HOST, paths.HOST))(
-                                         *paths.to_host(args)), paths.DEVICE)
+  bits = memory_spaces.put(memory_spaces.host_region(lambda *a: _as_bits(kernel(*a)),
+                                     out_spaces=(memory_spaces.HOST, memory_spaces.HOST))(
+                                         *memory_spaces.to_host(args)), memory_spaces.DEVICE)
   dtypes = (jnp.dtype(base_step.out_dtype), jnp.dtype(jnp.int32))
   return tuple(jax.lax.bitcast_convert_type(x, d) for x, d in zip(bits, dtypes))
 
@@ -240,8 +241,7 @@ def file_index(part: partition_lib.Partition, axis: str, axis_names) -> jax.Arra
 
 def _threads_per_device(context) -> int:
   """Every device of the process runs its call at once: they share the cores."""
-  return context.options.host_threads or max(
-      1, (os.cpu_count() or 1) // jax.local_device_count())
+  return context.options.host_threads or fused_lib.threads_per_shard(context.mesh)
 
 
 def _as_bits(arrays):

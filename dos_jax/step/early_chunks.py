@@ -47,13 +47,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
+from dos_jax import memory_spaces
+from dos_jax.memory_spaces import DEVICE
+from dos_jax.memory_spaces import HOST
 from dos_jax.step.host_work import HostWork
 from dos_jax.step import paths
 
@@ -87,22 +89,8 @@ def zero_of(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), x, 0) * 0
 
 
-def split(items, early) -> list[list]:
-  """`items` (host blocks or subgroups, in backward order) as the host calls take them:
-  `early` an int K, K calls of near-equal size; a tuple of sizes, one early call of
-  each size in turn and a last call with the rest. The last call is never empty (a
-  tuple covering every item makes its last call the last)."""
-  items = list(items)
-  if isinstance(early, int):
-    count = max(1, min(early, len(items)))
-    return [list(a) for a in np.array_split(np.asarray(items, dtype=object), count)]
-  parts, at = [], 0
-  for size in early:
-    if at + size >= len(items):
-      break
-    parts.append(items[at:at + size])
-    at += size
-  return parts + [items[at:]]
+# The name tests/compiled.py reads the host calls' split by.
+split = partition_lib.host_calls
 
 
 def redo_flag(adam_scalars) -> jax.Array | None:
@@ -118,7 +106,7 @@ def redo_on_host(redo) -> jax.Array:
   """The redo flag as the redo kernel reads it: an int32 `(1,)` in host memory.
   Computed once per step before the scheduling group (a device op inside it would
   carry the group's annotation, and XLA keeps a group for asynchronous ops alone)."""
-  return paths.to_host(jnp.reshape(redo, (1,)).astype(jnp.int32))
+  return memory_spaces.to_host(jnp.reshape(redo, (1,)).astype(jnp.int32))
 
 
 def _rows_after(rows_h, link):
@@ -135,8 +123,8 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
   On a GPU the state is updated in its (donated) buffer, as `fused.host_region_update`
   does, and is read by the redo call; the kernel keeps the undo itself, found by that
   buffer (`keep_undo`: as a result of the host call it would be device memory), and
-  `undo` is the state. On the platforms in `fused.STATE_RESULT_PLATFORMS` the state is
-  a result and the undo is the old state itself.
+  `undo` is the state. On a CPU backend (`fused.state_in_place`) the state is a result
+  and the undo is the old state itself.
   """
   arrays_h, join = scalars_h  # with a clip factor of 1
   kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
@@ -154,18 +142,17 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
   args = (stacked[0], grad_pieces, param_pieces, rows_h, arrays_h, link)
 
   def in_place(*args):
-    out_h, token = paths.host_region(
-        lambda *a: run(*a, in_place=True), out_spaces=(paths.HOST, paths.DEVICE))(*args)
-    return args[0], paths.put(out_h, paths.DEVICE), args[0], token
+    out_h, token = memory_spaces.host_region(
+        lambda *a: run(*a, in_place=True), out_spaces=(HOST, DEVICE))(*args)
+    return args[0], memory_spaces.put(out_h, DEVICE), args[0], token
 
   def with_result(*args):
-    new_state, out_h, token = paths.host_region(
+    new_state, out_h, token = memory_spaces.host_region(
         lambda *a: run(*a, in_place=False),
-        out_spaces=(paths.HOST, paths.HOST, paths.DEVICE))(*args)
-    return new_state, paths.put(out_h, paths.DEVICE), args[0], token
+        out_spaces=(HOST, HOST, DEVICE))(*args)
+    return new_state, memory_spaces.put(out_h, DEVICE), args[0], token
 
-  branches = {p: with_result for p in fused_lib.STATE_RESULT_PLATFORMS}
-  return jax.lax.platform_dependent(*args, **branches, default=in_place)
+  return fused_lib.state_in_place(in_place, with_result, *args)
 
 
 def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h, rows_h,
@@ -197,7 +184,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
           state, grad_pieces, param_pieces, rows_h, join(arrays_h), redo=redo_h,
           lowp_dtype=step.out_dtype, **kernel_args)
 
-    again = paths.host_region(run, out_spaces=paths.DEVICE)(
+    again = memory_spaces.host_region(run, out_spaces=DEVICE)(
         state, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jax.lax.optimization_barrier((state, again))
 
@@ -209,21 +196,20 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
           undo, grad_pieces, param_pieces, rows_h, join(arrays_h), lowp_dtype=step.out_dtype,
           **kernel_args)
 
-    again_state, again = paths.host_region(run, out_spaces=(paths.HOST, paths.DEVICE))(
+    again_state, again = memory_spaces.host_region(run, out_spaces=(HOST, DEVICE))(
         undo, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jnp.where(redo_h[0] != 0, again_state, state), again
 
-  branches = {p: with_result for p in fused_lib.STATE_RESULT_PLATFORMS}
-  state, again = jax.lax.platform_dependent(
-      state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link,
-      **branches, default=in_place)
-  return (state,), lambda: jax.lax.cond(redo, lambda: paths.put(again, paths.DEVICE),
+  state, again = fused_lib.state_in_place(
+      in_place, with_result, state, undo, redo_h, grad_pieces, param_pieces, rows_h,
+      arrays_h, link)
+  return (state,), lambda: jax.lax.cond(redo, lambda: memory_spaces.put(again, DEVICE),
                                         lambda: out)
 
 
 def host_work(context, base_step: paths.RowStep, host_tier: tuple, chunks) -> HostWork:
-  """The host tier of a per-subgroup state in host calls as `split(..., chunks)` gives
-  them (see the module docstring): the early calls traced now, what runs after the
+  """The host tier of a per-subgroup state in host calls as
+  `partition.host_calls(..., chunks)` gives them (see the module docstring): the early calls traced now, what runs after the
   backward pass (the last chunk's blocks, then each early block's redo) as the items of
   the returned `HostWork`, whose `finish()` gives (the tier's new arrays, `(out rows on
   the device, pieces)` per block).
@@ -231,7 +217,7 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, chunks) -> Ho
   part, layout = context.part, context.layout
   blocks = part.blocks(Tier.HOST)
   new = list(partition_lib.blocks_of(host_tier, len(blocks)))
-  parts = split(host_blocks(part, layout.decayed_rows), chunks)
+  parts = partition_lib.host_calls(host_blocks(part, layout.decayed_rows), chunks)
   redo = redo_flag(context.adam_scalars)
   # What every region reads, sent to host memory once, outside the calls' contexts
   # (the redo flag and the speculated scalars only where early calls speculate).
@@ -255,7 +241,7 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, chunks) -> Ho
     arrays, out, token = fused_lib.host_region_update(
         step, context.fused, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
         scalars_h=scalars_h, **threads)
-    new[b] = paths.put(arrays, paths.HOST)
+    new[b] = memory_spaces.put(arrays, HOST)
     outs.append((out, piece_args['runs']))
     return token
 

@@ -1,17 +1,10 @@
-"""The host path of `dos_jax.adamw` as one call of the native host AdamW per step.
+"""The native host AdamW's and the Pallas AdamW's call sites in the step: the host tier
+in one native call per step (`kernels.host_adamw_rows`), in place, multi-threaded over
+all host elements, and the device rows one Pallas call each (`kernels.pallas_adamw`).
 
-`paths.host_update` runs the wrapped optax transforms row by row in an XLA loop; that
-is general (any element-wise chain) but, to stay in place, XLA materializes each new
-row behind an optimization barrier, which makes it several times slower than
-`jax.jit(optax.adamw)` on a CPU. When the transform is known to be AdamW, its
-hyperparameters are handed to the core as a `FusedAdamW` and `host_update` here
-updates every host row with one call of the native host AdamW
-(`kernels.host_adamw_rows`), in place, multi-threaded over all host elements.
-
-The step's scalars come from the wrapped transforms themselves: their update is run on
-zero-length rows once per step (`paths.scalar_update`, read by `step_scalars`), so the
-step counts advance exactly as on the XLA path, and the bias corrections and learning
-rate are computed from the same counts with optax's expressions. Results are bit-identical to the XLA path.
+Their scalars are `AdamWHyperparams.scalars` of the step's scalar state, computed once
+per step (`step_scalars`), with optax's expressions: results are bit-identical to the
+XLA path, which runs `AdamWHyperparams.chain()` row by row.
 """
 
 from __future__ import annotations
@@ -22,47 +15,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
-from optax._src import numerics
 
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
+from dos_jax import memory_spaces
+from dos_jax.memory_spaces import DEVICE
+from dos_jax.memory_spaces import HOST
 from dos_jax.step import paths
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class FusedAdamW:
-  """AdamW's hyperparameters, for a fused update of the chain `dos_jax.adamw` builds:
-  `(scale_by_adam, decay_where_row, scale_by_learning_rate)`, in that order.
-
-  Values may be Python floats or (under `optax.inject_hyperparams`) arrays; the
-  learning rate may be a schedule.
-  """
-
-  learning_rate: optax.ScalarOrSchedule
-  b1: Any = 0.9
-  b2: Any = 0.999
-  eps: Any = 1e-8
-  eps_root: Any = 0.0
-  weight_decay: Any = 1e-4
-  nesterov: bool = False
-  mu_dtype: Any = None
-
-  def scalars(self, inner_state, new_inner_state) -> AdamWScalars:
-    """The step's `AdamWScalars` from the chain's state before and after the step."""
-    count = new_inner_state[0].count  # scale_by_adam's safe_increment(count)
-    if callable(self.learning_rate):
-      # scale_by_schedule evaluates the schedule at the count before the step.
-      lr = self.learning_rate(inner_state[2].count)
-    else:
-      lr = self.learning_rate
-    # optax.tree.bias_correction: `1 - decay**count` with the incremented count.
-    return AdamWScalars(
-        lr=lr, b1=self.b1, b2=self.b2, eps=self.eps, eps_root=self.eps_root,
-        weight_decay=self.weight_decay, bc1=1 - self.b1**count, bc2=1 - self.b2**count,
-        bc1_next=(1 - self.b1**numerics.safe_increment(count)) if self.nesterov else None)
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 
 
 def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] | None:
@@ -81,14 +43,12 @@ def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] 
   return (master[1] if has_master else -1, mu[1], nu[1])
 
 
-def step_scalars(fused: FusedAdamW, step: paths.RowStep,
+def step_scalars(fused: AdamWHyperparams, step: paths.RowStep,
                  scalar_update: tuple[Any, Any, tuple]) -> AdamWScalars:
-  """The step's `AdamWScalars`, read from the wrapped transforms' scalar update
-  (`paths.scalar_update`) as AdamW's step count and schedule value, with the step's
-  gradient scale (the clip factor) folded in. Computed once per step; every kernel
-  call of the step takes it."""
-  inner_state, new_inner, _ = scalar_update
-  adam_scalars = fused.scalars(inner_state, new_inner)
+  """The step's `AdamWScalars`, from the scalar state before the step (the first of
+  `paths.scalar_update`'s results), with the step's gradient scale (the clip factor)
+  folded in. Computed once per step; every kernel call of the step takes it."""
+  adam_scalars = fused.scalars(scalar_update[0])
   if step.grad_scale is not None:
     adam_scalars = dataclasses.replace(adam_scalars, grad_scale=step.grad_scale)
   return adam_scalars
@@ -125,7 +85,7 @@ class Leaves:
   offsets: tuple[int, ...]
 
 
-def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+def host_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
                 adam_scalars: AdamWScalars, leaves: Leaves, resident: bool,
                 num_threads: int | None = None):
   """Every row of a one-memory (CPU program) state in one native call; returns
@@ -144,11 +104,21 @@ def host_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
   # A custom call's results are typed as device memory; the state keeps its memory
   # kind (on CPU both are one memory, and this is no copy: see the memory test).
-  space = paths.DEVICE if resident else paths.HOST
+  space = DEVICE if resident else HOST
   return (jax.device_put(new_state, space),), out
 
 
-def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+def threads_per_shard(mesh=None) -> int:
+  """The host threads of one device's native call: every device of `mesh` (None: every
+  device) in this process runs its call at once, so they share the cores. `mesh` may
+  be abstract (as under `auto_axes`)."""
+  local = jax.local_device_count()
+  if mesh is not None:
+    local = min(mesh.size, local)
+  return max(1, (os.cpu_count() or 1) // max(1, local))
+
+
+def sharded_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
                    adam_scalars: AdamWScalars, grads, params, mesh, data_axis: str,
                    resident: bool, num_threads: int | None = None):
   """One-memory (CPU program) state sharded over `data_axis` (ZeRO-1): the native call
@@ -161,8 +131,7 @@ def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
   arrays, join = split_scalars(adam_scalars)
   num_rows = stacked[0].shape[0]
   if num_threads is None:
-    # The shards run at once, one per device: share the cores among them.
-    num_threads = max(1, (os.cpu_count() or 1) // max(1, mesh.shape[data_axis]))
+    num_threads = threads_per_shard(mesh)
   kernel_args = dict(
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
       lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads,
@@ -181,11 +150,11 @@ def sharded_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
       in_specs=(state_spec, rows_spec, [P()] * len(arrays)) + (rows_spec,) * len(extra),
       out_specs=(state_spec, rows_spec), check_vma=False,
   )(stacked[0], grads, arrays, *extra)
-  space = paths.DEVICE if resident else paths.HOST
+  space = DEVICE if resident else HOST
   return (jax.device_put(new_state, space),), out
 
 
-def region_kernel_args(step: paths.RowStep, fused: FusedAdamW, runs,
+def region_kernel_args(step: paths.RowStep, fused: AdamWHyperparams, runs,
                        num_threads: int | None) -> dict:
   """The native host AdamW's arguments for a block's host region: its pieces' offsets in
   the block's rows, the slots, its decayed rows, nesterov and the thread count."""
@@ -194,16 +163,22 @@ def region_kernel_args(step: paths.RowStep, fused: FusedAdamW, runs,
               nesterov=fused.nesterov, num_threads=num_threads)
 
 
-# Platforms whose accelerator program returns the host tier's state from the host region
-# (a copy per step) instead of updating it in its buffer: a CPU backend, where the
-# accelerator program runs only as a test of its numbers. Its compiler drops the
-# optimization barrier before scheduling, so without donation the copy of the state into
-# the program's output could run before the host call writes it; XLA:GPU drops the
-# barrier only after scheduling, so the order holds there donated or not.
-STATE_RESULT_PLATFORMS = ('cpu',)
+def state_in_place(in_place, with_result, *args):
+  """The host tier's state update in the form the platform keeps in order:
+  `in_place(*args)` (the kernel writes the donated state in its buffer, which leaves
+  through an optimization barrier) where the program is lowered for a GPU, and
+  `with_result(*args)` (the state a result of the host region, a copy per step) on a
+  CPU backend, where the accelerator program runs only as a test of its numbers.
+
+  A CPU backend's compiler drops the optimization barrier before scheduling, so
+  without donation the copy of the state into the program's output could run before
+  the host call writes it; XLA:GPU drops the barrier only after scheduling, so the
+  order holds there donated or not. Each platform lowers only its own branch.
+  """
+  return jax.lax.platform_dependent(*args, cpu=with_result, default=in_place)
 
 
-def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scalars_h,
+def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked, scalars_h,
                        rows_h, grad_pieces, param_pieces, runs,
                        num_threads: int | None = None, inputs_sink: list | None = None,
                        link=None):
@@ -234,8 +209,8 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scala
   barrier with them: whatever reads the new state runs after the host call is done.
   Nothing else in the step reads the old host state. Donate the state (every training
   step does): without donation XLA copies it into the output after the call, as it
-  must, and the caller's state array is overwritten as well. On the platforms in
-  `STATE_RESULT_PLATFORMS` the region returns the state as before.
+  must, and the caller's state array is overwritten as well. On a CPU backend the
+  region returns the state (`state_in_place`).
   """
   arrays_h, join = scalars_h
   kernel_args = dict(region_kernel_args(step, fused, runs, num_threads),
@@ -257,25 +232,24 @@ def host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked, scala
     # Not the link: what gates on these inputs (a device update) must not wait for the
     # earlier host calls the link comes from.
     inputs_sink.extend(jax.tree.leaves(args[1:-1]))
-  spaces = (paths.HOST, paths.DEVICE)
+  spaces = (HOST, DEVICE)
 
   def in_place(*args):
-    out_h, token = paths.host_region(lambda *a: run(*a, state_in_arg=True),
+    out_h, token = memory_spaces.host_region(lambda *a: run(*a, state_in_arg=True),
                                      out_spaces=spaces)(*args)
-    out = paths.put(out_h, paths.DEVICE)
+    out = memory_spaces.put(out_h, DEVICE)
     new_state, out = jax.lax.optimization_barrier((args[0], out))
     return new_state, out, token
 
   def with_result(*args):
-    new_state, out_h, token = paths.host_region(run, out_spaces=(paths.HOST,) + spaces)(*args)
-    return new_state, paths.put(out_h, paths.DEVICE), token
+    new_state, out_h, token = memory_spaces.host_region(run, out_spaces=(HOST,) + spaces)(*args)
+    return new_state, memory_spaces.put(out_h, DEVICE), token
 
-  branches = {platform: with_result for platform in STATE_RESULT_PLATFORMS}
-  new_state, out, token = jax.lax.platform_dependent(*args, **branches, default=in_place)
+  new_state, out, token = state_in_place(in_place, with_result, *args)
   return (new_state,), out, token
 
 
-def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacked,
+def sharded_host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
                                adam_scalars: AdamWScalars, grad_rows, param_rows, mesh,
                                data_axis: str, num_threads: int | None = None,
                                inputs_sink: list | None = None):
@@ -295,11 +269,9 @@ def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacke
   # Array scalars (schedule value, bias corrections, clip factor) cross whole to every
   # shard; Python floats stay closed over (see `host_region_update`).
   arrays, join = split_scalars(adam_scalars)
-  arrays_h = paths.to_host(arrays)
+  arrays_h = memory_spaces.to_host(arrays)
   if num_threads is None:
-    # Every device of the process runs its shard's host call at once: share the cores.
-    num_threads = max(1, (os.cpu_count() or 1) // max(1, min(mesh.size,
-                                                             jax.local_device_count())))
+    num_threads = threads_per_shard(mesh)
   kernel_args = dict(
       offsets=tuple(r * local_size for r in range(num_rows)),
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
@@ -313,8 +285,8 @@ def sharded_host_region_update(step: paths.RowStep, fused: FusedAdamW, *, stacke
     inputs_sink.extend(jax.tree.leaves((list(grad_rows), arrays_h, param_rows)))
 
   def per_shard(state, grad_rows, arrays_h, *param_rows):
-    rows_h = paths.to_host(jnp.arange(num_rows, dtype=jnp.int32))
-    return paths.host_region(run)(state, grad_rows, param_rows[0] if param_rows else None,
+    rows_h = memory_spaces.to_host(jnp.arange(num_rows, dtype=jnp.int32))
+    return memory_spaces.host_region(run)(state, grad_rows, param_rows[0] if param_rows else None,
                                   rows_h, arrays_h)
 
   rows_spec, state_spec = P(None, data_axis), P(None, None, data_axis)
@@ -341,7 +313,7 @@ class DeviceKernelStep:
   """
 
   step: paths.RowStep
-  fused: FusedAdamW
+  fused: AdamWHyperparams
   adam_scalars: AdamWScalars
   new_scalars: tuple
   # A shard-major state (ZeRO-3, `layout.Layout.shards`): the mesh and the axis its rows
@@ -410,7 +382,7 @@ class DeviceKernelStep:
     return (new_block,), self.new_scalars, out_row
 
 
-def device_step(fused: FusedAdamW, step: paths.RowStep, adam_scalars: AdamWScalars,
+def device_step(fused: AdamWHyperparams, step: paths.RowStep, adam_scalars: AdamWScalars,
                 new_scalars: tuple, mesh: Any = None,
                 axis: str | None = None) -> DeviceKernelStep:
   """The Pallas row update; per shard of `mesh`'s `axis` when given (see

@@ -28,76 +28,30 @@ copying it at every iteration.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import compute_on as _compute_on_mod
 
+from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
-
-RowUpdate = Callable[..., tuple[jax.Array, Any]]
-
-HOST = jax.memory.Space.Host
-DEVICE = jax.memory.Space.Device
-
-
-def function_form(module: Any = _compute_on_mod) -> Callable[..., Any] | None:
-  """The function form of `compute_on` in `module`, or None if it has only the old one.
-
-  jax 0.11: `compute_on(f=None, *, compute_type, out_memory_spaces, compiler_options)`.
-  jax 0.10: `compute_on(compute_type)` is a context manager, and the function form is
-  `compute_on2` with 0.11's signature. Both old and new name a parameter
-  `compute_type`, so the forms are told apart by `out_memory_spaces`, which only the
-  function form has (and which has no default there).
-  """
-  for name in ('compute_on', 'compute_on2'):
-    candidate = getattr(module, name, None)
-    if candidate is None:
-      continue
-    try:
-      parameters = inspect.signature(candidate).parameters
-    except (TypeError, ValueError):
-      continue
-    if 'out_memory_spaces' in parameters:
-      return candidate
-  return None
+from dos_jax.memory_spaces import DEVICE
+from dos_jax.memory_spaces import HOST
+from dos_jax.memory_spaces import host_region
+from dos_jax.memory_spaces import put
+from dos_jax.memory_spaces import to_host
 
 
-def host_region(fn: Callable[..., Any], out_spaces: Any = None,
-                module: Any = _compute_on_mod) -> Callable[..., Any]:
-  """`fn` as a host-compute region (`compute_on('device_host')`) on every backend.
+class RowUpdate(Protocol):
+  """The wrapped transforms' update of one subgroup row, and of their scalar state."""
 
-  Args:
-    fn: the computation; its array inputs must already be in host memory.
-    out_spaces: memory space of each output (a pytree prefix of the outputs, e.g. one
-      `HOST` for all); default: host memory.
-    module: where `compute_on` comes from (tests pass stand-ins of both versions).
-  """
-  out_spaces = HOST if out_spaces is None else out_spaces
-  form = function_form(module)
-  if form is not None:
-    return form(fn, compute_type='device_host', out_memory_spaces=out_spaces)
+  def __call__(self, grad_row, state_row, param_row, decayed) -> tuple[jax.Array, Any]:
+    """`(update_row, new_state_row)`: the update of one row (`decayed`: whether the row
+    holds weight-decayed leaves)."""
 
-  @functools.wraps(fn)
-  def wrapped(*args):
-    with module.compute_on('device_host'):
-      return fn(*args)
-
-  return wrapped
-
-
-def put(tree: Any, space) -> Any:
-  """Copies every array of `tree` to a memory space (inside jit: an async copy)."""
-  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
-
-
-def to_host(tree: Any) -> Any:
-  """Copies every array of `tree` to host memory (inside jit: an async D2H copy)."""
-  return put(tree, HOST)
+  def advance(self, inner_state, state_dtype) -> Any:
+    """The state after one step, as far as its scalar leaves go (the rest unread)."""
 
 
 def _row(x: jax.Array, i) -> jax.Array:
@@ -154,14 +108,14 @@ def scalar_update(step: RowStep, scalars: tuple) -> tuple[Any, Any, tuple]:
   scalar leaves: `(inner state, new inner state, new scalars)`.
 
   Every row's update computes the same new scalars from the same pre-step values, so
-  they are computed once per step, outside the paths, by running the wrapped update on
-  zero-length rows; no path hands them to another.
+  they are computed once per step, outside the paths, by the row update's `advance`
+  (see `RowUpdate`); no path hands them to another. The state's per-element leaves
+  are zero-length here: only its scalar leaves are read.
   """
   empty = tuple(jnp.zeros((n, 0), dtype) for n, dtype in
                 zip(step.slots.group_sizes, step.slots.groups))
   master, inner_state = slots_lib.join(empty, scalars, step.slots, axis=0)
-  zero = jnp.zeros((0,), step.state_dtype)
-  _, new_inner = step.row_update(zero, inner_state, zero, True)
+  new_inner = step.row_update.advance(inner_state, step.state_dtype)
   _, new_scalars = slots_lib.split((master, new_inner), step.slots, axis=0)
   new_scalars = tuple(jnp.asarray(n, o.dtype) for n, o in zip(new_scalars, scalars))
   return inner_state, new_inner, new_scalars
@@ -242,8 +196,6 @@ def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pi
     inputs_sink: where to append the region's inputs other than the state.
     shards: the pieces' shards (`partition.assemble`): > 1 for a shard-major layout.
   """
-  # Deferred import: `partition` depends on `layout`, which the paths need not.
-  from dos_jax.geometry import partition as partition_lib  # pylint: disable=import-outside-toplevel
   num_rows, _, size = stacked[0].shape
   out_dtype = step.out_dtype
   # Every input of a host region must already be in host memory.

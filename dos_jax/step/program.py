@@ -35,6 +35,7 @@ from dos_jax.step import disk_tier
 from dos_jax.step import early_chunks
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import host_work as host_work_lib
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step import lanes as lanes_lib
 from dos_jax.step import paths
 from dos_jax.step import state_init
@@ -48,7 +49,7 @@ class StepKernels:
   kernels (None: not AdamW, XLA's ops only) and the step options."""
 
   row_update: Callable[..., Any]
-  fused: fused_lib.FusedAdamW | None
+  fused: AdamWHyperparams | None
   options: StepOptions
 
 

@@ -31,7 +31,7 @@ from dos_jax.geometry.state import ShardedOver
 from dos_jax.offload import Offload
 from dos_jax.offload import Program
 from dos_jax.step import disk_tier
-from dos_jax.step import paths
+from dos_jax import memory_spaces
 
 
 class Placement(NamedTuple):
@@ -45,8 +45,8 @@ def placement(mesh, data_axis: str) -> Placement:
   """The placement of a state on `mesh` (None: one device), split over `data_axis`."""
   if mesh is None:
     return Placement(
-        rows={t: paths.DEVICE if t is Tier.RESIDENT else paths.HOST for t in TIERS},
-        scalars=paths.DEVICE)
+        rows={t: memory_spaces.DEVICE if t is Tier.RESIDENT else memory_spaces.HOST for t in TIERS},
+        scalars=memory_spaces.DEVICE)
   return Placement(
       rows={t: NamedSharding(mesh, P(None, None, data_axis), memory_kind=t.memory_kind)
             for t in TIERS},
@@ -136,14 +136,14 @@ class _Builder:
       arrays = []
       for ids in part.blocks(tier):
         if tier is Tier.RESIDENT:
-          block, scalars = self.block_state(leaves, ids, paths.DEVICE)
+          block, scalars = self.block_state(leaves, ids, memory_spaces.DEVICE)
         else:
           if host_leaves is None:
             # 0-d leaves would drop their memory space (JAX exempts scalars); packing
             # ravels every leaf anyway.
-            host_leaves = paths.to_host([jnp.atleast_1d(x) for x in leaves])
-          fn = functools.partial(self.block_state, ids=ids, space=paths.HOST)
-          fn = paths.host_region(fn) if part.split else fn
+            host_leaves = memory_spaces.to_host([jnp.atleast_1d(x) for x in leaves])
+          fn = functools.partial(self.block_state, ids=ids, space=memory_spaces.HOST)
+          fn = memory_spaces.host_region(fn) if part.split else fn
           block, scalars = fn(host_leaves)
         arrays.extend(block)
       tiers[tier] = tuple(arrays)

@@ -26,7 +26,9 @@ from dos_jax import capability as capability_lib
 from dos_jax.step import fused as fused_lib
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
+from dos_jax import memory_spaces
 from dos_jax.step import paths
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step.options import StepOptions
 from dos_jax.capability import Kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
@@ -78,7 +80,7 @@ class StepContext:
   plan: Plan
   options: StepOptions  # what the step needs of `Offload`
   program: Program
-  fused: fused_lib.FusedAdamW | None
+  fused: AdamWHyperparams | None
   grad_leaves: list[Any]
   param_leaves: list[Any] | None  # only for fp32 params (no master)
   grad_dtype: Any
@@ -112,7 +114,7 @@ class StepContext:
       if speculate:
         adam_scalars = dataclasses.replace(adam_scalars, grad_scale=1.0)
       arrays, join = fused_lib.split_scalars(adam_scalars)
-      self.host_shared[key] = (paths.to_host(arrays), join)
+      self.host_shared[key] = (memory_spaces.to_host(arrays), join)
     return self.host_shared[key]
 
   def host_row_indices(self, rows: int) -> jax.Array:
@@ -120,7 +122,7 @@ class StepContext:
     of that many rows (see `host_scalars`)."""
     key = ('rows', rows)
     if key not in self.host_shared:
-      self.host_shared[key] = paths.to_host(jnp.arange(rows, dtype=jnp.int32))
+      self.host_shared[key] = memory_spaces.to_host(jnp.arange(rows, dtype=jnp.int32))
     return self.host_shared[key]
 
   def gate(self) -> 'StepContext':
@@ -248,11 +250,11 @@ class StepContext:
     out = jnp.zeros(grads.shape, step.out_dtype)
     on_host = self.part.tier_of(ids[0]) is Tier.HOST
     if on_host:
-      grads, params, out = paths.to_host((grads, params, out))
+      grads, params, out = memory_spaces.to_host((grads, params, out))
     arrays, out = paths.resident_loop(range(arrays[0].shape[0]), step, stacked=arrays,
                                       scalars=self.scalars, grads=grads, params=params,
                                       out=out)
-    return arrays, jax.device_put(out, paths.DEVICE) if on_host else out
+    return arrays, jax.device_put(out, memory_spaces.DEVICE) if on_host else out
 
   def _host_native(self, step, arrays, ids, runs):
     grad_pieces, param_pieces = self._host_pieces(ids, runs)
@@ -261,7 +263,7 @@ class StepContext:
         rows_h=self.host_row_indices(arrays[0].shape[0]),
         grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs,
         num_threads=self.options.host_threads, inputs_sink=self.host_inputs)
-    return paths.put(arrays, paths.HOST), out
+    return memory_spaces.put(arrays, memory_spaces.HOST), out
 
   def _host_native_sharded(self, step, arrays, ids, runs):
     """The native kernel per data shard (`fused.sharded_host_region_update`), on
@@ -279,7 +281,7 @@ class StepContext:
         grad_rows=grad_rows, param_rows=param_rows, mesh=self.mesh,
         data_axis=self.options.data_axis, num_threads=self.options.host_threads,
         inputs_sink=self.host_inputs)
-    return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
+    return memory_spaces.put(arrays, memory_spaces.HOST), jax.device_put(out, memory_spaces.DEVICE)
 
   def _host_xla(self, step, arrays, ids, runs):
     grad_pieces, param_pieces = self._host_pieces(ids, runs)
@@ -287,7 +289,7 @@ class StepContext:
         step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
         param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
         inputs_sink=self.host_inputs, shards=self.layout.shards)
-    return paths.put(arrays, paths.HOST), jax.device_put(out, paths.DEVICE)
+    return memory_spaces.put(arrays, memory_spaces.HOST), jax.device_put(out, memory_spaces.DEVICE)
 
   def streamed(self, step, arrays, ids, runs):
     """The streamed block through the device, in stream order; returns (arrays, out
@@ -333,7 +335,7 @@ class StepContext:
 
   def host_pieces(self, runs):
     """The gradient (and fp32 param) pieces of `runs`, sent to host memory."""
-    return (paths.to_host(partition_lib.slice_pieces(self.grad_leaves, runs,
+    return (memory_spaces.to_host(partition_lib.slice_pieces(self.grad_leaves, runs,
                                                      self.layout.shards)),
             self._host_param_pieces(runs))
 
@@ -341,7 +343,7 @@ class StepContext:
     """The fp32 param pieces of `runs` in host memory (None: the state keeps a master)."""
     if self.param_leaves is None:
       return None
-    return paths.to_host(partition_lib.slice_pieces(self.param_leaves, runs,
+    return memory_spaces.to_host(partition_lib.slice_pieces(self.param_leaves, runs,
                                                     self.layout.shards))
 
   def _device_step(self, step):
@@ -372,7 +374,7 @@ def host_rows(layout: layout_lib.Layout, ids, leaves: list[Any], dtype,
     runs = partition_lib.pieces_of(layout, (g,))
     pieces = partition_lib.slice_pieces(leaves, runs, shards)
     row = partition_lib.assemble(pieces, runs, 1, size, dtype, shards)
-    out.append(paths.to_host(jax.lax.with_sharding_constraint(row, sharding)))
+    out.append(memory_spaces.to_host(jax.lax.with_sharding_constraint(row, sharding)))
   return out
 
 
@@ -398,7 +400,7 @@ def gate_device_update(layout: layout_lib.Layout, part: partition_lib.Partition,
   """
   blocks = part.blocks(Tier.HOST)
   if rows is None:
-    pieces = {tuple(ids): paths.to_host(partition_lib.slice_pieces(
+    pieces = {tuple(ids): memory_spaces.to_host(partition_lib.slice_pieces(
         grad_leaves, partition_lib.pieces_of(layout, ids), layout.shards))
               for ids in blocks if ids}
   else:

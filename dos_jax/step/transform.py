@@ -9,6 +9,7 @@ optax's, op for op.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -24,21 +25,42 @@ from dos_jax import validate as validate_lib
 from dos_jax.geometry.state import OffloadedState
 from dos_jax.offload import Offload
 from dos_jax.policies import Plan
-from dos_jax.step import fused as fused_lib
 from dos_jax.step import program as program_lib
 from dos_jax.step import state_init
+from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step.options import StepOptions
 
 PyTree = Any
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ChainRows:
+  """The wrapped transform's update of one subgroup row (a `paths.RowUpdate`).
+
+  `advance` steps its scalar state: by name where the transform is AdamW's
+  (`adamw`), else by running its update on the zero-length rows it is given (the
+  one way to know how an arbitrary element-wise transform steps its scalars).
+  """
+
+  inner: optax.GradientTransformationExtraArgs
+  adamw: AdamWHyperparams | None = None
+
+  def __call__(self, grad, state, param, decayed):
+    return self.inner.update(grad, state, param, row_decayed=decayed)
+
+  def advance(self, inner_state, state_dtype):
+    if self.adamw is not None:
+      return self.adamw.advance(inner_state)
+    zero = jnp.zeros((0,), state_dtype)
+    return self(zero, inner_state, zero, True)[1]
+
+
 def offloaded(
-    inner: optax.GradientTransformationExtraArgs,
+    inner: optax.GradientTransformationExtraArgs | AdamWHyperparams,
     offload: Offload | None = None,
     *,
     mask: PyTree | Callable[[PyTree], PyTree] | None = None,
     validate: Callable[[PyTree], None] | None = None,
-    fused: fused_lib.FusedAdamW | None = None,
     shard_dims: PyTree | Callable[[PyTree], PyTree] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Runs an element-wise optax transform on host-resident subgroups.
@@ -46,11 +68,12 @@ def offloaded(
   Args:
     inner: an element-wise transform; its update is applied to each subgroup row with
       the extra keyword `row_decayed` (whether the row holds weight-decayed leaves).
+      Or AdamW's hyperparameters (`AdamWHyperparams`, what `dos_jax.adamw` passes):
+      then its `chain()` is the transform, and the host path may run as one native
+      call (`offload.host_impl`, see `capability`).
     offload: subgroup size, placement policy, mesh; `None` means `Offload()`.
     mask: weight-decay mask (pytree or callable) used to group decayed leaves.
     validate: called with the params at `init`, to reject unsupported transforms early.
-    fused: set when `inner` is AdamW's chain (see `fused.FusedAdamW`): the host path
-      may then run as one native call (`offload.host_impl`, see `capability`).
     shard_dims: ZeRO-3, params split over `offload.data_axis`: per leaf (a pytree or a
       callable of the params) the dimension split over it, or None. Given, the state
       is packed shard-major on a mesh (see `layout`): each device packs and unpacks its
@@ -65,10 +88,10 @@ def offloaded(
   """
   validate_lib.check_offload(offload, 'dos_jax.offloaded')
   offload = Offload() if offload is None else offload
-  kernels = program_lib.StepKernels(
-      row_update=lambda grad, state, param, decayed: inner.update(
-          grad, state, param, row_decayed=decayed),
-      fused=fused, options=StepOptions.of(offload))
+  adamw = inner if isinstance(inner, AdamWHyperparams) else None
+  inner = inner if adamw is None else adamw.chain()
+  kernels = program_lib.StepKernels(row_update=ChainRows(inner, adamw), fused=adamw,
+                                    options=StepOptions.of(offload))
 
   def init_fn(params):
     if validate_lib.is_params_placeholder(params):
@@ -79,7 +102,7 @@ def offloaded(
     if validate is not None:
       validate(params)
     return state_init.init_state(inner, offload, params, mask=mask, shard_dims=shard_dims,
-                                 fused=fused)
+                                 fused=adamw)
 
   def update_fn(updates, state: OffloadedState, params=None, *, plan: Plan | None = None,
                 grad_scale: jax.Array | float | None = None, **extra_args):

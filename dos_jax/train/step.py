@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import optax
 
 import dos_jax
+from dos_jax import compiler_options_for
 from dos_jax.dataflow import early_windows as early_windows_lib
 from dos_jax.train.config import ConfigError, OffloadConfig, OptimConfig
 
@@ -306,14 +307,6 @@ def make_update_step(
 
   call.jitted = jitted  # For compile-count checks (`call.jitted._cache_size()`).
   return call
-
-
-def compiler_options_for(platform: str) -> Mapping[str, Any] | None:
-  """XLA options the runner compiles its steps with on `platform` (a JAX platform name):
-  on a GPU `dos_jax.GPU_COMPILER_OPTIONS` (the latency-hiding scheduler, which overlaps
-  gradient copies with the backward pass and the device update with the host call;
-  experiments/RESULTS.md shows the schedule with and without), else none."""
-  return dos_jax.GPU_COMPILER_OPTIONS if platform in ('gpu', 'cuda', 'rocm') else None
 
 
 def make_eval_step(apply: Callable, loss_fn: Callable) -> Callable[[Params, jax.Array], jax.Array]:

@@ -1,12 +1,45 @@
-"""The def-use graph of a lowered program's entry function (`Graph`), its nodes and
-transfers, and `lower_for_gpu`; see the package docstring for what it proves."""
+"""The dataflow graph of a lowered program: what the GPU program does, seen on any machine.
+
+A step lowered for the GPU on a machine without one (`dos_jax.dataflow.lower_for_gpu`, i.e.
+`jax.jit(step).trace(...).lower(lowering_platforms=('cuda',))`) is StableHLO whose
+def-use graph shows what XLA may overlap: two ops with no path between them can run at
+the same time, an op that (transitively) uses another's result cannot start before it.
+`Graph` walks the entry function's (`@main`'s) top-level ops and attributes everything
+nested in an op to that op: the ops in its regions (`stablehlo.while` bodies,
+`stablehlo.case` branches) and, transitively, the ops of the functions it calls
+(`func.call`; JAX outlines jitted and closed-over pieces into `func.func private`
+functions, also from inside loop bodies). The tests use it to prove the shape of
+dos_jax's GPU program without a GPU: the host region and the device stream are
+independent, and host-bound gradients leave the device before the backward pass ends.
+
+It reads the MLIR Python objects of `Lowered.compiler_ir('stablehlo')` (op names,
+attributes, operands, results), never the printed module, and imports nothing private
+from JAX. What each `OpKind` matches is in its docstring; the markers were read off
+JAX 0.10's lowering:
+
+* host region: `func.call @compute_on(...) {mhlo.frontend_attributes =
+  {_xla_compute_type = "host"}}` (`compute_on2(f, compute_type='device_host', ...)`
+  on JAX 0.10, `compute_on` on 0.11; JAX also stamps the attribute on every op inside
+  the callee);
+* transfer: `stablehlo.custom_call @annotate_device_placement(x)
+  {mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host" | "device"}}`
+  (`jax.device_put(x, jax.memory.Space.Host | Device)` inside jit). JAX also wraps every
+  output of a host region in one, `"pinned_host"` for a host-resident output: an
+  annotation of a value that is already there, which moves nothing (`Transfer.moves`);
+* Pallas kernel: `stablehlo.custom_call @__gpu$xla.gpu.triton` (Triton; its
+  `mhlo.backend_config` dictionary holds the kernel's `name`) or `@mosaic_gpu_v2`
+  (Mosaic GPU; no name outside the serialized kernel).
+
+`Graph.memory_space` tells where a top-level value lives, so that a placement of a value
+already in that memory is not counted as a transfer.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Iterator
 
-from dos_jax.dataflow.ops import (
+from tests.tooling.ops import (
     _HOST_PLACEMENTS,
     Dot,
     OpKind,
@@ -275,21 +308,3 @@ class Graph:
       spaces.append('host' if kind is not None and _text(kind) in _HOST_PLACEMENTS
                     else 'device')
     return tuple(spaces)
-
-
-def lower_for_gpu(fn: Callable[..., Any], *args, target: Any = None,
-                  kwargs: dict[str, Any] | None = None, **jit_kwargs) -> Any:
-  """`jax.jit(fn, **jit_kwargs)` traced on `args` (and keyword `kwargs`) and lowered
-  for CUDA; `fn` may already be jitted (then `jit_kwargs` must be empty).
-
-  Works on a machine without a GPU (Pallas Triton / Mosaic GPU kernels included),
-  which is the point: the GPU program's structure can be checked anywhere. Where no
-  GPU is present the lowering runs with an abstract GPU device of `target` (a
-  `GpuTarget`, default the H100) in context, which jax >= 0.11 needs to lower Pallas
-  kernels for a GPU (see `gpu_target.lowering_device`).
-  """
-  import jax  # pylint: disable=import-outside-toplevel
-  from dos_jax.dataflow import gpu_target  # pylint: disable=import-outside-toplevel
-  jitted = fn if hasattr(fn, 'trace') and not jit_kwargs else jax.jit(fn, **jit_kwargs)
-  with gpu_target.lowering_device(target):
-    return jitted.trace(*args, **(kwargs or {})).lower(lowering_platforms=('cuda',))

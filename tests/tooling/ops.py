@@ -1,8 +1,8 @@
 """Reading a lowered module's MLIR ops: what each op is (`OpKind`), tensor types,
 dots, kernel names, and what every function contains (`_Functions`).
 
-The classification the dataflow graph (`graph.py`) is built on; see the package
-docstring for the markers each kind matches.
+The classification the dataflow graph (`graph.py`) is built on; see its docstring for
+the markers each kind matches.
 """
 
 from __future__ import annotations
