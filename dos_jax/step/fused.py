@@ -314,7 +314,9 @@ class DeviceKernelStep:
 
   step: paths.RowStep
   fused: AdamWHyperparams
-  adam_scalars: AdamWScalars
+  # The step's AdamW coefficients as the kernel reads them (`pallas_adamw.packed_scalars`),
+  # made once per step outside every stream region (`StepContext.coefficients`).
+  coefficients: jax.Array
   new_scalars: tuple
   # A shard-major state (ZeRO-3, `layout.Layout.shards`): the mesh and the axis its rows
   # are split over. The kernel then runs on each device's columns of the row under
@@ -323,14 +325,13 @@ class DeviceKernelStep:
   axis: str | None = None
 
   def __call__(self, blocks, scalars, grad, param, index):
-    del scalars  # every row reads the pre-step scalars, folded into `adam_scalars`
+    del scalars  # every row reads the pre-step scalars, folded into `coefficients`
     if self.mesh is None:
-      return self._update(blocks[0], grad, param, index, self.adam_scalars)
-    arrays, join = split_scalars(self.adam_scalars)
+      return self._update(blocks[0], grad, param, index, self.coefficients)
 
-    def per_shard(block, grad, index, arrays, *param):
+    def per_shard(block, grad, index, coefficients, *param):
       (new_block,), _, out_row = self._update(block, grad, param[0] if param else None,
-                                              index, join(arrays))
+                                              index, coefficients)
       return new_block, out_row
 
     mesh = self.mesh
@@ -344,28 +345,23 @@ class DeviceKernelStep:
     # The Pallas call has no replication rule for the checker; every output is sharded.
     new_block, out_row = jax.shard_map(
         per_shard, mesh=mesh,
-        in_specs=(rows, row, P(), [P()] * len(arrays)) + (row,) * len(extra),
+        in_specs=(rows, row, P(), P()) + (row,) * len(extra),
         out_specs=(rows, row), check_vma=False,
-    )(blocks[0], grad, jnp.asarray(index), arrays, *extra)
+    )(blocks[0], grad, jnp.asarray(index), self.coefficients, *extra)
     return (new_block,), self.new_scalars, out_row
 
-  def _update(self, block, grad, param, index, adam_scalars):
+  def _update(self, block, grad, param, index, coefficients):
     from dos_jax.kernels import pallas_adamw  # pylint: disable=import-outside-toplevel
     slots = slot_rows(self.step.slots, self.step.has_master)
     size = block.shape[-1]
     decay_limit = jnp.where(index < self.step.decayed_rows, size, 0).astype(jnp.int32)
     lowp_dtype = self.step.out_dtype if self.step.has_master else None
 
-    # The kernel's coefficients and decay limit are made here, outside the platform
-    # branches, as the staged lowering makes them outside its stream regions
-    # (`step.stages`): both lowerings compute them in the same XLA computation, so their
-    # numbers agree bit for bit.
-    packed = pallas_adamw.packed_scalars(adam_scalars, nesterov=self.fused.nesterov)
     limit = jnp.reshape(decay_limit, (1,))
 
     def kernel(interpret):
       return lambda block, grad, param: pallas_adamw.adamw_pallas_rows_packed(
-          packed, limit, block, grad, param, slots=slots, lowp_dtype=lowp_dtype,
+          coefficients, limit, block, grad, param, slots=slots, lowp_dtype=lowp_dtype,
           nesterov=self.fused.nesterov, interpret=interpret)
 
     # Triton where the program is lowered for a GPU, the Pallas interpreter where it
@@ -382,10 +378,10 @@ class DeviceKernelStep:
     return (new_block,), self.new_scalars, out_row
 
 
-def device_step(fused: AdamWHyperparams, step: paths.RowStep, adam_scalars: AdamWScalars,
+def device_step(fused: AdamWHyperparams, step: paths.RowStep, coefficients: jax.Array,
                 new_scalars: tuple, mesh: Any = None,
                 axis: str | None = None) -> DeviceKernelStep:
-  """The Pallas row update; per shard of `mesh`'s `axis` when given (see
-  `DeviceKernelStep`)."""
-  return DeviceKernelStep(step=step, fused=fused, adam_scalars=adam_scalars,
+  """The Pallas row update with the step's packed `coefficients`; per shard of
+  `mesh`'s `axis` when given (see `DeviceKernelStep`)."""
+  return DeviceKernelStep(step=step, fused=fused, coefficients=coefficients,
                           new_scalars=new_scalars, mesh=mesh, axis=axis)

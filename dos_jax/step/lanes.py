@@ -179,8 +179,8 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
       else fused_lib.split_scalars(context.adam_scalars)
   pieces = []
 
-  def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, grad_scale,
-           *gen):
+  def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, coefficients,
+           grad_scale, *gen):
     # Each host-bound gradient piece leaves for host memory as the backward pass makes
     # it, outside the scheduling group (rule 2), as in the unsharded step; early chunks
     # send each block's pieces themselves, ungated, so that a chunk waits for its own.
@@ -192,7 +192,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
         host_inputs=[], grad_leaves=list(grads),
         param_leaves=None if param_views is None else [v.reshape(-1) for v in param_views],
         scalars=tuple(scalars), new_scalars=tuple(new_scalars),
-        adam_scalars=adam_join(adam_arrays))
+        adam_scalars=adam_join(adam_arrays), coefficients=coefficients)
     step = dataclasses.replace(base_step, grad_scale=grad_scale[0] if grad_scale else None)
     local_tiers = {t: () for t in TIERS}
     local_tiers.update(zip(names, arrays))
@@ -212,9 +212,9 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   grad_scale = () if base_step.grad_scale is None else (base_step.grad_scale,)
   args = (list(context.grad_leaves), None if param_views is None else list(param_views),
           [tiers[t] for t in names], tuple(context.scalars), tuple(context.new_scalars),
-          adam_arrays, grad_scale) + (() if disk is None else (disk.gen,))
+          adam_arrays, context.coefficients, grad_scale) + (() if disk is None else (disk.gen,))
   in_specs = (view_spec, None if param_views is None else view_spec, rows_spec, whole,
-              whole, whole, whole) + (() if disk is None else (whole,))
+              whole, whole, whole, whole) + (() if disk is None else (whole,))
   device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
   if device is not None:
     # Lowered for a GPU where there is none (`dataflow.lower_for_gpu`): the kernels

@@ -23,6 +23,7 @@ from dos_jax import meshes
 from dos_jax import validate as validate_lib
 from dos_jax.capability import Kernel
 from dos_jax.geometry import layout as layout_lib
+from dos_jax.kernels import pallas_adamw
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.partition import TIERS
@@ -127,15 +128,27 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
   # The scalar state's update (step counts) and the kernels' AdamW scalars: once per
   # step, apart from both paths.
   scalar_update = paths.scalar_update(base_step, state.scalars)
+  adam_scalars = None if kernels.fused is None else fused_lib.step_scalars(
+      kernels.fused, base_step, scalar_update)
   context = tier_updates.StepContext(
       layout=layout, part=part, plan=part.plan, options=options, program=program,
       fused=kernels.fused, grad_leaves=grad_leaves,
       param_leaves=None if layout.needs_master or param_leaves is None else views(param_leaves),
       grad_dtype=grad_dtype, scalars=state.scalars, new_scalars=scalar_update[2],
-      adam_scalars=None if kernels.fused is None else fused_lib.step_scalars(
-          kernels.fused, base_step, scalar_update),
+      adam_scalars=adam_scalars, coefficients=_coefficients(kernels.fused, adam_scalars),
       mesh=mesh, host_grad_pieces=host_grad_pieces)
   return context, base_step, native
+
+
+def _coefficients(fused, adam_scalars):
+  """The Pallas kernel's packed AdamW coefficients of the step, once, behind an
+  optimization barrier: every device row reads the same opaque values wherever its
+  kernel runs (a stream region, a loop, XLA:CPU's interpreter fusing it), so the
+  constructions agree bit for bit. None: not AdamW."""
+  if adam_scalars is None:
+    return None
+  return jax.lax.optimization_barrier(
+      pallas_adamw.packed_scalars(adam_scalars, nesterov=fused.nesterov))
 
 
 def _runs_early(options: StepOptions, part, layout, mesh, native: bool) -> bool:

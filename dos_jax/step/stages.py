@@ -161,7 +161,7 @@ class _Kernel:
   def of(cls, context, base_step) -> '_Kernel | None':
     usable = capability_lib.capability(Kernel.PALLAS, context.fused, base_step,
                                        context.program).usable
-    return cls(context, base_step) if usable and context.adam_scalars is not None else None
+    return cls(context, base_step) if usable and context.coefficients is not None else None
 
   def in_region(self, rows, blocks_in, group: int | None, lane: int):
     """`rows` of one lane and stage in one stream region: (new block arrays, out
@@ -169,10 +169,9 @@ class _Kernel:
     from dos_jax.kernels import pallas_adamw  # pylint: disable=import-outside-toplevel
     context, step = self.context, self.base_step
     inputs = [self._row_inputs(tier, b, arrays) for (tier, b), arrays in zip(rows, blocks_in)]
-    packed = pallas_adamw.packed_scalars(context.adam_scalars, nesterov=context.fused.nesterov)
+    packed = context.coefficients  # made once per step, outside every region
     # The decay limits are constants: through a barrier, XLA cannot fold them in. (The
-    # coefficients derive from the step count; they pass as they are, computed as the
-    # other lowering computes them.)
+    # coefficients derive from the step count.)
     limits = jax.lax.optimization_barrier([limit for _, _, limit in inputs])
     inputs = [(grad, param, limit) for (grad, param, _), limit in zip(inputs, limits)]
     tiers = [tier for tier, _ in rows]

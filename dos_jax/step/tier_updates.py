@@ -90,6 +90,9 @@ class StepContext:
   mesh: Any  # the mesh the state is sharded over (ZeRO-1), or None
   # Accelerator program: each host block's gradient pieces, already sent to host memory
   # (see `gate_device_update`), by the block's subgroups.
+  # The Pallas kernel's packed AdamW coefficients (`pallas_adamw.packed_scalars`), made
+  # once per step outside every stream region (None: not AdamW).
+  coefficients: Any = None
   host_grad_pieces: dict[tuple[int, ...], list[Any]] = dataclasses.field(default_factory=dict)
   # Accelerator program: the host regions' inputs other than the state, appended as the
   # host tier is built (see `gate`).
@@ -353,7 +356,7 @@ class StepContext:
         and capability_lib.capability(Kernel.PALLAS, self.fused, step, self.program).usable):
       # Shard-major, every device updates its own columns of the row (no gather).
       sharded = self.mesh is not None and self.layout.shards > 1
-      return fused_lib.device_step(self.fused, step, self.adam_scalars, self.new_scalars,
+      return fused_lib.device_step(self.fused, step, self.coefficients, self.new_scalars,
                                    mesh=self.mesh if sharded else None,
                                    axis=self.options.data_axis if sharded else None)
     return step
