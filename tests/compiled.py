@@ -142,7 +142,17 @@ _EARLY_FP32_MEMORY = ('fp32 params, an early host call (the H100 node\'s choice)
                       'holds 55.7 MB. Its live ranges peak at 59.6 MB against 57.8 (device '
                       'buffers at the peak): XLA\'s buffer assignment packs the early-call '
                       'step\'s temporaries less tightly. Not the undo (the kernel\'s own)')
-KNOWN_REGRESSIONS = {
+_STAGED_MEMORY = ('staged lowering (jax 0.12): each stream region holds one streamed row, and '
+                  'the compiled update-bound step peaks at 5.03 MB (16384) / 5.90 MB (65536) '
+                  'against 6.49 / 6.69 MB predicted: the prediction\'s update phase packs '
+                  'every device row with its params at once, 13-29% over, on the safe side')
+# Per jax minor version: each entry's reason was measured on that version's CUDA plugin.
+_KNOWN_BY_VERSION = {
+    (0, 12): {
+        f'tests/test_step_memory.py::test_per_subgroup_stream_holds_every_streamed_row[{n}]':
+            _STAGED_MEMORY for n in (16384, 65536)},
+}
+KNOWN_REGRESSIONS_ALL_VERSIONS = {
     **{f'tests/test_compiled_gpu.py::test_runner_step_overlaps_copies_and_updates[{p}-float32]':
        _EARLY_FP32 for p in ('all_host', 'stride', 'device_fraction')},
     **{'tests/test_compiled_gpu.py::test_runner_steps_run_the_device_tiers_beside_the_host_call'
@@ -182,3 +192,5 @@ def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
   layout = stages.layout(lanes, items)
   regions = sum(1 for stage in layout.grouped for rows in stage if rows)
   return early + len(layout.grouped), regions + sum(len(rows) for rows in layout.after)
+KNOWN_REGRESSIONS = {**KNOWN_REGRESSIONS_ALL_VERSIONS,
+                     **_KNOWN_BY_VERSION.get(tuple(jax.__version_info__[:2]), {})}

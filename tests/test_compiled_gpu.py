@@ -56,11 +56,18 @@ def _runner_step(policy: str, dtype: str, options=None, clip: bool = True, overr
                                compiler_options=options)
 
 
+def _calls(policy: str, dtype: str, clip: bool = True, overrides=()) -> tuple[int, int]:
+  """(host calls, stream calls updating device rows) of the runner's step for this
+  config (`gpu_program.build_step`, the one builder), under this jax's lowering:
+  `compiled.expected_calls`."""
+  state = gpu_program.build_step(_config(policy, dtype, clip, overrides)).offloaded_state
+  return compiled.expected_calls(state, clip=clip)
+
+
 def _host_calls(policy: str, dtype: str, clip: bool = True, overrides=()) -> int:
   """The host calls the runner's step for this config makes: one per early call its
-  state holds (`gpu_program.build_step`, the one builder), and the last."""
-  state = gpu_program.build_step(_config(policy, dtype, clip, overrides)).offloaded_state
-  return 1 + len(state.partition.early)
+  state holds, and the last (per stage, in the staged lowering)."""
+  return _calls(policy, dtype, clip, overrides)[0]
 
 
 @pytest.mark.parametrize('target', list(dataflow.GpuTarget), ids=lambda t: t.value)
@@ -109,15 +116,16 @@ def test_streamed_rows_stream_full_duplex_with_one_block_each():
 
 def test_a_row_count_the_lanes_do_not_divide_streams_full_duplex_beside_the_host_call():
   """2 layers: 5 streamed rows over 2 stream lanes (3 and 2 rows, round-robin in
-  stream order): one stream call per lane, every device update beside a host call,
-  full duplex."""
+  stream order): one stream call per lane (per lane and stage, staged), every device
+  update beside a host call, full duplex."""
   if not device_stream.available():
     pytest.skip(f'jax {jax.__version__} builds no stream region (device_stream.available())')
   overrides = ['model.n_layers=2']
   schedule = _runner_step('stride', 'bfloat16', overrides=overrides).schedule
   assert len(schedule.streamed_rows) == 5, schedule.streamed_rows
-  assert len(schedule.host_calls) == _host_calls('stride', 'bfloat16', overrides=overrides)
-  assert schedule.device_updates_on_streams() == 2, schedule.stream_calls
+  host_calls, stream_calls = _calls('stride', 'bfloat16', overrides=overrides)
+  assert len(schedule.host_calls) == host_calls, schedule.host_calls
+  assert schedule.device_updates_on_streams() == stream_calls, schedule.stream_calls
   assert not schedule.device_updates_outside_host_calls(), (
       schedule.host_calls, schedule.stream_calls)
   assert schedule.stream_full_duplex(), schedule.streamed_rows
@@ -133,9 +141,9 @@ def test_runner_steps_run_the_device_tiers_beside_the_host_call(policy, dtype):
     pytest.skip(f'jax {jax.__version__} builds no stream region (device_stream.available())')
   program = _runner_step(policy, dtype)
   schedule = program.schedule
-  lanes = max(1, min(2, len(schedule.streamed_rows)))  # one stream region per lane
-  assert len(schedule.host_calls) == _host_calls(policy, dtype), schedule.host_calls
-  assert schedule.device_updates_on_streams() == lanes, (
+  host_calls, stream_calls = _calls(policy, dtype)  # per lane (and stage, staged)
+  assert len(schedule.host_calls) == host_calls, schedule.host_calls
+  assert schedule.device_updates_on_streams() == stream_calls, (
       schedule.host_calls, schedule.stream_calls)
   assert schedule.device_update_inside_host_call()
   assert not schedule.device_updates_outside_host_calls()

@@ -73,7 +73,7 @@ def test_resident_rows_cost_no_transfers_and_count_as_device_memory():
   assert pred.resident_bytes == 6 * ROW
   assert pred.bytes_h2d == pytest.approx(stride.bytes_h2d)  # the resident rows add none
   # Per subgroup in stream regions: every streamed row (9 of the 18 left) at once.
-  streamed = len(plan.streamed) * ROW if device_stream.available() else 2 * ROW
+  streamed = len(plan.streamed) * ROW if device_stream.regions_hold_every_row() else 2 * ROW
   assert pred.buffer_bytes == streamed and pred.device_peak_bytes == streamed + 6 * ROW
   assert pred.device_bytes_beside(5 * ROW) == 6 * ROW + max(5 * ROW, streamed)
 

@@ -166,11 +166,12 @@ def test_auto_reports_migration_in_the_step_record():
   from dos_jax.planner import costmodel  # pylint: disable=import-outside-toplevel
   profile = costmodel.H100_PCIE_GEN5_NODE
   s = SubgroupSpec(20, 10**8, 20 * 10**8, 12, 2, 2)
-  # Per subgroup in stream regions (beside host subgroups) the stream holds every
-  # streamed row, as a resident tier would, but only in the update phase: streaming
-  # then needs activations to share with (`costmodel.streamed_elements_held`).
+  # Per subgroup in regions holding a lane's rows (beside host subgroups, jax 0.10-0.11)
+  # the stream holds every streamed row, as a resident tier would, but only in the
+  # update phase: streaming then needs activations to share with
+  # (`costmodel.streamed_elements_held`); staged (jax 0.12), one row per lane.
   from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
-  rows, activations = (10, 4) if device_stream.available() else (8, 0)
+  rows, activations = (10, 4) if device_stream.regions_hold_every_row() else (8, 0)
   policy = dos_jax.Auto(profile, budget_bytes=rows * 1.2e9,
                         activation_bytes=activations * 1.2e9, tolerance=0.1, patience=1,
                         warmup=0)

@@ -29,7 +29,7 @@ def streamed_elements_held(plan: Plan, dev_sizes: list[int], *,
     return 0
   if regions is None:
     regions = regions_by_default(plan)
-  if regions and device_stream.lowering() is device_stream.Lowering.IN_REGION:
+  if regions and device_stream.regions_hold_every_row():
     return int(sum(dev_sizes))
   if regions:
     return min(plan.buffers, MAX_LANES, len(dev_sizes)) * max(dev_sizes)

@@ -114,6 +114,13 @@ def available() -> bool:
   return True
 
 
+def regions_hold_every_row() -> bool:
+  """Whether the device tiers' stream regions hold every streamed row of their lane at
+  once (`Lowering.IN_REGION`; staged, a region holds one row): what the planner counts
+  as the stream's device memory (`planner.stream_memory`)."""
+  return available() and lowering() is Lowering.IN_REGION
+
+
 def next_group() -> int:
   """A scheduling group id no other group of the program being traced uses: numbered
   from 7000 in the order the program asks for them, so that the same step traced
