@@ -65,17 +65,9 @@ def gpu_platforms() -> list[str]:
 
 
 def _api_from_jax(platform: str) -> tuple[Any, str]:
-  """The capsule JAX registered the plugin with (`xla_bridge._backend_factories`)."""
-  try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    return None, f'jax._src.xla_bridge: {e}'
-  factories = getattr(xla_bridge, '_backend_factories', None)
-  registration = factories.get(platform) if isinstance(factories, Mapping) else None
-  c_api = getattr(registration, 'c_api', None)
-  if c_api is None:
-    return None, f'JAX holds no PJRT C API for {platform!r}'
-  return c_api, ''
+  """The capsule JAX registered the plugin with (`jax_internals.backend_c_api`)."""
+  from dos_jax.kernels import jax_internals  # pylint: disable=import-outside-toplevel
+  return jax_internals.backend_c_api(platform)
 
 
 def _api_from_library(platform: str) -> tuple[Any, str]:
@@ -201,11 +193,8 @@ def _sha256(path: str) -> str:
 
 
 def _jaxlib_version() -> str:
-  try:
-    from jax._src.lib import version_str  # pylint: disable=g-import-not-at-top
-    return str(version_str)
-  except Exception:  # pylint: disable=broad-except
-    return '?'
+  from dos_jax.kernels import jax_internals  # pylint: disable=import-outside-toplevel
+  return jax_internals.jaxlib_version()
 
 
 def probe_key(native: Any, targets: Mapping[str, str], plugin_path: str) -> dict[str, Any]:

@@ -140,11 +140,11 @@ def _topology(target: GpuTarget, num_devices: int = 1) -> Any:
 
 
 def _compile_options(devices: tuple[Any, ...], options: Mapping[str, Any]) -> Any:
-  from jax._src import compiler  # pylint: disable=import-outside-toplevel
+  from dos_jax.kernels import jax_internals  # pylint: disable=import-outside-toplevel
   options = dict(options)
   fdo_profile = options.pop('fdo_profile', None)  # as jax's own compile takes it
   # One SPMD partition per device (JAX's default partitioner for a sharded program).
-  return compiler.get_compile_options(
+  return jax_internals.compile_options(
       num_replicas=1, num_partitions=len(devices), device_assignment=[list(devices)],
       env_options_overrides=options, fdo_profile=fdo_profile)
 
@@ -185,11 +185,8 @@ def compile_lowered(lowered: Any, target: GpuTarget | str = gpu_target.DEFAULT_T
   options = dict(GPU_COMPILER_OPTIONS if compiler_options is None else compiler_options)
   module = lowered.compiler_ir('stablehlo')
   devices = tuple(_topology(target, _num_partitions(module)).devices)
-  try:
-    device_list = jax._src.lib.xla_client.DeviceList(devices)  # pylint: disable=protected-access
-  except AttributeError:
-    from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
-    device_list = _jax.DeviceList(devices)
+  from dos_jax.kernels import jax_internals  # pylint: disable=import-outside-toplevel
+  device_list = jax_internals.device_list(devices)
 
   def compile_once(extra):
     dump_dir = tempfile.TemporaryDirectory(prefix='dos_jax_thunks_') if thunks \

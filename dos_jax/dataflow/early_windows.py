@@ -28,6 +28,7 @@ import re
 from typing import Any, Callable, Mapping, TypeVar
 import warnings
 
+from dos_jax.kernels import jax_internals
 from dos_jax.dataflow import hlo
 from dos_jax.dataflow import schedule as schedule_lib
 from dos_jax.step import device_stream
@@ -107,7 +108,7 @@ def predicted_early_calls(lowered_text: str) -> tuple[str, ...]:
   if not chunks:
     return ()
   calls = chunks + 1
-  return tuple(f'host-call.{n}.cloned.1.call-start' for n in range(2 * calls - 1, calls, -1))
+  return tuple(jax_internals.host_call_name(n) for n in range(2 * calls - 1, calls, -1))
 
 
 def compile_profiled(compile_fn: Callable[[Mapping[str, Any]], T],

@@ -89,11 +89,8 @@ def lowering_device(target: GpuTarget | str | None = None) -> Iterator[None]:
   context (a sharded program's).
   """
   import jax  # pylint: disable=import-outside-toplevel
-  try:
-    from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-    abstract_device_type = mesh_lib.AbstractDevice
-  except (ImportError, AttributeError):
-    abstract_device_type = None
+  from dos_jax.kernels import jax_internals  # pylint: disable=import-outside-toplevel
+  abstract_device_type = jax_internals.abstract_device_type()
   if abstract_device_type is None or _has_gpu():
     yield
     return
@@ -104,7 +101,7 @@ def lowering_device(target: GpuTarget | str | None = None) -> Iterator[None]:
   sizes = tuple(getattr(current, 'axis_sizes', ()) or ())
   names = tuple(getattr(current, 'axis_names', ()) or ())
   types = tuple(getattr(current, 'axis_types', ()) or ()) or None
-  mesh: Any = mesh_lib.AbstractMesh(sizes, names, axis_types=types, abstract_device=device)
+  mesh: Any = jax.sharding.AbstractMesh(sizes, names, axis_types=types, abstract_device=device)
   with jax.sharding.use_abstract_mesh(mesh):
     yield
 

@@ -1,8 +1,11 @@
-"""Whether the accelerator program's step runs its host and device halves on two
-streams (`dos_jax.step.transform` builds it; the runner's memory check asks
+"""How a step is built: `resolve` decides it once (`Construction`, with the reason for
+each choice), and whether the accelerator program's step runs its host and device
+halves on two streams (`on_two_streams`; the runner's memory check asks
 `stream_regions`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.state import OffloadedState
@@ -40,3 +43,107 @@ def stream_regions(state: OffloadedState) -> bool:
   """
   regions = on_two_streams(state.partition, state.layout, step_mesh(state.sharded))
   return regions and bool(state.partition.ids(Tier.STREAMED))
+
+
+@dataclasses.dataclass(frozen=True)
+class Construction:
+  """How one step is built: decided once per step (`resolve`), from the state's
+  partition, the step options, the kernels' capability and the jax installed; every
+  function that builds the step receives it and decides nothing of its own.
+
+  Attributes:
+    two_streams: the host and device halves concurrent by construction (`lanes`).
+    lowering: how the stream regions are laid out on this jax (`device_stream.Lowering`).
+    early: the host tier in early host calls (`early_chunks`).
+    host_native: the host tier's native kernel (else XLA's loop in a host region).
+    device_native: the flag the device tiers' paths take (`StepContext.update_blocks`).
+    pallas: the Pallas kernel asked for on the device tiers (`UpdateImpl.KERNEL`).
+    lanes: the device tiers' stream lanes (`lanes.lane_count`).
+    grouped_lanes: how many of them the host call's scheduling group holds.
+    sharded: each device runs the construction on its own columns (`shard_map`).
+    disk: a disk tier's call joins the host work.
+    reasons: one line per choice, why (`explain`).
+  """
+
+  two_streams: bool
+  lowering: device_stream.Lowering
+  early: bool
+  host_native: bool
+  device_native: bool
+  pallas: bool
+  lanes: int
+  grouped_lanes: int
+  sharded: bool
+  disk: bool
+  reasons: tuple[str, ...] = ()
+
+  def explain(self) -> str:
+    """The choices and their reasons, one line each."""
+    return '\n'.join(self.reasons)
+
+
+def resolve(part, layout, mesh, options, native: bool) -> Construction:
+  """The construction of a step on a state of partition `part` and `layout` (sharded
+  over `mesh`, or None), with `options` (`StepOptions`); `native`: the native host
+  kernel can run it (`capability`).
+
+  >>> import jax.numpy as jnp, dos_jax
+  >>> from dos_jax.step.options import StepOptions
+  >>> off = dos_jax.Offload(policy=dos_jax.Stride(2), subgroup_size=4, platform='gpu')
+  >>> state = dos_jax.abstract_state(dos_jax.adamw(1e-3, offload=off), {'w': jnp.zeros(16)})
+  >>> c = resolve(state.partition, state.layout, None, StepOptions.of(off), native=True)
+  >>> c.two_streams, c.lanes, c.early
+  (True, 1, True)
+  >>> print(c.explain().splitlines()[0])
+  two streams: host and device tiers both present, unsharded
+  """
+  from dos_jax.offload import UpdateImpl  # pylint: disable=import-outside-toplevel
+  from dos_jax.step import lanes as lanes_lib  # pylint: disable=import-outside-toplevel
+  reasons = []
+  two = on_two_streams(part, layout, mesh)
+  sharded = mesh is not None
+  reasons.append(f'two streams: {_why_two_streams(part, layout, mesh, two)}')
+  host_native = native and options.host_impl is UpdateImpl.KERNEL
+  reasons.append('host tier: the native kernel' if host_native else
+                 'host tier: XLA in a host region (' +
+                 ('asked for, UpdateImpl.XLA' if native else 'the native kernel cannot run it')
+                 + ')')
+  host_blocks = len(part.blocks(Tier.HOST)) if part.split else 0
+  early = bool(part.split and part.early and host_native and host_blocks > 1
+               and (not sharded or two))
+  reasons.append(f'early host calls: {len(part.early)}' if early else
+                 'early host calls: none (' + ('no early calls in the partition' if not
+                 part.early else 'needs the native kernel and two host subgroups or more')
+                 + ')')
+  grouped = options.grouped_lanes()
+  streamed = len(part.ids(Tier.STREAMED)) if part.split else 0
+  lanes = lanes_lib.lane_count(part.plan, streamed, limit=grouped) if part.split else 0
+  lowering = device_stream.lowering()
+  if two:
+    reasons.append(f'stream lanes: {lanes} (the group holds {grouped} beside the host call '
+                   'under the limit the step is compiled with)')
+    reasons.append(f'lowering: {lowering.value} (jax {".".join(map(str, _version()))})')
+  return Construction(
+      two_streams=two, lowering=lowering, early=early, host_native=host_native,
+      device_native=native and options.device_impl is UpdateImpl.KERNEL,
+      pallas=options.device_impl is UpdateImpl.KERNEL, lanes=lanes,
+      grouped_lanes=min(lanes, grouped), sharded=sharded, disk=bool(part.disk),
+      reasons=tuple(reasons))
+
+
+def _why_two_streams(part, layout, mesh, two: bool) -> str:
+  if two:
+    return 'host and device tiers both present, ' + (
+        'unsharded' if mesh is None else 'each device on its own columns (shard-major)')
+  if not part.split:
+    return 'no (the one-memory program)'
+  if mesh is not None and layout.shards <= 1:
+    return 'no (a sharded state not packed shard-major)'
+  if not (part.ids(Tier.HOST) or part.disk):
+    return 'no (no host tier)'
+  return 'no (no device tier)'
+
+
+def _version() -> tuple[int, ...]:
+  import jax  # pylint: disable=import-outside-toplevel
+  return tuple(jax.__version_info__[:3])

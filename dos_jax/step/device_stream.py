@@ -38,19 +38,20 @@ On a CPU (and without a GPU compiler) the annotations are ignored: the call is a
 from __future__ import annotations
 
 import enum
-import inspect
 import itertools
 import weakref
 from typing import Any, Callable
 
 import jax
-from jax._src import core
-from jax._src.interpreters import mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import func as func_dialect
-from jax._src.lib.mlir.dialects import hlo
 from jax.experimental.xla_metadata import set_xla_metadata
+
+from dos_jax.kernels import jax_internals
+from dos_jax.kernels.jax_internals import core
+from dos_jax.kernels.jax_internals import func_dialect
+from dos_jax.kernels.jax_internals import hlo
+from dos_jax.kernels.jax_internals import ir
+from dos_jax.kernels.jax_internals import mlir
+from dos_jax.kernels.jax_internals import pe
 
 STREAM = 1  # the first CUDA stream of the device tiers' update (0 is XLA's compute stream)
 _FIRST_GROUP = 7000
@@ -60,9 +61,7 @@ LANES_ATTRIBUTE = '_dos_jax_lanes'
 # {the outermost trace of a program being traced: the next group id in it}.
 _groups: 'weakref.WeakKeyDictionary[Any, itertools.count]' = weakref.WeakKeyDictionary()
 
-# jax 0.10 lowers a called computation from a ClosedJaxpr, 0.11 and later from a Jaxpr.
-_TAKES_CLOSED = 'Closed' in str(
-    inspect.signature(mlir.lower_called_computation).parameters['call_jaxpr'].annotation)
+_TAKES_CLOSED = jax_internals.CALLED_TAKES_CLOSED
 
 stream_region_p = core.Primitive('dos_jax_stream_region')
 stream_region_p.multiple_results = True
@@ -154,7 +153,7 @@ def _outermost_trace() -> Any:
 def in_group(group: int):
   """Context: the operations traced inside join scheduling group `group` (host regions
   keep it on their host call)."""
-  return set_xla_metadata(_scheduling_group_id=group)
+  return set_xla_metadata(**{jax_internals.SCHEDULING_GROUP: group})
 
 
 EARLY_CALL_ATTRIBUTE = '_dos_jax_early_call'
@@ -188,9 +187,9 @@ def on_stream(fn: Callable[..., Any], group: int | None,
     if closed.effects:
       raise ValueError(f'dos_jax: a stream region cannot have effects: {closed.effects}')
     consts, jaxpr = _without_consts(closed)
-    attributes = (('_xla_stream_annotation', str(stream)), ('inlineable', 'false'))
+    attributes = ((jax_internals.STREAM_ANNOTATION, str(stream)), ('inlineable', 'false'))
     if group is not None:
-      attributes += (('_scheduling_group_id', str(group)),)
+      attributes += ((jax_internals.SCHEDULING_GROUP, str(group)),)
     if lanes is not None:
       attributes += ((LANES_ATTRIBUTE, str(lanes)),)
     outs = stream_region_p.bind(*consts, *jax.tree.leaves(args), jaxpr=jaxpr,

@@ -3,7 +3,8 @@ host and device updates concurrent by construction (docs/design.md, rules 1 and 
 
 * `update_on_two_streams` -- the host tier in host regions and the device tiers
   (streamed, resident) in stream regions, one per lane, as many lanes as the
-  compile's limit allows in one scheduling group with the host call (`grouped_lanes`);
+  compile's limit allows in one scheduling group with the host call
+  (`construction.Construction.grouped_lanes`);
 * `stream_lanes`, `lane_count` -- which blocks each lane runs: the streamed rows
   round-robin in stream order, so consecutive rows sit on different CUDA streams (XLA
   runs a region's copies one after another);
@@ -23,14 +24,12 @@ from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.partition import Tier
-from dos_jax.offload import UpdateImpl
 from dos_jax.step import device_stream
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import paths
 from dos_jax.step import host_work as host_work_lib
 from dos_jax.step import stages
 from dos_jax.step import tier_updates
-from dos_jax.step.options import StepOptions
 
 
 # The most stream lanes a step runs in unless told (`lane_count`). Two lanes put a
@@ -55,44 +54,39 @@ def lane_count(plan, streamed_rows: int, lanes: int = 0, limit: int | None = Non
 
 
 def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
-                           tiers: dict[Tier, tuple], native: bool, options: StepOptions,
-                           host_work=None, barrier: bool = False, sharded_host=None,
-                           sharded_disk=None):
-  """The accelerator program's tiers, host and device halves concurrent by construction:
-  the host tier in host regions and the device tiers (streamed, resident) in stream
-  regions, one per lane (`stream_lanes`), each on a GPU stream of its own, laid out as
-  this jax's XLA accepts (`device_stream.lowering`): in one scheduling group with the
-  last host call (`IN_REGION`), or stage by stage, each stage's regions with a host call
-  of their own (`STAGED`, `dos_jax.step.stages`). Returns (new tiers, `(out rows, their
-  pieces)` per block), as the tier-by-tier loop does. `host_work()`, if given, makes the
-  host tier's `HostWork` (early calls, a disk call); by default the host tier in one
-  call. A state sharded shard-major runs the same on each device's columns
-  (`sharded_two_streams`, `sharded_host` making each device's `host_work` and
-  `sharded_disk` its disk call; `barrier`: each region's results through an
-  optimization barrier, which that needs)."""
+                           tiers: dict[Tier, tuple], built, host_work=None,
+                           barrier: bool = False, sharded_host=None, sharded_disk=None):
+  """The accelerator program's tiers, host and device halves concurrent by construction,
+  as `built` (`construction.Construction`) says: the host tier in host regions and the
+  device tiers (streamed, resident) in stream regions, one per lane (`stream_lanes`),
+  each on a GPU stream of its own, laid out as this jax's XLA accepts (`built.lowering`):
+  in one scheduling group with the last host call (`IN_REGION`), or stage by stage, each
+  stage's regions with a host call of their own (`STAGED`, `dos_jax.step.stages`).
+  Returns (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop
+  does. `host_work()`, if given, makes the host tier's `HostWork` (early calls, a disk
+  call); by default the host tier in one call. A state sharded shard-major runs the
+  same on each device's columns (`sharded_two_streams`, `sharded_host` making each
+  device's `host_work` and `sharded_disk` its disk call; `barrier`: each region's results
+  through an optimization barrier, which that needs)."""
   if jax.default_backend() == 'gpu':
     compiler_options.warn_where_serial(jax.__version__, device_stream.checked())
   if context.mesh is not None:
-    return sharded_two_streams(context, base_step, tiers, native, options, sharded_host,
-                               sharded_disk)
+    return sharded_two_streams(context, base_step, tiers, built, sharded_host, sharded_disk)
   if host_work is None:
-    host_work = lambda: host_work_lib.of_tier(
-        context, base_step, tiers[Tier.HOST],
-        native and options.host_impl is UpdateImpl.KERNEL)
+    host_work = lambda: host_work_lib.of_tier(context, base_step, tiers[Tier.HOST],
+                                              built.host_native)
   part = context.part
-  lanes = stream_lanes(context.plan, part, count=lane_count(
-      context.plan, len(part.ids(Tier.STREAMED)), limit=options.grouped_lanes()))
-  device_native = native and options.device_impl is UpdateImpl.KERNEL
-  if device_stream.lowering() is device_stream.Lowering.STAGED:
-    return stages.update(context, base_step, tiers, host_work(), lanes, native=device_native,
-                         pallas=options.device_impl is UpdateImpl.KERNEL, barrier=barrier)
+  lanes = stream_lanes(context.plan, part, count=built.lanes)
+  if built.lowering is device_stream.Lowering.STAGED:
+    return stages.update(context, base_step, tiers, host_work(), lanes,
+                         native=built.device_native, pallas=built.pallas, barrier=barrier)
   group = device_stream.next_group()
   host, outs = host_work().run_grouped(group)
   given = {t: partition_lib.blocks_of(tiers[t], len(part.blocks(t)))
            for t in (Tier.STREAMED, Tier.RESIDENT) if part.ids(t)}
   new_blocks, rows = device_lanes(context, given, base_step=base_step,
-                                  native=device_native, lanes=lanes, group=group,
-                                  barrier=barrier)
+                                  native=built.device_native, lanes=lanes, group=group,
+                                  grouped=built.grouped_lanes, barrier=barrier)
   new_tiers = dict(tiers)
   new_tiers[Tier.HOST] = host
   new_tiers.update({t: tuple(x for block in blocks for x in block)
@@ -102,28 +96,11 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   return new_tiers, outs
 
 
-def grouped_lanes(lanes: int, options: StepOptions) -> int:
-  """How many of `lanes` stream lanes join the host call's scheduling group: as many
-  as the limit on asynchronous calls in flight the step is compiled under lets the
-  latency-hiding scheduler place with the host call in one go
-  (`StepOptions.grouped_lanes`: `Offload.async_compute_limit`, else the options
-  `dos_jax.jit` compiles with, else `XLA_FLAGS`'s).
-
-  A group is placed whole or the compile stops (XLA 0.11.2,
-  latency_hiding_scheduler.cc:2567, "Couldn't find an annotated node to schedule"):
-  the host call, each lane's stream call and the copies inside it are each counted
-  against `xla_gpu_experimental_parallel_async_compute_limit` (2 unless set; 3 in
-  `dos_jax.GPU_COMPILER_OPTIONS`). The grouped lanes run beside the host call in
-  every schedule; the others where the scheduler finds room
-  (tests/test_compiled_options.py)."""
-  return min(lanes, options.grouped_lanes())
-
-
 def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple]],
                   base_step: paths.RowStep, native: bool, lanes, group: int,
-                  barrier: bool = False):
+                  grouped: int, barrier: bool = False):
   """The device tiers' blocks `given`, lane by lane, each lane one stream region, the
-  first `grouped_lanes` of them in scheduling group `group` and all of them named as
+  first `grouped` of them in scheduling group `group` and all of them named as
   its lanes. Returns ({tier: new blocks}, [((tier, block), out rows)]). A row's state
   enters a lane only once the lane's previous row is back in host memory: the region runs its copies one after another anyway, and XLA then
   counts one copy in flight for it (`grouped_lanes`; one lane holding two rows in
@@ -132,7 +109,6 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
   would each become a stream call of their own)."""
   new_blocks = {t: [None] * len(blocks) for t, blocks in given.items()}
   rows_out = []
-  grouped = grouped_lanes(len(lanes), context.options)
   for lane, work in enumerate(lanes):
 
     def lane_update(grad_leaves, blocks_in, work=work):
@@ -160,8 +136,7 @@ def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple
 
 
 def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
-                         tiers: dict[Tier, tuple], native: bool, options: StepOptions,
-                         host=None, disk=None):
+                         tiers: dict[Tier, tuple], built, host=None, disk=None):
   """`update_on_two_streams` on each device's own columns, inside `shard_map`: a state
   packed shard-major holds, on device d, exactly the rows one shard's layout packs
   (`layout_lib.local`), so each device runs the unsharded construction on its shards;
@@ -171,7 +146,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   (`disk.done`).
   Jit's partitioning would split a stream region into several calls
   (tests/test_compiled_sharded_region.py)."""
-  mesh, axis = context.mesh, options.data_axis
+  mesh, axis = context.mesh, context.options.data_axis
   rows_spec, view_spec, whole = P(None, None, axis), P(axis, None), P()
   local_layout = layout_lib.local(context.layout)
   names = [t for t in TIERS if tiers[t]]
@@ -201,8 +176,8 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
     if disk is not None:
       host_work, disk_update = disk.compose(local, step, host_work,
                                               local_tiers[Tier.HOST], gen[0], mesh.axis_names)
-    new_tiers, outs = update_on_two_streams(local, step, local_tiers, native, options,
-                                             host_work, barrier=True)
+    new_tiers, outs = update_on_two_streams(local, step, local_tiers, built, host_work,
+                                             barrier=True)
     if disk_update is not None:
       outs, gen = list(outs) + disk_update.outs, (disk_update.gen,)
     pieces[:] = [runs for _, runs in outs]

@@ -30,7 +30,6 @@ from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.state import OffloadedState
 from dos_jax.geometry.state import ShardedOver
 from dos_jax.offload import Program
-from dos_jax.offload import UpdateImpl
 from dos_jax.step import construction
 from dos_jax.step import disk_tier
 from dos_jax.step import early_chunks
@@ -71,10 +70,10 @@ def run_step(kernels: StepKernels, grad_leaves, param_leaves, state: OffloadedSt
                           (None,) * len(sharded.param_shardings))
     where = state_init.placement(sharded.mesh, options.data_axis)
   mesh = construction.step_mesh(sharded)  # a one-device mesh: built as unsharded
-  context, base_step, native = _context(kernels, grad_leaves, param_leaves, state,
-                                        grad_scale, mesh)
+  context, base_step, built = _context(kernels, grad_leaves, param_leaves, state,
+                                       grad_scale, mesh)
   disk = _DiskUpdate(context, base_step, state.disk_gen) if state.partition.disk else None
-  new_tiers, outs = _update_tiers(context, base_step, state, native, disk)
+  new_tiers, outs = _update_tiers(context, base_step, state, built, disk)
   disk_gen = None
   if disk is not None:
     if disk.gen is None:  # not run inside the construction
@@ -98,8 +97,9 @@ def run_step(kernels: StepKernels, grad_leaves, param_leaves, state: OffloadedSt
 
 
 def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale, mesh):
-  """`(StepContext, base RowStep, native)`: what every tier's update shares, with the
-  host-bound gradients sent to host memory where no early host call takes them."""
+  """`(StepContext, base RowStep, Construction)`: what every tier's update shares, with
+  the host-bound gradients sent to host memory where no early host call takes them, and
+  how the step is built (`construction.resolve`: decided here, once)."""
   options, layout, part = kernels.options, state.layout, state.partition
   program = Program.TWO_MEMORIES if part.split else Program.ONE_MEMORY
   grad_dtype = _common_dtype(grad_leaves, layout.state_dtype)
@@ -116,12 +116,12 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
   native = capability_lib.capability(
       Kernel.NATIVE_HOST, kernels.fused, base_step, program, grad_leaves).usable
   host_grad_pieces = {}
-  if part.split and not _runs_early(options, part, layout, mesh, native) and not (
-      construction.on_two_streams(part, layout, mesh) and mesh is not None):
+  built = construction.resolve(part, layout, mesh, options, native)
+  if part.split and not built.early and not (built.two_streams and built.sharded):
     # A sharded state's native host path takes its gradients as rows split over the
     # data axis (see `tier_updates.host_rows`).
     rows = None
-    if native and options.host_impl is UpdateImpl.KERNEL and mesh is not None:
+    if built.host_native and mesh is not None:
       rows = (grad_dtype, NamedSharding(mesh, P(None, options.data_axis)))
     host_grad_pieces, grad_leaves = tier_updates.gate_device_update(
         layout, part, grad_leaves, rows=rows)
@@ -137,7 +137,7 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
       grad_dtype=grad_dtype, scalars=state.scalars, new_scalars=scalar_update[2],
       adam_scalars=adam_scalars, coefficients=_coefficients(kernels.fused, adam_scalars),
       mesh=mesh, host_grad_pieces=host_grad_pieces)
-  return context, base_step, native
+  return context, base_step, built
 
 
 def _coefficients(fused, adam_scalars):
@@ -149,14 +149,6 @@ def _coefficients(fused, adam_scalars):
     return None
   return jax.lax.optimization_barrier(
       pallas_adamw.packed_scalars(adam_scalars, nesterov=fused.nesterov))
-
-
-def _runs_early(options: StepOptions, part, layout, mesh, native: bool) -> bool:
-  """Whether the host tier runs in early host calls (`Partition.early`): the native
-  kernel, two host blocks or more, unsharded or inside the shard-major construction."""
-  return (part.split and bool(part.early) and native
-          and options.host_impl is UpdateImpl.KERNEL and len(part.blocks(Tier.HOST)) > 1
-          and (mesh is None or construction.on_two_streams(part, layout, mesh)))
 
 
 class _DiskUpdate:
@@ -203,47 +195,44 @@ def _then_disk(work, disk: _DiskUpdate):
   return lambda: work().then(call_disk)
 
 
-def _update_tiers(context, base_step, state: OffloadedState, native: bool,
-                  disk: _DiskUpdate | None = None):
+def _update_tiers(context, base_step, state: OffloadedState,
+                  built: construction.Construction, disk: _DiskUpdate | None = None):
   """`(new tiers, out rows per block)`: the one construction, or tier after tier where
-  it does not apply (the one-memory program; see `construction.on_two_streams`). The
-  construction runs `disk` (the disk tier's call) as the host call its device tiers
-  run beside; elsewhere the caller runs it after the others."""
-  part, layout, mesh, options = context.part, context.layout, context.mesh, context.options
-  run_early = _runs_early(options, part, layout, mesh, native)
-  host_native = native and options.host_impl is UpdateImpl.KERNEL
+  it does not apply (the one-memory program; see `construction.on_two_streams`), as
+  `built` says. The construction runs `disk` (the disk tier's call) as the host call its
+  device tiers run beside; elsewhere the caller runs it after the others."""
+  part, options = context.part, context.options
   host_tier = state.tier(Tier.HOST)
-  if construction.on_two_streams(part, layout, mesh):
-    if mesh is None:
+  if built.two_streams:
+    if not built.sharded:
       work = (functools.partial(early_chunks.host_work, context, base_step, host_tier,
-                                part.early) if run_early else
+                                part.early) if built.early else
               functools.partial(host_work_lib.of_tier, context, base_step, host_tier,
-                                host_native))
+                                built.host_native))
       if disk is not None:
         work = _then_disk(work, disk)
-      return lanes_lib.update_on_two_streams(context, base_step, state.tiers, native,
-                                             options, work)
+      return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built, work)
     sharded_host = sharded_disk = None
-    if run_early:  # each device's early calls, inside shard_map
+    if built.early:  # each device's early calls, inside shard_map
       sharded_host = lambda local, step, host: functools.partial(
           early_chunks.host_work, local, step, host, part.early)
     if disk is not None:  # each device's disk call, after its other host work
-      sharded_disk = _ShardedDisk(disk, host_native, options.data_axis)
-    return lanes_lib.update_on_two_streams(context, base_step, state.tiers, native, options,
+      sharded_disk = _ShardedDisk(disk, built.host_native, options.data_axis)
+    return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built,
                                            sharded_host=sharded_host,
                                            sharded_disk=sharded_disk)
   new_tiers, outs = dict(state.tiers), []
-  if run_early:
+  if built.early:
     new_tiers[Tier.HOST], outs = early_chunks.update_host(context, base_step, host_tier,
                                                           part.early)
   for tier in TIERS:
-    if not part.ids(tier) or (run_early and tier is Tier.HOST):
+    if not part.ids(tier) or (built.early and tier is Tier.HOST):
       continue
-    impl = options.host_impl if tier is Tier.HOST else options.device_impl
     if tier is not Tier.HOST:
       context = context.gate()  # the device update waits for the host call's inputs
     new_tiers[tier], tier_outs = context.update_tier(
-        tier, base_step, state.tier(tier), native=native and impl is UpdateImpl.KERNEL)
+        tier, base_step, state.tier(tier),
+        native=built.host_native if tier is Tier.HOST else built.device_native)
     outs.extend(tier_outs)
   return new_tiers, outs
 
