@@ -98,17 +98,20 @@ def early_call_profile(names: tuple[str, ...]) -> bytes:
 def predicted_early_calls(lowered_text: str) -> tuple[str, ...]:
   """XLA's names for a step's early host calls, predicted from the lowered step (its
   StableHLO text) before any compile: the early chunks (`device_stream.early_call`,
-  numbered) and the last chunk make `calls` host calls, which XLA's host-call wrapper
+  numbered) and the last chunk (one call per stage in the staged lowering,
+  `device_stream.late_call`) make `calls` host calls, which XLA's host-call wrapper
   names `host-call.{calls}` (the last) to `host-call.{2 calls - 1}` (the first early
-  one), in reverse order. An implementation detail of XLA, checked after the compile
+  one), in reverse order: the early ones are the `chunks` highest. An implementation detail of XLA, checked after the compile
   (`compile_profiled`). Not so inside `shard_map` (a mesh's step), where each host call
   keeps the name of the call XLA made of its region (`call.N`, numbered among all the
   program's calls): those steps compile twice. `()` for a step with no early call."""
   chunks = len(set(re.findall(device_stream.EARLY_CALL_ATTRIBUTE + r' = "(\d+)"', lowered_text)))
   if not chunks:
     return ()
-  calls = chunks + 1
-  return tuple(jax_internals.host_call_name(n) for n in range(2 * calls - 1, calls, -1))
+  late = len(set(re.findall(device_stream.LATE_CALL_ATTRIBUTE + r' = "(\d+)"', lowered_text)))
+  calls = chunks + max(1, late)  # the staged lowering: one host call per stage
+  return tuple(jax_internals.host_call_name(n)
+               for n in range(2 * calls - 1, 2 * calls - 1 - chunks, -1))
 
 
 def compile_profiled(compile_fn: Callable[[Mapping[str, Any]], T],

@@ -167,6 +167,16 @@ def early_call(index: int):
   return set_xla_metadata(**{EARLY_CALL_ATTRIBUTE: str(index)})
 
 
+LATE_CALL_ATTRIBUTE = '_dos_jax_late_call'
+
+
+def late_call(index: int):
+  """Context: the host regions traced inside belong to host call `index` of those after
+  the early calls (the staged lowering makes one per stage); `dataflow.early_windows`
+  counts them in the lowered step."""
+  return set_xla_metadata(**{LATE_CALL_ATTRIBUTE: str(index)})
+
+
 def on_stream(fn: Callable[..., Any], group: int | None,
               stream: int = STREAM, lanes: int | None = None) -> Callable[..., Any]:
   """`fn` (arrays in, a pytree of arrays out, no side effects) as one region on GPU

@@ -115,9 +115,9 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], work: Ho
       new_blocks[tier][b] = tuple(arrays)
       rows_out.append(((tier, b), out))
 
-  for stage, indices in zip(lay.grouped, lay.items):
+  for index, (stage, indices) in enumerate(zip(lay.grouped, lay.items)):
     group = device_stream.next_group()
-    with device_stream.in_group(group):
+    with device_stream.in_group(group), device_stream.late_call(index):
       tokens = [items[i](link) for i in indices]
     for lane, rows in enumerate(stage):
       if rows:
