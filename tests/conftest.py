@@ -71,9 +71,24 @@ if not jax.config.jax_compilation_cache_dir:  # a cache the user set is kept
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 
+def _slow_tier() -> frozenset[str]:
+  """The node ids tests/slow_tier.txt puts in the `slow` tier (beside the tests marked
+  `@pytest.mark.slow` in their files)."""
+  path = os.path.join(os.path.dirname(__file__), 'slow_tier.txt')
+  with open(path, encoding='utf-8') as f:
+    return frozenset(line.strip() for line in f if line.strip() and not line.startswith('#'))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+  """Marks tests/slow_tier.txt's tests `slow` (before `-m` deselects: tryfirst), the
+  known regressions of this JAX a strict xfail, and `gpu` tests skipped without a GPU."""
   del config
   from tests import compiled  # pylint: disable=import-outside-toplevel
+  slow = _slow_tier()
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)
   for item in items:
     reason = compiled.KNOWN_REGRESSIONS.get(item.nodeid)
     if reason is not None:

@@ -16,7 +16,6 @@ from dos_jax.planner.costmodel import HardwareProfile
 from dos_jax.policies import AllDevice
 from dos_jax.policies import DeviceFraction
 from dos_jax.policies import Plan
-from dos_jax.policies import Policy
 from dos_jax.policies import Stride
 from dos_jax.policies import SubgroupSpec
 
@@ -31,10 +30,6 @@ def profile(u_host=2.0, u_dev=60.0, bw=20.0, slowdown=1.0, **kw) -> HardwareProf
 
 def spec_of(num_elements: int, subgroup: int = 10**6) -> SubgroupSpec:
   return SubgroupSpec(math.ceil(num_elements / subgroup), subgroup, num_elements, 12, 2, 2)
-
-
-def test_auto_is_a_policy():
-  assert isinstance(Auto(profile()), Policy)
 
 
 def test_infinite_pcie_and_fast_device_put_everything_on_device():

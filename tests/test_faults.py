@@ -287,6 +287,18 @@ def _saving(ckpt_dir):
   return lambda: any(checkpoint.TMP_MARK in n for n in _names(ckpt_dir))
 
 
+def _partly_written(ckpt_dir):
+  """A save part-way through: its temporary folder already holds a written file."""
+  def seen():
+    for n in _names(ckpt_dir):
+      if checkpoint.TMP_MARK in n:
+        for _, _, files in os.walk(os.path.join(ckpt_dir, n)):
+          if files:
+            return True
+    return False
+  return seen
+
+
 def _unmanifested(ckpt_dir):
   def seen():
     return any(n.isdigit() and not integrity.has_manifest(os.path.join(ckpt_dir, n))
@@ -313,28 +325,18 @@ def test_sigkill_during_saves_never_leaves_a_checkpoint_that_restores_wrong(
     dataset, reference, jax_cache, tmp_path, capsys
 ):
   """One run killed (SIGKILL) three times during a save: while orbax writes its
-  temporary folder, after orbax's rename but before the checksum manifest, and 30 ms
-  into a save. Each restart says which checkpoint it resumes from, and that a
+  temporary folder, after orbax's rename but before the checksum manifest, and once
+  the temporary folder holds written files (a save part-way through). Each restart says which checkpoint it resumes from, and that a
   cut-short one was discarded; the last one ends exactly as the uninterrupted run, with
   each step logged once."""
   out = str(tmp_path / 'run')
   ckpt_dir = os.path.join(out, 'checkpoints')
-  metrics = os.path.join(out, 'metrics.jsonl')
-
-  def into_a_save(delay):
-    def seen():
-      rows = _rows_since_resume(metrics)
-      if len(rows) < 2 or rows[-1]['step'] % EVERY:
-        return False
-      time.sleep(delay)
-      return True
-    return seen
 
   # (what, when to kill, extra settings of the killed run): checkpointing every step
   # gives the short window between rename and manifest more chances to be caught.
   points = [('temporary folder', _saving(ckpt_dir), []),
             ('renamed, no manifest', _unmanifested(ckpt_dir), ['checkpoint.every=1']),
-            ('30 ms into a save', into_a_save(0.03), [])]
+            ('files written into a save', _partly_written(ckpt_dir), [])]
   at_kill = []
   for what, seen, extra in points:
     proc = _start(dataset, out, jax_cache, *extra)

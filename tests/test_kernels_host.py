@@ -16,6 +16,7 @@ import pytest
 
 from dos_jax import kernels
 from dos_jax.kernels import host_adamw
+from dos_jax.kernels import host_adamw_disk
 from dos_jax.kernels import host_adamw_rows
 from tests.test_kernels_scalars import Hyper
 from tests.test_kernels_scalars import step_scalars
@@ -29,9 +30,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_available_on_x86_64_linux():
+  """The native libraries setup.py builds on x86-64 Linux are there (the disk tier's
+  test modules skip without theirs: here its absence fails)."""
   if _MUST_HAVE:
     probe, why = host_adamw._load()  # pylint: disable=protected-access
     assert probe is not None, why
+    assert host_adamw_rows.rows_kernel_available(), host_adamw_rows.rows_kernel_unavailable_reason()
+    assert host_adamw_disk.disk_kernel_available(), host_adamw_disk.disk_kernel_unavailable_reason()
   assert kernels.HostIsa.BASELINE in kernels.supported_isas()
 
 

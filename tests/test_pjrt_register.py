@@ -226,10 +226,15 @@ def test_probe_abort_is_a_verdict_not_an_abort(stand_in):  # pylint: disable=red
 
 
 def test_undecided_probe_is_not_cached(stand_in, monkeypatch):  # pylint: disable=redefined-outer-name
+  """A child that never answers (it waits on a pipe nobody writes) is cut off at the
+  timeout, and its non-verdict is not cached: the next probe, under the module's own
+  timeout, runs the child again."""
+  default_timeout = _pjrt.PROBE_TIMEOUT_S
   monkeypatch.setattr(_pjrt, 'PROBE_TIMEOUT_S', 0.5)
-  stand_in.code = 'import time; time.sleep(30)'
+  stand_in.code = 'import os; r, w = os.pipe(); os.read(r, 1)'  # blocks forever
   ok, why = _probe()
-  assert not ok and 'did not finish' in why
+  assert not ok and 'did not finish' in why and stand_in.runs == 1
+  monkeypatch.setattr(_pjrt, 'PROBE_TIMEOUT_S', default_timeout)
   stand_in.code = _verdict_line(True)
   assert _probe() == (True, '') and stand_in.runs == 2
 

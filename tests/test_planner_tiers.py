@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -142,24 +141,25 @@ def test_shortfalls_name_the_memory_and_amount():
                            device_is_host=True) == []
 
 
-def test_train_refuses_a_model_that_cannot_fit_within_5s_writing_nothing(tmp_path):
+def test_train_refuses_a_model_that_cannot_fit_before_compiling_writing_nothing(
+    tmp_path, tmp_path_factory):
+  """The memory check comes before any work: the run compiles nothing (its compilation
+  cache, where every compile is stored, stays empty) and writes nothing."""
   total = memory.host_available_bytes()
   if not 0 < total < 1e12:
     pytest.skip('this machine could hold a 70B model in host memory')
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  start = time.monotonic()
+  cache = tmp_path_factory.mktemp('refusal-cache')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_COMPILATION_CACHE_DIR=str(cache),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
   proc = subprocess.run(
       [sys.executable, '-c', 'import sys; from dos_jax import cli; sys.exit(cli.main())',
        'train', '--set', 'model.preset=70b', '--set', f'train.out_dir={tmp_path}/run'],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-  elapsed = time.monotonic() - start
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and re.search(r'model.preset=70b .* short by [\d,.]+ GiB', lines[0])
-  # The check itself takes well under a second; the bound covers starting Python and
-  # importing jax on a loaded CI machine (the issue asks for "within seconds").
-  assert elapsed < 10, elapsed
-  assert list(tmp_path.iterdir()) == []
+  assert list(cache.rglob('*-cache*')) == [] and list(tmp_path.iterdir()) == []
 
 
 def test_runner_gives_auto_the_device_budget_of_its_run(seed):
