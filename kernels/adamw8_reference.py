@@ -136,7 +136,8 @@ def zeros(shape: tuple[int, ...], block_size: int = BLOCK_SIZE) -> tuple[Quantiz
 
 def adamw8_step(master, mu: Quantized, nu: Quantized, grad, *, lr, b1, b2, eps, eps_root,
                 weight_decay, bc1, bc2, decay_limit, grad_scale=1.0, nesterov=False,
-                bc1_next=None, dtype=np.float64, block_size: int = BLOCK_SIZE):
+                bc1_next=None, dtype=np.float64, block_size: int = BLOCK_SIZE,
+                with_moments: bool = False):
   """One AdamW step with 8-bit moments and a master in `dtype`, on rows (..., S).
 
   Decodes mu and nu, takes optax.adamw's step from them (for optax: mu and nu are the
@@ -153,7 +154,8 @@ def adamw8_step(master, mu: Quantized, nu: Quantized, grad, *, lr, b1, b2, eps, 
   moments fp32; the scalars are rounded to fp32 first (1 - b1 in float64, then rounded).
 
   Returns:
-    (new master in `dtype`, new mu, new nu).
+    (new master in `dtype`, new mu, new nu), and with `with_moments` also the new m and
+    v before quantization (in `dtype`).
   """
   f = np.dtype(dtype).type
   one = f(1)
@@ -175,5 +177,6 @@ def adamw8_step(master, mu: Quantized, nu: Quantized, grad, *, lr, b1, b2, eps, 
   decayed = np.arange(p.shape[-1]) < decay_limit
   u = np.where(decayed, u + c['wd'] * p, u)
   new_p = p + (-c['lr']) * u
-  return (new_p.astype(dtype), quantize(m, code_map(True), block_size),
-          quantize(v, code_map(False), block_size))
+  out = (new_p.astype(dtype), quantize(m, code_map(True), block_size),
+         quantize(v, code_map(False), block_size))
+  return out + (m, v) if with_moments else out
