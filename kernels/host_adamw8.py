@@ -61,41 +61,70 @@ def adamw8_kernel_unavailable_reason() -> str:
   return _load()[1]
 
 
-def _encoding_tables(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(base uint8 [2, stride], thr float32 [2, 256]) of one map, [x >= 0, x < 0]: for |x|
-  in bucket k, code = base[k] + (|x| > thr[base[k]] ? +1 (or -1 for x < 0) : 0), which
-  is `ref.nearest_code(x)` for every fp32 x (the host kernel's encoding)."""
+def _encoding_table(table: np.ndarray) -> np.ndarray:
+  """The encoding table of one map: uint32 (2, stride), [x >= 0, x < 0] by bucket of |x|.
+
+  Entry = base | (low + 1) << 8: base is the code of the bucket's lower edge A (the
+  bucket of x >= 0 is [A, next A), of x < 0 (-next A, -A]), low the one threshold in the
+  bucket as fp32 bits above A's; the code of x is base + step when (|x|'s bits - A's) >
+  low, step +1 for x >= 0 and -1 below, so for every fp32 x it is `ref.nearest_code(x)`
+  (tested). No threshold in a bucket: low = 0x7fff, never exceeded.
+  """
   mids = (table[:-1].astype(np.float64) + table[1:]) / 2
   k = np.arange(_BUCKETS + 1, dtype=np.int64)
-  edges = ((k + _BUCKET_BASE) << 15).astype(np.uint32).view(np.float32).astype(np.float64)
+  edge_bits = ((k + _BUCKET_BASE) << 15).astype(np.uint32)
+  edges = edge_bits.view(np.float32).astype(np.float64)
   lower, upper = edges[:-1].copy(), edges[1:].copy()
   lower[0], upper[-1] = 0.0, np.inf  # the first and last buckets take all below and above
-  base = np.zeros((2, _BUCKET_STRIDE), np.uint8)
-  thr = np.full((2, 256), np.inf, np.float32)
-  up = np.searchsorted(mids, lower, side='left')  # x >= 0: the code at the lower edge
+  lower_bits = edge_bits[:-1].astype(np.int64)
+  never = np.int64(0x7fff)
+  f32 = lambda v: np.asarray(v, np.float64).astype(np.float32)
+  bits = lambda v: f32(v).view(np.int32).astype(np.int64)
+  out = np.zeros((2, _BUCKET_STRIDE), np.uint32)
+  # x >= 0: the first midpoint at or above the lower edge, if below the upper one;
+  # |x| > mid  <=>  |x| > (the largest fp32 <= mid).
+  up = np.searchsorted(mids, lower, side='left')
   assert (np.searchsorted(mids, upper, side='left') - up <= 1).all(), 'two midpoints in a bucket'
-  base[0, :_BUCKETS] = up
-  down = np.searchsorted(mids, -lower, side='left')  # x < 0: the code at -lower
+  mid = mids[np.minimum(up, 254)]
+  floor = np.where(f32(mid) > mid, np.nextafter(f32(mid), np.float32(-np.inf)), f32(mid))
+  inside = (up < 255) & (mid < upper)
+  low = np.where(inside, bits(floor) - lower_bits, never)
+  out[0, :_BUCKETS] = up | (low + 1) << 8
+  # x < 0: the last midpoint below -lower, if above -upper; |x| >= -mid  <=>  |x| >
+  # (the fp32 below the smallest fp32 >= -mid).
+  down = np.searchsorted(mids, -lower, side='left')
   assert (down - np.searchsorted(mids, -upper, side='left') <= 1).all()
-  base[1, :_BUCKETS] = down
-  # Thresholds exact for fp32 |x|: |x| > mid  <=>  |x| > (largest fp32 <= mid), and
-  # |x| >= -mid  <=>  |x| > (the fp32 below the smallest fp32 >= -mid).
-  below = lambda v: np.where(v.astype(np.float32) > v, np.nextafter(
-      v.astype(np.float32), np.float32(-np.inf)), v.astype(np.float32))
-  thr[0, :255] = below(mids)
-  at_least = np.where((-mids).astype(np.float32) < -mids, np.nextafter(
-      (-mids).astype(np.float32), np.float32(np.inf)), (-mids).astype(np.float32))
-  thr[1, 1:] = np.nextafter(at_least, np.float32(-np.inf))
-  return base, thr
+  mid = -mids[np.maximum(down - 1, 0)]
+  ceil = np.where(f32(mid) < mid, np.nextafter(f32(mid), np.float32(np.inf)), f32(mid))
+  inside = (down > 0) & (mid < upper)
+  low = np.where(inside, bits(ceil) - 1 - lower_bits, never)
+  out[1, :_BUCKETS] = down | (low + 1) << 8
+  assert ((out[:, :_BUCKETS] >> 8) <= 0x8000).all()
+  return out
 
 
 @functools.cache
-def quant_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """The kernel's tables: maps f32 (2, 256) [signed, unsigned], bases uint8 (2, 2, stride)
-  and thresholds f32 (2, 2, 256) [map, sign]."""
+def quant_tables() -> tuple[np.ndarray, np.ndarray]:
+  """The kernel's tables: maps f32 (2, 256) [signed, unsigned] and the encoding tables
+  uint32 (2, 2, stride) [map, sign] (`_encoding_table`)."""
   maps = np.stack([ref.code_map(True), ref.code_map(False)])
-  parts = [_encoding_tables(m) for m in maps]
-  return (maps, np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]))
+  return maps, np.stack([_encoding_table(m) for m in maps])
+
+
+def encode(x: np.ndarray, signed: bool) -> np.ndarray:
+  """The host kernel's encoding of fp32 x (already divided by its scale), in numpy: for
+  tests of the tables against `ref.nearest_code`."""
+  _, tables = quant_tables()
+  entries = tables[0 if signed else 1]
+  bits = np.asarray(x, np.float32).view(np.uint32)
+  neg = (bits >> 31).astype(np.int64)
+  a = (bits & 0x7fffffff).astype(np.int64)
+  k = np.clip((a >> 15) - _BUCKET_BASE, 0, _BUCKETS - 1)
+  entry = entries[neg, k].astype(np.int64)
+  base, low = entry & 0xff, (entry >> 8) - 1
+  step = np.where((a & 0x7fff) > low, np.where(neg == 1, -1, 1), 0)
+  # The clamped buckets hold no threshold, so a's low bits never matter there.
+  return (base + step).astype(np.uint8)
 
 
 def _check(master, mu, nu, grad, lowp_dtype) -> None:
@@ -155,7 +184,7 @@ def adamw8_host(master, mu: ref.Quantized, nu: ref.Quantized, grad, scalars: Ada
   _check(master, mu, nu, grad, lowp_dtype)
   threads, isa = check_threads_and_isa(num_threads, isa)
   packed = adamw_scalars.pack(adamw_scalars.coefficients(scalars, nesterov=nesterov))
-  maps, bases, thresholds = (jnp.asarray(t) for t in quant_tables())
+  maps, tables = (jnp.asarray(t) for t in quant_tables())
   out_shape = master.shape if lowp_dtype is not None else (0,)
   out_dtype = jnp.dtype(lowp_dtype) if lowp_dtype is not None else jnp.float32
   state = (master, mu.codes, mu.scales, nu.codes, nu.scales)
@@ -165,7 +194,7 @@ def adamw8_host(master, mu: ref.Quantized, nu: ref.Quantized, grad, scalars: Ada
       + (jax.ShapeDtypeStruct(out_shape, out_dtype),),
       input_output_aliases={i: i for i in range(5)})
   p, mc, ms, vc, vs, out = call(
-      *state, grad, packed, maps, bases, thresholds, decayed_rows=np.int64(decayed_rows),
+      *state, grad, packed, maps, tables, decayed_rows=np.int64(decayed_rows),
       num_threads=np.int64(threads), nesterov=bool(nesterov), isa=np.int64(int(isa)))
   if flat:
     p, mc, ms, vc, vs = p[0], mc[0], ms[0], vc[0], vs[0]
