@@ -37,22 +37,24 @@ def _scalars(count: int, grad_scale: float, nesterov: bool) -> tuple[AdamWScalar
   return scalars, dict(HYPER, **bc, grad_scale=grad_scale, nesterov=nesterov)
 
 
-def _near_a_midpoint(x: np.ndarray, q: ref.Quantized, signed: bool) -> np.ndarray:
-  """Elements whose x / scale is within 4 fp32 steps of a midpoint of the map."""
+def _near_a_midpoint(x: np.ndarray, q: ref.Quantized, signed: bool, ulps: int = 4) -> np.ndarray:
+  """Elements whose x / scale is within `ulps` fp32 steps of a midpoint of the map."""
   t = ref.code_map(signed).astype(np.float64)
   mids = (t[:-1] + t[1:]) / 2
   s = np.repeat(q.scales.astype(np.float64), B, axis=-1)[..., :x.shape[-1]]
   xn = np.divide(x.astype(np.float64), s, out=np.zeros(x.shape), where=s > 0)
   k = np.clip(np.searchsorted(mids, xn), 1, 254)
   dist = np.minimum(np.abs(xn - mids[k - 1]), np.abs(xn - mids[k]))
-  return dist <= 4 * 2.0**-24 * np.maximum(np.abs(xn), 2.0**-24)
+  return dist <= ulps * 2.0**-24 * np.maximum(np.abs(xn), 2.0**-24)
 
 
-def assert_codes_match(got, want: ref.Quantized, exact: np.ndarray, signed: bool) -> None:
+def assert_codes_match(got, want: ref.Quantized, exact: np.ndarray, signed: bool,
+                       ulps: int = 4) -> None:
+  """Codes equal, or one apart where exact / scale is within `ulps` of a midpoint."""
   codes = np.asarray(got.codes).astype(np.int64)
   differ = codes != want.codes
   assert (np.abs(codes - want.codes)[differ] == 1).all()
-  assert _near_a_midpoint(exact, want, signed)[differ].all(), (
+  assert _near_a_midpoint(exact, want, signed, ulps)[differ].all(), (
       f'{differ.sum()} codes differ away from a midpoint')
 
 
@@ -138,6 +140,23 @@ def test_one_flat_row_of_many_blocks(seed):
   np.testing.assert_array_equal(np.asarray(got[1].scales), want[1].scales)
   assert_codes_match(got[1], want[1], want[3], True)
   assert_codes_match(got[2], want[2], want[4], False)
+
+
+def test_encoding_tables_give_the_nearest_code(seed):
+  # The tables the kernels encode with (host_adamw8.encode, their numpy form) against
+  # the reference's nearest code: on random values over 9 decades, on every midpoint
+  # between entries and its fp32 neighbours, on the entries, and on 0, -0, +-1, 1.5, inf.
+  rng = np.random.default_rng(seed)
+  for signed in (True, False):
+    table = ref.code_map(signed).astype(np.float64)
+    mids = ((table[:-1] + table[1:]) / 2).astype(np.float32)
+    around = [mids, np.nextafter(mids, np.float32(2)), np.nextafter(mids, np.float32(-2))]
+    x = np.concatenate([
+        rng.uniform(-1, 1, 50_000), 10**rng.uniform(-9, 0.01, 50_000) * rng.choice([-1, 1], 50_000),
+        *around, *[-a for a in around], table, -table,
+        [0.0, -0.0, 1.0, -1.0, 1.5, np.inf, -np.inf]]).astype(np.float32)
+    want = ref.nearest_code(x.astype(np.float64), ref.code_map(signed))
+    np.testing.assert_array_equal(host_adamw8.encode(x, signed), want)
 
 
 def test_bad_shapes_name_the_argument():
