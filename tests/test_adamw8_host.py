@@ -10,6 +10,8 @@ divides in float64): there they may differ by one.
 
 from __future__ import annotations
 
+import doctest
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -166,3 +168,8 @@ def test_bad_shapes_name_the_argument():
   with pytest.raises(ValueError, match=r'mu\.scales must be f32 \[2, 2\]'):
     host_adamw8.adamw8_host(jnp.ones((2, 300)), bad, nu, jnp.ones((2, 300)), scalars,
                             decayed_rows=0)
+
+
+def test_docstring_example_runs():
+  result = doctest.testmod(host_adamw8, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0 and result.failed == 0, result

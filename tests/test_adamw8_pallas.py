@@ -10,6 +10,8 @@ lies within 16 fp32 steps of a midpoint (m and the scale each an ulp off).
 
 from __future__ import annotations
 
+import doctest
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,3 +112,8 @@ def test_lowers_to_one_in_place_triton_call():
   assert f'grid_x = {64 // pallas_adamw8.DEFAULT_CONFIG8.blocks_per_program}' in text
   for output, operand in ((0, 4), (1, 5), (2, 6), (3, 7), (4, 8)):
     assert f'output_tuple_indices = [{output}], operand_index = {operand},' in text
+
+
+def test_docstring_example_runs():
+  result = doctest.testmod(pallas_adamw8, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0 and result.failed == 0, result

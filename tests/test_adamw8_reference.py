@@ -5,6 +5,8 @@ float64 within the quantization error bound."""
 
 from __future__ import annotations
 
+import doctest
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -215,3 +217,8 @@ def test_float32_step_is_the_float64_step_rounded(seed):
   for a, b in ((m32, m64), (v32, v64)):
     np.testing.assert_allclose(a.scales, b.scales, rtol=1e-6)
     assert np.abs(a.codes.astype(int) - b.codes.astype(int)).max() <= 1
+
+
+def test_docstring_example_runs():
+  result = doctest.testmod(ref, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0 and result.failed == 0, result
