@@ -84,6 +84,7 @@ def _native_extension(name: str, *sources: str) -> Extension:
       f'dos_jax.kernels.{name}',
       sources=[f'kernels/{source}' for source in sources],
       depends=['kernels/adamw_loop.h', 'kernels/adamw_common.h', 'kernels/adamw_rows.h',
+               'kernels/adamw8_loop.h', 'kernels/adamw8_avx512.h',
                'kernels/adamw_rows_setup.h', 'kernels/pjrt_register.h',
                'kernels/undo_store.h'],
       include_dirs=[_ffi_include_dir()],
