@@ -12,7 +12,9 @@ rounds after one warm-up), on `--params` elements in `--rows` rows, `--threads` 
   stream  experiments/stream_probe.c (cc -O3 -march=native -fopenmp): copy (8 B per
           element) and triad (12 B), the bandwidth the machine's memory gives.
 
-Prints each case's time, its bytes moved / time, and the step-time ratio fp32 / int8.
+Prints each case's time, its bytes moved / time, and the step-time ratio fp32 / int8;
+then each kernel's CPU time per element at one thread (`time.process_time`, the best of
+`--reps`), which tells work from waiting on memory where other processes share the cores.
 
   python3 experiments/bench_adamw8.py --params 64e6 --reps 5 --threads 2
 """
@@ -78,18 +80,18 @@ def main(argv=None) -> None:
   print(f'{n / 1e6:.1f}M elements in {rows} rows, {args.threads} threads, '
         f'{os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}')
 
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def fp32_step(state, g):
+  @functools.partial(jax.jit, donate_argnums=(0,), static_argnames='threads')
+  def fp32_step(state, g, threads=args.threads):
     new_state, out = adamw_host_rows(state, g, None, jnp.arange(rows, dtype=jnp.int32),
                                      scalars, slots=(0, 1, 2), decayed_rows=rows,
-                                     lowp_dtype=jnp.bfloat16, num_threads=args.threads)
+                                     lowp_dtype=jnp.bfloat16, num_threads=threads)
     return new_state, out
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-  def int8_step(master, mu, nu, g):
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2), static_argnames='threads')
+  def int8_step(master, mu, nu, g, threads=args.threads):
     master, mu, nu, out = host_adamw8.adamw8_host(
         master, mu, nu, g, scalars, decayed_rows=rows, lowp_dtype=jnp.bfloat16,
-        num_threads=args.threads)
+        num_threads=threads)
     return master, mu, nu, out
 
   fp32_state = [jnp.asarray(np.stack([rng.standard_normal((rows, size), np.float32),
@@ -99,13 +101,13 @@ def main(argv=None) -> None:
   int8_state = [jnp.asarray(rng.standard_normal((rows, size), np.float32)),
                 ref.Quantized(*map(jnp.asarray, mu)), ref.Quantized(*map(jnp.asarray, nu))]
 
-  def run_fp32():
-    state, out = fp32_step(fp32_state[0], grad)
+  def run_fp32(threads=args.threads):
+    state, out = fp32_step(fp32_state[0], grad, threads=threads)
     jax.block_until_ready((state, out))
     fp32_state[0] = state
 
-  def run_int8():
-    master, mu, nu, out = int8_step(*int8_state, grad)
+  def run_int8(threads=args.threads):
+    master, mu, nu, out = int8_step(*int8_state, grad, threads=threads)
     jax.block_until_ready((master, mu, nu, out))
     int8_state[:] = [master, mu, nu]
 
@@ -124,6 +126,14 @@ def main(argv=None) -> None:
           f'{n * bytes_per / med[name] / 1e9:6.1f} GB/s  (rounds: '
           + ' '.join(f'{t * 1e3:.0f}' for t in times[name]) + ')')
   print(f'step-time ratio fp32 / int8: {med["fp32"] / med["int8"]:.2f}x')
+  for name, fn in cases.items():
+    fn(threads=1)  # compile the one-thread call
+    cpu = []
+    for _ in range(args.reps):
+      start = time.process_time()
+      fn(threads=1)
+      cpu.append(time.process_time() - start)
+    print(f'{name:6s} one thread: {min(cpu) / n * 1e9:.2f} ns CPU time per element')
   del fp32_state[:], int8_state[:]
   probe = stream(n, args.reps, args.threads)
   if probe is None:
