@@ -1,5 +1,5 @@
 """Builds the native host AdamW libraries of dos_jax.kernels (kernels/host_adamw_rows.cc,
-the state in memory; kernels/host_adamw_disk.cc, the state in files), and the probe of
+the state in memory; kernels/host_adamw_disk.cc, the state in files; kernels/host_adamw8.cc, 8-bit moments), and the probe of
 the instruction sets their loop can use here (kernels/host_isa.cc).
 
 Everything else about the package lives in pyproject.toml. The XLA FFI headers come from
@@ -84,6 +84,7 @@ def _native_extension(name: str, *sources: str) -> Extension:
       f'dos_jax.kernels.{name}',
       sources=[f'kernels/{source}' for source in sources],
       depends=['kernels/adamw_loop.h', 'kernels/adamw_common.h', 'kernels/adamw_rows.h',
+               'kernels/adamw8_loop.h', 'kernels/adamw8_avx512.h',
                'kernels/adamw_rows_setup.h', 'kernels/pjrt_register.h',
                'kernels/undo_store.h'],
       include_dirs=[_ffi_include_dir()],
@@ -174,6 +175,8 @@ setup(
         _native_extension('_host_adamw_rows', 'host_adamw_rows.cc', 'pjrt_register.cc'),
         # The same loop over subgroups whose state is in files (the disk tier).
         _native_extension('_host_adamw_disk', 'host_adamw_disk.cc', 'pjrt_register.cc'),
+        # AdamW with block-wise 8-bit moments (kernels/adamw8_reference.py's format).
+        _native_extension('_host_adamw8', 'host_adamw8.cc'),
         # Which instruction sets that loop can use on this CPU (adamw_common.h's answer).
         _native_extension('_host_isa', 'host_isa.cc'),
     ],
