@@ -55,6 +55,9 @@ class Construction:
     two_streams: the host and device halves concurrent by construction (`lanes`).
     lowering: how the stream regions are laid out on this jax (`device_stream.Lowering`).
     early: the host tier in early host calls (`early_chunks`).
+    per_block: the host tier's blocks each a host region of their own
+      (`early_chunks.host_work`): with early calls, or where the staged lowering spreads
+      them over its stages.
     host_native: the host tier's native kernel (else XLA's loop in a host region).
     device_native: the flag the device tiers' paths take (`StepContext.update_blocks`).
     pallas: the Pallas kernel asked for on the device tiers (`UpdateImpl.KERNEL`).
@@ -68,6 +71,7 @@ class Construction:
   two_streams: bool
   lowering: device_stream.Lowering
   early: bool
+  per_block: bool
   host_native: bool
   device_native: bool
   pallas: bool
@@ -115,6 +119,8 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
                  'early host calls: none (' + ('no early calls in the partition' if not
                  part.early else 'needs the native kernel and two host subgroups or more')
                  + ')')
+  per_block = early or (two and not sharded and host_native and host_blocks > 1
+                        and device_stream.lowering() is device_stream.Lowering.STAGED)
   grouped = options.grouped_lanes()
   streamed = len(part.ids(Tier.STREAMED)) if part.split else 0
   lanes = lanes_lib.lane_count(part.plan, streamed, limit=grouped) if part.split else 0
@@ -124,7 +130,8 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
                    'under the limit the step is compiled with)')
     reasons.append(f'lowering: {lowering.value} (jax {".".join(map(str, _version()))})')
   return Construction(
-      two_streams=two, lowering=lowering, early=early, host_native=host_native,
+      two_streams=two, lowering=lowering, early=early, per_block=per_block,
+      host_native=host_native,
       device_native=native and options.device_impl is UpdateImpl.KERNEL,
       pallas=options.device_impl is UpdateImpl.KERNEL, lanes=lanes,
       grouped_lanes=min(lanes, grouped), sharded=sharded, disk=bool(part.disk),

@@ -117,7 +117,7 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
       Kernel.NATIVE_HOST, kernels.fused, base_step, program, grad_leaves).usable
   host_grad_pieces = {}
   built = construction.resolve(part, layout, mesh, options, native)
-  if part.split and not built.early and not (built.two_streams and built.sharded):
+  if part.split and not built.per_block and not (built.two_streams and built.sharded):
     # A sharded state's native host path takes its gradients as rows split over the
     # data axis (see `tier_updates.host_rows`).
     rows = None
@@ -206,7 +206,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
   if built.two_streams:
     if not built.sharded:
       work = (functools.partial(early_chunks.host_work, context, base_step, host_tier,
-                                part.early) if built.early else
+                                part.early) if built.per_block else
               functools.partial(host_work_lib.of_tier, context, base_step, host_tier,
                                 built.host_native))
       if disk is not None:
