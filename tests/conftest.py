@@ -92,7 +92,9 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     reason = compiled.KNOWN_REGRESSIONS.get(item.nodeid)
     if reason is not None:
-      item.add_marker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason))
+      # A reason, or (reason, the exception the known failure raises).
+      reason, raises = reason if isinstance(reason, tuple) else (reason, AssertionError)
+      item.add_marker(pytest.mark.xfail(strict=True, raises=raises, reason=reason))
   if jax.default_backend() == 'gpu':
     return
   skip_gpu = pytest.mark.skip(reason='needs a CUDA GPU')
