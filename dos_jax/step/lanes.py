@@ -87,13 +87,7 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   new_blocks, rows = device_lanes(context, given, base_step=base_step,
                                   native=built.device_native, lanes=lanes, group=group,
                                   grouped=built.grouped_lanes, barrier=barrier)
-  new_tiers = dict(tiers)
-  new_tiers[Tier.HOST] = host
-  new_tiers.update({t: tuple(x for block in blocks for x in block)
-                    for t, blocks in new_blocks.items()})
-  outs = list(outs) + [(out, partition_lib.pieces_of(context.layout, part.blocks(tier)[b]))
-                       for (tier, b), out in rows]
-  return new_tiers, outs
+  return stages.joined(context, tiers, host, outs, new_blocks, rows)
 
 
 def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple]],

@@ -129,13 +129,19 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], work: Ho
     for row in rows:
       run((row,), lane, None)
   host, outs = work.finish()
+  return joined(context, tiers, host, outs, new_blocks, rows_out)
+
+
+def joined(context, tiers, host, host_outs, new_blocks, rows_out):
+  """`(new tiers, (out rows, pieces) per block)` from the host tier's new arrays and out
+  rows and the device tiers' `new_blocks` ({tier: blocks}) and `rows_out`
+  ([((tier, block), out rows)]): what both lowerings return."""
   new_tiers = dict(tiers)
   new_tiers[Tier.HOST] = host
   new_tiers.update({t: tuple(x for block in blocks for x in block)
                     for t, blocks in new_blocks.items()})
-  outs = list(outs) + [(out, partition_lib.pieces_of(context.layout, part.blocks(tier)[b]))
-                       for (tier, b), out in rows_out]
-  return new_tiers, outs
+  pieces = lambda tier, b: partition_lib.pieces_of(context.layout, context.part.blocks(tier)[b])
+  return new_tiers, list(host_outs) + [(out, pieces(tier, b)) for (tier, b), out in rows_out]
 
 
 def _xla_rows(context, base_step, rows, blocks_in, native: bool):
