@@ -287,9 +287,10 @@ def _write(cfg, params, folder: str, max_shard_bytes: int, max_positions: int,
         node = node[key]
       leaf = node.pop(t.path[-1]) if consume else node[t.path[-1]]
       array = np.ascontiguousarray(t.to_hf(np.asarray(leaf)), dtype=dtype)
+      leaf_shape = np.shape(leaf)
       del leaf
       if array.shape != t.hf_shape:
-        raise ValueError(f'params{list(t.path)}: shape {np.shape(leaf)} does not fit the'
+        raise ValueError(f'params{list(t.path)}: shape {leaf_shape} does not fit the'
                          f' config (as {t.name!r}: {array.shape}, expected {t.hf_shape})')
       arrays[t.name] = array
       weight_map[t.name] = name
