@@ -22,13 +22,13 @@ from dos_jax.policies import Resident
 from dos_jax.policies import SubgroupSpec
 from dos_jax.step import device_stream
 
-# The plan's device memory follows the construction this jax builds: with stream regions
-# (jax 0.10-0.11, the GPU machines') every streamed row is held until the lanes are done,
-# without them (jax 0.12) only `buffers` rows; the 70B figures are the former's.
+# The plan's device memory follows the construction this jax builds: with regions that
+# hold a lane's rows (jax 0.10-0.11, the GPU machines') every streamed row is held until
+# the lanes are done; staged (jax 0.12) one row per lane; the 70B figures are the former's.
 _REGIONS = pytest.mark.skipif(
-    not device_stream.available(),
-    reason="this jax builds no stream regions: the device holds fewer streamed rows and "
-           "Auto streams every host subgroup (the doc's figures are jax 0.10-0.11's)")
+    not device_stream.regions_hold_every_row(),
+    reason="the staged lowering (jax 0.12) holds one streamed row per lane: the device "
+           "holds fewer streamed rows (the doc's figures are jax 0.10-0.11's)")
 
 GIB = 2**30
 NODE_70B = ['--model', '70b', '--gpus-per-node', '8', '--disk-gbps', '6,4',
