@@ -173,12 +173,6 @@ _KNOWN_BY_VERSION = {
     (0, 12): {
         **{f'tests/test_step_memory.py::test_per_subgroup_stream_holds_every_streamed_row[{n}]':
            _STAGED_MEMORY for n in (16384, 65536)},
-        **{f'{_SHARDED}test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group'
-           f'[{z}]': _STAGED_SHARDED for z in ('zero1', 'zero3')},
-        **{f'{_SHARDED}test_the_runners_zero3_step_starts_its_early_host_calls_during_the_'
-           f'backward_pass[{z}]': _STAGED_SHARDED for z in ('zero1', 'zero3')},
-        f'{_SHARDED}test_the_runners_step_on_one_device_builds_the_unsharded_construction':
-            _STAGED_SHARDED,
         **{f'tests/test_compiled_disk.py::test_the_runners_zero3_step_runs_each_devices_lanes_'
            f'beside_its_disk_call[{c}]': _STAGED_DISK for c in ('one-in-memory', 'all-on-disk')},
         'tests/test_compiled_disk.py::test_the_disk_call_runs_beside_the_device_tiers'

@@ -81,6 +81,31 @@ def test_a_region_inside_shard_map_stays_one_stream_call():
   assert call.updates, call
 
 
+def _updates_beside_host_calls(schedule):
+  """(host calls, stream calls updating device rows) of a step whose construction holds on
+  either lowering: the host calls chained, every device update on a stream call that
+  overlaps a host call, none outside every host call's window."""
+  calls = schedule.host_calls
+  assert calls and all(a.done < b.start for a, b in zip(calls, calls[1:])), calls
+  lanes = [c for c in schedule.stream_calls if c.updates]
+  assert lanes and all(any(c.overlaps(h) for h in calls) for c in lanes), (lanes, calls)
+  assert not schedule.device_updates_outside_host_calls(), (calls, lanes)
+  return calls, lanes
+
+
+def _assert_stages(schedule, early: int):
+  """The staged lowering (`dos_jax.step.stages`) inside `shard_map`: after the `early`
+  host calls, one host call per stage (here more than one), each overlapping the stream
+  calls of its own stage (one per lane, two lanes at the project's limit), and every
+  stream call beside one of them."""
+  calls = schedule.host_calls
+  staged = calls[early:]
+  lanes = [c for c in schedule.stream_calls if c.updates]
+  beside = [[c for c in lanes if c.overlaps(h)] for h in staged]
+  assert len(staged) > 1 and all(1 <= len(b) <= 2 for b in beside), (staged, lanes)
+  assert all(any(c.overlaps(h) for h in staged) for c in lanes), (staged, lanes)
+
+
 MESHES = {'zero3': ('mesh.data=1', 'mesh.fsdp=4'), 'zero1': ('mesh.data=4',)}
 
 
@@ -106,14 +131,16 @@ def _runners_zero3_step(*overrides, zero='zero3', early=None):
 @pytest.mark.parametrize('zero', sorted(MESHES))
 def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group(zero):
   """The runner's tiny step, fsdp=4, the state packed shard-major and per subgroup,
-  Stride(2), clipping: one host call, both stream lanes overlapping it, no device
-  update outside it, and every host-bound gradient piece leaving during the backward
+  Stride(2), clipping: every device update beside a host call (one host call with both
+  stream lanes on jax 0.11; a host call per stage with that stage's lanes on the staged
+  lowering), and every host-bound gradient piece leaving during the backward
   pass (pieces of under 64 KiB here: each device sends its own shard of each leaf)."""
   schedule = _runners_zero3_step(zero=zero, early=()).schedule
-  (call,) = schedule.host_calls
-  lanes = schedule.stream_calls
-  assert len(lanes) == 2 and all(c.updates and c.overlaps(call) for c in lanes), lanes
-  assert not schedule.device_updates_outside_host_calls(), (call, lanes)
+  calls, lanes = _updates_beside_host_calls(schedule)
+  if device_stream.lowering() is device_stream.Lowering.IN_REGION:
+    assert len(calls) == 1 and len(lanes) == 2, (calls, lanes)
+  else:  # a host call per stage, each with its own lanes' regions
+    _assert_stages(schedule, early=0)
   copies = schedule.gradient_copies(min_bytes=1)
   assert copies and all(c.overlaps_compute for c in copies), copies
   assert not schedule.large_host_copies(), schedule.host_copies
@@ -124,20 +151,20 @@ def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_
   """The same step with three host calls of near-equal size: each device runs the early
   ones inside `shard_map` on its own columns, each chunk sending its own gradient pieces
   (no barrier over all of them), and the step is compiled with the early calls'
-  profiled latency (`dataflow.early_windows`). Three host calls, chained; the last one
-  overlaps both stream lanes; every early call profiled and none held back; an early
+  profiled latency (`dataflow.early_windows`). The host calls chained: the two early
+  ones, then the last (jax 0.11: both stream lanes beside it) or one per stage (staged); every early call profiled and none held back; an early
   window holds backward gemms; no device update outside a host call."""
   from dos_jax.dataflow import early_windows  # pylint: disable=import-outside-toplevel
   program = _runners_zero3_step('model.n_layers=4', zero=zero, early=3)
   schedule = program.schedule
-  calls = schedule.host_calls
-  assert len(calls) == 3 and all(a.done < b.start for a, b in zip(calls, calls[1:])), calls
-  assert program.early_calls_profiled == tuple(c.name for c in calls[:-1])
+  calls, lanes = _updates_beside_host_calls(schedule)
+  if device_stream.lowering() is device_stream.Lowering.IN_REGION:
+    assert len(calls) == 3 and all(c.overlaps(calls[-1]) for c in lanes), (lanes, calls)
+  else:
+    _assert_stages(schedule, early=2)
+  assert program.early_calls_profiled == tuple(c.name for c in calls[:2])
   assert not early_windows.gemms_held_back(program.hlo_text)
-  lanes = schedule.stream_calls
-  assert lanes and all(c.updates and c.overlaps(calls[-1]) for c in lanes), (lanes, calls)
-  assert not schedule.device_updates_outside_host_calls(), (calls, lanes)
-  assert any(c.start < g < c.done for c in calls[:-1] for g in schedule.gemm_positions), (
+  assert any(c.start < g < c.done for c in calls[:2] for g in schedule.gemm_positions), (
       calls, max(schedule.gemm_positions))
 
 
@@ -145,9 +172,9 @@ def test_the_runners_step_on_one_device_builds_the_unsharded_construction():
   """On one GPU the runner places the params on a one-device mesh, and the state keeps
   that mesh. A one-device mesh splits nothing, so the step is built as for an unsharded
   state: early host calls (here 2 of near-equal size) and the device tiers in stream
-  lanes grouped with the last call, none outside a host call. Before, the mesh alone
-  made the step take the sharded path: one host call and every device update outside
-  it."""
+  lanes beside the host calls (jax 0.11: grouped with the last call; staged: a host call
+  per stage), none outside a host call (the sharded path would have put every device
+  update outside its one host call)."""
   if not device_stream.available():
     pytest.skip('this jax builds no stream region (device_stream.available())')
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -155,8 +182,8 @@ def test_the_runners_step_on_one_device_builds_the_unsharded_construction():
       'model.param_dtype=bfloat16', 'model.attention=xla', 'model.n_layers=4',
       'offload.subgroup_size=65536', 'optim.clip_norm=1.0', 'offload.policy=stride'])
   schedule = compiled.compile_runner_step(cfg, jax.devices()[:1], early=2).schedule
-  calls = schedule.host_calls
-  assert len(calls) == 2 and calls[0].done < calls[1].start, calls
-  lanes = schedule.stream_calls
-  assert lanes and all(c.updates and c.overlaps(calls[-1]) for c in lanes), (lanes, calls)
-  assert not schedule.device_updates_outside_host_calls(), (calls, lanes)
+  calls, lanes = _updates_beside_host_calls(schedule)
+  if device_stream.lowering() is device_stream.Lowering.IN_REGION:
+    assert len(calls) == 2 and all(c.overlaps(calls[-1]) for c in lanes), (lanes, calls)
+  else:
+    _assert_stages(schedule, early=1)

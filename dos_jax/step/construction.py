@@ -119,7 +119,7 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
                  'early host calls: none (' + ('no early calls in the partition' if not
                  part.early else 'needs the native kernel and two host subgroups or more')
                  + ')')
-  per_block = early or (two and not sharded and host_native and host_blocks > 1
+  per_block = early or (two and host_native and host_blocks > 1
                         and device_stream.lowering() is device_stream.Lowering.STAGED)
   grouped = options.grouped_lanes()
   streamed = len(part.ids(Tier.STREAMED)) if part.split else 0

@@ -213,7 +213,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
         work = _then_disk(work, disk)
       return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built, work)
     sharded_host = sharded_disk = None
-    if built.early:  # each device's early calls, inside shard_map
+    if built.per_block:  # each device's host calls by block (early ones, stages), in shard_map
       sharded_host = lambda local, step, host: functools.partial(
           early_chunks.host_work, local, step, host, part.early)
     if disk is not None:  # each device's disk call, after its other host work
