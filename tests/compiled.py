@@ -173,12 +173,6 @@ _KNOWN_BY_VERSION = {
     (0, 12): {
         **{f'tests/test_step_memory.py::test_per_subgroup_stream_holds_every_streamed_row[{n}]':
            _STAGED_MEMORY for n in (16384, 65536)},
-        **{f'tests/test_compiled_disk.py::test_the_runners_zero3_step_runs_each_devices_lanes_'
-           f'beside_its_disk_call[{c}]': _STAGED_DISK for c in ('one-in-memory', 'all-on-disk')},
-        'tests/test_compiled_disk.py::test_the_disk_call_runs_beside_the_device_tiers'
-        '[6-512-bfloat16-Stride(k=2, buffers=2)-0-gpu_compiler_options]': _STAGED_DISK,
-        'tests/test_compiled_disk.py::test_the_disk_call_runs_beside_the_device_tiers'
-        '[7-384-float32-DeviceFraction(f=0.5, buffers=2)-2-gpu_compiler_options]': _STAGED_DISK,
         'tests/test_compiled_early_chunks.py::test_early_host_chunks_start_during_the_backward_'
         'pass[5-4096-float32-2]': _STAGED_EARLY_WINDOW,
         'tests/test_compiled_family.py::test_family_step_holds_what_its_construction_guarantees'

@@ -65,6 +65,10 @@ class Construction:
     grouped_lanes: how many of them the host call's scheduling group holds.
     sharded: each device runs the construction on its own columns (`shard_map`).
     disk: a disk tier's call joins the host work.
+    disk_calls: the host calls the disk tier's update is split into (consecutive runs
+      of its subgroups, the same kernel on each): under the staged lowering as many as
+      the longest lane has streamed rows (at most one per disk subgroup), so that the
+      stages have host work beside each of their rows; else one.
     reasons: one line per choice, why (`explain`).
   """
 
@@ -79,6 +83,7 @@ class Construction:
   grouped_lanes: int
   sharded: bool
   disk: bool
+  disk_calls: int = 0
   reasons: tuple[str, ...] = ()
 
   def explain(self) -> str:
@@ -125,6 +130,9 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
   streamed = len(part.ids(Tier.STREAMED)) if part.split else 0
   lanes = lanes_lib.lane_count(part.plan, streamed, limit=grouped) if part.split else 0
   lowering = device_stream.lowering()
+  disk_calls = 1 if part.disk else 0
+  if part.disk and two and lanes and lowering is device_stream.Lowering.STAGED:
+    disk_calls = max(1, min(len(part.disk), -(-streamed // lanes)))
   if two:
     reasons.append(f'stream lanes: {lanes} (the group holds {grouped} beside the host call '
                    'under the limit the step is compiled with)')
@@ -135,7 +143,7 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
       device_native=native and options.device_impl is UpdateImpl.KERNEL,
       pallas=options.device_impl is UpdateImpl.KERNEL, lanes=lanes,
       grouped_lanes=min(lanes, grouped), sharded=sharded, disk=bool(part.disk),
-      reasons=tuple(reasons))
+      disk_calls=disk_calls, reasons=tuple(reasons))
 
 
 def _why_two_streams(part, layout, mesh, two: bool) -> str:

@@ -188,33 +188,41 @@ def _shards(x: jax.Array) -> list[tuple[tuple[slice, ...], jax.Array]]:
   return [(shard.index, shard.data) for shard in x.addressable_shards]
 
 
-def update(context, base_step: paths.RowStep, gen, index=None):
+def update(context, base_step: paths.RowStep, gen, index=None, subgroups=None, link=None):
   """One step of the disk tier: `(next generation, [(out rows, pieces)])`. `index`:
   inside the sharded construction's `shard_map` (`lanes.sharded_two_streams`, the
-  context then the device's own), this device's file (`file_index`)."""
+  context then the device's own), this device's file (`file_index`). `subgroups`: the
+  disk subgroups this call updates (a run of `part.disk`; None: all of them); calls on
+  disjoint runs with the same `gen` are independent and return the same next one.
+  `link` (`HostWork`'s, or None): the call reads it (an exact zero added to `gen`), so
+  that XLA keeps it a host call of its own after the one the link comes from."""
   if index is None and disk_files.file_count(context.part) > 1:  # on a mesh: own files
+    assert subgroups is None, 'the jit-partitioned disk tier runs in one call'
     return _update_sharded(context, base_step, gen)
   part, layout = context.part, context.layout
-  runs = partition_lib.pieces_of(layout, part.disk)
-  rows, size = len(part.disk), layout.subgroup_size
+  ids = tuple(part.disk if subgroups is None else subgroups)
+  runs = partition_lib.pieces_of(layout, ids)
+  rows, size = len(ids), layout.subgroup_size
   grads = partition_lib.slice_pieces(context.grad_leaves, runs)
   params = (None if context.param_leaves is None
             else partition_lib.slice_pieces(context.param_leaves, runs))
   arrays, join = fused_lib.split_scalars(context.adam_scalars)
-  kernel_args = _kernel_args(context, base_step)
+  kernel_args = _kernel_args(context, base_step, subgroups=ids)
   if index is not None:
     kernel_args.update(shards=disk_files.file_count(part),
                        num_threads=_threads_per_device(context))
   index = jnp.zeros((), jnp.int32) if index is None else index
 
-  def run(gen, index, grads, params, arrays):
+  def run(gen, index, grads, params, arrays, link):
+    if link is not None:
+      gen = gen + link[0].astype(gen.dtype)
     grad_rows = partition_lib.assemble(grads, runs, rows, size, context.grad_dtype)
     param_rows = None if params is None else partition_lib.assemble(
         params, runs, rows, size, jnp.float32)
     return host_adamw_disk.adamw_disk_rows(gen, grad_rows, param_rows, join(arrays),
                                            shard=index, **kernel_args)
 
-  args = (gen, index, grads, params, arrays)
+  args = (gen, index, grads, params, arrays, link)
   out, new_gen = _in_host_region(run, args, base_step) if part.split else run(*args)
   return new_gen, [(out, runs)]
 
@@ -254,10 +262,10 @@ def _as_bits(arrays):
                for x in arrays)
 
 
-def _kernel_args(context, base_step: paths.RowStep, **more) -> dict:
+def _kernel_args(context, base_step: paths.RowStep, subgroups=None, **more) -> dict:
   part = context.part
   return dict(
-      directory=part.disk_dir, subgroups=part.disk,
+      directory=part.disk_dir, subgroups=part.disk if subgroups is None else subgroups,
       slots=fused_lib.slot_rows(base_step.slots, base_step.has_master),
       num_slots=base_step.slots.group_sizes[0], decayed_rows=context.layout.decayed_rows,
       lowp_dtype=base_step.out_dtype, nesterov=context.fused.nesterov,

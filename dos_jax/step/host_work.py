@@ -47,10 +47,10 @@ class HostWork:
     """`ungrouped` then `items`: what the staged lowering spreads over its stages."""
     return list(self.ungrouped) + list(self.items)
 
-  def then(self, item: HostItem) -> 'HostWork':
-    """This work with `item` run after it, in the group; the rest ungrouped (the disk
-    call: the longest host call, the one the device tiers run beside)."""
-    return dataclasses.replace(self, items=[item], ungrouped=self.every_item())
+  def then(self, *items: HostItem) -> 'HostWork':
+    """This work with `items` run after it, in the group; the rest ungrouped (the disk
+    calls: the longest host work, what the device tiers run beside)."""
+    return dataclasses.replace(self, items=list(items), ungrouped=self.every_item())
 
 
 def of_tier(context, base_step, host_tier: tuple, native: bool) -> HostWork:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -31,6 +32,7 @@ from dos_jax.geometry.state import OffloadedState
 from dos_jax.geometry.state import ShardedOver
 from dos_jax.offload import Program
 from dos_jax.step import construction
+from dos_jax.step import device_stream
 from dos_jax.step import disk_tier
 from dos_jax.step import early_chunks
 from dos_jax.step import fused as fused_lib
@@ -162,6 +164,25 @@ class _DiskUpdate:
   def __call__(self) -> None:
     self.gen, self.outs = disk_tier.update(*self._args, self.gen_in, index=self._index)
 
+  def calls(self, count: int, linked: bool) -> list:
+    """The update as `count` host items (`HostWork`), each on a consecutive run of the
+    disk subgroups, each after the call before it where `linked` (the staged lowering's
+    host calls are chained; else the disk call waits for no earlier call); the next
+    generation is the last call's (every call's is the same)."""
+    runs = np.array_split(np.asarray(self._args[0].part.disk), max(1, count))
+    self.outs = []
+
+    def call(ids):
+      def item(link):
+        self.gen, outs = disk_tier.update(*self._args, self.gen_in, index=self._index,
+                                          subgroups=tuple(int(i) for i in ids),
+                                          link=link if linked else None)
+        self.outs.extend(outs)
+        return outs[0][0]  # the token the next call's link is made from
+      return item
+
+    return [call(ids) for ids in runs if len(ids)]
+
 
 class _ShardedDisk:
   """The disk tier inside the sharded construction (`lanes.sharded_two_streams`): on
@@ -169,8 +190,9 @@ class _ShardedDisk:
   other host work; the new generation comes back through `done`, the out rows with the
   construction's."""
 
-  def __init__(self, outer: _DiskUpdate, native: bool, axis: str):
-    self.outer, self.native, self.axis = outer, native, axis
+  def __init__(self, outer: _DiskUpdate, native: bool, axis: str,
+               built: construction.Construction):
+    self.outer, self.native, self.axis, self.built = outer, native, axis, built
     self.gen = outer.gen_in
 
   def compose(self, local, step, host_work, host_tier, gen, axis_names):
@@ -180,19 +202,17 @@ class _ShardedDisk:
                                                               axis_names))
     work = host_work if host_work is not None else (
         lambda: host_work_lib.of_tier(local, step, host_tier, self.native))
-    return _then_disk(work, disk), disk
+    return _then_disk(work, disk, self.built), disk
 
   def done(self, new_gen) -> None:
     self.outer.gen, self.outer.outs = new_gen, []
 
 
-def _then_disk(work, disk: _DiskUpdate):
-  """`work` (a `HostWork` maker) with the disk call after it: the disk call, the
-  longest host call, is the one the device tiers' lanes run beside."""
-  def call_disk(link):
-    del link  # the disk call reads its files; it waits for no earlier call
-    disk()
-  return lambda: work().then(call_disk)
+def _then_disk(work, disk: _DiskUpdate, built: construction.Construction):
+  """`work` (a `HostWork` maker) with the disk update after it in `built.disk_calls`
+  host calls: the longest host work, what the device tiers' lanes run beside."""
+  staged = built.lowering is device_stream.Lowering.STAGED
+  return lambda: work().then(*disk.calls(built.disk_calls, linked=staged))
 
 
 def _update_tiers(context, base_step, state: OffloadedState,
@@ -210,14 +230,14 @@ def _update_tiers(context, base_step, state: OffloadedState,
               functools.partial(host_work_lib.of_tier, context, base_step, host_tier,
                                 built.host_native))
       if disk is not None:
-        work = _then_disk(work, disk)
+        work = _then_disk(work, disk, built)
       return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built, work)
     sharded_host = sharded_disk = None
     if built.per_block:  # each device's host calls by block (early ones, stages), in shard_map
       sharded_host = lambda local, step, host: functools.partial(
           early_chunks.host_work, local, step, host, part.early)
     if disk is not None:  # each device's disk call, after its other host work
-      sharded_disk = _ShardedDisk(disk, built.host_native, options.data_axis)
+      sharded_disk = _ShardedDisk(disk, built.host_native, options.data_axis, built)
     return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built,
                                            sharded_host=sharded_host,
                                            sharded_disk=sharded_disk)
