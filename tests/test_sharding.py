@@ -21,7 +21,8 @@ TWO_MEMORIES = dict(implementation=dos_jax.Implementation(program='gpu'))
 @pytest.mark.parametrize('policy, extra', [
     (dos_jax.AllHost(), {}), (dos_jax.Stride(2), {}),
     # The accelerator program stored per subgroup, moved to AllHost after two steps.
-    (dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(2)), TWO_MEMORIES)], ids=repr)
+    (dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(2)), TWO_MEMORIES)],
+    ids=lambda v: ('two-memories' if v else 'one-memory') if isinstance(v, dict) else repr(v))
 def test_sharded_matches_unsharded(policy, extra, seed):
   rng = np.random.default_rng(seed)
   params = {'w1': jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
