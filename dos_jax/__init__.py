@@ -22,11 +22,12 @@ from dos_jax.compiler_options import compiled_with as compiled_with
 from dos_jax.compiler_options import for_platform as compiler_options_for
 from dos_jax.compiler_options import jit as jit
 from dos_jax.host_memory import keep_freed_host_memory as keep_freed_host_memory
+from dos_jax.implementation import Implementation as Implementation
+from dos_jax.implementation import Program as Program
+from dos_jax.implementation import UpdateImpl as UpdateImpl
 from dos_jax.migration import migrate as migrate
 from dos_jax.offload import Disk as Disk
 from dos_jax.offload import Offload as Offload
-from dos_jax.offload import Program as Program
-from dos_jax.offload import UpdateImpl as UpdateImpl
 from dos_jax.pinned_pool import check_pinned_pool as check_pinned_pool
 from dos_jax.pinned_pool import PinnedPoolError as PinnedPoolError
 from dos_jax.pinned_pool import size_pinned_pool as size_pinned_pool

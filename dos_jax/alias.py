@@ -13,6 +13,7 @@ from dos_jax import pinned_pool
 from dos_jax import validate as validate_lib
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step.adamw_hyperparams import decay_where_row
+from dos_jax.implementation import Implementation
 from dos_jax.offload import Offload
 from dos_jax.step.transform import offloaded
 
@@ -57,7 +58,8 @@ def _is_stateless(transform: optax.GradientTransformation) -> bool:
 
 
 def chain(
-    *transforms: optax.GradientTransformation, offload: Offload | None = None
+    *transforms: optax.GradientTransformation, offload: Offload | None = None,
+    implementation: Implementation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """`optax.chain` whose state lives in host-memory subgroups.
 
@@ -75,6 +77,9 @@ def chain(
     *transforms: optax transforms, in order.
     offload: subgroup size and placement policy; `None` means `Offload()`. Not used
       when the last member is already an offloaded transform.
+    implementation: the program and update code, for tests and benchmarks (see
+      `dos_jax.Implementation`); `None` means `Implementation()`. Not used when the
+      last member is already an offloaded transform.
 
   Returns:
     A `GradientTransformationExtraArgs`; its update accepts `plan=` for one step.
@@ -97,6 +102,7 @@ def chain(
     {'b': True, 'w': True}
   """
   validate_lib.check_offload(offload, 'dos_jax.chain')
+  validate_lib.check_implementation(implementation, 'dos_jax.chain')
   split = 0
   while split < len(transforms) and _is_stateless(transforms[split]):
     split += 1
@@ -121,7 +127,8 @@ def chain(
         )
 
   if body is None:
-    body = offloaded(optax.chain(*rest), offload, validate=validate)
+    body = offloaded(optax.chain(*rest), offload, implementation=implementation,
+                     validate=validate)
   if not prefix:
     return body
   max_norm = clipping.max_norm_of(prefix[-1])
@@ -142,6 +149,7 @@ def adamw(
     *,
     nesterov: bool = False,
     offload: Offload | None = None,
+    implementation: Implementation | None = None,
     shard_dims: PyTree | Callable[[PyTree], PyTree] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW with its state in host memory, split into subgroups: `optax.adamw`'s math.
@@ -164,6 +172,10 @@ def adamw(
     mask: pytree of booleans or a callable returning one: which leaves are decayed.
     nesterov: Nesterov momentum, as in `optax.adamw`.
     offload: subgroup size and placement policy; `None` means `Offload()`.
+    implementation: for tests, benchmarks and experts (users leave it out): the
+      program `init` builds the state for and the code that runs the updates
+      (`dos_jax.Implementation`); `None` means `Implementation()`, the backend's
+      program with the kernels where they are available.
     shard_dims: ZeRO-3 (params split over `offload.data_axis`, as the state is): per
       leaf, a pytree or a callable of the params, the dimension split over that axis,
       or None. Given, each device packs its own shard of every leaf into its slice of
@@ -194,6 +206,7 @@ def adamw(
     {'b': True, 'w': True}
   """
   validate_lib.check_offload(offload, 'dos_jax.adamw')
+  validate_lib.check_implementation(implementation, 'dos_jax.adamw')
   mu_dtype = _checked_mu_dtype(mu_dtype)
   hyperparams = AdamWHyperparams(
       learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
@@ -202,9 +215,9 @@ def adamw(
   mu_bytes = 4 if mu_dtype is None else mu_dtype.itemsize
   # On a GPU, before any state exists: XLA's pinned-host pool must hold the host tiers.
   validate = functools.partial(pinned_pool.check_init, offload=checked, mask=mask,
-                               mu_bytes=mu_bytes)
-  return offloaded(hyperparams, offload, mask=mask, validate=validate,
-                   shard_dims=shard_dims)
+                               mu_bytes=mu_bytes, implementation=implementation)
+  return offloaded(hyperparams, offload, implementation=implementation, mask=mask,
+                   validate=validate, shard_dims=shard_dims)
 
 
 def _checked_mu_dtype(mu_dtype: Any) -> Any:

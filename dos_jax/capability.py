@@ -4,7 +4,7 @@ A step of `dos_jax.adamw` may hand its rows to one of two kernels in place of XL
 element-wise ops (`Kernel`): the native host AdamW or the Pallas AdamW. Whether it can
 is decided here only, from the transform, the state's layout, the gradients and the
 program, and comes back as one `Capability`: usable or not, and why not. The implementation the user asked for
-(`Offload.host_impl`, `Offload.device_impl`) is the caller's to combine with it: a
+(`Implementation.host`, `Implementation.device`) is the caller's to combine with it: a
 kernel is used where it is asked for and usable.
 
 The conditions are checked in a fixed order and the first that fails is the reason;
@@ -25,7 +25,7 @@ from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step.fused import slot_rows
 from dos_jax.kernels import host_adamw
 from dos_jax.kernels import host_adamw_rows
-from dos_jax.offload import Program
+from dos_jax.implementation import Program
 
 
 class Kernel(enum.Enum):

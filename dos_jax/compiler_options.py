@@ -13,7 +13,8 @@ The runner compiles its steps with these on a GPU. A library user jits with `jit
 
 which is `jax.jit` with these options on a GPU and tells the step being traced their
 limit on asynchronous calls in flight (a plain `jax.jit`'s options are not visible
-while it traces: there, say it with `Offload(async_compute_limit=...)` or `XLA_FLAGS`).
+while it traces: there, trace inside `compiled_with(options)`, or set the limit in
+`XLA_FLAGS`).
 
 They are XLA:GPU options: the CPU backend rejects them, so pass them only on a GPU.
 
@@ -98,21 +99,20 @@ def xla_flags_async_compute_limit(flags: str | None = None) -> int | None:
                      f'{found[-1]!r}') from None
 
 
-def async_compute_limit(told: int | None = None) -> int:
+def async_compute_limit() -> int:
   """The limit on asynchronous calls in flight of the program the step being traced is
-  compiled into: `told` (`Offload.async_compute_limit`) where given; else that of the
-  options `jit` (or `dataflow.compile_for_gpu`) compiles the traced step with; else
-  the one `XLA_FLAGS` sets; else XLA's default, 2. A jitted step's options are not
-  visible while it is traced, hence the ways to say it.
+  compiled into: that of the options `jit` (or `dataflow.compile_for_gpu`, or an
+  enclosing `compiled_with`) compiles the traced step with; else the one `XLA_FLAGS`
+  sets; else XLA's default, 2. A plain `jax.jit`'s options are not visible while it
+  traces, hence `compiled_with`.
 
-  >>> async_compute_limit(4)
-  4
   >>> with compiled_with(GPU_COMPILER_OPTIONS):
   ...   async_compute_limit()
   3
+  >>> with compiled_with({LIMIT_OPTION: 4}):
+  ...   async_compute_limit()
+  4
   """
-  if told is not None:
-    return told
   for found in (_compiled_with.get(), xla_flags_async_compute_limit()):
     if found is not None:
       return found

@@ -59,8 +59,9 @@ def migrate(opt_state: Any, plan: Plan, *, early: tuple[int, ...] | None = None)
   changes, `opt_state` itself is returned. See the module docstring for what is copied.
 
   >>> import jax, jax.numpy as jnp, dos_jax
-  >>> opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(
-  ...     policy=dos_jax.AllHost(), subgroup_size=4, platform='gpu'))
+  >>> opt = dos_jax.adamw(
+  ...     1e-3, offload=dos_jax.Offload(policy=dos_jax.AllHost(), subgroup_size=4),
+  ...     implementation=dos_jax.Implementation(program='gpu'))
   >>> params = jax.device_put({'w': jnp.zeros(16)}, jax.devices()[0])
   >>> state = opt.init(params)
   >>> state.partition.early

@@ -26,8 +26,9 @@ import jax
 
 from dos_jax.geometry import layout as layout_lib
 from dos_jax import meshes
+from dos_jax.implementation import Implementation
+from dos_jax.implementation import Program
 from dos_jax.offload import Offload
-from dos_jax.offload import Program
 
 ENV_VAR = 'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'
 # XLA's default when the variable is unset (se_gpu_pjrt_client.cc: 64 << 30 bytes).
@@ -128,11 +129,14 @@ def check_pinned_pool(pinned_bytes: float, *, what: str = 'the optimizer state')
 
 
 def state_pinned_bytes(params: Any, offload: Offload, mask: Any = None,
-                       mu_bytes: int = 4) -> float:
+                       mu_bytes: int = 4, *,
+                       implementation: Implementation | None = None) -> float:
   """Pinned host bytes of the state `init(params)` will allocate in this process: the
   host and streamed tiers of the plan the policy gives at `init` (and, on the
-  accelerator program, the most the early host calls' undo can take), each device's
-  shard of the data axis counted once per addressable device."""
+  accelerator program, the one `implementation` names or the backend's, the most the
+  early host calls' undo can take), each device's shard of the data axis counted once
+  per addressable device."""
+  implementation = Implementation() if implementation is None else implementation
   mesh = meshes.find_mesh(params, offload)
   shards = mesh.shape[offload.data_axis] if mesh is not None else 1
   layout = layout_lib.make_layout(
@@ -142,7 +146,7 @@ def state_pinned_bytes(params: Any, offload: Offload, mask: Any = None,
   plan = offload.policy.plan(spec)
   state_bytes = spec.state_bytes_per_element - 4 + mu_bytes
   rows = len(plan.streamed) + len(plan.host)
-  if offload.target() is Program.TWO_MEMORIES and len(plan.host) > 1:
+  if implementation.target() is Program.TWO_MEMORIES and len(plan.host) > 1:
     # Early host calls may keep an undo of every host subgroup's state but the last's:
     # the kernel library's own (pageable) memory, not the pool's, yet counted here,
     # which errs on the safe side of the pool.
@@ -166,9 +170,11 @@ def _on_gpu(params: Any) -> bool:
 
 
 def check_init(params: Any, offload: Offload, mask: Any = None, mu_bytes: int = 4,
-               *, on_gpu: bool | None = None, environ: Any = None) -> None:
+               *, implementation: Implementation | None = None,
+               on_gpu: bool | None = None, environ: Any = None) -> None:
   """`init`'s check on a GPU backend (`on_gpu` None: the params' devices, else the
-  default backend): the state's pinned bytes against the cap in force.
+  default backend): the pinned bytes of the state (`state_pinned_bytes`) against the
+  cap in force.
 
   Raises:
     PinnedPoolError: one line naming `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` and the value
@@ -177,5 +183,6 @@ def check_init(params: Any, offload: Offload, mask: Any = None, mu_bytes: int = 
   if not (_on_gpu(params) if on_gpu is None else on_gpu):
     return
   limit, _ = limit_in_force(environ)
-  check_limit(state_pinned_bytes(params, offload, mask, mu_bytes), limit,
+  check_limit(state_pinned_bytes(params, offload, mask, mu_bytes,
+                                 implementation=implementation), limit,
               what="the optimizer state's host tiers")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dos_jax.geometry import layout as layout_lib
+from dos_jax.implementation import Implementation
 from dos_jax.offload import Offload
 
 PyTree = Any
@@ -91,6 +92,12 @@ def check_offload(offload: Any, where: str) -> None:
   if offload is not None and not isinstance(offload, Offload):
     raise TypeError(
         f'{where}: offload must be a dos_jax.Offload(...) or None, got {offload!r}')
+
+
+def check_implementation(implementation: Any, where: str) -> None:
+  if implementation is not None and not isinstance(implementation, Implementation):
+    raise TypeError(f'{where}: implementation must be a dos_jax.Implementation(...) or '
+                    f'None, got {implementation!r}')
 
 
 @functools.lru_cache(maxsize=64)

@@ -60,10 +60,10 @@ def main(argv=None) -> None:
   runners = {'jit(optax.adamw) fp32': Runner(optax.adamw(1e-3), master, grads)}
   for policy in (dos_jax.AllHost(), dos_jax.Stride(2)):
     for impl in dos_jax.UpdateImpl:
-      offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policy,
-                                host_impl=impl, device_impl=impl)
-      runners[f'{policy!r} {impl.value}'] = Runner(dos_jax.adamw(1e-3, offload=offload),
-                                                   params, grads)
+      offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policy)
+      implementation = dos_jax.Implementation(host=impl, device=impl)
+      runners[f'{policy!r} {impl.value}'] = Runner(
+          dos_jax.adamw(1e-3, offload=offload, implementation=implementation), params, grads)
   for _ in range(args.reps):
     for runner in runners.values():
       runner.times.append(runner.run())

@@ -2,8 +2,8 @@
 data shard vs XLA's host loop (issue 22, item 3).
 
 A data x tensor mesh of virtual CPU devices, params sharded over 'tensor', the state
-over 'data' (ZeRO-1); `Offload(platform='gpu')` builds the accelerator program (host
-regions, pinned_host state), which the CPU backend runs. One jitted, donated step
+over 'data' (ZeRO-1); `Implementation(program='gpu')` builds the accelerator program
+(host regions, pinned_host state), which the CPU backend runs. One jitted, donated step
 (update + apply_updates) per configuration, timed round-robin, medians reported.
 CPU timings cannot rank GPU policies (docs/design.md, "JAX facts"); they do compare two host updates of
 the same program on the same cores.
@@ -59,17 +59,19 @@ def main(argv=None) -> None:
   runners = {}
   for policy in (dos_jax.AllHost(), dos_jax.Stride(2)):
     for impl in dos_jax.UpdateImpl:
-      offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policy,
-                                platform='gpu', host_impl=impl,
-                                # XLA's device update: Pallas' interpreter would dominate.
-                                device_impl=dos_jax.UpdateImpl.XLA)
-      runner = Runner(dos_jax.adamw(1e-3, offload=offload), params, grads)
+      offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policy)
+      implementation = dos_jax.Implementation(
+          program='gpu', host=impl,
+          # XLA's device update: Pallas' interpreter would dominate.
+          device=dos_jax.UpdateImpl.XLA)
+      runner = Runner(dos_jax.adamw(1e-3, offload=offload, implementation=implementation),
+                      params, grads)
       native = 'dos_jax_adamw_host' in runner.step.lower(*runner.carry, grads).as_text()
       runners[f'{policy!r} host {impl.value}{" (native)" if native else ""}'] = runner
   # The CPU program (one memory, `fused.sharded_update`) on the same mesh, for scale.
   runners['CPU program AllHost() kernel (native)'] = Runner(dos_jax.adamw(
-      1e-3, offload=dos_jax.Offload(subgroup_size=args.subgroup_size, platform='cpu')),
-      params, grads)
+      1e-3, offload=dos_jax.Offload(subgroup_size=args.subgroup_size),
+      implementation=dos_jax.Implementation(program='cpu')), params, grads)
   for _ in range(args.reps):
     for runner in runners.values():
       runner.times.append(runner.run())

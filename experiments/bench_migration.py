@@ -85,9 +85,10 @@ def full_copy(state):
 def run_moves(params, policies, args) -> list[dict]:
   """Every move of two rounds through `policies`, each with a full copy of the state it
   starts from; the second round's rows."""
-  offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policies[0][1],
-                            platform=args.platform)
-  state = jax.block_until_ready(dos_jax.adamw(1e-3, offload=offload).init(params))
+  offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policies[0][1])
+  implementation = dos_jax.Implementation(program=args.platform)
+  state = jax.block_until_ready(
+      dos_jax.adamw(1e-3, offload=offload, implementation=implementation).init(params))
   spec = state.layout.spec()
   row_bytes = sum(x.nbytes for x in jax.tree.leaves(state)) / spec.num_subgroups
   order = list(policies[1:]) + [policies[0]]
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
   parser.add_argument('--plans', default=DEFAULT_PLANS,
                       help=f'comma-separated policies, visited in order (default {DEFAULT_PLANS})')
   parser.add_argument('--platform', choices=['cpu', 'gpu'], default=None,
-                      help="Offload(platform=...); default: the backend's own program")
+                      help="Implementation(program=...); default: the backend's own program")
   parser.add_argument('--json', default=None, help='write the results here as JSON too')
   args = parser.parse_args(argv)
   specs = [s.strip() for s in re.findall(r'[^,(]+(?:\([^)]*\))?', args.plans) if s.strip()]

@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument('--no-baseline', action='store_true', help='skip jit(optax.adamw)')
   parser.add_argument('--impl', choices=[i.value for i in dos_jax.UpdateImpl], default='kernel')
   parser.add_argument('--platform', choices=['cpu', 'gpu'], default=None,
-                      help="Offload(platform=...); default: the backend's own program")
+                      help="Implementation(program=...); default: the backend's own program")
   parser.add_argument('--mesh', default=None,
                       help="DATAxTENSOR, e.g. 2x2: shard the state over a 'data' axis")
   parser.add_argument('--early', choices=['rule', 'none', 'both'], default='rule',
@@ -199,18 +199,17 @@ def main(argv=None) -> int:
       return time_step(optax.adamw(1e-3), master, grads, args.reps, warmup=args.warmup)
     attempt('jit(optax.adamw)', baseline)
   impl = dos_jax.UpdateImpl(args.impl)
+  implementation = dos_jax.Implementation(program=args.platform, device=impl, host=impl)
   forms = {'rule': [None], 'none': [()], 'both': [None, ()]}[args.early]
   for spec, policy in zip(specs, policies):
     for early in forms:
-      offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policy,
-                                device_impl=impl, host_impl=impl, mesh=mesh,
-                                platform=args.platform)
+      offload = dos_jax.Offload(subgroup_size=args.subgroup_size, policy=policy, mesh=mesh)
       name = spec
       if len(forms) > 1:
         name += ' one host call' if early == () else ' early calls'
       attempt(name, lambda offload=offload, early=early: time_step(
-          dos_jax.adamw(1e-3, offload=offload), params, grads, args.reps,
-          warmup=args.warmup, early=early))
+          dos_jax.adamw(1e-3, offload=offload, implementation=implementation), params,
+          grads, args.reps, warmup=args.warmup, early=early))
 
   return _summary(record['rows'], specs, policies)
 

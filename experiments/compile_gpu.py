@@ -134,9 +134,10 @@ def _compile_step(args, cfg, target, options, devices=None):
     return gpu_program.compile_step(cfg, target, compiler_options=options, devices=devices)
   native = dataflow.compile.prepare(target)
   program = gpu_program.build_step(cfg, devices)
-  lowered = dataflow.lower_for_gpu(
-      program.step, program.params, _one_host_call(program.opt_state), program.tokens,
-      target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
+  with dos_jax.compiled_with(options):  # the step traced told their limit
+    lowered = dataflow.lower_for_gpu(
+        program.step, program.params, _one_host_call(program.opt_state), program.tokens,
+        target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
   return dataflow.compile_lowered(lowered, target, options, native_host_kernel=native)
 
 
@@ -194,8 +195,9 @@ def _update_program(cfg, target, options):
   dtype = jnp.dtype(cfg.model.param_dtype)
   params = {f'layer{i}': {'w': jnp.asarray(rng.standard_normal((512, 512)) / 23, dtype),
                           'b': jnp.zeros((512,), dtype)} for i in range(8)}
-  offload = step_lib.make_offload(cfg.offload, dos_jax.Program.TWO_MEMORIES)
-  opt = dos_jax.adamw(1e-3, weight_decay=0.1, offload=offload)
+  opt = dos_jax.adamw(
+      1e-3, weight_decay=0.1, offload=step_lib.make_offload(cfg.offload),
+      implementation=step_lib.make_implementation(cfg.offload, dos_jax.Program.TWO_MEMORIES))
   if cfg.optim.clip_norm is not None:
     opt = dos_jax.chain(dos_jax.clip_by_global_norm(cfg.optim.clip_norm), opt)
   native = dataflow.compile.prepare(target)
@@ -206,8 +208,9 @@ def _update_program(cfg, target, options):
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  lowered = dataflow.lower_for_gpu(step, params, state, grads, target=target,
-                                   donate_argnums=(0, 1))
+  with dos_jax.compiled_with(options):  # the step traced told their limit
+    lowered = dataflow.lower_for_gpu(step, params, state, grads, target=target,
+                                     donate_argnums=(0, 1))
   return dataflow.compile_lowered(lowered, target, options, native_host_kernel=native)
 
 

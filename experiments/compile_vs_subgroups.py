@@ -77,8 +77,9 @@ def measure(layers: int, width: int, target: str) -> dict:
       return optax.apply_updates(p, u), s, loss
     return step
 
-  offload = dos_jax.Offload(subgroup_size=width * width + width, platform='gpu')
-  ours = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(1e-3, offload=offload))
+  offload = dos_jax.Offload(subgroup_size=width * width + width)
+  ours = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(
+      1e-3, offload=offload, implementation=dos_jax.Implementation(program='gpu')))
   theirs = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
   native = compile_lib.prepare(target)
   del native

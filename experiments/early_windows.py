@@ -67,10 +67,12 @@ def _runner_program(cfg, calls: int | None, profiled: bool):
   program = gpu_program.build_step(cfg)
   part = program.offloaded_state.partition
   opt_state = dos_jax.migrate(program.opt_state, part.plan, early=_early(part.host, calls))
-  lowered = dataflow.lower_for_gpu(program.step, program.params, opt_state, program.tokens,
-                                   kwargs={'plan': None})
-  return dataflow.compile_lowered(lowered, 'h100_sxm', step_lib.compiler_options_for('gpu'),
-                                  native_host_kernel=native, early_windows=profiled)
+  options = step_lib.compiler_options_for('gpu')
+  with dos_jax.compiled_with(options):  # the step traced told their limit
+    lowered = dataflow.lower_for_gpu(program.step, program.params, opt_state, program.tokens,
+                                     kwargs={'plan': None})
+  return dataflow.compile_lowered(lowered, 'h100_sxm', options, native_host_kernel=native,
+                                  early_windows=profiled)
 
 
 def main(argv=None) -> int:

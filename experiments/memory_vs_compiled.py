@@ -164,10 +164,11 @@ def compile_with_calls(cfg, calls: int):
   part = program.offloaded_state.partition
   early = tuple(len(p) for p in partition_lib.host_calls(part.host, calls)[:-1])
   opt_state = dos_jax.migrate(program.opt_state, part.plan, early=early)
-  lowered = dataflow.lower_for_gpu(program.step, program.params, opt_state, program.tokens,
-                                   kwargs={'plan': None})
-  return dataflow.compile_lowered(lowered, 'h100_sxm', step_lib.compiler_options_for('gpu'),
-                                  native_host_kernel=native)
+  options = step_lib.compiler_options_for('gpu')
+  with dos_jax.compiled_with(options):  # the step traced told their limit
+    lowered = dataflow.lower_for_gpu(program.step, program.params, opt_state, program.tokens,
+                                     kwargs={'plan': None})
+  return dataflow.compile_lowered(lowered, 'h100_sxm', options, native_host_kernel=native)
 
 
 def main_early(cache: dict, args) -> int:

@@ -254,8 +254,9 @@ def profile_step(params_count: int, subgroup_size: int, out: str, platform: str 
         f'{jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}')
   clock = time.perf_counter()
   params, grads = synthetic(params_count, jnp.bfloat16)
-  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(
-      subgroup_size=subgroup_size, policy=dos_jax.Stride(2), platform=platform))
+  opt = dos_jax.adamw(
+      1e-3, offload=dos_jax.Offload(subgroup_size=subgroup_size, policy=dos_jax.Stride(2)),
+      implementation=dos_jax.Implementation(program=platform))
   state = jax.block_until_ready(opt.init(params))
   print(f'init: {time.perf_counter() - clock:.1f} s')
 
@@ -295,7 +296,8 @@ def main(argv=None) -> int:
   parser.add_argument('--params', type=lambda s: int(float(s)), default=1_000_000_000)
   parser.add_argument('--subgroup-size', type=lambda s: int(float(s)), default=100_000_000)
   parser.add_argument('--platform', choices=['cpu', 'gpu'], default=None,
-                      help="Offload(platform=...): 'gpu' builds the accelerator program anywhere")
+                      help="Implementation(program=...): 'gpu' builds the accelerator program "
+                      'anywhere')
   parser.add_argument('--out', default=None, help='where run mode writes trace/ and step.hlo.txt')
   parser.add_argument('--device-pattern', default=DEVICE_PATTERN)
   parser.add_argument('--host-pattern', default=HOST_PATTERN)

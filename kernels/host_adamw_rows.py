@@ -82,9 +82,9 @@ def host_kernel_in_gpu_programs() -> tuple[bool, str]:
 
 
 def host_kernel_in_accelerator_programs() -> tuple[bool, str]:
-  """Whether an accelerator program (`Offload(platform='gpu')`) traced now may call the
-  native kernel in its host regions: `(ok, why not)` (on the CPU backend: whenever the
-  kernel is available)."""
+  """Whether an accelerator program (`Implementation(program='gpu')`, or a GPU
+  backend's) traced now may call the native kernel in its host regions: `(ok, why not)`
+  (on the CPU backend: whenever the kernel is available)."""
   return _PLUGIN.in_accelerator_programs()
 
 

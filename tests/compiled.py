@@ -112,11 +112,12 @@ def compile_runner_step(cfg, devices=None, early=None):
   if isinstance(early, int):
     early = tuple(len(p) for p in partition.host_calls(part.host, early)[:-1])
   opt_state = dos_jax.migrate(program.opt_state, part.plan, early=tuple(early))
-  lowered = dataflow.lower_for_gpu(
-      program.step, program.params, opt_state, program.tokens,
-      target=dataflow.GpuTarget.parse('h100_sxm'), kwargs={'plan': None})
-  return compile_lib.compile_lowered(lowered, 'h100_sxm', step_lib.compiler_options_for('gpu'),
-                                     native_host_kernel=native)
+  options = step_lib.compiler_options_for('gpu')
+  with dos_jax.compiled_with(options):  # the step traced told their limit
+    lowered = dataflow.lower_for_gpu(
+        program.step, program.params, opt_state, program.tokens,
+        target=dataflow.GpuTarget.parse('h100_sxm'), kwargs={'plan': None})
+  return compile_lib.compile_lowered(lowered, 'h100_sxm', options, native_host_kernel=native)
 
 
 # Compiled tests that fail for a known reason (strict: each flips to a failure once the

@@ -42,9 +42,10 @@ SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 10, 50, 1e-3)
 
 def make_pair(policy, subgroup_size=23, impl=dos_jax.UpdateImpl.KERNEL, platform=None):
   kwargs = dict(learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask)
-  offload = dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, device_impl=impl,
-                            host_impl=impl, platform=platform)
-  return dos_jax.adamw(**kwargs, offload=offload), optax.adamw(**kwargs)
+  offload = dos_jax.Offload(subgroup_size=subgroup_size, policy=policy)
+  implementation = dos_jax.Implementation(program=platform, device=impl, host=impl)
+  return (dos_jax.adamw(**kwargs, offload=offload, implementation=implementation),
+          optax.adamw(**kwargs))
 
 
 def jit_step(opt, grad_dtype=None):
@@ -147,8 +148,8 @@ def test_fp32_params_keep_no_master(seed):
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
 def test_state_lives_in_pinned_host(policy, platform, seed):
-  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16, policy=policy,
-                                                    platform=platform))
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=16, policy=policy),
+                      implementation=dos_jax.Implementation(program=platform))
   params = random_tree(seed, jnp.bfloat16)
   state = opt.init(params)
   step = jax.jit(opt.update)

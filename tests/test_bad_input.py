@@ -1,5 +1,7 @@
 """Misuse of the library gets one line naming the mistake, never an internal error."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,15 +98,49 @@ def test_configuration_mistakes_name_the_argument():
     one_line(err)
   with pytest.raises(TypeError, match='got None'):
     dos_jax.adamw(1e-3, offload=None).init(None)
-  for bad in (0, 2.5, True, '3'):
-    with pytest.raises(ValueError, match=r'Offload\.async_compute_limit must be') as err:
-      dos_jax.Offload(async_compute_limit=bad)
+  for make, name in [(lambda i: dos_jax.adamw(1e-3, implementation=i), 'dos_jax.adamw'),
+                     (lambda i: dos_jax.chain(optax.scale_by_adam(), implementation=i),
+                      'dos_jax.chain'),
+                     (lambda i: dos_jax.offloaded(optax.scale_by_adam(), implementation=i),
+                      'dos_jax.offloaded')]:
+    with pytest.raises(TypeError, match=rf"{name}: implementation must be a "
+                       r"dos_jax.Implementation.*'gpu'") as err:
+      make('gpu')
     one_line(err)
 
 
-def test_a_bad_limit_in_xla_flags_is_named(monkeypatch):
+def test_offload_holds_only_what_a_user_decides():
+  """Six fields; the program and the implementations are `Implementation`'s, the limit
+  on asynchronous calls is the compile options' (`dos_jax.jit`)."""
+  assert [f.name for f in dataclasses.fields(dos_jax.Offload)] == [
+      'subgroup_size', 'policy', 'mesh', 'data_axis', 'host_threads', 'disk']
+  assert [f.name for f in dataclasses.fields(dos_jax.Implementation)] == [
+      'program', 'device', 'host']
+
+
+def test_implementation_names_a_bad_field_in_one_line():
+  assert dos_jax.Implementation(program='gpu').program is dos_jax.Program.TWO_MEMORIES
+  assert dos_jax.Implementation(program=dos_jax.Program.ONE_MEMORY).target() is \
+      dos_jax.Program.ONE_MEMORY
+  assert dos_jax.Implementation().target() is dos_jax.Program.of_backend(
+      jax.default_backend())
+  for bad in ('tpu', 1, ['gpu']):
+    with pytest.raises(ValueError, match=r"Implementation\.program must be None, a "
+                       rf"dos_jax\.Program, 'cpu' or 'gpu', got {bad!r}".replace('[', r'\[')
+                       ) as err:
+      dos_jax.Implementation(program=bad)
+    one_line(err)
+  for field in ('device', 'host'):
+    with pytest.raises(TypeError, match=rf"Implementation\.{field} must be a "
+                       r"dos_jax\.UpdateImpl, got 'xla'") as err:
+      dos_jax.Implementation(**{field: 'xla'})
+    one_line(err)
+
+
+def test_a_bad_limit_in_xla_flags_is_named_at_init(monkeypatch):
   monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_experimental_parallel_async_compute_limit=three')
+  params = jax.device_put({'w': jnp.ones((128, 8))}, jax.devices()[0])
   with pytest.raises(ValueError, match=r"XLA_FLAGS: .*parallel_async_compute_limit.*'three'") \
       as err:
-    dos_jax.Offload()
+    dos_jax.adamw(1e-3, offload=OFFLOAD).init(params)
   one_line(err)

@@ -16,7 +16,7 @@ from dos_jax.capability import Kernel
 from dos_jax.capability import USABLE
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.kernels import host_adamw_rows
-from dos_jax.offload import Program
+from dos_jax.implementation import Program
 
 NATIVE, PALLAS = Kernel.NATIVE_HOST, Kernel.PALLAS
 CPU, GPU = Program.ONE_MEMORY, Program.TWO_MEMORIES

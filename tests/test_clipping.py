@@ -33,9 +33,10 @@ def test_clip_as_grad_scale_matches_optax_chain(policy, platform, seed):
   # Norms around the threshold: some steps clip, some do not.
   grads_seq = [jax.tree.map(lambda g, s=s: s * g, random_grads(params, i, seed))
                for i, s in enumerate([0.1, 3.0, 10.0, 0.2, 5.0, 1.0])]
-  offload = dos_jax.Offload(subgroup_size=23, policy=policy, platform=platform)
-  ours = dos_jax.chain(dos_jax.clip_by_global_norm(2.0),
-                       dos_jax.adamw(3e-2, weight_decay=0.1, offload=offload))
+  offload = dos_jax.Offload(subgroup_size=23, policy=policy)
+  ours = dos_jax.chain(dos_jax.clip_by_global_norm(2.0), dos_jax.adamw(
+      3e-2, weight_decay=0.1, offload=offload,
+      implementation=dos_jax.Implementation(program=platform)))
   ref = optax.chain(optax.clip_by_global_norm(2.0), optax.adamw(3e-2, weight_decay=0.1))
   for a, b in zip(jax.tree.leaves(_run(ours, params, grads_seq)),
                   jax.tree.leaves(_run(ref, params, grads_seq))):
@@ -47,7 +48,8 @@ def test_clip_with_element_wise_members_matches_optax_chain(seed):
   grads_seq = [jax.tree.map(lambda g: 10 * g, random_grads(params, i, seed)) for i in range(4)]
   members = lambda: (optax.scale_by_adam(), optax.scale_by_learning_rate(1e-2))
   ours = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), *members(),
-                       offload=dos_jax.Offload(subgroup_size=16, platform='gpu'))
+                       offload=dos_jax.Offload(subgroup_size=16),
+                       implementation=dos_jax.Implementation(program='gpu'))
   ref = optax.chain(optax.clip_by_global_norm(1.0), *members())
   for a, b in zip(jax.tree.leaves(_run(ours, params, grads_seq)),
                   jax.tree.leaves(_run(ref, params, grads_seq))):

@@ -45,8 +45,8 @@ def _disk_step(tmp_path, layers: int, width: int, dtype: str, policy, in_memory:
   row_bytes = (2 if jnp.dtype(dtype) == jnp.float32 else 3) * 4 * size
   disk = dos_jax.Disk(str(tmp_path / 'state'), host_state_bytes=in_memory * row_bytes)
   opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(
-      1e-3, offload=dos_jax.Offload(subgroup_size=size, policy=policy, platform='gpu',
-                                    disk=disk)))
+      1e-3, offload=dos_jax.Offload(subgroup_size=size, policy=policy, disk=disk),
+      implementation=dos_jax.Implementation(program='gpu')))
   state = opt.init(params)
   x = jnp.asarray(np.random.default_rng(1).standard_normal((64, width)), jnp.dtype(dtype))
 

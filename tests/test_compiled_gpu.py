@@ -170,9 +170,9 @@ def test_library_step_overlaps_every_weight_gradient_but_the_last():
   num_layers, width = 6, 512
   params = probes.mlp_params(num_layers, width, jnp.bfloat16)
   x = jnp.asarray(np.random.default_rng(1).standard_normal((64, width)), jnp.bfloat16)
-  offload = dos_jax.Offload(subgroup_size=width * width + width, policy=dos_jax.AllHost(),
-                            platform='gpu')
-  opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(1e-3, offload=offload))
+  offload = dos_jax.Offload(subgroup_size=width * width + width, policy=dos_jax.AllHost())
+  opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(
+      1e-3, offload=offload, implementation=dos_jax.Implementation(program='gpu')))
   dataflow.compile.prepare()
   state = opt.init(params)
 

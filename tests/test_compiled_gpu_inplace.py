@@ -13,9 +13,9 @@ Checked for the step every user gets (the early host calls by the rule, which ke
 undo of the early blocks' state: `dos_jax.step.early_chunks`) and for the one host call
 (`dos_jax.migrate(..., early=())`), whose bound has no undo.
 
-XLA's own host loop (host_impl=XLA) must return the state from its region, so its copy
-stays: that test is an expected failure, strict, so that an XLA which aliases a host
-call's results to its arguments shows up here.
+XLA's own host loop (`Implementation(host=UpdateImpl.XLA)`) must return the state from
+its region, so its copy stays: that test is an expected failure, strict, so that an XLA
+which aliases a host call's results to its arguments shows up here.
 """
 
 import jax
@@ -56,18 +56,19 @@ def _loss(params, x):
   return jnp.mean(h.astype(jnp.float32) ** 2)
 
 
-def _compile(policy, early, dtype, host_impl=dos_jax.UpdateImpl.KERNEL):
+def _compile(policy, early, dtype, host=dos_jax.UpdateImpl.KERNEL):
   """The donated one-program step (clip + AdamW), compiled for an H100, with the early
   host calls `early` (None: the state's own); with the number of host subgroups, the
   state rows K of one subgroup and the early calls' host subgroups."""
   params = _mlp(dtype)
   x = jnp.ones((32, WIDTH), dtype)
   native = dataflow.compile.prepare()
-  if host_impl is dos_jax.UpdateImpl.KERNEL and not native:
+  if host is dos_jax.UpdateImpl.KERNEL and not native:
     pytest.skip('the native host kernel is not registered in the CUDA plugin')
-  offload = dos_jax.Offload(subgroup_size=SUBGROUP, policy=policy, platform='gpu',
-                            host_impl=host_impl)
-  opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(1e-3, offload=offload))
+  offload = dos_jax.Offload(subgroup_size=SUBGROUP, policy=policy)
+  opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(
+      1e-3, offload=offload,
+      implementation=dos_jax.Implementation(program='gpu', host=host)))
   state = opt.init(params)
   if early is not None:
     state = dos_jax.migrate(state, state[1].partition.plan, early=early)
@@ -108,5 +109,5 @@ def test_native_host_update_is_in_place(policy, early, dtype):
 @pytest.mark.parametrize('early', EARLY, ids=['rule', 'one_call'])
 def test_xla_host_loop_copies_the_state(early):
   program, _, _, _ = _compile(dos_jax.Stride(2), early, jnp.bfloat16,
-                              host_impl=dos_jax.UpdateImpl.XLA)
+                              host=dos_jax.UpdateImpl.XLA)
   assert not program.schedule.host_copies

@@ -38,9 +38,10 @@ if not device_stream.available():
 def offload_for(policy, subgroup_size: int):
   """The optimizer's `Offload` for these tests: nothing beyond the policy (the one
   construction, per subgroup, with its early host calls by the rule; the limit on
-  asynchronous calls is that of the options `compile_for_gpu` compiles with)."""
+  asynchronous calls is that of the options `compile_for_gpu` compiles with). Built
+  for the accelerator program (`Implementation(program='gpu')`)."""
   import dos_jax  # pylint: disable=import-outside-toplevel
-  return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, platform='gpu')
+  return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy)
 
 
 def _mlp_step(layers: int, width: int, dtype: str, policy):
@@ -57,7 +58,8 @@ def _mlp_step(layers: int, width: int, dtype: str, policy):
                           jax.devices()[0])
   x = jnp.asarray(np.random.default_rng(1).standard_normal((64, width)), jnp.dtype(dtype))
   opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(
-      1e-3, offload=offload_for(policy, width * width + width)))
+      1e-3, offload=offload_for(policy, width * width + width),
+      implementation=dos_jax.Implementation(program='gpu')))
   state = opt.init(params)
 
   def step(p, s, x):

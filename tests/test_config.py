@@ -146,10 +146,15 @@ def test_policy_names_parse_once_into_policy_values():
     )
     assert offload.placement == expected
   assert isinstance(from_dict(config.OffloadConfig, {'policy': 'auto'}).placement, dos_jax.Auto)
-  # The platform key reaches the Offload; unset, the backend decides at init.
-  offload = step_lib.make_offload(from_dict(config.OffloadConfig, {'platform': 'gpu'}))
-  assert offload.platform is dos_jax.Program.TWO_MEMORIES
-  assert step_lib.make_offload(from_dict(config.OffloadConfig, {})).platform is None
+  # The platform key reaches the Implementation; unset, the backend decides at init.
+  implementation = step_lib.make_implementation(
+      from_dict(config.OffloadConfig, {'platform': 'gpu'}))
+  assert implementation.program is dos_jax.Program.TWO_MEMORIES
+  assert step_lib.make_implementation(from_dict(config.OffloadConfig, {})).program is None
+  # A program the caller names wins over the key.
+  assert step_lib.make_implementation(
+      from_dict(config.OffloadConfig, {'platform': 'cpu'}),
+      dos_jax.Program.TWO_MEMORIES).program is dos_jax.Program.TWO_MEMORIES
   # What chose among constructions is no config key (issue 40): the library decides.
   for key, value in (('storage', 'per_subgroup'), ('early_chunks', 2), ('chunks', 2),
                      ('stream_lanes', 1), ('shard_major', True)):

@@ -7,6 +7,7 @@ bit for bit (against optax too, in test_per_subgroup.py, where it is on by defau
 Its lowering is checked here; where the GPU compiler places it, in
 test_compiled_family.py."""
 
+import contextlib
 import re
 import types
 
@@ -84,9 +85,10 @@ def test_group_ids_are_numbered_per_traced_program(seed):
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   grads = random_grads(params, 0, seed)
   opt = dos_jax.chain(dos_jax.clip_by_global_norm(0.5), dos_jax.adamw(
-      3e-2, weight_decay=0.05, mask=decay_mask, offload=dos_jax.Offload(
-          subgroup_size=23, policy=dos_jax.Stride(2), platform='gpu',
-          device_impl=dos_jax.UpdateImpl.XLA)))  # no Pallas: no GPU here
+      3e-2, weight_decay=0.05, mask=decay_mask,
+      offload=dos_jax.Offload(subgroup_size=23, policy=dos_jax.Stride(2)),
+      implementation=dos_jax.Implementation(
+          program='gpu', device=dos_jax.UpdateImpl.XLA)))  # no Pallas: no GPU here
   state = opt.init(params)
   first = _lower_for_cuda(opt, params, state, grads)
   device_stream.next_group()  # a group asked for between two traces changes nothing
@@ -108,31 +110,35 @@ def test_group_ids_are_numbered_per_traced_program(seed):
 @pytest.mark.skipif(device_stream.lowering() is not device_stream.Lowering.IN_REGION,
                     reason="the staged lowering keeps XLA's update out of stream regions; "
                     'its lanes are read in the compiled program (tests/test_compiled_*)')
-@pytest.mark.parametrize('limit, flags, jitted_with, expected', [
+@pytest.mark.parametrize('traced_with, flags, jitted_with, expected', [
     (None, '', None, 2), (3, '', None, 3), (None, '3', None, 3), (1, '3', None, 1),
-    (None, '', 3, 3), (None, '3', 2, 2), (2, '', 3, 2)])
-def test_the_group_holds_one_lane_fewer_than_the_async_limit(limit, flags, jitted_with,
+    (None, '', 3, 3), (None, '3', 2, 2), (2, '', 3, 3)])
+def test_the_group_holds_one_lane_fewer_than_the_async_limit(traced_with, flags, jitted_with,
                                                               expected, seed, monkeypatch):
   """The step runs as many stream lanes as the host call's scheduling group holds,
-  `limit - 1` of Stride(2)'s two (`lanes.grouped_lanes`), one at least: the limit the
-  optimizer is told, else that of the options `dos_jax.jit` compiles the step with,
-  else the one `XLA_FLAGS` sets, else XLA's 2. Every lane is named as the group's
-  (`LANES_ATTRIBUTE`)."""
+  `limit - 1` of Stride(2)'s two (`lanes.grouped_lanes`), one at least: the limit of
+  the options `dos_jax.jit` compiles the step with, else of those an enclosing
+  `dos_jax.compiled_with` names (`traced_with`: a caller that compiles the lowered step
+  itself), else the one `XLA_FLAGS` sets, else XLA's 2. Every lane is named as the
+  group's (`LANES_ATTRIBUTE`)."""
   monkeypatch.setenv('XLA_FLAGS', f'--xla_gpu_experimental_parallel_async_compute_limit={flags}'
                      if flags else '--xla_force_host_platform_device_count=8')
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   grads = random_grads(params, 0, seed)
-  offload = dos_jax.Offload(subgroup_size=23, policy=dos_jax.Stride(2), platform='gpu',
-                            device_impl=dos_jax.UpdateImpl.XLA, async_compute_limit=limit)
-  opt = dos_jax.adamw(3e-2, offload=offload)
+  opt = dos_jax.adamw(3e-2, offload=dos_jax.Offload(subgroup_size=23, policy=dos_jax.Stride(2)),
+                      implementation=dos_jax.Implementation(program='gpu',
+                                                            device=dos_jax.UpdateImpl.XLA))
   state = opt.init(params)
-  if jitted_with is None:
-    text = _lower_for_cuda(opt, params, state, grads)
-  else:  # lowered only: the CPU backend would refuse XLA:GPU options at compile time
-    options = {'xla_gpu_enable_latency_hiding_scheduler': True,
-               'xla_gpu_experimental_parallel_async_compute_limit': jitted_with}
-    text = dos_jax.jit(_step(opt), compiler_options=options).trace(
-        params, state, grads).lower(lowering_platforms=('cuda',)).as_text()
+  told = contextlib.nullcontext() if traced_with is None else dos_jax.compiled_with(
+      {'xla_gpu_experimental_parallel_async_compute_limit': traced_with})
+  with told:
+    if jitted_with is None:
+      text = _lower_for_cuda(opt, params, state, grads)
+    else:  # lowered only: the CPU backend would refuse XLA:GPU options at compile time
+      options = {'xla_gpu_enable_latency_hiding_scheduler': True,
+                 'xla_gpu_experimental_parallel_async_compute_limit': jitted_with}
+      text = dos_jax.jit(_step(opt), compiler_options=options).trace(
+          params, state, grads).lower(lowering_platforms=('cuda',)).as_text()
   streams = _ops_with(text, '_xla_stream_annotation')
   lanes = max(1, min(2, expected - 1))  # Stride(2)'s two buffers, as the group allows
   assert len(streams) == lanes, streams
@@ -142,10 +148,10 @@ def test_the_group_holds_one_lane_fewer_than_the_async_limit(limit, flags, jitte
 
 
 def _pair(policy=None):
-  offload = dos_jax.Offload(subgroup_size=23, policy=policy or dos_jax.Stride(2),
-                            platform='gpu')
+  offload = dos_jax.Offload(subgroup_size=23, policy=policy or dos_jax.Stride(2))
   return dos_jax.chain(dos_jax.clip_by_global_norm(0.5), dos_jax.adamw(
-      3e-2, weight_decay=0.05, mask=decay_mask, offload=offload))
+      3e-2, weight_decay=0.05, mask=decay_mask, offload=offload,
+      implementation=dos_jax.Implementation(program='gpu')))
 
 
 def _lanes(monkeypatch, count: int) -> None:

@@ -37,8 +37,9 @@ SIZE = 40  # elements per subgroup: 11 subgroups of the 4 leaves
 
 
 def _make(platform, zero3, policy, disk=None):
-  offload = dos_jax.Offload(subgroup_size=SIZE, policy=policy, platform=platform, disk=disk)
+  offload = dos_jax.Offload(subgroup_size=SIZE, policy=policy, disk=disk)
   return dos_jax.adamw(1e-2, weight_decay=0.05, offload=offload,
+                       implementation=dos_jax.Implementation(program=platform),
                        shard_dims=DIMS if zero3 else None)
 
 

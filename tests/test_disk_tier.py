@@ -33,8 +33,9 @@ def row_bytes(dtype=jnp.float32) -> int:
 
 
 def _make(policy, platform, disk=None, clip=None):
-  offload = dos_jax.Offload(subgroup_size=SIZE, policy=policy, platform=platform, disk=disk)
-  tx = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
+  offload = dos_jax.Offload(subgroup_size=SIZE, policy=policy, disk=disk)
+  tx = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload,
+                     implementation=dos_jax.Implementation(program=platform))
   return tx if clip is None else dos_jax.chain(dos_jax.clip_by_global_norm(clip), tx)
 
 

@@ -188,8 +188,10 @@ def test_multi_steps_accumulates_like_optax(dtype, seed):
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 def test_apply_if_finite_skips_a_nan_step_and_keeps_the_state(dtype, platform, seed):
   params = random_tree(seed, dtype)
-  offload = dos_jax.Offload(subgroup_size=97, policy=dos_jax.Stride(2), platform=platform)
-  make = lambda: optax.apply_if_finite(dos_jax.adamw(LR, offload=offload), 5)
+  offload = dos_jax.Offload(subgroup_size=97, policy=dos_jax.Stride(2))
+  implementation = dos_jax.Implementation(program=platform)
+  make = lambda: optax.apply_if_finite(
+      dos_jax.adamw(LR, offload=offload, implementation=implementation), 5)
   tx = make()
   state = tx.init(params)
   step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
@@ -206,7 +208,7 @@ def test_apply_if_finite_skips_a_nan_step_and_keeps_the_state(dtype, platform, s
   # (Another program, so fp32 may differ in the last bit, and a bf16 cast of it by one
   # bf16 ulp, or half a bf16 ulp of one step where a bf16 update rounds.)
   skipped, _ = _train(make(), params, seed, 5, nan_at=(1,))
-  tx_plain = dos_jax.adamw(LR, offload=offload)
+  tx_plain = dos_jax.adamw(LR, offload=offload, implementation=implementation)
   plain = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
       *tx_plain.update(g, s, p)))
   q, s = params, tx_plain.init(params)

@@ -42,13 +42,10 @@ def _in_place_everywhere(in_place, with_result, *args):
   return in_place(*args)
 
 
-def _offload(policy=dos_jax.Stride(2)):
-  return dos_jax.Offload(subgroup_size=23, policy=policy, platform='gpu')
-
-
 def _opt(clip: bool = True, policy=dos_jax.Stride(2)):
   adamw = dos_jax.adamw(learning_rate=SCHEDULE, weight_decay=0.05, mask=decay_mask,
-                        offload=_offload(policy))
+                        offload=dos_jax.Offload(subgroup_size=23, policy=policy),
+                        implementation=dos_jax.Implementation(program='gpu'))
   return dos_jax.chain(dos_jax.clip_by_global_norm(MAX_NORM), adamw) if clip else adamw
 
 
@@ -318,9 +315,9 @@ def test_inits_pool_check_counts_the_undo(seed):
   undo of every host subgroup's state but the last's; the one-memory program's do not."""
   from dos_jax import pinned_pool  # pylint: disable=import-outside-toplevel
   params = random_tree(seed)
-  plain = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(), platform='cpu')
-  early = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost(), platform='gpu')
-  host = len(plain.policy.plan(dos_jax.geometry.layout.spec_for(params, 23)).host)
+  offload = dos_jax.Offload(subgroup_size=23, policy=dos_jax.AllHost())
+  host = len(offload.policy.plan(dos_jax.geometry.layout.spec_for(params, 23)).host)
   extra = (host - 1) * 23 * 8  # fp32 params: mu and nu, 8 B per element
-  assert pinned_pool.state_pinned_bytes(params, early) == (
-      pinned_pool.state_pinned_bytes(params, plain) + extra)
+  program = lambda name: dos_jax.Implementation(program=name)
+  assert pinned_pool.state_pinned_bytes(params, offload, implementation=program('gpu')) == (
+      pinned_pool.state_pinned_bytes(params, offload, implementation=program('cpu')) + extra)

@@ -1,4 +1,5 @@
-"""The native host path of dos_jax.adamw (host_impl=KERNEL) against the XLA host path."""
+"""The native host path of dos_jax.adamw (`Implementation(host=UpdateImpl.KERNEL)`)
+against the XLA host path."""
 
 from __future__ import annotations
 
@@ -37,8 +38,13 @@ def _in_place_everywhere(in_place, with_result, *args):
   return in_place(*args)
 
 
-def _offload(policy, impl, subgroup_size=23):
-  return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy, host_impl=impl)
+def _offload(policy, subgroup_size=23):
+  return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy)
+
+
+def _host(impl, **kwargs):
+  """The `Implementation` with the host path's `impl` (the rest as `kwargs` say)."""
+  return dos_jax.Implementation(host=impl, **kwargs)
 
 
 def _trajectory(opt, params, steps: int, seed: int):
@@ -102,13 +108,13 @@ def test_kernel_path_is_bit_identical_to_xla_host_path(policy, dtype, seed):
   results = {}
   for impl, p in ((KERNEL, policy), (XLA, dos_jax.AllHost())):
     opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask,
-                        offload=_offload(p, impl))
+                        offload=_offload(p), implementation=_host(impl))
     results[impl] = _trajectory(opt, params, steps=6, seed=seed)
   (p_k, s_k, text_k, sizes_k), (p_x, s_x, text_x, _) = results[KERNEL], results[XLA]
   _assert_matches_xla_path((p_k, s_k.rows(), s_k.scalars), (p_x, s_x.rows(), s_x.scalars))
   resident = isinstance(policy, dos_jax.AllDevice)
   # On a CPU backend the device rows take the native call too (device memory is host
-  # memory); with host_impl=XLA nothing does.
+  # memory); with the XLA host path nothing does.
   assert TARGET.search(text_k)
   assert not TARGET.search(text_x)
   # The first step's state comes from init; after that one plan never recompiles.
@@ -125,7 +131,7 @@ def test_kernel_path_is_bit_identical_to_xla_host_path(policy, dtype, seed):
 ], ids=['bf16_mu', 'nesterov', 'chain'])
 def test_xla_path_where_the_kernel_does_not_apply(make, seed):
   params = random_tree(seed)
-  text = _trajectory(make(_offload(dos_jax.AllHost(), KERNEL)), params, 1, seed)[2]
+  text = _trajectory(make(_offload(dos_jax.AllHost())), params, 1, seed)[2]
   assert not TARGET.search(text)
 
 
@@ -139,8 +145,8 @@ def test_under_clipping_and_inject_hyperparams(seed):
         # b2 = 0.999 rounds to 1 and the bias correction 1 - b2**t to 0.
         optax.inject_hyperparams(dos_jax.adamw, hyperparam_dtype=jnp.float32)(
             learning_rate=3e-2, b1=0.8, weight_decay=0.1,
-            offload=_offload(dos_jax.Stride(2) if impl == KERNEL else dos_jax.AllHost(),
-                             impl)))
+            offload=_offload(dos_jax.Stride(2) if impl == KERNEL else dos_jax.AllHost()),
+            implementation=_host(impl)))
     results.append(_trajectory(opt, params, steps=4, seed=seed))
   assert TARGET.search(results[0][2])
   kernel_state, xla_state = results[0][1][1].inner_state, results[1][1][1].inner_state
@@ -166,7 +172,8 @@ def test_no_state_sized_temporary(policy):
   params = {'a': jnp.zeros((600, 500), jnp.bfloat16), 'b': jnp.zeros((70_001,), jnp.bfloat16)}
   temps = {}
   for impl in (KERNEL, XLA):
-    opt = dos_jax.adamw(1e-3, offload=_offload(policy, impl, subgroup_size=40_000))
+    opt = dos_jax.adamw(1e-3, offload=_offload(policy, subgroup_size=40_000),
+                        implementation=_host(impl))
     state = opt.init(params)
 
     def step(p, s, g, opt=opt):
@@ -188,7 +195,7 @@ def test_mixed_gradient_dtypes_stay_on_the_xla_path(seed):
   """XLA rounds by the gradient's own dtype; with mixed leaves the XLA path is kept."""
   params = random_tree(seed)
   params['emb'] = params['emb'].astype(jnp.bfloat16)
-  opt = dos_jax.adamw(1e-2, offload=_offload(dos_jax.AllHost(), KERNEL))
+  opt = dos_jax.adamw(1e-2, offload=_offload(dos_jax.AllHost()))
   assert not TARGET.search(_trajectory(opt, params, 1, seed)[2])
 
 
@@ -203,9 +210,9 @@ def test_accelerator_form_on_cpu(policy, dtype, seed):
   results = []
   for impl in (KERNEL, XLA):
     # The device rows stay on XLA here; the Pallas device path has its own test.
-    offload = dataclasses.replace(_offload(policy, impl), device_impl=XLA,
-                                  platform='gpu' if impl == KERNEL else 'cpu')
-    opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
+    implementation = _host(impl, device=XLA, program='gpu' if impl == KERNEL else 'cpu')
+    opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask,
+                        offload=_offload(policy), implementation=implementation)
     results.append(_trajectory(opt, params, steps=4, seed=seed))
   assert 'dos_jax_adamw_host_leaves' in results[0][2]
   state, reference = results[0][1], results[1][1]
@@ -238,8 +245,8 @@ def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, monk
   `fused.state_in_place`), which `test_accelerator_form_on_cpu` compares with
   the XLA host path."""
   params = random_tree(seed, dtype)
-  offload = dataclasses.replace(_offload(policy, KERNEL), device_impl=XLA, platform='gpu')
-  opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
+  opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=_offload(policy),
+                      implementation=_host(KERNEL, device=XLA, program='gpu'))
 
   def run(opt):
     def step(p, s, g):
@@ -270,9 +277,8 @@ def test_pallas_device_path_matches_xla(policy, dtype, seed):
   params = random_tree(seed, dtype)
   results = []
   for impl in (KERNEL, XLA):
-    offload = dos_jax.Offload(subgroup_size=23, policy=policy, host_impl=XLA,
-                              device_impl=impl, platform='gpu')
-    opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=offload)
+    opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=_offload(policy),
+                        implementation=_host(XLA, device=impl, program='gpu'))
     results.append(_trajectory(opt, params, steps=3, seed=seed))
   # The Pallas AdamW ran: the program calls its jitted entry (kernels/pallas_adamw.py's
   # `_adamw_rows_call`, a function of its own in the lowered text); the XLA path's does not.

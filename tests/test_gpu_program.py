@@ -26,9 +26,10 @@ POLICIES = [dos_jax.AllHost(), dos_jax.Stride(2), dos_jax.DeviceFraction(0.4)]
 
 def _update_graph(policy, dtype, seed: int, impl=dos_jax.UpdateImpl.KERNEL) -> Graph:
   params = jax.device_put(random_tree(seed, dtype), jax.devices()[0])  # committed
-  offload = dos_jax.Offload(subgroup_size=23, policy=policy, platform='gpu',
-                            host_impl=impl, device_impl=impl)
-  opt = dos_jax.adamw(1e-3, weight_decay=0.1, offload=offload)
+  opt = dos_jax.adamw(1e-3, weight_decay=0.1,
+                      offload=dos_jax.Offload(subgroup_size=23, policy=policy),
+                      implementation=dos_jax.Implementation(program='gpu', host=impl,
+                                                            device=impl))
   state = opt.init(params)
 
   def step(p, s, g):
@@ -102,9 +103,8 @@ def test_host_bound_gradients_leave_before_the_backward_pass_ends(clip, seed):
   num_layers, width, in_dim = 6, 32, 24
   params = _mlp(num_layers, width, in_dim, jnp.bfloat16, seed)
   x = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((8, in_dim)), jnp.bfloat16)
-  offload = dos_jax.Offload(subgroup_size=width * width + width, policy=dos_jax.AllHost(),
-                            platform='gpu')
-  opt = dos_jax.adamw(1e-3, offload=offload)
+  offload = dos_jax.Offload(subgroup_size=width * width + width, policy=dos_jax.AllHost())
+  opt = dos_jax.adamw(1e-3, offload=offload, implementation=dos_jax.Implementation(program='gpu'))
   if clip:
     opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), opt)
   state = opt.init(params)

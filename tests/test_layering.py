@@ -12,8 +12,8 @@ The layers, bottom to top:
 * state    -- `dos_jax.geometry` (layout, slots, partition, state, disk_files: how a
               parameter tree becomes the offloaded state) with the values a step is
               configured by and the memories it runs in: policies, offload,
-              compiler_options, memory_spaces, validate, meshes, pinned_pool, clipping,
-              host_memory. Nothing here builds a step. The state layer knows a
+              implementation, compiler_options, memory_spaces, validate, meshes,
+              pinned_pool, clipping, host_memory. Nothing here builds a step. The state layer knows a
               placement policy only as `policies.Policy` (and `policies.AdaptivePolicy`,
               one that re-plans as it runs), never the planner's `Auto`.
 * step     -- `dos_jax.step` (transform, tier_updates, paths, adamw_hyperparams, fused,
@@ -52,8 +52,8 @@ import dos_jax
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ('kernels', ('dos_jax.kernels', 'dos_jax.kernels.*', 'dos_jax.cache')),
     ('state', ('dos_jax.geometry', 'dos_jax.geometry.*', 'dos_jax.policies', 'dos_jax.offload',
-               'dos_jax.compiler_options', 'dos_jax.memory_spaces', 'dos_jax.validate',
-               'dos_jax.meshes', 'dos_jax.pinned_pool', 'dos_jax.clipping',
+               'dos_jax.implementation', 'dos_jax.compiler_options', 'dos_jax.memory_spaces',
+               'dos_jax.validate', 'dos_jax.meshes', 'dos_jax.pinned_pool', 'dos_jax.clipping',
                'dos_jax.host_memory')),
     ('step', ('dos_jax.*', 'dos_jax.step', 'dos_jax.step.*')),
     ('planner', ('dos_jax.planner', 'dos_jax.planner.*', 'dos_jax.model_shapes')),

@@ -51,9 +51,9 @@ def _lowered_step(policy, dtype, seed, impl=dos_jax.UpdateImpl.KERNEL):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(_DATA, 2), ('data', 'tensor'))
   specs = {'w1': P(None, 'tensor'), 'w2': P('tensor', None), 'b': P('tensor')}
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-  offload = dos_jax.Offload(subgroup_size=150, policy=policy, platform='gpu',
-                            host_impl=impl)
-  opt = dos_jax.adamw(1e-3, weight_decay=0.1, offload=offload)
+  opt = dos_jax.adamw(1e-3, weight_decay=0.1,
+                      offload=dos_jax.Offload(subgroup_size=150, policy=policy),
+                      implementation=dos_jax.Implementation(program='gpu', host=impl))
   p = jax.device_put(params, shardings)
   state = opt.init(p)
 
@@ -112,8 +112,10 @@ def test_lowered_gradient_rows_leave_before_the_backward_pass_ends(seed):
   x = jax.device_put(jnp.asarray(np.random.default_rng(seed).standard_normal((8, in_dim)),
                                  jnp.bfloat16), NamedSharding(mesh, P('data', None)))
   size = width * width + width
-  offload = dos_jax.Offload(subgroup_size=size, policy=dos_jax.AllHost(), platform='gpu')
-  opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0), dos_jax.adamw(1e-3, offload=offload))
+  offload = dos_jax.Offload(subgroup_size=size, policy=dos_jax.AllHost())
+  opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0),
+                      dos_jax.adamw(1e-3, offload=offload,
+                                    implementation=dos_jax.Implementation(program='gpu')))
   state = opt.init(params)
   assert state[-1].layout.num_subgroups == num_layers
 

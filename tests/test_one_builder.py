@@ -69,18 +69,40 @@ def test_compile_gpu_builds_the_runners_step(name, layers):
   assert compiled.partition.early == chooser.early_chunks(compiled.layout.spec(), plan)
 
 
-def test_the_runners_offload_is_told_the_limit_it_is_compiled_under():
+def test_the_runners_steps_are_traced_told_the_options_they_are_compiled_with():
   """The runner compiles the accelerator program with `compiler_options_for('gpu')`;
-  its `Offload` carries that options' limit on asynchronous calls, so both stream
-  lanes join the host call's group (`lanes.grouped_lanes`)."""
+  its steps (fused and update) are traced told that options' limit on asynchronous
+  calls, so both stream lanes join the host call's group (`lanes.grouped_lanes`).
+  Compiled with jax's defaults, a step reads what an enclosing `compiled_with` says
+  (`gpu_program.compile_step` lowers it inside one)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
   from dos_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.train.config import OffloadConfig  # pylint: disable=import-outside-toplevel
-  limit = step_lib.compiler_options_for('gpu')[
-      'xla_gpu_experimental_parallel_async_compute_limit']
+  options = step_lib.compiler_options_for('gpu')
+  limit = options['xla_gpu_experimental_parallel_async_compute_limit']
   assert limit >= 3
-  assert step_lib.make_offload(OffloadConfig(platform='gpu')).async_compute_limit == limit
-  # The one-memory program has no stream lane: nothing to tell it.
-  assert step_lib.make_offload(OffloadConfig(platform='cpu')).async_compute_limit is None
+  seen = []
+
+  def update(grads, state, params=None):
+    del params
+    seen.append(dos_jax.compiled_limit())
+    return grads, state
+
+  tx = optax.GradientTransformation(lambda params: (), update)
+  loss_fn = lambda apply, p, tokens: (jnp.sum(p['w'] * tokens.sum()), {})
+  params, tokens = {'w': jnp.ones(2)}, jnp.ones((1, 2))
+  for compiler_options, told in ((options, limit), (None, None)):
+    seen.clear()
+    fused = step_lib.make_train_step(None, loss_fn, tx, clip_norm=None,
+                                     compiler_options=compiler_options)
+    fused.jitted.trace(params, (), tokens, plan=None)
+    split = step_lib.make_update_step(tx, compiler_options=compiler_options)
+    split.jitted.trace(params, (), params, None, plan=None)
+    assert seen == [told, told]
+  seen.clear()
+  with dos_jax.compiled_with(options):
+    step_lib.make_update_step(tx).jitted.trace(params, (), params, None, plan=None)
+  assert seen == [limit]
 
 
 def test_the_runner_builds_through_the_one_builder(monkeypatch, tmp_path):

@@ -317,8 +317,8 @@ def test_too_new_api_version_falls_back_with_one_warning(fresh, monkeypatch, cap
     assert 'No FFI handler registered for dos_jax_test_api_0_99' in why
     assert host_adamw_rows.host_kernel_in_accelerator_programs() == (False, why)
     params = {'w': jnp.ones((64, 32), jnp.float32)}
-    offload = dos_jax.Offload(subgroup_size=1024, policy=dos_jax.AllHost(), platform='gpu')
-    opt = dos_jax.adamw(1e-3, offload=offload)
+    offload = dos_jax.Offload(subgroup_size=1024, policy=dos_jax.AllHost())
+    opt = dos_jax.adamw(1e-3, offload=offload, implementation=dos_jax.Implementation(program='gpu'))
 
     def step(p, s, g):
       u, s = opt.update(g, s, p)

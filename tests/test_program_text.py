@@ -25,10 +25,10 @@ _BUILD = textwrap.dedent('''
       x = jnp.ones((8, width), jnp.bfloat16)
       auto = dos_jax.Auto(profile=costmodel.PROFILE_PRESETS['h100-pcie5'])
       # XLA's device update: Pallas needs an abstract GPU device to lower on jax 0.11+.
-      offload = dos_jax.Offload(subgroup_size=width * width + width, policy=auto,
-                                platform='gpu', device_impl=dos_jax.UpdateImpl.XLA)
+      offload = dos_jax.Offload(subgroup_size=width * width + width, policy=auto)
+      implementation = dos_jax.Implementation(program='gpu', device=dos_jax.UpdateImpl.XLA)
       opt = dos_jax.chain(dos_jax.clip_by_global_norm(1.0),
-                          dos_jax.adamw(1e-3, offload=offload))
+                          dos_jax.adamw(1e-3, offload=offload, implementation=implementation))
       state = opt.init(params)
 
       def step(p, s, x):

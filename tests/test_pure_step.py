@@ -45,8 +45,10 @@ def _params(mesh):
   return jax.device_put(params, _shardings(mesh))
 
 
-def _offload(platform):
-  return dos_jax.Offload(subgroup_size=16, policy=dos_jax.Stride(2), platform=platform)
+def _options(platform):
+  """The `offload` and `implementation` arguments of every transform here."""
+  return dict(offload=dos_jax.Offload(subgroup_size=16, policy=dos_jax.Stride(2)),
+              implementation=dos_jax.Implementation(program=platform))
 
 
 def _offloaded(state):
@@ -107,14 +109,14 @@ def assert_same_updates(got, want):
 @PLATFORMS
 def test_inject_hyperparams_keeps_the_state_split(platform):
   mesh = _mesh()
-  params, offload = _params(mesh), _offload(platform)
+  params, options = _params(mesh), _options(platform)
   grads = _grads(params, mesh)
-  injected = optax.inject_hyperparams(dos_jax.adamw)(learning_rate=LR, offload=offload)
+  injected = optax.inject_hyperparams(dos_jax.adamw)(learning_rate=LR, **options)
   # The plain transform given what inject_hyperparams gives it: every numeric
   # hyperparameter (the defaults too) as an fp32 array.
   hyper = dict(learning_rate=LR, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=1e-4)
   plain = dos_jax.adamw(**{k: jnp.asarray(v, jnp.float32) for k, v in hyper.items()},
-                        offload=offload)
+                        **options)
   want, _ = _train(plain, plain, params, grads)
   got, state = _train(injected, injected, params, grads)
   assert_same_updates(got, want)
@@ -125,11 +127,11 @@ def test_inject_hyperparams_keeps_the_state_split(platform):
 def test_a_fresh_transform_steps_a_state_another_one_made(platform):
   """As after a restart: the transform that steps the state never ran `init`."""
   mesh = _mesh()
-  params, offload = _params(mesh), _offload(platform)
+  params, options = _params(mesh), _options(platform)
   grads = _grads(params, mesh)
-  made_by = dos_jax.adamw(LR, offload=offload)
+  made_by = dos_jax.adamw(LR, **options)
   want, _ = _train(made_by, made_by, params, grads)
-  got, _ = _train(made_by, dos_jax.adamw(LR, offload=offload), params, grads)
+  got, _ = _train(made_by, dos_jax.adamw(LR, **options), params, grads)
   assert_same_updates(got, want)
 
 
@@ -137,10 +139,10 @@ def test_multi_steps_keeps_the_state_split():
   """k=2: every second step emits the inner update of the two gradients' mean (as
   MultiSteps averages them), the others zeros; the state stays split throughout."""
   mesh = _mesh()
-  params, offload = _params(mesh), _offload(None)
+  params, options = _params(mesh), _options(None)
   grads = _grads(params, mesh, steps=2 * STEPS)
-  got, _ = _train(optax.MultiSteps(dos_jax.adamw(LR, offload=offload), every_k_schedule=2),
-                  optax.MultiSteps(dos_jax.adamw(LR, offload=offload), every_k_schedule=2),
+  got, _ = _train(optax.MultiSteps(dos_jax.adamw(LR, **options), every_k_schedule=2),
+                  optax.MultiSteps(dos_jax.adamw(LR, **options), every_k_schedule=2),
                   params, grads)
 
   @jax.jit
@@ -148,7 +150,7 @@ def test_multi_steps_keeps_the_state_split():
     first = jax.tree.map(lambda g: 0 + (g - 0) / (jnp.int32(0) + 1), g0)
     return jax.tree.map(lambda g, acc: acc + (g - acc) / (jnp.int32(1) + 1), g1, first)
 
-  plain = dos_jax.adamw(LR, offload=offload)
+  plain = dos_jax.adamw(LR, **options)
   want, _ = _train(plain, plain, params,
                    [mean(grads[i], grads[i + 1]) for i in range(0, len(grads), 2)])
   zeros = jax.tree.map(jnp.zeros_like, want[0])
@@ -161,9 +163,9 @@ def test_a_state_restored_by_orbax_steps_like_the_saved_one(tmp_path):
   the saved state goes on under the transform that made it."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   mesh = _mesh()
-  params, offload = _params(mesh), _offload(None)
+  params, options = _params(mesh), _options(None)
   grads = _grads(params, mesh, steps=2 * 2)
-  tx = dos_jax.adamw(LR, offload=offload)
+  tx = dos_jax.adamw(LR, **options)
   state, step, p = tx.init(params), _update_step(tx), params
   for g in grads[:2]:
     _, p, state = step(p, state, g)
@@ -171,12 +173,12 @@ def test_a_state_restored_by_orbax_steps_like_the_saved_one(tmp_path):
   ckpt.save(tmp_path / 'state', state)
   ckpt.wait_until_finished()
   restored = ckpt.restore(tmp_path / 'state',
-                          dos_jax.abstract_state(dos_jax.adamw(LR, offload=offload), p))
+                          dos_jax.abstract_state(dos_jax.adamw(LR, **options), p))
   ckpt.close()
   assert_split_over_data(restored, 'restored')
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  fresh_step, fresh_p, want, got = _update_step(dos_jax.adamw(LR, offload=offload)), p, [], []
+  fresh_step, fresh_p, want, got = _update_step(dos_jax.adamw(LR, **options)), p, [], []
   for i, g in enumerate(grads[2:]):
     u, p, state = step(p, state, g)
     want.append(u)

@@ -15,8 +15,8 @@ from dos_jax.step import device_stream
 
 def _trace(jitter=jax.jit):
   params = jax.device_put({'w': jnp.ones((4, 8)), 'b': jnp.ones(8)}, jax.devices()[0])
-  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=8,
-                                                    policy=dos_jax.Stride(2), platform='gpu'))
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=8, policy=dos_jax.Stride(2)),
+                      implementation=dos_jax.Implementation(program='gpu'))
   state = opt.init(params)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')

@@ -99,8 +99,9 @@ def test_without_shard_dims_or_a_mesh_the_layout_is_packed_leaf_after_leaf(seed)
 def test_the_zero3_update_is_optaxs_and_keeps_every_split(platform, policy, dtype, seed):
   mesh = _mesh()
   params = _params(seed, dtype, mesh)
-  offload = dos_jax.Offload(subgroup_size=40, policy=policy, platform=platform)
-  tx = dos_jax.adamw(LR, offload=offload, shard_dims=DIMS)
+  offload = dos_jax.Offload(subgroup_size=40, policy=policy)
+  tx = dos_jax.adamw(LR, offload=offload, shard_dims=DIMS,
+                     implementation=dos_jax.Implementation(program=platform))
   state = tx.init(params)
   assert state.layout.shards == SHARDS
   ref = optax.adamw(LR)
@@ -140,8 +141,9 @@ def test_the_zero1_update_is_optaxs_and_keeps_the_params_whole(platform, seed):
   their replicated sharding and the state rows their split."""
   mesh = _mesh()
   params = _params(seed, jnp.float32, mesh, whole=True)
-  offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform=platform)
-  tx = dos_jax.adamw(LR, offload=offload, shard_dims=DIMS)
+  offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2))
+  tx = dos_jax.adamw(LR, offload=offload, shard_dims=DIMS,
+                     implementation=dos_jax.Implementation(program=platform))
   state = tx.init(params)
   assert state.layout.shards == SHARDS
   ref = optax.adamw(LR)
@@ -187,7 +189,7 @@ def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, d
   for stream in (True, False):
     if not stream:
       monkeypatch.setattr(device_stream, 'available', lambda: False)
-    offload = dos_jax.Offload(subgroup_size=40, policy=policy, platform='gpu')
+    offload = dos_jax.Offload(subgroup_size=40, policy=policy)
     state, step = _clipped_step(offload, params)
     grads = [jax.device_put(jax.tree.map(lambda x: 3 * x, random_grads(params, i, seed)),
                             shardings) for i in range(3)]
@@ -199,10 +201,11 @@ def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, d
 
 
 def _clipped_step(offload, params):
-  """(state, jitted step) of `dos_jax.adamw` under `offload`, sharded shard-major,
-  behind a global-norm clip at 0.5."""
+  """(state, jitted step) of `dos_jax.adamw` under `offload` on the accelerator program,
+  sharded shard-major, behind a global-norm clip at 0.5."""
   tx = dos_jax.chain(dos_jax.clip_by_global_norm(0.5),
-                     dos_jax.adamw(LR, offload=offload, shard_dims=DIMS))
+                     dos_jax.adamw(LR, offload=offload, shard_dims=DIMS,
+                                   implementation=dos_jax.Implementation(program='gpu')))
 
   @jax.jit
   def step(p, s, g):
@@ -247,10 +250,11 @@ def test_the_zero3_update_gathers_no_row(policy, seed):
   params = _params(seed, jnp.bfloat16, mesh)
   grads = jax.device_put(random_grads(params, 0, seed),
                          jax.tree.map(lambda x: x.sharding, params))
-  offload = dos_jax.Offload(subgroup_size=40, policy=policy, platform='gpu')
+  offload = dos_jax.Offload(subgroup_size=40, policy=policy)
 
   def gathers(shard_dims):
-    tx = dos_jax.adamw(LR, offload=offload, shard_dims=shard_dims)
+    tx = dos_jax.adamw(LR, offload=offload, shard_dims=shard_dims,
+                       implementation=dos_jax.Implementation(program='gpu'))
     state = tx.init(params)
     step = jax.jit(lambda p, s, g: tx.update(g, s, p))
     return _all_gathers(step.lower(params, state, grads).compile().as_text())
@@ -261,9 +265,10 @@ def test_the_zero3_update_gathers_no_row(policy, seed):
 
 def test_jitted_init_equals_eager_init(seed):
   params = _params(seed, jnp.bfloat16, _mesh())
-  offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform='gpu')
-  eager = dos_jax.adamw(LR, offload=offload, shard_dims=DIMS).init(params)
-  jitted = jax.jit(dos_jax.adamw(LR, offload=offload, shard_dims=DIMS).init)(params)
+  options = dict(offload=dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2)),
+                 shard_dims=DIMS, implementation=dos_jax.Implementation(program='gpu'))
+  eager = dos_jax.adamw(LR, **options).init(params)
+  jitted = jax.jit(dos_jax.adamw(LR, **options).init)(params)
   assert jitted.layout == eager.layout and jitted.layout.shards == SHARDS
   for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager), strict=True):
     assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
@@ -275,8 +280,10 @@ def test_explicit_mesh_axes_update_as_optax(platform, seed):
   mesh = jax.make_mesh((SHARDS,), ('data',), devices=jax.devices()[:SHARDS],
                        axis_types=(jax.sharding.AxisType.Explicit,))
   params = _params(seed, jnp.float32, mesh)
-  offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform=platform)
-  tx, ref = dos_jax.adamw(LR, offload=offload, shard_dims=DIMS), optax.adamw(LR)
+  offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2))
+  tx = dos_jax.adamw(LR, offload=offload, shard_dims=DIMS,
+                     implementation=dos_jax.Implementation(program=platform))
+  ref = optax.adamw(LR)
   state = tx.init(params)
   assert state.layout.shards == SHARDS
   grads = random_grads(params, 0, seed)
@@ -374,7 +381,7 @@ def test_the_zero3_early_chunks_are_the_one_call_step_bit_for_bit(dtype, seed):
                           shardings) for i, k in enumerate(scales)]
   results = []
   for early in (2, 0):
-    offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform='gpu')
+    offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2))
     state, step = _clipped_step(offload, params)
     state = _with_early(state, early)
     text = str(jax.make_jaxpr(step)(params, state, grads[0]))

@@ -14,14 +14,15 @@ from tests.test_adamw import random_grads
 
 # The accelerator program (stored per subgroup), run on the CPU backend; `{}`: the
 # backend's, the one-memory program (one array).
-TWO_MEMORIES = dict(platform='gpu')
+TWO_MEMORIES = dict(implementation=dos_jax.Implementation(program='gpu'))
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 (virtual) devices')
 @pytest.mark.parametrize('policy, extra', [
     (dos_jax.AllHost(), {}), (dos_jax.Stride(2), {}),
     # The accelerator program stored per subgroup, moved to AllHost after two steps.
-    (dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(2)), TWO_MEMORIES)], ids=repr)
+    (dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(2)), TWO_MEMORIES)],
+    ids=lambda v: ('two-memories' if v else 'one-memory') if isinstance(v, dict) else repr(v))
 def test_sharded_matches_unsharded(policy, extra, seed):
   rng = np.random.default_rng(seed)
   params = {'w1': jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
@@ -31,8 +32,7 @@ def test_sharded_matches_unsharded(policy, extra, seed):
   specs = {'w1': P(None, 'tensor'), 'w2': P('tensor', None), 'b': P('tensor')}
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   sharded = jax.device_put(params, shardings)
-  offload = dos_jax.Offload(subgroup_size=150, policy=policy, **extra)
-  opt = dos_jax.adamw(1e-2, offload=offload)
+  opt = dos_jax.adamw(1e-2, offload=dos_jax.Offload(subgroup_size=150, policy=policy), **extra)
 
   def train(p):
     state = opt.init(p)
@@ -73,8 +73,8 @@ def test_explicit_axes_mesh_is_accepted(extra):
   mesh = jax.make_mesh((2,), ('data',), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Explicit,))
   params = {'w': jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('data', None)))}
-  offload = dos_jax.Offload(subgroup_size=16, policy=dos_jax.Stride(2), **extra)
-  state = dos_jax.adamw(1e-3, offload=offload).init(params)
+  offload = dos_jax.Offload(subgroup_size=16, policy=dos_jax.Stride(2))
+  state = dos_jax.adamw(1e-3, offload=offload, **extra).init(params)
   assert state.partition.per_subgroup == bool(extra)
   rows = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
   assert rows and all(x.sharding.spec == P(None, None, 'data') for x in rows)
@@ -138,7 +138,7 @@ def test_sharded_state_runs_the_native_kernel_per_shard(policy, dtype, seed):
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
 def test_sharded_accelerator_program_runs_the_native_kernel_per_shard(policy, dtype, seed):
-  """The accelerator program (platform='gpu', run on the CPU backend) on data=2 x
+  """The accelerator program (`Implementation(program='gpu')`, run on the CPU backend) on data=2 x
   tensor=2: the host tier's data shards are updated by the native host AdamW, one call
   per shard inside a host region; the result is optax's, and the host tier is bit for
   bit the unsharded program's (the native kernel on one device).
@@ -177,10 +177,11 @@ def test_sharded_accelerator_program_runs_the_native_kernel_per_shard(policy, dt
       p, state = step(p, state, put(random_grads(params, i, seed)))
     return p, state, text
 
-  offload = dos_jax.Offload(subgroup_size=150, policy=policy, platform='gpu')
-  p, state, text = train(dos_jax.adamw(lr, weight_decay=0.1, mask=mask, offload=offload))
+  options = dict(offload=dos_jax.Offload(subgroup_size=150, policy=policy),
+                 implementation=dos_jax.Implementation(program='gpu'))
+  p, state, text = train(dos_jax.adamw(lr, weight_decay=0.1, mask=mask, **options))
   assert 'dos_jax_adamw_host_leaves' in text
-  one_p, one_state, _ = train(dos_jax.adamw(lr, weight_decay=0.1, mask=mask, offload=offload),
+  one_p, one_state, _ = train(dos_jax.adamw(lr, weight_decay=0.1, mask=mask, **options),
                               sharded=False)
   ref_p, _, _ = train(optax.adamw(lr, weight_decay=0.1, mask=mask), jnp.float32, sharded=False)
   for key in params:

@@ -29,8 +29,8 @@ def jit_step(tx):
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'], ids=['cpu-program', 'gpu-program'])
 def test_reset_moments_keeps_the_master_where_zeros_like_loses_it(platform, seed):
   params = random_tree(seed, jnp.bfloat16)
-  tx = dos_jax.adamw(LR, offload=dos_jax.Offload(subgroup_size=97, policy=dos_jax.Stride(2),
-                                                 platform=platform))
+  tx = dos_jax.adamw(LR, offload=dos_jax.Offload(subgroup_size=97, policy=dos_jax.Stride(2)),
+                     implementation=dos_jax.Implementation(program=platform))
   step = jit_step(tx)
   state = tx.init(params)
   for i in range(3):
@@ -91,9 +91,10 @@ AXIS_TYPES = [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit]
 def test_jitted_init_places_the_state_like_eager_init(axis_type, dtype, platform, seed):
   mesh = _mesh(axis_type)
   params = _sharded_params(mesh, dtype, seed)
-  offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform=platform)
-  eager = dos_jax.adamw(LR, offload=offload).init(params)
-  jitted = jax.jit(dos_jax.adamw(LR, offload=offload).init)(params)
+  options = dict(offload=dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2)),
+                 implementation=dos_jax.Implementation(program=platform))
+  eager = dos_jax.adamw(LR, **options).init(params)
+  jitted = jax.jit(dos_jax.adamw(LR, **options).init)(params)
   assert _layout_of(jitted) == _layout_of(eager)
   rows = [x for x in jax.tree.leaves(jitted) if x.ndim == 3]
   assert rows and all(x.sharding.spec == P(None, None, 'data') for x in rows)
@@ -117,8 +118,9 @@ def test_sharded_training_from_a_jitted_init_equals_optax(axis_type, platform, s
         "back split over 'data')")))
   mesh = _mesh(axis_type)
   params = _sharded_params(mesh, seed=seed)
-  offload = dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2), platform=platform)
-  tx, ref = dos_jax.adamw(LR, offload=offload), optax.adamw(LR)
+  tx = dos_jax.adamw(LR, offload=dos_jax.Offload(subgroup_size=40, policy=dos_jax.Stride(2)),
+                     implementation=dos_jax.Implementation(program=platform))
+  ref = optax.adamw(LR)
   state, ref_state = jax.jit(tx.init)(params), ref.init(params)
   step, ref_step = jit_step(tx), jit_step(ref)
   p = ref_p = params

@@ -148,9 +148,10 @@ def test_migration_temporaries_stay_below_one_copy():
   """A plan change moves rows one block at a time and builds no merged copy of the
   state: its temporaries stay below the state's size."""
   params = {'w': jnp.ones((1 << 16,), jnp.float32)}
-  offload = dos_jax.Offload(subgroup_size=1 << 12, policy=dos_jax.Stride(2), platform='gpu',
-                            device_impl=dos_jax.UpdateImpl.XLA, host_impl=dos_jax.UpdateImpl.XLA)
-  opt = dos_jax.adamw(1e-3, offload=offload)
+  xla = dos_jax.UpdateImpl.XLA
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=1 << 12,
+                                                    policy=dos_jax.Stride(2)),
+                      implementation=dos_jax.Implementation(program='gpu', device=xla, host=xla))
   state = opt.init(params)
   spec_ = state.layout.spec()
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))

@@ -243,7 +243,7 @@ def compile_for_gpu(fn: Callable[..., Any], *args,
                     **jit_kwargs) -> CompiledGpuProgram:
   """`jax.jit(fn, **jit_kwargs)` on `args`, compiled for a GPU target, with no GPU.
 
-  Build `fn`'s dos_jax transforms with `Offload(platform='gpu')` (the accelerator
+  Build `fn`'s dos_jax transforms with `Implementation(program='gpu')` (the accelerator
   program). Run with `JAX_PLATFORMS=cpu` where there is no GPU (else the plugin's
   start-up looks for one). Raises `GpuCompilerUnavailable` where no CUDA plugin is
   installed.

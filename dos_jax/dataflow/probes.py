@@ -116,8 +116,9 @@ def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', policy: An
   x = jnp.asarray(np.random.default_rng(1).standard_normal((batch, width)), jnp.dtype(dtype))
   offload = dos_jax.Offload(
       subgroup_size=width * width + width,
-      policy=dos_jax.Stride(2) if policy is None else policy, platform='gpu')
-  adamw = dos_jax.adamw(1e-3, offload=offload)
+      policy=dos_jax.Stride(2) if policy is None else policy)
+  adamw = dos_jax.adamw(1e-3, offload=offload,
+                        implementation=dos_jax.Implementation(program='gpu'))
   opt = adamw if clip is None else dos_jax.chain(dos_jax.clip_by_global_norm(clip), adamw)
   state = opt.init(params)
   if early is not None:

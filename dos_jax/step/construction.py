@@ -36,8 +36,9 @@ def stream_regions(state: OffloadedState) -> bool:
   `planner.costmodel.streamed_elements_held` needs to count the stream's memory.
 
   >>> import jax.numpy as jnp, dos_jax
-  >>> off = dos_jax.Offload(policy=dos_jax.Stride(2), subgroup_size=4, platform='gpu')
-  >>> state = dos_jax.abstract_state(dos_jax.adamw(1e-3, offload=off), {'w': jnp.zeros(16)})
+  >>> off = dos_jax.Offload(policy=dos_jax.Stride(2), subgroup_size=4)
+  >>> opt = dos_jax.adamw(1e-3, offload=off, implementation=dos_jax.Implementation(program='gpu'))
+  >>> state = dos_jax.abstract_state(opt, {'w': jnp.zeros(16)})
   >>> dos_jax.stream_regions(state) == dos_jax.step.device_stream.available()
   True
   """
@@ -98,21 +99,22 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
 
   >>> import jax.numpy as jnp, dos_jax
   >>> from dos_jax.step.options import StepOptions
-  >>> off = dos_jax.Offload(policy=dos_jax.Stride(2), subgroup_size=4, platform='gpu')
-  >>> state = dos_jax.abstract_state(dos_jax.adamw(1e-3, offload=off), {'w': jnp.zeros(16)})
+  >>> off = dos_jax.Offload(policy=dos_jax.Stride(2), subgroup_size=4)
+  >>> opt = dos_jax.adamw(1e-3, offload=off, implementation=dos_jax.Implementation(program='gpu'))
+  >>> state = dos_jax.abstract_state(opt, {'w': jnp.zeros(16)})
   >>> c = resolve(state.partition, state.layout, None, StepOptions.of(off), native=True)
   >>> c.two_streams, c.lanes, c.early
   (True, 1, True)
   >>> print(c.explain().splitlines()[0])
   two streams: host and device tiers both present, unsharded
   """
-  from dos_jax.offload import UpdateImpl  # pylint: disable=import-outside-toplevel
+  from dos_jax.implementation import UpdateImpl  # pylint: disable=import-outside-toplevel
   from dos_jax.step import lanes as lanes_lib  # pylint: disable=import-outside-toplevel
   reasons = []
   two = on_two_streams(part, layout, mesh)
   sharded = mesh is not None
   reasons.append(f'two streams: {_why_two_streams(part, layout, mesh, two)}')
-  host_native = native and options.host_impl is UpdateImpl.KERNEL
+  host_native = native and options.host is UpdateImpl.KERNEL
   reasons.append('host tier: the native kernel' if host_native else
                  'host tier: XLA in a host region (' +
                  ('asked for, UpdateImpl.XLA' if native else 'the native kernel cannot run it')
@@ -140,8 +142,8 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
   return Construction(
       two_streams=two, lowering=lowering, early=early, per_block=per_block,
       host_native=host_native,
-      device_native=native and options.device_impl is UpdateImpl.KERNEL,
-      pallas=options.device_impl is UpdateImpl.KERNEL, lanes=lanes,
+      device_native=native and options.device is UpdateImpl.KERNEL,
+      pallas=options.device is UpdateImpl.KERNEL, lanes=lanes,
       grouped_lanes=min(lanes, grouped), sharded=sharded, disk=bool(part.disk),
       disk_calls=disk_calls, reasons=tuple(reasons))
 

@@ -30,7 +30,7 @@ from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.state import OffloadedState
 from dos_jax.geometry.state import ShardedOver
-from dos_jax.offload import Program
+from dos_jax.implementation import Program
 from dos_jax.step import construction
 from dos_jax.step import device_stream
 from dos_jax.step import disk_tier

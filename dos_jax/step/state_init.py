@@ -28,8 +28,9 @@ from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.state import OffloadedState
 from dos_jax.geometry.state import ShardedOver
+from dos_jax.implementation import Implementation
+from dos_jax.implementation import Program
 from dos_jax.offload import Offload
-from dos_jax.offload import Program
 from dos_jax.step import disk_tier
 from dos_jax import memory_spaces
 
@@ -170,8 +171,11 @@ class _Builder:
 
 
 def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
-               mask: Any = None, shard_dims: Any = None, fused: Any = None) -> OffloadedState:
-  """The packed state of `inner` for `params` (see `transform.offloaded`)."""
+               implementation: Implementation | None = None, mask: Any = None,
+               shard_dims: Any = None, fused: Any = None) -> OffloadedState:
+  """The packed state of `inner` for `params` (see `transform.offloaded`), for the
+  program `implementation` names (None: `Implementation()`, the backend's)."""
+  implementation = Implementation() if implementation is None else implementation
   mesh = meshes.find_mesh(params, offload)
   layout = layout_lib.make_layout(
       params, offload.subgroup_size,
@@ -195,7 +199,7 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
       lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params))
   slots = slots_lib.build(template, row_ndim=2)
   part = first_partition(offload.policy, layout.spec(),
-                         offload.target() is Program.TWO_MEMORIES,
+                         implementation.target() is Program.TWO_MEMORIES,
                          disk=disk_tier.spill_of(offload.disk, slots, layout.subgroup_size,
                                                  mesh, offload.data_axis))
   builder = _Builder(inner=inner, layout=layout, part=part, slots=slots, template=template,

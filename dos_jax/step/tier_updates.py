@@ -32,8 +32,8 @@ from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step.options import StepOptions
 from dos_jax.capability import Kernel
 from dos_jax.kernels.adamw_scalars import AdamWScalars
-from dos_jax.offload import Program
-from dos_jax.offload import UpdateImpl
+from dos_jax.implementation import Program
+from dos_jax.implementation import UpdateImpl
 from dos_jax.geometry.partition import Tier
 from dos_jax.policies import Plan
 
@@ -351,8 +351,8 @@ class StepContext:
 
   def _device_step(self, step):
     """The row update of a device tier: the Pallas AdamW where it is asked for
-    (`Offload.device_impl`) and usable (`capability`), else XLA's."""
-    if (self.options.device_impl is UpdateImpl.KERNEL
+    (`Implementation.device`) and usable (`capability`), else XLA's."""
+    if (self.options.device is UpdateImpl.KERNEL
         and capability_lib.capability(Kernel.PALLAS, self.fused, step, self.program).usable):
       # Shard-major, every device updates its own columns of the row (no gather).
       sharded = self.mesh is not None and self.layout.shards > 1

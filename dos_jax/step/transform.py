@@ -19,10 +19,12 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from dos_jax import clipping
+from dos_jax import compiler_options
 from dos_jax import meshes
 from dos_jax import migration as migration_lib
 from dos_jax import validate as validate_lib
 from dos_jax.geometry.state import OffloadedState
+from dos_jax.implementation import Implementation
 from dos_jax.offload import Offload
 from dos_jax.policies import Plan
 from dos_jax.step import program as program_lib
@@ -59,6 +61,7 @@ def offloaded(
     inner: optax.GradientTransformationExtraArgs | AdamWHyperparams,
     offload: Offload | None = None,
     *,
+    implementation: Implementation | None = None,
     mask: PyTree | Callable[[PyTree], PyTree] | None = None,
     validate: Callable[[PyTree], None] | None = None,
     shard_dims: PyTree | Callable[[PyTree], PyTree] | None = None,
@@ -70,8 +73,11 @@ def offloaded(
       the extra keyword `row_decayed` (whether the row holds weight-decayed leaves).
       Or AdamW's hyperparameters (`AdamWHyperparams`, what `dos_jax.adamw` passes):
       then its `chain()` is the transform, and the host path may run as one native
-      call (`offload.host_impl`, see `capability`).
+      call (`Implementation.host`, see `capability`).
     offload: subgroup size, placement policy, mesh; `None` means `Offload()`.
+    implementation: the program `init` builds the state for and the code that runs
+      the updates (tests, benchmarks); `None` means `Implementation()`: the backend's
+      program, the kernels where they are available.
     mask: weight-decay mask (pytree or callable) used to group decayed leaves.
     validate: called with the params at `init`, to reject unsupported transforms early.
     shard_dims: ZeRO-3, params split over `offload.data_axis`: per leaf (a pytree or a
@@ -87,11 +93,13 @@ def offloaded(
     updates it.
   """
   validate_lib.check_offload(offload, 'dos_jax.offloaded')
+  validate_lib.check_implementation(implementation, 'dos_jax.offloaded')
   offload = Offload() if offload is None else offload
+  implementation = Implementation() if implementation is None else implementation
   adamw = inner if isinstance(inner, AdamWHyperparams) else None
   inner = inner if adamw is None else adamw.chain()
   kernels = program_lib.StepKernels(row_update=ChainRows(inner, adamw), fused=adamw,
-                                    options=StepOptions.of(offload))
+                                    options=StepOptions.of(offload, implementation))
 
   def init_fn(params):
     if validate_lib.is_params_placeholder(params):
@@ -99,10 +107,11 @@ def offloaded(
       return validate_lib.NOT_PARAMS_SHAPED
     validate_lib.check_params(params)
     validate_lib.warn_if_uncommitted(params)
+    compiler_options.xla_flags_async_compute_limit()  # a bad value named now, not in a trace
     if validate is not None:
       validate(params)
-    return state_init.init_state(inner, offload, params, mask=mask, shard_dims=shard_dims,
-                                 fused=adamw)
+    return state_init.init_state(inner, offload, params, implementation=implementation,
+                                 mask=mask, shard_dims=shard_dims, fused=adamw)
 
   def update_fn(updates, state: OffloadedState, params=None, *, plan: Plan | None = None,
                 grad_scale: jax.Array | float | None = None, **extra_args):

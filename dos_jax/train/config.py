@@ -92,7 +92,7 @@ class OffloadConfig:
     platform: which program the optimizer builds: null (the backend's: the
       two-memory program on a GPU, the one-memory program on the CPU), 'gpu' (the
       two-memory program anywhere; on the CPU backend it runs with Pallas interpreted,
-      how the tests check it) or 'cpu' (dos_jax.Offload.platform). With the state
+      how the tests check it) or 'cpu' (dos_jax.Implementation.program). With the state
       split over several devices, the two-memory program packs it by each device's
       shards of the params (the sharding table's fsdp dimension), so that each device
       runs the one construction on its own columns (docs/design.md).

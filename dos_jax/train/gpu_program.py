@@ -73,7 +73,10 @@ def build_step(cfg: RunConfig, devices=None, compiler_options: Any = None,
   default). `abstract` (default: over several devices) builds abstract arguments;
   `profile`: the machine the early host calls are chosen for (default: on a GPU process
   0's calibrated one, as the runner; elsewhere the GPU node compiled for,
-  `COMPILED_FOR`, not this machine's CPU)."""
+  `COMPILED_FOR`, not this machine's CPU). The step is jitted with `compiler_options`
+  and traced told them (`step.told_options`); None: lower it inside
+  `dos_jax.compiled_with(options)` of the options it is compiled with (`compile_step`
+  does), else it is traced for XLA's default limit on asynchronous calls."""
   cfg = dataclasses.replace(
       cfg, model=dataclasses.replace(cfg.model, attention=cfg.model.attention_impl(platform)))
   devices = list(jax.devices()[:1] if devices is None else devices)
@@ -133,10 +136,10 @@ def compile_step(cfg: RunConfig, target: dataflow.GpuTarget | str = 'h100_sxm',
   options = step_lib.compiler_options_for('gpu') if compiler_options is None \
       else compiler_options
   native = compile_lib.prepare(target)  # before tracing: the kernel goes in host regions
-  with dos_jax.compiled_with(options):  # the step told their limit
-    program = build_step(cfg, devices, profile=profile)
-  lowered = dataflow.lower_for_gpu(
-      program.step, program.params, program.opt_state, program.tokens,
-      target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
+  program = build_step(cfg, devices, profile=profile)
+  with dos_jax.compiled_with(options):  # the step traced told their limit
+    lowered = dataflow.lower_for_gpu(
+        program.step, program.params, program.opt_state, program.tokens,
+        target=dataflow.GpuTarget.parse(target), kwargs={'plan': None})
   return compile_lib.compile_lowered(lowered, target, options, native_host_kernel=native,
                                      thunks=thunks, early_windows=early_windows)

@@ -105,27 +105,27 @@ def make_optimizer(
   )
   if offload is None or offload.placement is None:
     return optax.adamw(**kwargs)
-  made = make_offload(offload, platform, data_axis)
-  two_memories = made.target() is dos_jax.Program.TWO_MEMORIES
-  return dos_jax.adamw(**kwargs, offload=made,
+  implementation = make_implementation(offload, platform)
+  two_memories = implementation.target() is dos_jax.Program.TWO_MEMORIES
+  return dos_jax.adamw(**kwargs, offload=make_offload(offload, data_axis),
+                       implementation=implementation,
                        shard_dims=shard_dims if two_memories else None)
 
 
-def make_offload(cfg: OffloadConfig, platform: Any = None, data_axis: str = 'data') -> Any:
-  """The `dos_jax.Offload` value for the configured policy and subgroup size; the other
-  arguments as in `make_optimizer`."""
+def make_offload(cfg: OffloadConfig, data_axis: str = 'data') -> dos_jax.Offload:
+  """The `dos_jax.Offload` value for the configured policy, subgroup size and disk
+  tier; `data_axis` as in `make_optimizer`."""
   kwargs = {} if cfg.subgroup_size is None else {'subgroup_size': cfg.subgroup_size}
   if cfg.disk_dir is not None:
     cap = None if cfg.host_state_gib is None else int(cfg.host_state_gib * 2**30)
     kwargs['disk'] = dos_jax.Disk(os.path.abspath(cfg.disk_dir), host_state_bytes=cap)
-  platform = cfg.platform if platform is None else platform
-  if dos_jax.Offload(platform=platform).target() is dos_jax.Program.TWO_MEMORIES:
-    # The runner compiles the accelerator program with `compiler_options_for('gpu')`;
-    # a step built to be compiled with other options says so (`compiled_with`).
-    kwargs['async_compute_limit'] = dos_jax.compiled_limit() or \
-        compiler_options_for('gpu')['xla_gpu_experimental_parallel_async_compute_limit']
-  return dos_jax.Offload(policy=cfg.placement, platform=platform, data_axis=data_axis,
-                         **kwargs)
+  return dos_jax.Offload(policy=cfg.placement, data_axis=data_axis, **kwargs)
+
+
+def make_implementation(cfg: OffloadConfig, platform: Any = None) -> dos_jax.Implementation:
+  """The `dos_jax.Implementation` of the run: the program `platform` names (a
+  `dos_jax.Program`), else the config's `offload.platform`, else the backend's."""
+  return dos_jax.Implementation(program=cfg.platform if platform is None else platform)
 
 
 def clip_by_global_norm(grads: Params, max_norm: float | None) -> tuple[Params, jax.Array]:
@@ -181,6 +181,23 @@ def _update(tx: optax.GradientTransformation, params: Params, opt_state: OptStat
   return optax.apply_updates(params, updates), opt_state
 
 
+def told_options(fn: Callable, compiler_options: Mapping[str, Any] | None) -> Callable:
+  """`fn`, traced inside `dos_jax.compiled_with(compiler_options)`: the dos_jax update
+  in it reads the limit on asynchronous calls in flight of the options it is compiled
+  with. None (jax's defaults): `fn` itself, which reads what an enclosing
+  `compiled_with` says (a caller that compiles the lowered step itself), else
+  `XLA_FLAGS`, else XLA's 2."""
+  if compiler_options is None:
+    return fn
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with dos_jax.compiled_with(compiler_options):
+      return fn(*args, **kwargs)
+
+  return traced
+
+
 def _pinned(param_shardings: Any, state_shardings: Any) -> tuple[Any, Any] | None:
   """Output shardings: the inputs', except for a dos_jax state, which the transform
   places itself (memory kinds included) and whose tiers change with the plan."""
@@ -211,7 +228,8 @@ def make_train_step(
   compilation per plan. Output shardings are pinned to the inputs' (memory kinds
   included), so step t's outputs are valid inputs of step t+1 without a recompile.
   The clip factor goes to a dos_jax `tx` as `grad_scale` (module docstring).
-  `compiler_options` are XLA's (`compiler_options_for` gives the runner's).
+  `compiler_options` are XLA's (`compiler_options_for` gives the runner's); the step is
+  traced told them (`told_options`).
   `early_windows`: compile each plan's program with `dataflow.compile_step`, so that its
   early host calls start as soon as their gradients are in host memory (the runner's
   choice on a GPU); `call.compiles()` counts the programs either way.
@@ -226,7 +244,7 @@ def make_train_step(
 
   pinned = _pinned(param_shardings, state_shardings)
   jitted = jax.jit(
-      train_step,
+      told_options(train_step, compiler_options),
       static_argnames=('plan',),
       donate_argnums=(0, 1),
       out_shardings=None if pinned is None else (*pinned, None),
@@ -286,15 +304,16 @@ def make_update_step(
 ) -> Callable[..., tuple[Params, OptState]]:
   """The second program of the split step: jitted `(params, opt_state, grads,
   grad_scale=None, plan=None) -> (params, opt_state)`, donating params and optimizer
-  state, `plan` static (one compilation per plan), output shardings pinned as in
-  `make_train_step`. Its wall time is the update phase the cost model predicts.
+  state, `plan` static (one compilation per plan), output shardings pinned and
+  `compiler_options` told as in `make_train_step`. Its wall time is the update phase
+  the cost model predicts.
   """
 
   def update_step(params, opt_state, grads, grad_scale, plan):
     return _update(tx, params, opt_state, grads, grad_scale, plan)
 
   jitted = jax.jit(
-      update_step,
+      told_options(update_step, compiler_options),
       static_argnames=('plan',),
       donate_argnums=(0, 1),
       out_shardings=_pinned(param_shardings, state_shardings),

@@ -212,7 +212,7 @@ def _check_disk_processes(cfg: RunConfig, mesh: jax.sharding.Mesh) -> None:
   processes = agree.processes()
   if cfg.offload.disk_dir is None or processes == 1:
     return
-  if mesh_lib.has_fsdp(mesh) and step_lib.make_offload(
+  if mesh_lib.has_fsdp(mesh) and step_lib.make_implementation(
       cfg.offload).target() is not dos_jax.Program.TWO_MEMORIES:
     raise ConfigError(f'offload.disk_dir: a ZeRO-3 run (mesh.fsdp={cfg.mesh.fsdp}) of '
                       f'{processes} processes keeps its optimizer state on disk only in the '
