@@ -147,14 +147,6 @@ _STAGED_MEMORY = ('staged lowering (jax 0.12): each stream region holds one stre
                   'the compiled update-bound step peaks at 5.03 MB (16384) / 5.90 MB (65536) '
                   'against 6.49 / 6.69 MB predicted: the prediction\'s update phase packs '
                   'every device row with its params at once, 13-29% over, on the safe side')
-_STAGED_SHARDED = ('staged lowering (jax 0.12) inside shard_map: each device runs its lanes in '
-                   'stages, 8 stream calls and a host call per stage (measured: 8 stream '
-                   'calls, 6 host calls with early calls) where this test reads 0.11\'s '
-                   'one-group layout (one host call, 2 stream calls, 3 calls with early '
-                   'ones); the staged sharded step\'s own facts are not yet asserted')
-_STAGED_DISK = ('staged lowering (jax 0.12): the disk call is the last stage\'s host call, and '
-                'the earlier stages\' stream calls run beside their own host calls, not the '
-                'disk call, which is what this test asserts')
 _STAGED_EARLY_WINDOW = ('jax 0.12.0.1, fp32, one early call: the scheduler gives the early '
                         'call a window of 5 instructions (start 67, done 72) holding a '
                         'reduce fusion but no backward gemm; it still starts during the '

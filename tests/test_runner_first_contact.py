@@ -8,6 +8,7 @@ import io
 import os
 import stat
 
+import numpy as np
 import pytest
 
 from dos_jax import cache, cli
@@ -219,3 +220,14 @@ def test_the_gpu_checks_step_part_runs_on_this_machines_backend(tmp_path):
   report = json.loads(out.read_text())
   report = report[0] if isinstance(report, list) else report
   assert report['steps'] == 2 and report['median_step_s'] > 0, report
+  assert report['backend'] == 'cpu', report  # resolved for this machine, not a GPU
+  # Uniformly random tokens: nothing to learn in three steps, so the loss of the fresh
+  # model is the uniform code length ln(vocab) (within 0.5 nats; an update that blew
+  # up, or a step that never ran the model, would be far from it).
+  from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
+  vocab = config_lib.load(None, []).model.shape().vocab_size
+  assert abs(report['loss'] - np.log(vocab)) < 0.5, (report['loss'], np.log(vocab))
+  cfg = config_lib.load(None, [])
+  tokens = cfg.data.batch_size * cfg.data.seq_len
+  np.testing.assert_allclose(report['tokens_per_s'], tokens / report['median_step_s'],
+                             rtol=1e-3)
