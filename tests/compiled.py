@@ -144,9 +144,14 @@ _EARLY_FP32_MEMORY = ('fp32 params, an early host call (the H100 node\'s choice)
                       'buffers at the peak): XLA\'s buffer assignment packs the early-call '
                       'step\'s temporaries less tightly. Not the undo (the kernel\'s own)')
 _STAGED_MEMORY = ('staged lowering (jax 0.12): each stream region holds one streamed row, and '
-                  'the compiled update-bound step peaks at 5.03 MB (16384) / 5.90 MB (65536) '
-                  'against 6.49 / 6.69 MB predicted: the prediction\'s update phase packs '
-                  'every device row with its params at once, 13-29% over, on the safe side')
+                  'the compiled update-bound step peaks at 5.03 MB (16384) against 6.49 MB '
+                  'predicted: the prediction\'s update phase packs every device row with '
+                  'its params at once, 29% over, on the safe side (65536: within 10%)')
+_STAGED_RUNNER_MEMORY = ('staged lowering (jax 0.12.0.1), the runner\'s tiny bf16 Stride(2) step: '
+                         'the compiled step peaks at 62.6 MB against 54.6 MB predicted (13% '
+                         'under; measured 2026-12-02, the same on the tree before that day\'s '
+                         'sharded and disk stages, passing on 0.11.2); the cause is not '
+                         'bisected')
 _STAGED_EARLY_WINDOW = ('jax 0.12.0.1, fp32, one early call: the scheduler gives the early '
                         'call a window of 5 instructions (start 67, done 72) holding a '
                         'reduce fusion but no backward gemm; it still starts during the '
@@ -164,8 +169,10 @@ _FSDP4_125M_MEMORY = ('fsdp 4, 125m L2 shard-major: the compiled step now holds 
 _SHARDED = 'tests/test_compiled_sharded_region.py::'
 _KNOWN_BY_VERSION = {
     (0, 12): {
-        **{f'tests/test_step_memory.py::test_per_subgroup_stream_holds_every_streamed_row[{n}]':
-           _STAGED_MEMORY for n in (16384, 65536)},
+        'tests/test_step_memory.py::test_per_subgroup_stream_holds_every_streamed_row[16384]':
+            _STAGED_MEMORY,
+        'tests/test_step_memory.py::test_prediction_within_10_percent_of_the_compiled_h100_'
+        'step[stride-bfloat16]': _STAGED_RUNNER_MEMORY,
         'tests/test_compiled_early_chunks.py::test_early_host_chunks_start_during_the_backward_'
         'pass[5-4096-float32-2]': _STAGED_EARLY_WINDOW,
         'tests/test_compiled_family.py::test_family_step_holds_what_its_construction_guarantees'
