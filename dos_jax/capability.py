@@ -57,7 +57,7 @@ def capability(kernel: Kernel, fused: AdamWHyperparams | None, step: paths.RowSt
     kernel: which kernel.
     fused: AdamW's hyperparameters when the transform is `dos_jax.adamw`, else None.
     step: the step's row update (its slots, master, dtypes).
-    program: the program the state was built for (`Partition.split`).
+    program: the program the state was built for (`Partition.two_memories`).
     grad_leaves: the step's gradient leaves (read by `Kernel.NATIVE_HOST` only).
 
   Returns:

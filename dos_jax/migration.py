@@ -82,7 +82,7 @@ def partition_for(plan: Plan, state: OffloadedState,
   """The partition `plan` runs on, in the program of `state`, with `early` host calls
   (None: the state's where the tiers stay as they are, else the fixed rule)."""
   old = state.partition
-  new = partition_lib.for_plan(plan, old.split, early=early, disk=old.spill)
+  new = partition_lib.for_plan(plan, old.two_memories, early=early, disk=old.spill)
   if early is None and dataclasses.replace(new, early=old.early) == old:
     return old
   return new
@@ -105,7 +105,7 @@ def migrate_state(state: OffloadedState, plan: Plan,
     return state.with_tiers(state.tiers, wanted)  # the schedule alone changes
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
     return moved_in_trace(state, wanted)
-  if wanted.per_subgroup:
+  if wanted.two_memories:
     return _move_blocks(state, wanted)
   return _rebuild_concrete(state, wanted)
 
@@ -113,7 +113,7 @@ def migrate_state(state: OffloadedState, plan: Plan,
 def moved_in_trace(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
   """`state` with its rows in the tiers of `wanted`, as ops of the program being traced
   (see the module docstring)."""
-  if wanted.per_subgroup:
+  if wanted.two_memories:
     return _move_blocks(state, wanted)
   return _rebuild(state, wanted)
 
@@ -146,7 +146,7 @@ def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> Offloade
   (host tiers sliced inside host regions in the accelerator program). Device memory
   holds moved rows only when they become resident."""
   old = state.partition
-  region = memory_spaces.host_region if wanted.split else (lambda fn: fn)
+  region = memory_spaces.host_region if wanted.two_memories else (lambda fn: fn)
   old_blocks = {t: partition_lib.blocks_of(state.tier(t), len(old.blocks(t))) for t in TIERS}
   tiers = dict(state.tiers)
   for tier in TIERS:

@@ -161,7 +161,7 @@ def test_state_lives_in_pinned_host(policy, platform, seed):
   # stored per subgroup (the accelerator program), an empty tier has no array.
   for tier, arrays in state.tiers.items():
     want = 'device' if tier is Tier.RESIDENT else 'pinned_host'
-    held = bool(state.partition.ids(tier)) or not state.partition.per_subgroup
+    held = bool(state.partition.ids(tier)) or not state.partition.two_memories
     assert {x.sharding.memory_kind for x in arrays} == ({want} if held else set()), tier
   # Step counts are scalars and stay in device memory.
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 0} == {'device'}

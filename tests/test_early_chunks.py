@@ -212,7 +212,7 @@ def test_early_calls_under_clipping_match_optax(seed):
 
 def test_host_call_order_follows_the_backward_pass():
   plan = dos_jax.Plan(streamed=(0, 2, 4, 6), host=(1, 3, 5, 7))
-  part = partition_lib.for_plan(plan, split=True)
+  part = partition_lib.for_plan(plan, two_memories=True)
   blocks = part.blocks(Tier.HOST)
   assert [blocks[b] for b in early_chunks.host_blocks(part)] == [(7,), (5,), (3,), (1,)]
   # The blocks without weight decay (the norm scales, complete at the end of the

@@ -42,7 +42,7 @@ def test_the_timeline_takes_the_host_rows_in_the_steps_order():
   from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
   spec = dataclasses.replace(SPEC, decayed_rows=68)  # rows 68 and 69: the norm scales
   plan = AllHost().plan(spec)
-  part = partition.for_plan(plan, split=True)
+  part = partition.for_plan(plan, two_memories=True)
   blocks = part.blocks(partition.Tier.HOST)
   want = [blocks[b][0] for b in early_chunks.host_blocks(part, spec.decayed_rows)]
   assert timeline.host_order(spec, plan) == want

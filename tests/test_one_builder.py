@@ -61,7 +61,7 @@ def test_compile_gpu_builds_the_runners_step(name, layers):
   runner = _runner_state(cfg)
   assert compiled.partition == runner.partition  # plan, stream order, buffers, host calls
   assert compiled.layout == runner.layout
-  assert compiled.partition.split and compiled.partition.per_subgroup
+  assert compiled.partition.two_memories
   # The host calls are the cost model's for this profile and the run's backward pass.
   chooser = timeline.EarlyChooser(PROFILE, backward_seconds=optimizer_lib.backward_seconds(
       cfg, 1))
@@ -119,6 +119,6 @@ def test_the_runner_builds_through_the_one_builder(monkeypatch, tmp_path):
   trainer = trainer_lib.build(cfg, devices=jax.devices()[:1])
   assert len(calls) == 1
   state = _state(trainer.opt_state)
-  assert state.partition.split  # offload.platform=gpu: the accelerator program
+  assert state.partition.two_memories  # offload.platform=gpu: the accelerator program
   assert state.partition.early == dos_jax.geometry.partition.early_host_calls(
       len(state.partition.host))  # on a CPU backend: the fixed rule

@@ -61,7 +61,7 @@ def test_the_readme_optimizer_is_per_subgroup_with_the_rules_early_calls():
   _, _, state = _readme_mlp_abstract()
   part = state[-1].partition
   assert state[-1].layout.num_subgroups == LAYERS
-  assert part.per_subgroup and part.split
+  assert part.two_memories
   assert all(len(ids) == 1 for t in partition_lib.TIERS for ids in part.blocks(t))
   assert len(part.host) == LAYERS // 2
   assert part.early and part.early == partition_lib.early_host_calls(len(part.host)), part
@@ -124,7 +124,7 @@ def test_the_one_construction_matches_optax(seed):
   ref = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(1e-3, weight_decay=0.1))
   state, ref_state = opt.init(params), ref.init(params)
   part = state[-1].partition
-  assert part.per_subgroup and len(part.host) == LAYERS // 2
+  assert part.two_memories and len(part.host) == LAYERS // 2
   assert part.early == partition_lib.early_host_calls(LAYERS // 2) != ()
   step, ref_step = jax.jit(_step(opt), donate_argnums=(1,)), jax.jit(_step(ref))
   ref_params = params

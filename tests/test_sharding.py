@@ -57,7 +57,7 @@ def test_sharded_matches_unsharded(policy, extra, seed):
   # ZeRO-1: the host state is split over the data axis, in pinned_host memory.
   leaves = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
   assert leaves
-  assert state.partition.per_subgroup == bool(extra)
+  assert state.partition.two_memories == bool(extra)
   for leaf in leaves:
     if leaf.ndim == 3:
       assert leaf.sharding.memory_kind == 'pinned_host'
@@ -75,7 +75,7 @@ def test_explicit_axes_mesh_is_accepted(extra):
   params = {'w': jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('data', None)))}
   offload = dos_jax.Offload(subgroup_size=16, policy=dos_jax.Stride(2))
   state = dos_jax.adamw(1e-3, offload=offload, **extra).init(params)
-  assert state.partition.per_subgroup == bool(extra)
+  assert state.partition.two_memories == bool(extra)
   rows = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
   assert rows and all(x.sharding.spec == P(None, None, 'data') for x in rows)
 

@@ -198,7 +198,7 @@ def test_a_stream_that_does_not_fit_is_named_before_xla_allocates():
   opt_state = dos_jax.abstract_state(tx, params)
   states = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
       x, dos_jax.OffloadedState)) if isinstance(x, dos_jax.OffloadedState)]
-  assert states[0].partition.per_subgroup
+  assert states[0].partition.two_memories
   plan = cfg.offload.placement.plan(states[0].layout.spec())
   assert len(plan.streamed) > plan.buffers
   budget, _ = memory.run_budget(cfg, devices, 1e12)

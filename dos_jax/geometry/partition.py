@@ -70,7 +70,7 @@ class Partition:
 
   Attributes:
     host, streamed, resident: the subgroups of each tier (see `Tier`), ascending.
-    split: the accelerator program's partition (see `for_plan`): every subgroup is
+    two_memories: the accelerator program's partition (see `for_plan`): every subgroup is
       its own block. Otherwise the one-memory program's single array.
     stream: the streamed subgroups in the order the stream reaches them (the plan's).
     buffers: streamed rows in flight at once: the step's stream lanes.
@@ -91,7 +91,7 @@ class Partition:
   host: tuple[int, ...]
   streamed: tuple[int, ...] = ()
   resident: tuple[int, ...] = ()
-  split: bool = True
+  two_memories: bool = True
   stream: tuple[int, ...] = ()
   buffers: int = 2
   early: tuple[int, ...] = ()
@@ -101,11 +101,6 @@ class Partition:
   disk_shards: int = 1
   disk_replicas: int = 1
   disk_axis: str | None = None
-
-  @property
-  def per_subgroup(self) -> bool:
-    """Each subgroup's rows are their own arrays: the accelerator program's storage."""
-    return self.split
 
   @property
   def plan(self) -> Plan:
@@ -128,7 +123,7 @@ class Partition:
     if early is not None and sum(early) >= len(self.host):
       early = None  # chosen for more host subgroups in memory than this partition has
     early = early_host_calls(len(self.host)) if early is None else tuple(early)
-    return dataclasses.replace(self, early=early if self.split else ())
+    return dataclasses.replace(self, early=early if self.two_memories else ())
 
   def __post_init__(self):
     for tier in TIERS + (Tier.DISK,):
@@ -158,7 +153,7 @@ class Partition:
     subgroup (the accelerator program), or the whole tier as one block (also when it is
     empty: its arrays then have no row)."""
     ids = self.ids(tier)
-    if self.per_subgroup:
+    if self.two_memories:
       return tuple((g,) for g in ids)
     return (ids,)
 
@@ -213,11 +208,11 @@ def host_calls(items, early) -> list[list]:
   return parts + [items[at:]]
 
 
-def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None,
+def for_plan(plan: Plan, two_memories: bool, early: tuple[int, ...] | None = None,
              disk: 'DiskSpill | None' = None) -> Partition:
   """The partition a plan runs on.
 
-  With `split` (the accelerator program) each of the plan's three placements is its
+  With `two_memories` (the accelerator program) each of the plan's three placements is its
   own tier: resident subgroups in device memory, streamed and host subgroups in pinned
   host memory, one block per subgroup; `early` gives its early host calls (None: the
   rule, `early_host_calls`). Without it (one memory, the CPU program) every subgroup
@@ -227,10 +222,10 @@ def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None,
   """
   everything = tuple(range(plan.num_subgroups))
   if plan.all_resident:
-    return Partition(host=(), resident=everything, split=split)
-  if not split:
+    return Partition(host=(), resident=everything, two_memories=two_memories)
+  if not two_memories:
     host, on_disk = spill_to_disk(everything, disk)
-    return Partition(host=host, split=False, **_disk_fields(on_disk, disk))
+    return Partition(host=host, two_memories=False, **_disk_fields(on_disk, disk))
   host, on_disk = spill_to_disk(tuple(sorted(plan.host)), disk)
   part = Partition(host=host, streamed=tuple(sorted(plan.streamed)),
                    resident=tuple(sorted(plan.resident)), stream=tuple(plan.streamed),

@@ -53,7 +53,7 @@ def spill_of(disk, slots: slots_lib.Slots, size: int, mesh=None, data_axis: str 
                                  None if mesh is None else data_axis)
 
 
-def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, split: bool,
+def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, two_memories: bool,
                  mesh=None, params=None) -> None:
   """Raises a one-line error naming `Offload.disk` when the disk tier cannot hold this
   state: it takes AdamW's fp32 state, with the native kernel built, and params on one
@@ -71,7 +71,7 @@ def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, split
   if not host_adamw_disk.disk_kernel_available():
     raise RuntimeError('Offload.disk needs the native disk kernel: '
                        + host_adamw_disk.disk_kernel_unavailable_reason())
-  if split:
+  if two_memories:
     ok, why = host_adamw_disk.disk_kernel_in_accelerator_programs()
     if not ok:
       raise ValueError(f'Offload.disk: the GPU plugin cannot run the disk kernel in its host '
@@ -223,7 +223,7 @@ def update(context, base_step: paths.RowStep, gen, index=None, subgroups=None, l
                                            shard=index, **kernel_args)
 
   args = (gen, index, grads, params, arrays, link)
-  out, new_gen = _in_host_region(run, args, base_step) if part.split else run(*args)
+  out, new_gen = _in_host_region(run, args, base_step) if part.two_memories else run(*args)
   return new_gen, [(out, runs)]
 
 
@@ -303,7 +303,7 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
   def per_device(gen, grads, arrays, *params):
     args = (gen, file_index(part, axis, mesh.axis_names), grads, arrays,
             params[0] if params else None)
-    return _in_host_region(kernel, args, base_step) if part.split else kernel(*args)
+    return _in_host_region(kernel, args, base_step) if part.two_memories else kernel(*args)
 
   extra = () if params is None else (params,)
   out, new_gen = jax.shard_map(

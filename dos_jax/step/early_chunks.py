@@ -71,7 +71,7 @@ def host_blocks(part: partition_lib.Partition, decayed_rows: int | None = None) 
   >>> import dos_jax
   >>> from dos_jax.geometry import partition
   >>> part = partition.for_plan(dos_jax.Plan(streamed=(0, 2, 4), host=(1, 3, 5)),
-  ...                           split=True)
+  ...                           two_memories=True)
   >>> [part.blocks(partition.Tier.HOST)[b] for b in host_blocks(part, decayed_rows=5)]
   [(3,), (1,), (5,)]
   """

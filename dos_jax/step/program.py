@@ -103,7 +103,7 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
   the host-bound gradients sent to host memory where no early host call takes them, and
   how the step is built (`construction.resolve`: decided here, once)."""
   options, layout, part = kernels.options, state.layout, state.partition
-  program = Program.TWO_MEMORIES if part.split else Program.ONE_MEMORY
+  program = Program.TWO_MEMORIES if part.two_memories else Program.ONE_MEMORY
   grad_dtype = _common_dtype(grad_leaves, layout.state_dtype)
   # Shard-major (ZeRO-3): the leaves as each device's own shards (see `layout`).
   views = functools.partial(layout_lib.shard_views, layout=layout, mesh=mesh,
@@ -119,7 +119,7 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
       Kernel.NATIVE_HOST, kernels.fused, base_step, program, grad_leaves).usable
   host_grad_pieces = {}
   built = construction.resolve(part, layout, mesh, options, native)
-  if part.split and not built.per_block and not (built.two_streams and built.sharded):
+  if part.two_memories and not built.per_block and not (built.two_streams and built.sharded):
     # A sharded state's native host path takes its gradients as rows split over the
     # data axis (see `tier_updates.host_rows`).
     rows = None

@@ -102,7 +102,7 @@ class StepContext:
   host_shared: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
   @property
-  def split(self) -> bool:
+  def two_memories(self) -> bool:
     """The accelerator program: host and device memories apart."""
     return self.program is Program.TWO_MEMORIES
 
@@ -138,7 +138,7 @@ class StepContext:
     the device update (see `gate_device_update`, which gates on the gradient pieces
     alone and let small scalar copies slip behind the device loop in some programs).
     """
-    if not self.split or not self.host_inputs:
+    if not self.two_memories or not self.host_inputs:
       return self
     _, leaves = lax.optimization_barrier((self.host_inputs, list(self.grad_leaves)))
     return dataclasses.replace(self, grad_leaves=list(leaves), host_inputs=[])

@@ -100,7 +100,7 @@ def choose_early_calls(cfg: RunConfig, opt_state: Any, num_devices: int,
       profile if profile is not None else agree.shared_profile(),
       backward_seconds=backward_seconds(cfg, num_devices))
   for state in _states(opt_state):
-    if state.partition.split:
+    if state.partition.two_memories:
       plan = state.partition.plan
       opt_state = dos_jax.migrate(opt_state, plan,
                                   early=chooser.early_chunks(state.layout.spec(), plan))
@@ -146,7 +146,7 @@ def replan_early(cfg: RunConfig, opt_state: Any, num_devices: int, rollbacks: in
         profile if profile is not None else agree.shared_profile(),
         backward_seconds=backward_seconds(cfg, num_devices), clip_rate=rate).early_chunks
   for state in _states(opt_state):
-    if state.partition.split:
+    if state.partition.two_memories:
       plan = state.partition.plan
       early = choose(state.layout.spec(), plan)
       if early is not None:
