@@ -7,7 +7,7 @@ donated step would otherwise pair a host-memory input buffer with a device-memor
 of the same shape, which the runtime rejects by aborting). What a move costs depends on
 the program:
 
-* The accelerator program stores every row as its own buffer. A row whose memory stays
+* The two-memory program stores every row as its own buffer. A row whose memory stays
   the same (host <-> streamed, both in pinned host memory) is handed to its new tier as
   it is, the same array; a row that moves between host and device memory is copied
   once, to where it goes. Nothing else is copied: the memory a plan change adds is the
@@ -53,7 +53,7 @@ def migrate(opt_state: Any, plan: Plan, *, early: tuple[int, ...] | None = None)
   """`opt_state` with every `OffloadedState` in it laid out for `plan`.
 
   Call it between steps when the plan changes (the runner does, for `Auto`): the step
-  that then runs finds its tiers in place. `early`: the accelerator program's early host
+  that then runs finds its tiers in place. `early`: the two-memory program's early host
   calls (`Partition.early`, e.g. a cost model's `timeline.choose_early_chunks`); None
   keeps the state's where its tiers stay, else takes the fixed rule. When nothing
   changes, `opt_state` itself is returned. See the module docstring for what is copied.
@@ -143,7 +143,7 @@ def _rebuild_program(wanted: partition_lib.Partition, shardings: tuple) -> Calla
 
 def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
   """One array per tier: the changed tiers' blocks rebuilt from runs of consecutive rows
-  (host tiers sliced inside host regions in the accelerator program). Device memory
+  (host tiers sliced inside host regions in the two-memory program). Device memory
   holds moved rows only when they become resident."""
   old = state.partition
   region = memory_spaces.host_region if wanted.two_memories else (lambda fn: fn)

@@ -212,7 +212,7 @@ ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
 }
 
 // Out as (G, S) rows, the state updated in its argument's own buffer: no state result.
-// For the accelerator program's host region. XLA gives an asynchronous host call's
+// For the two-memory program's host region. XLA gives an asynchronous host call's
 // results buffers of their own, separate from its arguments' (it cannot alias them), so
 // a state result there costs a host->host copy of the state into the donated buffer on
 // every step; written in the argument, the state needs no result. The caller must hand

@@ -195,7 +195,7 @@ KNOWN_REGRESSIONS_ALL_VERSIONS = {
 
 
 def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
-  """`(host calls, stream calls updating device rows)` the accelerator-program step of
+  """`(host calls, stream calls updating device rows)` the two-memory-program step of
   `state` compiles to under the lowering this jax gets (`device_stream.lowering`), traced
   for `limit` asynchronous calls in flight: one host call per early call and the last
   (`IN_REGION`), or per early call and per stage (`STAGED`, `step.stages.layout`), and one

@@ -1,5 +1,5 @@
 """The host tier in early host calls (`Partition.early`, `dos_jax.step.early_chunks`) on
-the CPU backend (the accelerator program's numbers; Pallas in interpret mode), stored per
+the CPU backend (the two-memory program's numbers; Pallas in interpret mode), stored per
 subgroup, fp32 and bf16 params. A test picks the early calls of a state with
 `dos_jax.migrate(state, plan, early=...)` (`_with_early`).
 

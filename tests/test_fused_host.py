@@ -202,7 +202,7 @@ def test_mixed_gradient_dtypes_stay_on_the_xla_path(seed):
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
 def test_accelerator_form_on_cpu(policy, dtype, seed):
-  """The accelerator program (host gradients copied to host memory piece by piece, the
+  """The two-memory program (host gradients copied to host memory piece by piece, the
   native call in a host region, out rows copied back), run on the CPU backend: the same
   results as the XLA path of the CPU program (its host rows and their params bit for
   bit on jax 0.10; its streamed rows and their params within an ulp)."""
@@ -271,7 +271,7 @@ def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, monk
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.Stride(1), dos_jax.Stride(2)], ids=repr)
 def test_pallas_device_path_matches_xla(policy, dtype, seed):
-  """The accelerator program's device path: each streamed subgroup updated by the Pallas
+  """The two-memory program's device path: each streamed subgroup updated by the Pallas
   AdamW (interpret mode on the CPU backend), against the XLA path.
   Tolerance: the kernels agree with optax to rtol 1e-6 per step (kernel tests)."""
   params = random_tree(seed, dtype)

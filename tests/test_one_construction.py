@@ -1,5 +1,5 @@
 """One construction, no knobs (issue 40): the README's optimizer, `Offload(policy=Stride(2))`
-with nothing else set, on the accelerator program (`Implementation(program='gpu')`), builds
+with nothing else set, on the two-memory program (`Implementation(program='gpu')`), builds
 its one construction: its state stored per subgroup, early host calls by the fixed rule
 (`partition.early_host_calls`), several host calls in the program lowered for 'cuda',
 and optax's numbers; and the same step lowered twice in one process is one program.
@@ -25,7 +25,7 @@ MAX_NORM = 1.0
 
 def _readme_optimizer(**offload):
   """The README's optimizer: clipping chained with dos_jax's AdamW, `Stride(2)` on the
-  accelerator program and, unless given, every other `Offload` field at its default."""
+  two-memory program and, unless given, every other `Offload` field at its default."""
   adamw = dos_jax.adamw(1e-3, weight_decay=0.1,
                         offload=dos_jax.Offload(policy=dos_jax.Stride(2), **offload),
                         implementation=dos_jax.Implementation(program='gpu'))

@@ -1,4 +1,4 @@
-"""Per-subgroup storage, the accelerator program's one storage: every subgroup's state
+"""Per-subgroup storage, the two-memory program's one storage: every subgroup's state
 its own buffers, so that a plan change moves only the rows that change tier and holds no tier
 twice. The math against optax for every placement mix, exact moves that copy only the
 rows changing memory, donated steps across plan changes (the runner's way), one
@@ -219,7 +219,7 @@ def dataset(tmp_path_factory):
 @pytest.mark.slow
 def test_the_trainer_moves_the_state_when_the_plan_changes(dataset):
   """The runner's steps (params and state donated, output shardings pinned) across
-  plan changes of the accelerator program, host <-> device included: the state is moved
+  plan changes of the two-memory program, host <-> device included: the state is moved
   before the step that needs it (timed as `migrate_s`), one program per plan and form,
   and the training is optax's."""
   cfg = config.load(None, [f'data.path={dataset}', *SMALL, 'model.compute_dtype=float32',

@@ -182,7 +182,7 @@ def test_a_stream_that_does_not_fit_is_named_before_xla_allocates():
   fit the device memory beside the model fails up front with one line naming
   `offload.policy`; the same plan fits with room to spare, and a stream without stream
   regions (a jax that builds none), which holds `buffers` rows, needs less. The
-  accelerator program's state, built abstractly; the device memory is given."""
+  two-memory program's state, built abstractly; the device memory is given."""
   from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   from dos_jax.train import optimizer as optimizer_lib  # pylint: disable=import-outside-toplevel
   from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel

@@ -108,7 +108,7 @@ def _plans(layout_spec):
 
 
 def distinct_state(seed):
-  """An AllHost state of the accelerator program whose every element differs (the
+  """An AllHost state of the two-memory program whose every element differs (the
   moments start as zeros), and its rows in subgroup order."""
   ours, _ = make_pair(dos_jax.AllHost(), platform='gpu')
   state = ours.init(random_tree(seed))

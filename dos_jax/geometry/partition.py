@@ -1,7 +1,7 @@
 """Which subgroups are stored in which tier of the optimizer state, and where each
 leaf's elements fall inside a tier.
 
-The accelerator program keeps the state of the host-updated and of the device-streamed
+The two-memory program keeps the state of the host-updated and of the device-streamed
 subgroups in separate arrays (see `Tier`). Both paths of one step then read and write
 only their own array: no value flows from one to the other, and XLA is free to run the
 host region and the device stream at the same time. Within a tier, rows are stored in
@@ -9,7 +9,7 @@ ascending subgroup order, so the weight-decayed subgroups (the layout packs them
 are the tier's leading rows and "decayed" stays one threshold per tier.
 
 A tier is stored in *blocks*, each one `(R_b, K, S)` array per dtype (see `slots`). The
-accelerator program keeps one block per subgroup: a plan change then moves only the rows
+two-memory program keeps one block per subgroup: a plan change then moves only the rows
 that change tier, and a row that stays keeps its buffer (see `migration`). The
 one-memory program keeps its state as one array (one block).
 
@@ -65,12 +65,12 @@ TIERS = (Tier.HOST, Tier.STREAMED, Tier.RESIDENT)
 @dataclasses.dataclass(frozen=True)
 class Partition:
   """The subgroups of each tier, ascending, every subgroup in exactly one tier, and how
-  the accelerator program's step runs them: static metadata of the state (array shapes
+  the two-memory program's step runs them: static metadata of the state (array shapes
   depend on it), hashable, so that the step depends on the state alone.
 
   Attributes:
     host, streamed, resident: the subgroups of each tier (see `Tier`), ascending.
-    two_memories: the accelerator program's partition (see `for_plan`): every subgroup is
+    two_memories: the two-memory program's partition (see `for_plan`): every subgroup is
       its own block. Otherwise the one-memory program's single array.
     stream: the streamed subgroups in the order the stream reaches them (the plan's).
     buffers: streamed rows in flight at once: the step's stream lanes.
@@ -150,7 +150,7 @@ class Partition:
 
   def blocks(self, tier: Tier) -> tuple[tuple[int, ...], ...]:
     """The subgroups of each of `tier`'s blocks, in storage order: one block per
-    subgroup (the accelerator program), or the whole tier as one block (also when it is
+    subgroup (the two-memory program), or the whole tier as one block (also when it is
     empty: its arrays then have no row)."""
     ids = self.ids(tier)
     if self.two_memories:
@@ -212,7 +212,7 @@ def for_plan(plan: Plan, two_memories: bool, early: tuple[int, ...] | None = Non
              disk: 'DiskSpill | None' = None) -> Partition:
   """The partition a plan runs on.
 
-  With `two_memories` (the accelerator program) each of the plan's three placements is its
+  With `two_memories` (the two-memory program) each of the plan's three placements is its
   own tier: resident subgroups in device memory, streamed and host subgroups in pinned
   host memory, one block per subgroup; `early` gives its early host calls (None: the
   rule, `early_host_calls`). Without it (one memory, the CPU program) every subgroup

@@ -1,5 +1,5 @@
 """How a step is built: `resolve` decides it once (`Construction`, with the reason for
-each choice), and whether the accelerator program's step runs its host and device
+each choice), and whether the two-memory program's step runs its host and device
 halves on two streams (`on_two_streams`; the runner's memory check asks
 `stream_regions`)."""
 
@@ -14,7 +14,7 @@ from dos_jax.step import device_stream
 
 def on_two_streams(part, layout, mesh) -> bool:
   """Whether the step runs the host and device halves concurrently by construction
-  (`dos_jax.step.lanes`): an accelerator-program state with host subgroups (in memory
+  (`dos_jax.step.lanes`): a two-memory-program state with host subgroups (in memory
   or on disk) and device ones, unsharded or packed shard-major (each device then runs
   the construction on its own columns; `device_stream.available`)."""
   return bool(part.two_memories and device_stream.available()
@@ -31,7 +31,7 @@ def step_mesh(sharded):
 
 
 def stream_regions(state: OffloadedState) -> bool:
-  """Whether the accelerator program's step of `state` holds its streamed rows in
+  """Whether the two-memory program's step of `state` holds its streamed rows in
   stream regions, which XLA keeps live until they are done: what
   `planner.costmodel.streamed_elements_held` needs to count the stream's memory.
 

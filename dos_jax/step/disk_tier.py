@@ -9,7 +9,7 @@ leaves the generation, so the state, where it was; `optax.apply_if_finite` keepi
 state keeps the old generation, whose files the step did not touch.
 
 The disk subgroups are updated after the gradients' clip factor is known (no
-speculation), in the one-memory program as they are, in the accelerator program inside a
+speculation), in the one-memory program as they are, in the two-memory program inside a
 host region of their own: the host call the device tiers' stream lanes run beside
 (`step.program`; on a GPU the kernel is registered in the CUDA plugin,
 `kernels.plugin_kernel`). Which files a process holds, and reading and writing them
@@ -57,7 +57,7 @@ def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, two_m
                  mesh=None, params=None) -> None:
   """Raises a one-line error naming `Offload.disk` when the disk tier cannot hold this
   state: it takes AdamW's fp32 state, with the native kernel built, and params on one
-  device or on a mesh with the data axis (`mesh`); the accelerator program where its
+  device or on a mesh with the data axis (`mesh`); the two-memory program where its
   host regions can call the kernel (on a GPU: the CUDA plugin took the handler,
   `kernels.plugin_kernel`)."""
   if fused is None or fused_lib.slot_rows(slots, layout.needs_master) is None:
@@ -72,7 +72,7 @@ def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, two_m
     raise RuntimeError('Offload.disk needs the native disk kernel: '
                        + host_adamw_disk.disk_kernel_unavailable_reason())
   if two_memories:
-    ok, why = host_adamw_disk.disk_kernel_in_accelerator_programs()
+    ok, why = host_adamw_disk.disk_kernel_in_two_memory_programs()
     if not ok:
       raise ValueError(f'Offload.disk: the GPU plugin cannot run the disk kernel in its host '
                        f'regions ({why}); leave Offload.disk unset (offload.disk_dir: null)')
@@ -276,7 +276,7 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
   """The disk tier on a mesh: each device's kernel call on its columns of the rows (the
   state split over the data axis: ZeRO-1, and ZeRO-3's shard-major packing) in its own
   files (`disk_files.live_path`: its data shard's, of its copy on the other axes); in
-  the accelerator program inside a host region, as the in-memory host tier's
+  the two-memory program inside a host region, as the in-memory host tier's
   (`fused.sharded_host_region_update`). The rows are packed on the device, where XLA
   can move the pieces between devices (`tier_updates.host_rows`)."""
   part, layout, mesh = context.part, context.layout, context.mesh

@@ -1,6 +1,6 @@
 """The host tier in K host calls that start during the backward pass.
 
-The accelerator program splits the host subgroups into calls in backward order (the last
+The two-memory program splits the host subgroups into calls in backward order (the last
 subgroups first: the backward pass makes their gradients first; those without weight
 decay last, `host_blocks`): early calls of the sizes in `Partition.early` (what
 `dos_jax.planner.timeline.choose_early_chunks` or the fixed rule

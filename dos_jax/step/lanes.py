@@ -1,4 +1,4 @@
-"""The device tiers in stream lanes, beside the host tier: the accelerator program's
+"""The device tiers in stream lanes, beside the host tier: the two-memory program's
 host and device updates concurrent by construction (docs/design.md, rules 1 and 3).
 
 * `update_on_two_streams` -- the host tier in host regions and the device tiers
@@ -56,7 +56,7 @@ def lane_count(plan, streamed_rows: int, lanes: int = 0, limit: int | None = Non
 def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
                            tiers: dict[Tier, tuple], built, host_work=None,
                            barrier: bool = False, sharded_host=None, sharded_disk=None):
-  """The accelerator program's tiers, host and device halves concurrent by construction,
+  """The two-memory program's tiers, host and device halves concurrent by construction,
   as `built` (`construction.Construction`) says: the host tier in host regions and the
   device tiers (streamed, resident) in stream regions, one per lane (`stream_lanes`),
   each on a GPU stream of its own, laid out as this jax's XLA accepts (`built.lowering`):

@@ -1,7 +1,7 @@
 """The step proper: one update of a state already in its plan's partition.
 
 `run_step` builds what the state's partition says, and nothing else decides it: the
-one-memory program's single call, or the accelerator program's one construction (the
+one-memory program's single call, or the two-memory program's one construction (the
 early host calls in backward order, the last host call grouped with the device tiers'
 stream lanes: docs/design.md, "One construction"). `transform.update_fn` checks the
 inputs and calls it.

@@ -1,7 +1,7 @@
 """A new offloaded state, built where it lives: `init_state` (the transform's `init`).
 
 The host tiers are packed from the params copied to host memory, inside host regions on
-the accelerator program, so the device never holds 12 bytes per parameter, not even
+the two-memory program, so the device never holds 12 bytes per parameter, not even
 during init. Where the state's arrays go (`Placement`) is shared with the step, which
 pins its outputs there.
 """

@@ -3,7 +3,7 @@ one place that chooses the path a tier takes, and the small function of each pat
 
 `program.run_step` builds one `StepContext` per traced step and asks it for each
 tier's new arrays and output rows (`update_tier`). The path of a tier is chosen once,
-by `choose_path`, from the program (`Program`: one memory, or the accelerator program
+by `choose_path`, from the program (`Program`: one memory, or the two-memory program
 with its host and device memories), the tier and the implementation asked for; each
 `Path` has one method here, which calls the loops of `paths` or the kernels of `fused`.
 The step's AdamW scalars are computed once (`StepContext.adam_scalars`) and handed to
@@ -46,16 +46,16 @@ class Path(enum.Enum):
   ONE_MEMORY_NATIVE = 'one_memory_native'
   # One-memory program, XLA: the rows packed and updated where they are.
   ONE_MEMORY_XLA = 'one_memory_xla'
-  # Accelerator program, host tier: the native kernel in a host region, on gradient
+  # Two-memory program, host tier: the native kernel in a host region, on gradient
   # pieces sent to host memory as the backward pass makes them.
   HOST_NATIVE = 'host_native'
   # ... the same per data shard (a state sharded over the data axis).
   HOST_NATIVE_SHARDED = 'host_native_sharded'
   # ... XLA's row loop in a host region.
   HOST_XLA = 'host_xla'
-  # Accelerator program, streamed tier: rows through the device, prefetched.
+  # Two-memory program, streamed tier: rows through the device, prefetched.
   STREAMED = 'streamed'
-  # Accelerator program, resident tier: rows updated in device memory.
+  # Two-memory program, resident tier: rows updated in device memory.
   RESIDENT = 'resident'
 
 
@@ -88,22 +88,22 @@ class StepContext:
   new_scalars: tuple[jax.Array, ...]  # after the step (`paths.scalar_update`)
   adam_scalars: AdamWScalars | None  # the AdamW kernels' scalars, once per step
   mesh: Any  # the mesh the state is sharded over (ZeRO-1), or None
-  # Accelerator program: each host block's gradient pieces, already sent to host memory
+  # Two-memory program: each host block's gradient pieces, already sent to host memory
   # (see `gate_device_update`), by the block's subgroups.
   # The Pallas kernel's packed AdamW coefficients (`pallas_adamw.packed_scalars`), made
   # once per step outside every stream region (None: not AdamW).
   coefficients: Any = None
   host_grad_pieces: dict[tuple[int, ...], list[Any]] = dataclasses.field(default_factory=dict)
-  # Accelerator program: the host regions' inputs other than the state, appended as the
+  # Two-memory program: the host regions' inputs other than the state, appended as the
   # host tier is built (see `gate`).
   host_inputs: list[Any] = dataclasses.field(default_factory=list)
-  # Accelerator program: what every host region of the step reads, sent to host memory
+  # Two-memory program: what every host region of the step reads, sent to host memory
   # once (`host_scalars`, `host_row_indices`).
   host_shared: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def two_memories(self) -> bool:
-    """The accelerator program: host and device memories apart."""
+    """The two-memory program: host and device memories apart."""
     return self.program is Program.TWO_MEMORIES
 
   def host_scalars(self, speculate: bool = False):
@@ -387,7 +387,7 @@ def gate_device_update(layout: layout_lib.Layout, part: partition_lib.Partition,
   """Host blocks' gradient pieces sent to host memory, and the gradient leaves for the
   device tiers, through one optimization barrier: `(pieces by block, device leaves)`.
 
-  In the accelerator program the host update (an asynchronous host call) and the device
+  In the two-memory program the host update (an asynchronous host call) and the device
   update (the streamed and resident tiers) share no value, so XLA's scheduler may place
   them anywhere; it tends to run the device update during the backward pass and the host
   call after it, one after the other. The barrier lets neither start before every

@@ -7,7 +7,7 @@ what is compiled and timed is what the runner runs.
 
 What it decides for the user (nothing here is a config key):
 * `Auto`'s device-memory budget and backward-pass estimate (`budget_auto`);
-* the accelerator program's early host calls (`Partition.early`): `Auto` chooses its
+* the two-memory program's early host calls (`Partition.early`): `Auto` chooses its
   own at `init`; for a fixed policy, on a GPU target, the cost model chooses them for the
   plan (`timeline.EarlyChooser` with process 0's profile: every process the same),
   elsewhere the state keeps the fixed rule its `init` took;
@@ -114,7 +114,7 @@ REPLAN_EVERY = 200
 
 def speculates(opt_state: Any) -> bool:
   """Whether a step of `opt_state` has early host calls, which speculate on the clip
-  factor (the accelerator program, with two host subgroups or more)."""
+  factor (the two-memory program, with two host subgroups or more)."""
   return any(state.partition.early for state in _states(opt_state))
 
 
