@@ -54,7 +54,7 @@ def migrate(opt_state: Any, plan: Plan, *, early: tuple[int, ...] | None = None)
 
   Call it between steps when the plan changes (the runner does, for `Auto`): the step
   that then runs finds its tiers in place. `early`: the two-memory program's early host
-  calls (`Partition.early`, e.g. a cost model's `timeline.choose_early_chunks`); None
+  calls (`Partition.early`, e.g. a cost model's `timeline.choose_early_calls`); None
   keeps the state's where its tiers stay, else takes the fixed rule. When nothing
   changes, `opt_state` itself is returned. See the module docstring for what is copied.
 

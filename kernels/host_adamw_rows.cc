@@ -240,7 +240,7 @@ ffi::Error LeavesStateArgImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S3
 // The state-argument form keeping what it needs to undo: before a segment of the state
 // is updated, its slots are copied into the undo copy this library keeps for the state
 // buffer (undo_store.h; elements of rows not updated are left unwritten). For an update
-// made before its clip factor is known (dos_jax.step.early_chunks): LeavesRedoImpl puts
+// made before its clip factor is known (dos_jax.step.early_calls): LeavesRedoImpl puts
 // the copy back and updates again.
 ffi::Error LeavesStateArgUndoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
                                   ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,

@@ -248,7 +248,7 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
       overwrites, taken just before, in the kernel library (found by the state
       buffer's address, not a result): what `adamw_host_leaves_redo` on the same
       buffer needs to put the state back. A result would be device memory in XLA:GPU
-      when the redo's host call reads it (`dos_jax.step.early_chunks`).
+      when the redo's host call reads it (`dos_jax.step.early_calls`).
     Others as `adamw_host_rows`.
 
   Returns:

@@ -10,7 +10,7 @@ host temporaries are the bytes the host update must receive (the host tier's gra
 rows, and fp32 params' rows), not the state.
 
 Checked for the step every user gets (the early host calls by the rule, which keep an
-undo of the early blocks' state: `dos_jax.step.early_chunks`) and for the one host call
+undo of the early blocks' state: `dos_jax.step.early_calls`) and for the one host call
 (`dos_jax.migrate(..., early=())`), whose bound has no undo.
 
 XLA's own host loop (`Implementation(host=UpdateImpl.XLA)`) must return the state from

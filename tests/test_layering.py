@@ -17,7 +17,7 @@ The layers, bottom to top:
               placement policy only as `policies.Policy` (and `policies.AdaptivePolicy`,
               one that re-plans as it runs), never the planner's `Auto`.
 * step     -- `dos_jax.step` (transform, tier_updates, paths, adamw_hyperparams, fused,
-              device_stream, construction, lanes, early_chunks, ...) with what acts on a
+              device_stream, construction, lanes, early_calls, ...) with what acts on a
               state with the step's machinery: capability, migration, state_ops,
               state_files, portable, alias. A jitted step is built from this layer and
               those below alone.

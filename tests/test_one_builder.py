@@ -66,7 +66,7 @@ def test_compile_gpu_builds_the_runners_step(name, layers):
   chooser = timeline.EarlyChooser(PROFILE, backward_seconds=optimizer_lib.backward_seconds(
       cfg, 1))
   plan = compiled.partition.plan
-  assert compiled.partition.early == chooser.early_chunks(compiled.layout.spec(), plan)
+  assert compiled.partition.early == chooser.early_calls(compiled.layout.spec(), plan)
 
 
 def test_the_runners_steps_are_traced_told_the_options_they_are_compiled_with():

@@ -88,7 +88,7 @@ def test_the_step_lowered_for_cuda_has_several_host_calls(seed):
 @pytest.mark.xfail(strict=True, raises=(TypeError, ValueError), reason=(
     'an abstract state with early host calls does not lower: jax traces a '
     'ShapeDtypeStruct in pinned_host as a device-memory value (jax 0.10.2 and 0.11.2 '
-    "with jax-cuda13-plugin: early_chunks' switch branches differ, TypeError; 0.12.0.1: "
+    "with jax-cuda13-plugin: early_calls' switch branches differ, TypeError; 0.12.0.1: "
     "an `add` of a host and a device operand, ValueError)"))
 def test_the_readme_optimizers_abstract_step_lowers_for_cuda():
   """The default-size step above, abstract (as `gpu_program` builds it over several

@@ -24,7 +24,7 @@ from tests.test_adamw import random_grads
 from tests.test_dropin import assert_close
 from tests.test_dropin import memory_kinds
 from tests.test_dropin import unpacked_master
-from tests.test_early_chunks import _with_early
+from tests.test_early_calls import _with_early
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 (virtual) devices')
 
@@ -365,7 +365,7 @@ def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
-def test_the_zero3_early_chunks_are_the_one_call_step_bit_for_bit(dtype, seed):
+def test_the_zero3_early_calls_are_the_one_call_step_bit_for_bit(dtype, seed):
   """Early host calls on a state sharded shard-major: each device runs them inside
   `shard_map`, on its own columns (`lanes.sharded_two_streams`). Against the same step
   with one host call: bit for bit over 4 steps, with clipping that fires (a rollback)
@@ -387,6 +387,6 @@ def test_the_zero3_early_chunks_are_the_one_call_step_bit_for_bit(dtype, seed):
     text = str(jax.make_jaxpr(step)(params, state, grads[0]))
     assert ('shard_map' in text) and ('dos_jax_stream_region[' in text)
     lowered = step.lower(params, state, grads[0]).as_text()
-    assert ('_dos_jax_early_call' in lowered) is (early > 0)  # the early chunks are built
+    assert ('_dos_jax_early_call' in lowered) is (early > 0)  # the early calls are built
     results.append(_run(step, params, state, grads))
   _assert_bit_for_bit(*results, params)

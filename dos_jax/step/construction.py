@@ -55,9 +55,9 @@ class Construction:
   Attributes:
     two_streams: the host and device halves concurrent by construction (`lanes`).
     lowering: how the stream regions are laid out on this jax (`device_stream.Lowering`).
-    early: the host tier in early host calls (`early_chunks`).
+    early: the host tier in early host calls (`early_calls`).
     per_block: the host tier's blocks each a host region of their own
-      (`early_chunks.host_work`): with early calls, or where the staged lowering spreads
+      (`early_calls.host_work`): with early calls, or where the staged lowering spreads
       them over its stages.
     host_native: the host tier's native kernel (else XLA's loop in a host region).
     device_native: the flag the device tiers' paths take (`StepContext.update_blocks`).

@@ -191,7 +191,7 @@ def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
 
   `link` (a `(1,)` float32 zero in host memory, or None): the previous chunk's link,
   read by the kernel call through its row indices, so that XLA keeps this region its
-  own host call (see `dos_jax.step.early_chunks`). The token returned is computed from the out
+  own host call (see `dos_jax.step.early_calls`). The token returned is computed from the out
   rows, in device memory.
 
   `grad_pieces` (and `param_pieces` for fp32 params) are the tier's `partition.Piece`

@@ -135,7 +135,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   packed shard-major holds, on device d, exactly the rows one shard's layout packs
   (`layout_lib.local`), so each device runs the unsharded construction on its shards;
   `host(local context, step, local host tier)`, if given, makes its `host_work` maker
-  (the early chunks); `disk` (`program._ShardedDisk`), if given, runs each device's disk
+  (the early calls); `disk` (`program._ShardedDisk`), if given, runs each device's disk
   call after its other host work (`disk.compose`) and takes the new generation
   (`disk.done`).
   Jit's partitioning would split a stream region into several calls
@@ -151,7 +151,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, coefficients,
            grad_scale, *gen):
     # Each host-bound gradient piece leaves for host memory as the backward pass makes
-    # it, outside the scheduling group (rule 2), as in the unsharded step; early chunks
+    # it, outside the scheduling group (rule 2), as in the unsharded step; early calls
     # send each block's pieces themselves, ungated, so that a chunk waits for its own.
     views = [v.reshape(-1) for v in grad_views]
     host_grad_pieces, grads = ({}, views) if host is not None else \

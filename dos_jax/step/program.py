@@ -34,7 +34,7 @@ from dos_jax.implementation import Program
 from dos_jax.step import construction
 from dos_jax.step import device_stream
 from dos_jax.step import disk_tier
-from dos_jax.step import early_chunks
+from dos_jax.step import early_calls
 from dos_jax.step import fused as fused_lib
 from dos_jax.step import host_work as host_work_lib
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
@@ -225,7 +225,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
   host_tier = state.tier(Tier.HOST)
   if built.two_streams:
     if not built.sharded:
-      work = (functools.partial(early_chunks.host_work, context, base_step, host_tier,
+      work = (functools.partial(early_calls.host_work, context, base_step, host_tier,
                                 part.early) if built.per_block else
               functools.partial(host_work_lib.of_tier, context, base_step, host_tier,
                                 built.host_native))
@@ -235,7 +235,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
     sharded_host = sharded_disk = None
     if built.per_block:  # each device's host calls by block (early ones, stages), in shard_map
       sharded_host = lambda local, step, host: functools.partial(
-          early_chunks.host_work, local, step, host, part.early)
+          early_calls.host_work, local, step, host, part.early)
     if disk is not None:  # each device's disk call, after its other host work
       sharded_disk = _ShardedDisk(disk, built.host_native, options.data_axis, built)
     return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built,
@@ -243,7 +243,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
                                            sharded_disk=sharded_disk)
   new_tiers, outs = dict(state.tiers), []
   if built.early:
-    new_tiers[Tier.HOST], outs = early_chunks.update_host(context, base_step, host_tier,
+    new_tiers[Tier.HOST], outs = early_calls.update_host(context, base_step, host_tier,
                                                           part.early)
   for tier in TIERS:
     if not part.ids(tier) or (built.early and tier is Tier.HOST):

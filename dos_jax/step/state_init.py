@@ -72,11 +72,11 @@ def place(tiers: dict[Tier, tuple], scalars, where: Placement, constrain: bool =
 def first_partition(policy, spec, two_memories: bool,
                     disk: partition_lib.DiskSpill | None = None) -> partition_lib.Partition:
   """The partition a new state starts in: the policy's plan, and the early host calls
-  its cost model chooses for that plan (`early_chunks(spec, plan)`; None or a policy
+  its cost model chooses for that plan (`early_calls(spec, plan)`; None or a policy
   without one: the fixed rule, `partition.early_host_calls`); `disk` spills host
   subgroups to the disk tier."""
   plan = policy.plan(spec)
-  choose = getattr(policy, 'early_chunks', None)
+  choose = getattr(policy, 'early_calls', None)
   early = choose(spec, plan) if two_memories and choose is not None else None
   return partition_lib.for_plan(plan, two_memories, early=early, disk=disk)
 

@@ -103,7 +103,7 @@ def choose_early_calls(cfg: RunConfig, opt_state: Any, num_devices: int,
     if state.partition.two_memories:
       plan = state.partition.plan
       opt_state = dos_jax.migrate(opt_state, plan,
-                                  early=chooser.early_chunks(state.layout.spec(), plan))
+                                  early=chooser.early_calls(state.layout.spec(), plan))
   return opt_state
 
 
@@ -126,7 +126,7 @@ def early_for(cfg: RunConfig, opt_state: Any, plan: dos_jax.Plan) -> tuple[int, 
     return None
   if states[0].partition.plan == plan:
     return None
-  return placement.early_chunks(states[0].layout.spec(), plan)
+  return placement.early_calls(states[0].layout.spec(), plan)
 
 
 def replan_early(cfg: RunConfig, opt_state: Any, num_devices: int, rollbacks: int,
@@ -140,11 +140,11 @@ def replan_early(cfg: RunConfig, opt_state: Any, num_devices: int, rollbacks: in
   placement = cfg.offload.placement
   if isinstance(placement, dos_jax.Auto):
     placement.observe_rollbacks(rollbacks, steps)
-    choose = placement.early_chunks
+    choose = placement.early_calls
   else:
     choose = timeline.EarlyChooser(
         profile if profile is not None else agree.shared_profile(),
-        backward_seconds=backward_seconds(cfg, num_devices), clip_rate=rate).early_chunks
+        backward_seconds=backward_seconds(cfg, num_devices), clip_rate=rate).early_calls
   for state in _states(opt_state):
     if state.partition.two_memories:
       plan = state.partition.plan

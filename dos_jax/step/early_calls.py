@@ -3,32 +3,33 @@
 The two-memory program splits the host subgroups into calls in backward order (the last
 subgroups first: the backward pass makes their gradients first; those without weight
 decay last, `host_blocks`): early calls of the sizes in `Partition.early` (what
-`dos_jax.planner.timeline.choose_early_chunks` or the fixed rule
-`partition.early_host_calls` gives) and a last one with the rest (`split`). All chunks but the last are *early*: each is its own host call whose inputs are
-its gradient pieces in host memory, the step's AdamW scalars and the link of the chunk
-before it, so it can start once its gradients have crossed, while the backward pass
-still runs (where the start lands is the latency-hiding scheduler's choice:
-docs/design.md, rule 6). Chunk K, the last (its gradients come last), runs after the backward
-pass in one scheduling group with the device tiers' stream calls, as the unchunked step
-does (`dos_jax.step.device_stream`: its stream lanes).
+`dos_jax.planner.timeline.choose_early_calls` or the fixed rule
+`partition.early_host_calls` gives) and a last one with the rest
+(`partition.host_calls`). All calls but the last are *early*: each is its own host call
+whose inputs are its gradient pieces in host memory, the step's AdamW scalars and the
+link of the call before it, so it can start once its gradients have crossed, while the
+backward pass still runs (where the start lands is the latency-hiding scheduler's
+choice: docs/design.md, rule 6). Call K, the last (its gradients come last), runs after
+the backward pass in one scheduling group with the device tiers' stream calls, as the
+step with one host call does (`dos_jax.step.device_stream`: its stream lanes).
 
-The link keeps the calls apart: early chunk k's kernel reads a `(1,)` zero computed on
-the device from a token of chunk k-1's out rows (see below why a device op is needed).
+The link keeps the calls apart: early call k's kernel reads a `(1,)` zero computed on
+the device from a token of call k-1's out rows (see below why a device op is needed).
 
 **Speculation.** Under `dos_jax.clip_by_global_norm` the clip factor needs every
-gradient, so an early chunk cannot know it. It updates with a factor of 1, and its
+gradient, so an early call cannot know it. It updates with a factor of 1, and its
 kernel keeps a copy of every state element it overwrites (`keep_undo`). After the
-backward pass, in the last chunk's host call, a redo kernel runs per early block: when
+backward pass, in the last call's host call, a redo kernel runs per early block: when
 the step's factor is not exactly 1 (the norm reached the clip, or is not finite), it
 puts the copy back and updates again with the true factor; otherwise it touches nothing.
 A factor of exactly 1 multiplies each gradient by 1, so the speculated update is the
 unspeculated one bit for bit, and a redone update is the unspeculated update itself.
 The new params of early blocks go back to the device after the redo call. Without
-clipping there is nothing to speculate on: early chunks use the step's scalars and
+clipping there is nothing to speculate on: early calls use the step's scalars and
 their params leave at once.
 
-The cost: a host copy of the early chunks' state (their undo), alive from the early
-call to the redo call, and, on a rollback step, the early chunks' host work twice
+The cost: a host copy of the early calls' state (their undo), alive from the early
+call to the redo call, and, on a rollback step, the early calls' host work twice
 (`dos_jax.planner.timeline`). On a GPU the kernel library keeps that copy, found by the
 state buffer both calls update in place, and reuses its pages from step to step: as a
 result of the early call, XLA:GPU would place it in device memory (a host call's result
@@ -89,12 +90,8 @@ def zero_of(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), x, 0) * 0
 
 
-# The name tests/compiled.py reads the host calls' split by.
-split = partition_lib.host_calls
-
-
 def redo_flag(adam_scalars) -> jax.Array | None:
-  """Whether the early chunks must be redone: the clip factor is not exactly 1 (None
+  """Whether the early calls must be redone: the clip factor is not exactly 1 (None
   when the step has no clip factor, and nothing speculates)."""
   factor = adam_scalars.grad_scale
   if not isinstance(factor, jax.Array):
@@ -207,17 +204,17 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
                                         lambda: out)
 
 
-def host_work(context, base_step: paths.RowStep, host_tier: tuple, chunks) -> HostWork:
+def host_work(context, base_step: paths.RowStep, host_tier: tuple, early) -> HostWork:
   """The host tier of a per-subgroup state in host calls as
-  `partition.host_calls(..., chunks)` gives them (see the module docstring): the early calls traced now, what runs after the
-  backward pass (the last chunk's blocks, then each early block's redo) as the items of
+  `partition.host_calls(..., early)` gives them (see the module docstring): the early calls traced now, what runs after the
+  backward pass (the last call's blocks, then each early block's redo) as the items of
   the returned `HostWork`, whose `finish()` gives (the tier's new arrays, `(out rows on
   the device, pieces)` per block).
   """
   part, layout = context.part, context.layout
   blocks = part.blocks(Tier.HOST)
   new = list(partition_lib.blocks_of(host_tier, len(blocks)))
-  parts = partition_lib.host_calls(host_blocks(part, layout.decayed_rows), chunks)
+  parts = partition_lib.host_calls(host_blocks(part, layout.decayed_rows), early)
   redo = redo_flag(context.adam_scalars)
   # What every region reads, sent to host memory once, outside the calls' contexts
   # (the redo flag and the speculated scalars only where early calls speculate).
@@ -256,10 +253,10 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, chunks) -> Ho
     return item
 
   pending = []
-  for index, chunk in enumerate(parts[:-1]):
+  for index, call_blocks in enumerate(parts[:-1]):
     with device_stream.early_call(index):
       tokens = []
-      for b in chunk:
+      for b in call_blocks:
         if redo is None:
           tokens.append(host_call(b, link))
           continue
@@ -286,7 +283,7 @@ def link_after(tokens) -> jax.Array:
   return paths.to_host(sum(zero_of(t() if callable(t) else t) for t in tokens))
 
 
-def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, group=None):
+def update_host(context, base_step: paths.RowStep, host_tier: tuple, early, group=None):
   """`host_work(...)` traced with its items in one host call in scheduling group
   `group` (None: in none): (new arrays, `(out rows, pieces)` per block)."""
-  return host_work(context, base_step, host_tier, chunks).run_grouped(group)
+  return host_work(context, base_step, host_tier, early).run_grouped(group)

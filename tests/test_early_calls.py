@@ -1,4 +1,4 @@
-"""The host tier in early host calls (`Partition.early`, `dos_jax.step.early_chunks`) on
+"""The host tier in early host calls (`Partition.early`, `dos_jax.step.early_calls`) on
 the CPU backend (the two-memory program's numbers; Pallas in interpret mode), stored per
 subgroup, fp32 and bf16 params. A test picks the early calls of a state with
 `dos_jax.migrate(state, plan, early=...)` (`_with_early`).
@@ -25,7 +25,7 @@ import pytest
 import dos_jax
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
-from dos_jax.step import early_chunks
+from dos_jax.step import early_calls
 from dos_jax.step import fused
 from tests.test_adamw import SCHEDULE
 from tests.test_adamw import decay_mask
@@ -214,19 +214,19 @@ def test_host_call_order_follows_the_backward_pass():
   plan = dos_jax.Plan(streamed=(0, 2, 4, 6), host=(1, 3, 5, 7))
   part = partition_lib.for_plan(plan, two_memories=True)
   blocks = part.blocks(Tier.HOST)
-  assert [blocks[b] for b in early_chunks.host_blocks(part)] == [(7,), (5,), (3,), (1,)]
+  assert [blocks[b] for b in early_calls.host_blocks(part)] == [(7,), (5,), (3,), (1,)]
   # The blocks without weight decay (the norm scales, complete at the end of the
   # backward pass) come last.
-  assert [blocks[b] for b in early_chunks.host_blocks(part, decayed_rows=6)] == [
+  assert [blocks[b] for b in early_calls.host_blocks(part, decayed_rows=6)] == [
       (5,), (3,), (1,), (7,)]
 
 
 def test_the_redo_flag_is_the_clip_factor_not_one():
   scalars = dos_jax.kernels.AdamWScalars(
       lr=1.0, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0, bc1=0.1, bc2=0.1)
-  assert early_chunks.redo_flag(scalars) is None  # no clip: nothing speculates
+  assert early_calls.redo_flag(scalars) is None  # no clip: nothing speculates
   for factor, want in ((1.0, False), (0.5, True), (0.0, True), (np.nan, True)):
-    flag = early_chunks.redo_flag(
+    flag = early_calls.redo_flag(
         scalars.__class__(**{**scalars.__dict__, 'grad_scale': jnp.float32(factor)}))
     assert bool(flag) is want, factor
 
@@ -236,7 +236,7 @@ def test_the_redo_flag_is_the_clip_factor_not_one():
 class _Chooses(dos_jax.Stride):
   """Stride(2) that asks for early calls of 1 and 2 subgroups, as `dos_jax.Auto` would."""
 
-  def early_chunks(self, spec, plan):
+  def early_calls(self, spec, plan):
     del spec
     return (1, 2) if len(plan.host) > 3 else ()
 
