@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from dos_jax.step import paths
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
-from dos_jax.step.fused import slot_rows
+from dos_jax.step.kernel_calls import slot_rows
 from dos_jax.kernels import host_adamw
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.implementation import Program

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
                       params, grads)
       native = 'dos_jax_adamw_host' in runner.step.lower(*runner.carry, grads).as_text()
       runners[f'{policy!r} host {impl.value}{" (native)" if native else ""}'] = runner
-  # The CPU program (one memory, `fused.sharded_update`) on the same mesh, for scale.
+  # The CPU program (one memory, `kernel_calls.sharded_update`) on the same mesh, for scale.
   runners['CPU program AllHost() kernel (native)'] = Runner(dos_jax.adamw(
       1e-3, offload=dos_jax.Offload(subgroup_size=args.subgroup_size),
       implementation=dos_jax.Implementation(program='cpu')), params, grads)

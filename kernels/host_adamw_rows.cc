@@ -217,7 +217,7 @@ ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
 // a state result there costs a host->host copy of the state into the donated buffer on
 // every step; written in the argument, the state needs no result. The caller must hand
 // over a buffer it may overwrite (the donated state) and read the new state only after
-// this call (dos_jax.fused.host_region_update passes the state through an optimization
+// this call (dos_jax.step.kernel_calls.host_region_update passes the state through an optimization
 // barrier with `out`).
 ffi::Error LeavesStateArgImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
                               ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,

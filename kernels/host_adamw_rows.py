@@ -241,7 +241,7 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
       only the out rows: the call has no state result, so XLA sees `stacked` unchanged.
       For a host region of the two-memory program only, where XLA gives the region's
       results buffers of their own and would copy a state result back into the donated
-      state on every step (see `dos_jax.step.fused.host_region_update`). The caller owns the
+      state on every step (see `dos_jax.step.kernel_calls.host_region_update`). The caller owns the
       ordering: `stacked` must be a buffer it may overwrite (the donated state), read
       only after the call. Not with `out`.
     keep_undo: with `state_in_arg`, also keep a copy of every state element the call

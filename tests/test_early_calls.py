@@ -26,7 +26,7 @@ import dos_jax
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import early_calls
-from dos_jax.step import fused
+from dos_jax.step import kernel_calls
 from tests.test_adamw import SCHEDULE
 from tests.test_adamw import decay_mask
 from tests.test_adamw import random_grads
@@ -37,7 +37,7 @@ FIRES = (1, 2, 5)  # steps whose gradients are scaled past MAX_NORM (norm ~17 vs
 
 
 def _in_place_everywhere(in_place, with_result, *args):
-  """`fused.state_in_place` choosing the GPU program's form on every platform."""
+  """`kernel_calls.state_in_place` choosing the GPU program's form on every platform."""
   del with_result
   return in_place(*args)
 
@@ -135,7 +135,7 @@ def test_the_accelerator_form_speculates_in_place_and_redoes(dtype, seed, monkey
   bit for bit the unspeculated step, clip firing or not."""
   params = random_tree(seed, jnp.dtype(dtype))
   want = _run(_opt(), params, seed, steps=7, early=0)
-  monkeypatch.setattr(fused, 'state_in_place', _in_place_everywhere)
+  monkeypatch.setattr(kernel_calls, 'state_in_place', _in_place_everywhere)
   texts = []
   got = _run(_opt(), params, seed, steps=7, lowered=texts, early=3)
   assert 'dos_jax_adamw_host_leaves_state_arg_undo' in texts[0]
@@ -244,7 +244,7 @@ class _Chooses(dos_jax.Stride):
 def test_init_takes_the_policys_early_calls(seed, monkeypatch):
   params = random_tree(seed)
   want = _run(_opt(), params, seed, steps=3, early=0)
-  monkeypatch.setattr(fused, 'state_in_place', _in_place_everywhere)
+  monkeypatch.setattr(kernel_calls, 'state_in_place', _in_place_everywhere)
   texts = []
   opt = _opt(policy=_Chooses(2))
   assert _offloaded(opt.init(jax.device_put(params, jax.devices()[0]))).partition.early == (1, 2)

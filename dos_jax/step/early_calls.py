@@ -53,7 +53,7 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.step import device_stream
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import kernel_calls
 from dos_jax import memory_spaces
 from dos_jax.memory_spaces import DEVICE
 from dos_jax.memory_spaces import HOST
@@ -114,17 +114,17 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
                      param_pieces, runs, num_threads=None, link=None):
   """An early block's host call with a clip factor of 1, keeping its undo; returns
   `(state, out rows in device memory, undo, token in device memory)` for `redo_region`.
-  `scalars_h` and `rows_h` as `fused.host_region_update` takes them (the scalars with a
+  `scalars_h` and `rows_h` as `kernel_calls.host_region_update` takes them (the scalars with a
   clip factor of 1: `StepContext.host_scalars(speculate=True)`).
 
-  On a GPU the state is updated in its (donated) buffer, as `fused.host_region_update`
+  On a GPU the state is updated in its (donated) buffer, as `kernel_calls.host_region_update`
   does, and is read by the redo call; the kernel keeps the undo itself, found by that
   buffer (`keep_undo`: as a result of the host call it would be device memory), and
-  `undo` is the state. On a CPU backend (`fused.state_in_place`) the state is a result
+  `undo` is the state. On a CPU backend (`kernel_calls.state_in_place`) the state is a result
   and the undo is the old state itself.
   """
   arrays_h, join = scalars_h  # with a clip factor of 1
-  kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
+  kernel_args = kernel_calls.region_kernel_args(step, fused, runs, num_threads)
 
   def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, in_place):
     if link is not None:
@@ -149,7 +149,7 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
         out_spaces=(HOST, HOST, DEVICE))(*args)
     return new_state, memory_spaces.put(out_h, DEVICE), args[0], token
 
-  return fused_lib.state_in_place(in_place, with_result, *args)
+  return kernel_calls.state_in_place(in_place, with_result, *args)
 
 
 def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h, rows_h,
@@ -168,7 +168,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
   copy them back to the host only for the conditional to fetch them again.
   """
   arrays_h, join = scalars_h
-  kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
+  kernel_args = kernel_calls.region_kernel_args(step, fused, runs, num_threads)
   redo_h = redo_on_host(redo) if redo_h is None else redo_h
 
   def in_place(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
@@ -197,7 +197,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
         undo, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jnp.where(redo_h[0] != 0, again_state, state), again
 
-  state, again = fused_lib.state_in_place(
+  state, again = kernel_calls.state_in_place(
       in_place, with_result, state, undo, redo_h, grad_pieces, param_pieces, rows_h,
       arrays_h, link)
   return (state,), lambda: jax.lax.cond(redo, lambda: memory_spaces.put(again, DEVICE),
@@ -235,7 +235,7 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, early) -> Hos
 
   def host_call(b, link, sink=None):
     step, piece_args = block_args(b)
-    arrays, out, token = fused_lib.host_region_update(
+    arrays, out, token = kernel_calls.host_region_update(
         step, context.fused, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
         scalars_h=scalars_h, **threads)
     new[b] = memory_spaces.put(arrays, HOST)

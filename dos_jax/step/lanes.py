@@ -25,7 +25,7 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import device_stream
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import kernel_calls
 from dos_jax.step import paths
 from dos_jax.step import host_work as host_work_lib
 from dos_jax.step import stages
@@ -145,7 +145,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   local_layout = layout_lib.local(context.layout)
   names = [t for t in TIERS if tiers[t]]
   adam_arrays, adam_join = ((), lambda arrays: None) if context.adam_scalars is None \
-      else fused_lib.split_scalars(context.adam_scalars)
+      else kernel_calls.split_scalars(context.adam_scalars)
   pieces = []
 
   def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, coefficients,

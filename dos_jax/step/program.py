@@ -35,7 +35,7 @@ from dos_jax.step import construction
 from dos_jax.step import device_stream
 from dos_jax.step import disk_tier
 from dos_jax.step import early_calls
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import kernel_calls
 from dos_jax.step import host_work as host_work_lib
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step import lanes as lanes_lib
@@ -130,7 +130,7 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
   # The scalar state's update (step counts) and the kernels' AdamW scalars: once per
   # step, apart from both paths.
   scalar_update = paths.scalar_update(base_step, state.scalars)
-  adam_scalars = None if kernels.fused is None else fused_lib.step_scalars(
+  adam_scalars = None if kernels.fused is None else kernel_calls.step_scalars(
       kernels.fused, base_step, scalar_update)
   context = tier_updates.StepContext(
       layout=layout, part=part, plan=part.plan, options=options, program=program,

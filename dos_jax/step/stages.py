@@ -40,7 +40,7 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import device_stream
 from dos_jax.step import early_calls
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import kernel_calls
 from dos_jax.step import paths
 from dos_jax.step.host_work import HostWork
 
@@ -181,7 +181,7 @@ class _Kernel:
     limits = jax.lax.optimization_barrier([limit for _, _, limit in inputs])
     inputs = [(grad, param, limit) for (grad, param, _), limit in zip(inputs, limits)]
     tiers = [tier for tier, _ in rows]
-    slots = fused_lib.slot_rows(step.slots, step.has_master)
+    slots = kernel_calls.slot_rows(step.slots, step.has_master)
     lowp = step.out_dtype if step.has_master else None
     nesterov = context.fused.nesterov
 

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dos_jax import capability as capability_lib
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import kernel_calls
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax import memory_spaces
@@ -108,7 +108,7 @@ class StepContext:
 
   def host_scalars(self, speculate: bool = False):
     """`(arrays in host memory, join)`: the step's AdamW scalars as host regions read
-    them (`fused.split_scalars`; with a clip factor of 1 where `speculate`), sent to
+    them (`kernel_calls.split_scalars`; with a clip factor of 1 where `speculate`), sent to
     host memory once per step for all of them: XLA's host offloader walks the whole
     program for each array sent there (experiments/RESULTS.md, `construction-compile-g-once`)."""
     key = ('scalars', speculate)
@@ -116,7 +116,7 @@ class StepContext:
       adam_scalars = self.adam_scalars
       if speculate:
         adam_scalars = dataclasses.replace(adam_scalars, grad_scale=1.0)
-      arrays, join = fused_lib.split_scalars(adam_scalars)
+      arrays, join = kernel_calls.split_scalars(adam_scalars)
       self.host_shared[key] = (memory_spaces.to_host(arrays), join)
     return self.host_shared[key]
 
@@ -228,21 +228,21 @@ class StepContext:
       params = None
       if self.param_leaves is not None:
         params = packed(self.param_leaves, step.state_dtype)
-      return fused_lib.sharded_update(
+      return kernel_calls.sharded_update(
           step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
           grads=packed(self.grad_leaves, self.grad_dtype), params=params, mesh=self.mesh,
           data_axis=self.options.data_axis, resident=resident,
           num_threads=self.options.host_threads)
     if self.part.disk:  # the array holds some subgroups only: their pieces, at local offsets
-      leaves = fused_lib.Leaves(
+      leaves = kernel_calls.Leaves(
           grads=partition_lib.slice_pieces(self.grad_leaves, runs),
           offsets=tuple(run.offset for run in runs),
           params=None if self.param_leaves is None
           else partition_lib.slice_pieces(self.param_leaves, runs))
     else:
-      leaves = fused_lib.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
+      leaves = kernel_calls.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
                                 params=self.param_leaves)
-    return fused_lib.host_update(step, self.fused, stacked=arrays,
+    return kernel_calls.host_update(step, self.fused, stacked=arrays,
                                  adam_scalars=self.adam_scalars, leaves=leaves,
                                  resident=resident, num_threads=self.options.host_threads)
 
@@ -261,7 +261,7 @@ class StepContext:
 
   def _host_native(self, step, arrays, ids, runs):
     grad_pieces, param_pieces = self._host_pieces(ids, runs)
-    arrays, out, _ = fused_lib.host_region_update(
+    arrays, out, _ = kernel_calls.host_region_update(
         step, self.fused, stacked=arrays, scalars_h=self.host_scalars(),
         rows_h=self.host_row_indices(arrays[0].shape[0]),
         grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs,
@@ -269,7 +269,7 @@ class StepContext:
     return memory_spaces.put(arrays, memory_spaces.HOST), out
 
   def _host_native_sharded(self, step, arrays, ids, runs):
-    """The native kernel per data shard (`fused.sharded_host_region_update`), on
+    """The native kernel per data shard (`kernel_calls.sharded_host_region_update`), on
     gradient rows sent to host memory one subgroup at a time (see `host_rows`)."""
     del runs
     sharding = NamedSharding(self.mesh, P(None, self.options.data_axis))
@@ -279,7 +279,7 @@ class StepContext:
     param_rows = None
     if self.param_leaves is not None:
       param_rows = host_rows(self.layout, ids, self.param_leaves, step.state_dtype, sharding)
-    arrays, out = fused_lib.sharded_host_region_update(
+    arrays, out = kernel_calls.sharded_host_region_update(
         step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
         grad_rows=grad_rows, param_rows=param_rows, mesh=self.mesh,
         data_axis=self.options.data_axis, num_threads=self.options.host_threads,
@@ -356,7 +356,7 @@ class StepContext:
         and capability_lib.capability(Kernel.PALLAS, self.fused, step, self.program).usable):
       # Shard-major, every device updates its own columns of the row (no gather).
       sharded = self.mesh is not None and self.layout.shards > 1
-      return fused_lib.device_step(self.fused, step, self.coefficients, self.new_scalars,
+      return kernel_calls.device_step(self.fused, step, self.coefficients, self.new_scalars,
                                    mesh=self.mesh if sharded else None,
                                    axis=self.options.data_axis if sharded else None)
     return step
