@@ -9,7 +9,7 @@ kernel is used where it is asked for and usable.
 
 The conditions are checked in a fixed order and the first that fails is the reason;
 the native library is loaded (`kernels.host_adamw_rows.rows_kernel_available`) and
-the GPU plugin asked (`host_kernel_in_accelerator_programs`, which warns once per
+the GPU plugin asked (`host_kernel_in_two_memory_programs`, which warns once per
 process when the plugin lacks the kernel) only once every earlier condition holds.
 """
 
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from dos_jax.step import paths
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
-from dos_jax.step.fused import slot_rows
+from dos_jax.step.kernel_calls import slot_rows
 from dos_jax.kernels import host_adamw
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.implementation import Program
@@ -32,9 +32,9 @@ class Kernel(enum.Enum):
   """The AdamW kernels a step may use (`UpdateImpl.KERNEL` asks for them)."""
 
   # `kernels.host_adamw_rows`: host rows in one native call, every row of the CPU
-  # program, and the accelerator program's host tier inside a host region.
+  # program, and the two-memory program's host tier inside a host region.
   NATIVE_HOST = 'native_host'
-  # `kernels.pallas_adamw`: a streamed or resident block of the accelerator program,
+  # `kernels.pallas_adamw`: a streamed or resident block of the two-memory program,
   # on the device.
   PALLAS = 'pallas'
 
@@ -57,7 +57,7 @@ def capability(kernel: Kernel, fused: AdamWHyperparams | None, step: paths.RowSt
     kernel: which kernel.
     fused: AdamW's hyperparameters when the transform is `dos_jax.adamw`, else None.
     step: the step's row update (its slots, master, dtypes).
-    program: the program the state was built for (`Partition.split`).
+    program: the program the state was built for (`Partition.two_memories`).
     grad_leaves: the step's gradient leaves (read by `Kernel.NATIVE_HOST` only).
 
   Returns:
@@ -107,5 +107,5 @@ def _native_host(fused: AdamWHyperparams, step: paths.RowStep, program: Program,
     # For a GPU the host regions run in the CUDA plugin's own XLA: the kernel must be
     # registered and proven there too, else (one warning) XLA's host loop runs instead.
     # On the CPU backend they run in jaxlib's XLA, which has it.
-    return Capability(*host_adamw_rows.host_kernel_in_accelerator_programs())
+    return Capability(*host_adamw_rows.host_kernel_in_two_memory_programs())
   return USABLE

@@ -19,7 +19,7 @@ class Program(enum.Enum):
   ONE_MEMORY: host and device memory are one. Every subgroup, whatever the plan says,
     takes the same host update in one call (a loop that copies a row to where it
     already is would only cost time), and the state is one array per dtype.
-  TWO_MEMORIES: the accelerator program, host and device memory apart. The state is
+  TWO_MEMORIES: the two-memory program, host and device memory apart. The state is
     split by the plan into separately stored tiers; streamed subgroups go host ->
     device -> host through the Pallas AdamW, host subgroups are updated in a
     `compute_on('device_host')` region, and the two have no data dependency, so XLA can
@@ -62,14 +62,14 @@ class Implementation:
     program: which program to build (`Program`, or its value 'cpu' / 'gpu'); None
       follows the backend `init` runs on (`jax.default_backend()`). The state keeps
       the choice: every step of it builds that program. 'gpu' on the CPU backend runs
-      the accelerator program there (Pallas interpreted): how CI tests its numbers.
+      the two-memory program there (Pallas interpreted): how CI tests its numbers.
     device: implementation of the device-path update (`UpdateImpl.XLA`: optax's own
       ops, the reference).
     host: implementation of the host-path update (`UpdateImpl.XLA`: optax's own ops in
       one host region, the reference).
 
   Example:
-    The accelerator program on any backend, with XLA's ops on the device path:
+    The two-memory program on any backend, with XLA's ops on the device path:
 
     >>> import dos_jax
     >>> impl = dos_jax.Implementation(program='gpu', device=dos_jax.UpdateImpl.XLA)

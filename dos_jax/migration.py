@@ -7,7 +7,7 @@ donated step would otherwise pair a host-memory input buffer with a device-memor
 of the same shape, which the runtime rejects by aborting). What a move costs depends on
 the program:
 
-* The accelerator program stores every row as its own buffer. A row whose memory stays
+* The two-memory program stores every row as its own buffer. A row whose memory stays
   the same (host <-> streamed, both in pinned host memory) is handed to its new tier as
   it is, the same array; a row that moves between host and device memory is copied
   once, to where it goes. Nothing else is copied: the memory a plan change adds is the
@@ -53,8 +53,8 @@ def migrate(opt_state: Any, plan: Plan, *, early: tuple[int, ...] | None = None)
   """`opt_state` with every `OffloadedState` in it laid out for `plan`.
 
   Call it between steps when the plan changes (the runner does, for `Auto`): the step
-  that then runs finds its tiers in place. `early`: the accelerator program's early host
-  calls (`Partition.early`, e.g. a cost model's `timeline.choose_early_chunks`); None
+  that then runs finds its tiers in place. `early`: the two-memory program's early host
+  calls (`Partition.early`, e.g. a cost model's `timeline.choose_early_calls`); None
   keeps the state's where its tiers stay, else takes the fixed rule. When nothing
   changes, `opt_state` itself is returned. See the module docstring for what is copied.
 
@@ -82,7 +82,7 @@ def partition_for(plan: Plan, state: OffloadedState,
   """The partition `plan` runs on, in the program of `state`, with `early` host calls
   (None: the state's where the tiers stay as they are, else the fixed rule)."""
   old = state.partition
-  new = partition_lib.for_plan(plan, old.split, early=early, disk=old.spill)
+  new = partition_lib.for_plan(plan, old.two_memories, early=early, disk=old.spill)
   if early is None and dataclasses.replace(new, early=old.early) == old:
     return old
   return new
@@ -105,7 +105,7 @@ def migrate_state(state: OffloadedState, plan: Plan,
     return state.with_tiers(state.tiers, wanted)  # the schedule alone changes
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
     return moved_in_trace(state, wanted)
-  if wanted.per_subgroup:
+  if wanted.two_memories:
     return _move_blocks(state, wanted)
   return _rebuild_concrete(state, wanted)
 
@@ -113,7 +113,7 @@ def migrate_state(state: OffloadedState, plan: Plan,
 def moved_in_trace(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
   """`state` with its rows in the tiers of `wanted`, as ops of the program being traced
   (see the module docstring)."""
-  if wanted.per_subgroup:
+  if wanted.two_memories:
     return _move_blocks(state, wanted)
   return _rebuild(state, wanted)
 
@@ -143,10 +143,10 @@ def _rebuild_program(wanted: partition_lib.Partition, shardings: tuple) -> Calla
 
 def _rebuild(state: OffloadedState, wanted: partition_lib.Partition) -> OffloadedState:
   """One array per tier: the changed tiers' blocks rebuilt from runs of consecutive rows
-  (host tiers sliced inside host regions in the accelerator program). Device memory
+  (host tiers sliced inside host regions in the two-memory program). Device memory
   holds moved rows only when they become resident."""
   old = state.partition
-  region = memory_spaces.host_region if wanted.split else (lambda fn: fn)
+  region = memory_spaces.host_region if wanted.two_memories else (lambda fn: fn)
   old_blocks = {t: partition_lib.blocks_of(state.tier(t), len(old.blocks(t))) for t in TIERS}
   tiers = dict(state.tiers)
   for tier in TIERS:

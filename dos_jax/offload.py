@@ -58,7 +58,7 @@ class Offload:
     disk: the disk tier (`Disk`): host subgroups beyond a host-memory budget keep
       their state in files. None: none.
 
-  What the library decides, not the user: on the accelerator program the state is
+  What the library decides, not the user: on the two-memory program the state is
   stored per subgroup, the device tiers run on stream lanes (`Plan.buffers` of them)
   grouped with the last host call, and the host tier runs in host calls in backward
   order that start as soon as their gradients reach host memory (`dos_jax.Schedule`,

@@ -133,7 +133,7 @@ def state_pinned_bytes(params: Any, offload: Offload, mask: Any = None,
                        implementation: Implementation | None = None) -> float:
   """Pinned host bytes of the state `init(params)` will allocate in this process: the
   host and streamed tiers of the plan the policy gives at `init` (and, on the
-  accelerator program, the one `implementation` names or the backend's, the most the
+  two-memory program, the one `implementation` names or the backend's, the most the
   early host calls' undo can take), each device's shard of the data axis counted once
   per addressable device."""
   implementation = Implementation() if implementation is None else implementation

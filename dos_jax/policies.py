@@ -54,7 +54,7 @@ class Plan:
     resident: subgroup indices whose state stays in device memory and is updated
       there, with no copies at all (every subgroup: the `AllDevice` baseline).
     buffers: streamed subgroups in flight at once (double buffering = 2): the
-      accelerator program's stream lanes, each on a GPU stream of its own, that the
+      two-memory program's stream lanes, each on a GPU stream of its own, that the
       streamed rows go round-robin over (`dos_jax.step.lanes`). Every streamed row is
       held in device memory until the lanes are done
       (`planner.costmodel.streamed_elements_held`).

@@ -1,8 +1,8 @@
-"""The sharded accelerator program's host tier on the CPU backend: native kernel per
+"""The sharded two-memory program's host tier on the CPU backend: native kernel per
 data shard vs XLA's host loop (issue 22, item 3).
 
 A data x tensor mesh of virtual CPU devices, params sharded over 'tensor', the state
-over 'data' (ZeRO-1); `Implementation(program='gpu')` builds the accelerator program
+over 'data' (ZeRO-1); `Implementation(program='gpu')` builds the two-memory program
 (host regions, pinned_host state), which the CPU backend runs. One jitted, donated step
 (update + apply_updates) per configuration, timed round-robin, medians reported.
 CPU timings cannot rank GPU policies (docs/design.md, "JAX facts"); they do compare two host updates of
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
                       params, grads)
       native = 'dos_jax_adamw_host' in runner.step.lower(*runner.carry, grads).as_text()
       runners[f'{policy!r} host {impl.value}{" (native)" if native else ""}'] = runner
-  # The CPU program (one memory, `fused.sharded_update`) on the same mesh, for scale.
+  # The CPU program (one memory, `kernel_calls.sharded_update`) on the same mesh, for scale.
   runners['CPU program AllHost() kernel (native)'] = Runner(dos_jax.adamw(
       1e-3, offload=dos_jax.Offload(subgroup_size=args.subgroup_size),
       implementation=dos_jax.Implementation(program='cpu')), params, grads)

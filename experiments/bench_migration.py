@@ -1,6 +1,6 @@
 """What a plan change costs: `dos_jax.migrate` against a full copy of the state.
 
-The accelerator program stores its state per subgroup (one block per subgroup), so a
+The two-memory program stores its state per subgroup (one block per subgroup), so a
 plan change moves only the subgroups whose tier changes. The state of `--params`
 elements is made under the first of `--plans`, then moved through the others in order,
 twice round (the first round compiles whatever needs compiling; the second is
@@ -14,14 +14,14 @@ before the move (every array copied where it is, `jax.device_put(..., may_alias=
 timed the same way: the ratio columns are the move over the copy. A move should add
 only the rows that change memory.
 
-(Stacked storage of the accelerator program, which this compared before, is gone:
+(Stacked storage of the two-memory program, which this compared before, is gone:
 issue 40.)
 
   python experiments/bench_migration.py --params 2e8 --subgroup-size 1e7 --platform gpu
   python experiments/bench_migration.py --params 1e9 --subgroup-size 1e8 --dtype bf16 \\
       --json $OUT/migration.json
 
-On a CPU-only machine pass `--platform gpu`: the accelerator program's tiers (the
+On a CPU-only machine pass `--platform gpu`: the two-memory program's tiers (the
 CPU program keeps one array, so it has nothing to move between host tiers).
 """
 

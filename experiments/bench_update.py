@@ -22,7 +22,7 @@ it measured.
 On a CPU-only machine every "device" is the CPU, so the policies differ only in the
 loop structure and memory kinds; only a GPU can rank them (see RESULTS.md).
 
-The accelerator program splits its host tier into early host calls by the rule
+The two-memory program splits its host tier into early host calls by the rule
 (`partition.early_host_calls`: here, with no backward pass to overlap, they only cut
 the host work in calls); `--early none` times one host call instead
 (`dos_jax.migrate(..., early=())`), `--early both` each in the same run.
@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument('--mesh', default=None,
                       help="DATAxTENSOR, e.g. 2x2: shard the state over a 'data' axis")
   parser.add_argument('--early', choices=['rule', 'none', 'both'], default='rule',
-                      help="the accelerator program's early host calls: the rule's, none"
+                      help="the two-memory program's early host calls: the rule's, none"
                       " (one host call), or 'both' to time each in the same run")
   parser.add_argument('--json', default=None, help='write the results here as JSON too')
   return parser

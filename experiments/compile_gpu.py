@@ -41,7 +41,7 @@ unless given.
 On a machine with a GPU, `--run N` instead compiles the runner's step for that GPU through
 JAX (with the options the runner uses there), reports the same schedule facts from the
 program the GPU runs, and times N steps on random tokens (median step time, tokens/s).
-On a CPU it runs the accelerator program on the CPU backend (a smoke test).
+On a CPU it runs the two-memory program on the CPU backend (a smoke test).
 
 `--early none` builds the step with one host call (no early host calls: the state
 migrated with `dos_jax.migrate(..., early=())`) instead of the builder's choice.

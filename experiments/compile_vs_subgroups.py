@@ -1,6 +1,6 @@
-"""Lowering and H100 compile time of the accelerator program against its subgroup count.
+"""Lowering and H100 compile time of the two-memory program against its subgroup count.
 
-The accelerator program has one update per subgroup (one storage: per subgroup). This
+The two-memory program has one update per subgroup (one storage: per subgroup). This
 times, for an L-layer MLP with one subgroup per layer (L = G), the train step with
 `dos_jax.adamw` (Stride(2), nothing else set: the one construction) against the same
 step with `optax.adamw` (the model's own compile, measured in the same run), each traced,

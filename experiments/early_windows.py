@@ -27,7 +27,7 @@ import sys
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
-# (layers, width, dtype, chunks): tests/test_compiled_early_chunks.py's family.
+# (layers, width, dtype, call_count): tests/test_compiled_early_calls.py's family.
 MLP_SHAPES = ((5, 4096, 'float32', 2), (7, 512, 'float32', 3), (8, 1024, 'bfloat16', 4),
               (16, 256, 'bfloat16', 4), (16, 1024, 'float32', 4), (6, 2048, 'bfloat16', 2),
               (10, 1024, 'float32', 2), (4, 256, 'float32', 2), (14, 768, 'bfloat16', 2),

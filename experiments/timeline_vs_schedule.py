@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     for position, event in schedule_events(program.schedule):
       print(f'  {position:6d}  {event}')
     predicted = timeline.early_timeline(profile, spec, plan, forward_seconds=forward,
-                                        backward_seconds=2 * forward, chunks=part.early)
+                                        backward_seconds=2 * forward, early=part.early)
     print(f'-- predicted timeline ({profile.name}, {_TFLOPS:g} TFLOP/s;'
           f' step {1e3 * predicted.seconds:.1f} ms):')
     print(predicted.table())

@@ -296,7 +296,7 @@ def main(argv=None) -> int:
   parser.add_argument('--params', type=lambda s: int(float(s)), default=1_000_000_000)
   parser.add_argument('--subgroup-size', type=lambda s: int(float(s)), default=100_000_000)
   parser.add_argument('--platform', choices=['cpu', 'gpu'], default=None,
-                      help="Implementation(program=...): 'gpu' builds the accelerator program "
+                      help="Implementation(program=...): 'gpu' builds the two-memory program "
                       'anywhere')
   parser.add_argument('--out', default=None, help='where run mode writes trace/ and step.hlo.txt')
   parser.add_argument('--device-pattern', default=DEVICE_PATTERN)

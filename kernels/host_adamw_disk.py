@@ -63,12 +63,12 @@ def disk_kernel_unavailable_reason() -> str:
 _PLUGIN = plugin_kernel.PluginKernel(_load, {_TARGET: 'handler'})
 
 
-def disk_kernel_in_accelerator_programs() -> tuple[bool, str]:
-  """Whether an accelerator program traced now may call the disk kernel in its host
+def disk_kernel_in_two_memory_programs() -> tuple[bool, str]:
+  """Whether a two-memory program traced now may call the disk kernel in its host
   regions: `(ok, why not)`. On a GPU (or compiling for one without a GPU, after
   `register_for_gpu_compile`), whether the CUDA plugin took the handler; on the CPU
   backend, whether the kernel loads."""
-  return _PLUGIN.in_accelerator_programs()
+  return _PLUGIN.in_two_memory_programs()
 
 
 def register_for_gpu_compile() -> tuple[bool, str]:

@@ -212,12 +212,12 @@ ffi::Error LeavesImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
 }
 
 // Out as (G, S) rows, the state updated in its argument's own buffer: no state result.
-// For the accelerator program's host region. XLA gives an asynchronous host call's
+// For the two-memory program's host region. XLA gives an asynchronous host call's
 // results buffers of their own, separate from its arguments' (it cannot alias them), so
 // a state result there costs a host->host copy of the state into the donated buffer on
 // every step; written in the argument, the state needs no result. The caller must hand
 // over a buffer it may overwrite (the donated state) and read the new state only after
-// this call (dos_jax.fused.host_region_update passes the state through an optimization
+// this call (dos_jax.step.kernel_calls.host_region_update passes the state through an optimization
 // barrier with `out`).
 ffi::Error LeavesStateArgImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
                               ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,
@@ -240,7 +240,7 @@ ffi::Error LeavesStateArgImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S3
 // The state-argument form keeping what it needs to undo: before a segment of the state
 // is updated, its slots are copied into the undo copy this library keeps for the state
 // buffer (undo_store.h; elements of rows not updated are left unwritten). For an update
-// made before its clip factor is known (dos_jax.step.early_chunks): LeavesRedoImpl puts
+// made before its clip factor is known (dos_jax.step.early_calls): LeavesRedoImpl puts
 // the copy back and updates again.
 ffi::Error LeavesStateArgUndoImpl(ffi::Buffer<ffi::F32> stacked, ffi::Buffer<ffi::S32> rows,
                                   ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs leaves,

@@ -81,11 +81,11 @@ def host_kernel_in_gpu_programs() -> tuple[bool, str]:
   return _PLUGIN.in_gpu_programs()
 
 
-def host_kernel_in_accelerator_programs() -> tuple[bool, str]:
-  """Whether an accelerator program (`Implementation(program='gpu')`, or a GPU
+def host_kernel_in_two_memory_programs() -> tuple[bool, str]:
+  """Whether a two-memory program (`Implementation(program='gpu')`, or a GPU
   backend's) traced now may call the native kernel in its host regions: `(ok, why not)`
   (on the CPU backend: whenever the kernel is available)."""
-  return _PLUGIN.in_accelerator_programs()
+  return _PLUGIN.in_two_memory_programs()
 
 
 def register_for_gpu_compile() -> tuple[bool, str]:
@@ -239,16 +239,16 @@ def adamw_host_leaves(stacked, grad_leaves, param_leaves, rows, scalars: AdamWSc
     offsets: static ints, the flat offset of each leaf; leaves must not overlap.
     state_in_arg: update the state in the buffer of the `stacked` argument and return
       only the out rows: the call has no state result, so XLA sees `stacked` unchanged.
-      For a host region of the accelerator program only, where XLA gives the region's
+      For a host region of the two-memory program only, where XLA gives the region's
       results buffers of their own and would copy a state result back into the donated
-      state on every step (see `dos_jax.step.fused.host_region_update`). The caller owns the
+      state on every step (see `dos_jax.step.kernel_calls.host_region_update`). The caller owns the
       ordering: `stacked` must be a buffer it may overwrite (the donated state), read
       only after the call. Not with `out`.
     keep_undo: with `state_in_arg`, also keep a copy of every state element the call
       overwrites, taken just before, in the kernel library (found by the state
       buffer's address, not a result): what `adamw_host_leaves_redo` on the same
       buffer needs to put the state back. A result would be device memory in XLA:GPU
-      when the redo's host call reads it (`dos_jax.step.early_chunks`).
+      when the redo's host call reads it (`dos_jax.step.early_calls`).
     Others as `adamw_host_rows`.
 
   Returns:
@@ -312,7 +312,7 @@ def adamw_host_leaves_redo(stacked, grad_leaves, param_leaves, rows, scalars: Ad
   with no speculated call before it on that buffer fails). Returns the out rows; the
   caller orders its reads of the state after the call through them, and this call after
   the speculated one. Same leaves, offsets, rows and slots as the call it redoes (for a
-  host region of the accelerator program only, like `state_in_arg`).
+  host region of the two-memory program only, like `state_in_arg`).
   """
   if not rows_kernel_available():
     raise RuntimeError(rows_kernel_unavailable_reason())

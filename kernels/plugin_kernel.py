@@ -96,8 +96,8 @@ class PluginKernel:
         return self.compile_only
     return False, NO_CUDA_BACKEND
 
-  def in_accelerator_programs(self) -> tuple[bool, str]:
-    """Whether an accelerator program traced now may call the library: for a CUDA
+  def in_two_memory_programs(self) -> tuple[bool, str]:
+    """Whether a two-memory program traced now may call the library: for a CUDA
     plugin `in_gpu_programs()`; otherwise the program runs on the CPU backend, whose
     host regions run in jaxlib's XLA (registered by `_native.load`): yes whenever the
     library loads."""

@@ -173,7 +173,7 @@ _KNOWN_BY_VERSION = {
             _STAGED_MEMORY,
         'tests/test_step_memory.py::test_prediction_within_10_percent_of_the_compiled_h100_'
         'step[stride-bfloat16]': _STAGED_RUNNER_MEMORY,
-        'tests/test_compiled_early_chunks.py::test_early_host_chunks_start_during_the_backward_'
+        'tests/test_compiled_early_calls.py::test_early_host_calls_start_during_the_backward_'
         'pass[5-4096-float32-2]': _STAGED_EARLY_WINDOW,
         'tests/test_compiled_family.py::test_family_step_holds_what_its_construction_guarantees'
         '[5-512-float32]': _STAGED_EARLY_WINDOW,
@@ -202,14 +202,14 @@ KNOWN_REGRESSIONS_ALL_VERSIONS = {
 
 
 def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
-  """`(host calls, stream calls updating device rows)` the accelerator-program step of
+  """`(host calls, stream calls updating device rows)` the two-memory-program step of
   `state` compiles to under the lowering this jax gets (`device_stream.lowering`), traced
   for `limit` asynchronous calls in flight: one host call per early call and the last
   (`IN_REGION`), or per early call and per stage (`STAGED`, `step.stages.layout`), and one
   stream call per lane (per lane and stage, and per row run after the stages)."""
   from dos_jax.geometry.partition import Tier  # pylint: disable=import-outside-toplevel
   from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
-  from dos_jax.step import device_stream, early_chunks, lanes as lanes_lib, stages  # pylint: disable=import-outside-toplevel
+  from dos_jax.step import device_stream, early_calls, lanes as lanes_lib, stages  # pylint: disable=import-outside-toplevel
   part = state.partition
   streamed = len(part.ids(Tier.STREAMED))
   lanes = lanes_lib.stream_lanes(part.plan, part, count=lanes_lib.lane_count(
@@ -217,7 +217,7 @@ def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
   early = len(part.early)
   if device_stream.lowering() is device_stream.Lowering.IN_REGION:
     return early + 1, len(lanes)
-  parts = partition.host_calls(early_chunks.host_blocks(part), part.early)
+  parts = partition.host_calls(early_calls.host_blocks(part), part.early)
   items = (len(parts[-1]) + (sum(len(p) for p in parts[:-1]) if clip and early else 0)
            + (1 if part.disk else 0))
   layout = stages.layout(lanes, items)

@@ -61,7 +61,7 @@ def jit_step(opt, grad_dtype=None):
   return step
 
 
-# 'gpu': the accelerator program (split tiers, host regions, Pallas in interpret mode),
+# 'gpu': the two-memory program (split tiers, host regions, Pallas in interpret mode),
 # run on the CPU backend.
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'])
 @pytest.mark.parametrize('policy', POLICIES, ids=lambda p: repr(p))
@@ -158,10 +158,10 @@ def test_state_lives_in_pinned_host(policy, platform, seed):
   assert kinds == {'pinned_host'}
   # The host and streamed tiers are pinned_host; the resident tier is device memory.
   # The one-memory program's empty tiers are arrays of no row, in their memory too;
-  # stored per subgroup (the accelerator program), an empty tier has no array.
+  # stored per subgroup (the two-memory program), an empty tier has no array.
   for tier, arrays in state.tiers.items():
     want = 'device' if tier is Tier.RESIDENT else 'pinned_host'
-    held = bool(state.partition.ids(tier)) or not state.partition.per_subgroup
+    held = bool(state.partition.ids(tier)) or not state.partition.two_memories
     assert {x.sharding.memory_kind for x in arrays} == ({want} if held else set()), tier
   # Step counts are scalars and stay in device memory.
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state) if x.ndim == 0} == {'device'}
@@ -290,7 +290,7 @@ def test_inside_optax_chain_with_clipping(seed):
 
 
 def test_plan_changes_migrate_rows_between_tiers_and_keep_the_math(seed):
-  """The accelerator program stores each tier apart: a plan with another split moves
+  """The two-memory program stores each tier apart: a plan with another split moves
   the rows (host <-> streamed <-> resident) between the steps (`dos_jax.migrate`), and
   the math is optax's. A jitted step handed a state laid out for another plan says so."""
   ours, ref = make_pair(dos_jax.AllHost(), platform='gpu')

@@ -45,7 +45,7 @@ def test_a_transform_other_than_adamw_takes_xla(kernel):
   assert not usable and 'not dos_jax.adamw' in reason
 
 
-def test_pallas_runs_the_accelerator_programs_adamw_rows_only():
+def test_pallas_runs_the_two_memory_programs_adamw_rows_only():
   assert capability(PALLAS, ADAMW, _step(), GPU) == USABLE
   assert capability(PALLAS, ADAMW, _step(), CPU) == Capability(
       False, 'the CPU program updates every row with the native host call')
@@ -77,15 +77,15 @@ def test_the_native_kernel_takes_one_gradient_dtype_and_adamws_layout():
 
 
 @needs_kernel
-def test_in_the_accelerator_program_the_plugin_decides(monkeypatch):
+def test_in_the_two_memory_program_the_plugin_decides(monkeypatch):
   """A GPU program's host regions need the kernel in the GPU plugin too: the verdict
-  (and its one warning) is `host_kernel_in_accelerator_programs`'s."""
+  (and its one warning) is `host_kernel_in_two_memory_programs`'s."""
   verdict = capability(NATIVE, ADAMW, _step(), GPU, _grads(jnp.float32))
   assert isinstance(verdict, Capability)
   if jax.default_backend() == 'cpu':  # the CPU backend takes the kernel wherever it is built
     assert verdict == (True, '')
   # A plugin that refuses the kernel turns the verdict, with the plugin's reason.
   refusal = (False, 'the cuda plugin refused the handler (a stand-in reason)')
-  monkeypatch.setattr(host_adamw_rows, 'host_kernel_in_accelerator_programs', lambda: refusal)
+  monkeypatch.setattr(host_adamw_rows, 'host_kernel_in_two_memory_programs', lambda: refusal)
   assert capability(NATIVE, ADAMW, _step(), GPU, _grads(jnp.float32)) == refusal
   assert capability(NATIVE, ADAMW, _step(), CPU, _grads(jnp.float32)) == (True, '')

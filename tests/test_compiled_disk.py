@@ -1,4 +1,4 @@
-"""The disk tier in the accelerator program, compiled for an H100 with no GPU.
+"""The disk tier in the two-memory program, compiled for an H100 with no GPU.
 
 The CUDA plugin takes the disk kernel's handler (registered in its own FFI registry and
 probed by `dataflow.compile.prepare`, `kernels.plugin_kernel`), and the construction

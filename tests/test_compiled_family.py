@@ -116,7 +116,7 @@ def test_no_host_call_result_goes_back_to_host_memory():
   results that the program reads device buffers, so the speculating calls' undo is the
   kernel library's own (`keep_undo`) and the redo's out rows are asked for in device
   memory. Before, 3 state blocks of 12.6 MB each in the 8 x 1024 step went to the
-  device and back (`dos_jax.step.early_chunks`)."""
+  device and back (`dos_jax.step.early_calls`)."""
   program, _ = _program(8, 1024, 'bfloat16')
   assert not compiled.host_results_sent_back(program), sorted(
       compiled.host_results_sent_back(program))

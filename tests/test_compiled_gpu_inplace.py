@@ -5,12 +5,12 @@ where it is not installed. XLA turns a host region into an asynchronous host cal
 results get buffers of their own, so a state *result* of the region is copied host to
 host into the donated state on every step (the whole host tier). With the native kernel
 the state is updated in its argument's buffer instead and is no result of the region
-(`dos_jax.step.fused.host_region_update`): the compiled step has no host->host copy, and its
+(`dos_jax.step.kernel_calls.host_region_update`): the compiled step has no host->host copy, and its
 host temporaries are the bytes the host update must receive (the host tier's gradient
 rows, and fp32 params' rows), not the state.
 
 Checked for the step every user gets (the early host calls by the rule, which keep an
-undo of the early blocks' state: `dos_jax.step.early_chunks`) and for the one host call
+undo of the early blocks' state: `dos_jax.step.early_calls`) and for the one host call
 (`dos_jax.migrate(..., early=())`), whose bound has no undo.
 
 XLA's own host loop (`Implementation(host=UpdateImpl.XLA)`) must return the state from

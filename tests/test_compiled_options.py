@@ -1,4 +1,4 @@
-"""The accelerator program's step compiled for an H100 under each set of XLA options a
+"""The two-memory program's step compiled for an H100 under each set of XLA options a
 user may pass: XLA's defaults, the latency-hiding scheduler alone (what JAX's GPU
 performance guide tells users to set, in `XLA_FLAGS` or `compiler_options`), and
 `dos_jax.GPU_COMPILER_OPTIONS`.
@@ -39,7 +39,7 @@ def offload_for(policy, subgroup_size: int):
   """The optimizer's `Offload` for these tests: nothing beyond the policy (the one
   construction, per subgroup, with its early host calls by the rule; the limit on
   asynchronous calls is that of the options `compile_for_gpu` compiles with). Built
-  for the accelerator program (`Implementation(program='gpu')`)."""
+  for the two-memory program (`Implementation(program='gpu')`)."""
   import dos_jax  # pylint: disable=import-outside-toplevel
   return dos_jax.Offload(subgroup_size=subgroup_size, policy=policy)
 

@@ -2,7 +2,7 @@
 in a scheduling group with the host call (the device tiers' stream lanes).
 
 On the CPU the call is a call: the region's results are the function's, and the
-accelerator program's step with the device tiers on their stream is the step without,
+two-memory program's step with the device tiers on their stream is the step without,
 bit for bit (against optax too, in test_per_subgroup.py, where it is on by default).
 Its lowering is checked here; where the GPU compiler places it, in
 test_compiled_family.py."""
@@ -193,7 +193,7 @@ def _uses_stream(opt, params, state, grads) -> bool:
 @pytest.mark.parametrize('lanes', [-1, 1, 3])
 def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, lanes, seed,
                                                                  monkeypatch):
-  """The accelerator program (run on the CPU backend), clipping that fires: 4 steps with
+  """The two-memory program (run on the CPU backend), clipping that fires: 4 steps with
   the device tiers on their streams in the library's lanes (2), against the same step
   without stream regions, in one region, or in 3 lanes."""
   params = jax.device_put(random_tree(seed), jax.devices()[0])

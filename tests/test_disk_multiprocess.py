@@ -69,7 +69,7 @@ def _file_indices(folder: str) -> set[str]:
 @pytest.mark.skipif(jax.device_count() < 2, reason='needs 2 (virtual) devices')
 @pytest.mark.parametrize('mesh', [
     ['mesh.data=2'],
-    # ZeRO-3 in the accelerator program (on the CPU backend), which packs each device's
+    # ZeRO-3 in the two-memory program (on the CPU backend), which packs each device's
     # state from its own shards of the params.
     pytest.param(['mesh.data=1', 'mesh.fsdp=2', 'offload.platform=gpu'],
                  marks=pytest.mark.slow),
@@ -137,7 +137,7 @@ def test_a_checkpoint_without_a_disk_tier_resumes_onto_disk_in_two_processes(dat
 def test_what_a_process_cannot_write_from_its_own_shards_is_refused_in_one_line(monkeypatch):
   """Each process writes the first generation from its own shards of the params: the
   `tensor` shards of its devices' params must be its own, and ZeRO-3's state packed by
-  the params' shards (the accelerator program's; the one-memory program packs it leaf
+  the params' shards (the two-memory program's; the one-memory program packs it leaf
   after leaf, each device's columns across other devices' shards)."""
   from dos_jax.train import agree  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(agree, 'processes', lambda: 2)
@@ -163,4 +163,4 @@ def test_what_a_process_cannot_write_from_its_own_shards_is_refused_in_one_line(
                                                    'offload.platform=gpu']), fsdp)
   assert refused(['mesh.fsdp=2', 'offload.platform=cpu'], fsdp).startswith(
       'offload.disk_dir: a ZeRO-3 run (mesh.fsdp=2) of 2 processes keeps its optimizer '
-      'state on disk only in the accelerator program')
+      'state on disk only in the two-memory program')

@@ -114,7 +114,7 @@ def test_resuming_a_disk_tiers_checkpoint_with_another_subgroup_size_is_one_line
 @pytest.mark.slow
 def test_a_zero3_run_keeps_each_devices_state_on_disk_and_resumes_in_its_packing(
     dataset, tmp_path, capsys, monkeypatch):
-  """The accelerator program (`offload.platform=gpu` on the CPU backend) on the 8 devices
+  """The two-memory program (`offload.platform=gpu` on the CPU backend) on the 8 devices
   as mesh.fsdp=4 (x data 2): the state packed shard-major over `fsdp`, each device with
   its own files (4 shards, 2 copies). Its checkpoint resumes on a mesh of the same
   packing (mesh.data=4 x tensor=2: ZeRO-1 over 4 shards by the same table); a mesh of

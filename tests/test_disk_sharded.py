@@ -106,7 +106,7 @@ def test_each_device_updates_its_own_files_as_the_in_memory_tier(
 
 
 def test_a_shard_major_checkpoint_of_files_resumes_in_its_packing_only(tmp_path, seed):
-  """ZeRO-3 (shard-major) in the accelerator program, all on disk: `state_to_files` and
+  """ZeRO-3 (shard-major) in the two-memory program, all on disk: `state_to_files` and
   `state_from_files` into a fresh state of the same packing, then one more step, equal
   the run that went on bit for bit; a target packed leaf after leaf (ZeRO-1 on the same
   mesh) is refused in one line."""

@@ -72,7 +72,7 @@ def _offloaded(state):
 CASES = [  # (program, policy, subgroups the host-memory budget holds, param dtype)
     ('cpu', dos_jax.AllHost(), 0, jnp.bfloat16),  # one memory, every subgroup on disk
     ('cpu', dos_jax.AllHost(), 5, jnp.float32),  # one memory, 5 subgroups in memory
-    ('gpu', dos_jax.AllHost(), 3, jnp.bfloat16),  # accelerator program, early calls in memory
+    ('gpu', dos_jax.AllHost(), 3, jnp.bfloat16),  # two-memory program, early calls in memory
     ('gpu', dos_jax.Stride(2), 2, jnp.float32),  # streamed, host in memory and on disk
     ('gpu', dos_jax.DeviceFraction(0.4), 0, jnp.bfloat16),
 ]
@@ -95,10 +95,10 @@ GPU_CASES = [c for c in CASES if c[0] == 'gpu']
 @pytest.mark.parametrize('platform,policy,in_memory,dtype', GPU_CASES, ids=_ids(GPU_CASES))
 def test_on_a_gpu_disk_subgroups_take_the_in_memory_host_tiers_steps_bit_for_bit(
     platform, policy, in_memory, dtype, tmp_path, seed):
-  """The accelerator program on a GPU: the disk kernel runs in the CUDA plugin's host
+  """The two-memory program on a GPU: the disk kernel runs in the CUDA plugin's host
   regions (registered there and probed) and agrees with the in-memory host tier."""
   assert jax.devices()[0].platform == 'gpu'
-  assert host_adamw_disk.disk_kernel_in_accelerator_programs() == (True, '')
+  assert host_adamw_disk.disk_kernel_in_two_memory_programs() == (True, '')
   _check_against_the_in_memory_tier(platform, policy, in_memory, dtype, tmp_path, seed)
 
 

@@ -2,7 +2,7 @@
 `dos_jax.clip_by_global_norm`, `dos_jax.migrate`, `dos_jax.Implementation`,
 `StepOptions`, `dos_jax.step.device_stream`'s region, `construction.stream_regions`, the
 early host calls' rule and order (`partition.early_host_calls`,
-`early_chunks.host_blocks`), the thunk reader `dos_jax.dataflow.thunks`,
+`early_calls.host_blocks`), the thunk reader `dos_jax.dataflow.thunks`,
 `dos_jax.dataflow.compile_step`, `dos_jax.state_to_files` and the runner's
 `compile_cache`, run-folder lock, trackers and step trace, `AdamWHyperparams`,
 `memory_spaces.host_region`) run as doctests, on the CPU backend, as CI runs them. Each
@@ -24,7 +24,7 @@ from dos_jax.geometry import partition
 from dos_jax.step import adamw_hyperparams
 from dos_jax.step import construction
 from dos_jax.step import device_stream
-from dos_jax.step import early_chunks
+from dos_jax.step import early_calls
 from dos_jax.step import options
 from dos_jax.train import compile_cache
 from dos_jax.train import rundir
@@ -33,7 +33,7 @@ from dos_jax.train import trackers
 
 
 @pytest.mark.parametrize('module', [alias, clipping, device_stream, thunks, early_windows,
-                                    construction, migration, partition, early_chunks,
+                                    construction, migration, partition, early_calls,
                                     compile_cache, state_files, rundir, trackers, step_trace,
                                     adamw_hyperparams, memory_spaces, implementation,
                                     options],

@@ -1,5 +1,5 @@
-"""Early host calls in the planner: `timeline.early_timeline`, `choose_early_chunks`,
-`Auto.early_chunks`, `dos-jax plan`'s line, and the runner's pinned pool.
+"""Early host calls in the planner: `timeline.early_timeline`, `choose_early_calls`,
+`Auto.early_calls`, `dos-jax plan`'s line, and the runner's pinned pool.
 
 The model's inputs are presets and round numbers (no randomness): a 70-subgroup model on
 the h100-pcie5 profile, whose AllHost step is host-bound and whose Stride(2) step is
@@ -13,7 +13,7 @@ import pytest
 
 import dos_jax
 from dos_jax.geometry import partition as partition_lib
-from dos_jax.step import early_chunks
+from dos_jax.step import early_calls
 from dos_jax.planner import costmodel
 from dos_jax.planner import timeline
 from dos_jax.policies import AllHost
@@ -35,19 +35,19 @@ def test_split_takes_sizes_in_backward_order_and_keeps_a_last_call():
 
 def test_the_timeline_takes_the_host_rows_in_the_steps_order():
   """`timeline.host_order` is the order the step's host calls take the host blocks
-  (`early_chunks.host_blocks`): the last first, the rows without weight decay last. Those
+  (`early_calls.host_blocks`): the last first, the rows without weight decay last. Those
   arrive once the backward pass is over, so an early call that held one would start
   then: with them last the first early call starts during the backward pass."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
   spec = dataclasses.replace(SPEC, decayed_rows=68)  # rows 68 and 69: the norm scales
   plan = AllHost().plan(spec)
-  part = partition.for_plan(plan, split=True)
+  part = partition.for_plan(plan, two_memories=True)
   blocks = part.blocks(partition.Tier.HOST)
-  want = [blocks[b][0] for b in early_chunks.host_blocks(part, spec.decayed_rows)]
+  want = [blocks[b][0] for b in early_calls.host_blocks(part, spec.decayed_rows)]
   assert timeline.host_order(spec, plan) == want
   assert want[-2:] == [69, 68] and want[0] == 67
-  early = timeline.early_timeline(PROFILE, spec, plan, chunks=(2, 2), **TIMES)
+  early = timeline.early_timeline(PROFILE, spec, plan, early=(2, 2), **TIMES)
   assert early.span('early call 1').start < 3.0  # during the backward pass
   # A norm row's gradients are in host memory only once the backward pass is over
   # (3 s); the last subgroup, were it a matrix, would be there right after the forward.
@@ -59,48 +59,48 @@ def test_the_timeline_takes_the_host_rows_in_the_steps_order():
 
 def test_early_calls_start_during_the_backward_pass_and_one_call_is_the_timeline():
   plan = AllHost().plan(SPEC)
-  one = timeline.early_timeline(PROFILE, SPEC, plan, chunks=1, **TIMES)
+  one = timeline.early_timeline(PROFILE, SPEC, plan, early=1, **TIMES)
   assert one.span('last call').start >= 3.0  # after forward + backward
-  early = timeline.early_timeline(PROFILE, SPEC, plan, chunks=(1,) * 4, **TIMES)
+  early = timeline.early_timeline(PROFILE, SPEC, plan, early=(1,) * 4, **TIMES)
   assert all(early.span(f'early call {k}').start < 3.0 for k in range(1, 5))
   assert early.seconds < one.seconds
-  redo = timeline.early_timeline(PROFILE, SPEC, plan, chunks=(1,) * 4, rollback=True, **TIMES)
+  redo = timeline.early_timeline(PROFILE, SPEC, plan, early=(1,) * 4, rollback=True, **TIMES)
   assert redo.seconds >= early.seconds
   assert redo.span('last call and redo').end > early.span('last call').end
 
 
 def test_the_choice_weighs_the_clip_rate():
   plan = AllHost().plan(SPEC)
-  calm, seconds = timeline.choose_early_chunks(PROFILE, SPEC, plan, clip_rate=0.0, **TIMES)
+  calm, seconds = timeline.choose_early_calls(PROFILE, SPEC, plan, clip_rate=0.0, **TIMES)
   one = timeline.timeline(PROFILE, SPEC, plan, **TIMES).seconds
   assert calm and seconds < one
-  mean = timeline.expected_early_seconds(PROFILE, SPEC, plan, chunks=calm, clip_rate=0.5,
+  mean = timeline.expected_early_seconds(PROFILE, SPEC, plan, early=calm, clip_rate=0.5,
                                          **TIMES)
-  fired = timeline.early_timeline(PROFILE, SPEC, plan, chunks=calm, rollback=True,
+  fired = timeline.early_timeline(PROFILE, SPEC, plan, early=calm, rollback=True,
                                   **TIMES).seconds
   assert mean == pytest.approx(0.5 * seconds + 0.5 * fired)
-  always, _ = timeline.choose_early_chunks(PROFILE, SPEC, plan, clip_rate=1.0, **TIMES)
+  always, _ = timeline.choose_early_calls(PROFILE, SPEC, plan, clip_rate=1.0, **TIMES)
   assert sum(always) <= sum(calm)
   with pytest.raises(ValueError, match='clip_rate'):
-    timeline.expected_early_seconds(PROFILE, SPEC, plan, chunks=2, clip_rate=2.0, **TIMES)
+    timeline.expected_early_seconds(PROFILE, SPEC, plan, early=2, clip_rate=2.0, **TIMES)
 
 
-def test_auto_chooses_early_chunks_from_its_backward_pass_and_measured_clip_rate():
+def test_auto_chooses_early_calls_from_its_backward_pass_and_measured_clip_rate():
   plan = AllHost().plan(SPEC)
   auto = dos_jax.Auto(PROFILE, backward_seconds=2.0, clip_rate=0.0)
-  assert auto.early_chunks(SPEC, plan)
+  assert auto.early_calls(SPEC, plan)
   # No backward pass known: no choice, the state takes the fixed rule
   # (`partition.early_host_calls`).
-  assert dos_jax.Auto(PROFILE).early_chunks(SPEC, plan) is None
+  assert dos_jax.Auto(PROFILE).early_calls(SPEC, plan) is None
   auto.observe_rollbacks(10, 10)
   assert auto.clip_rate == 1.0
-  assert sum(auto.early_chunks(SPEC, plan)) <= sum(
-      dos_jax.Auto(PROFILE, backward_seconds=2.0, clip_rate=0.0).early_chunks(SPEC, plan))
+  assert sum(auto.early_calls(SPEC, plan)) <= sum(
+      dos_jax.Auto(PROFILE, backward_seconds=2.0, clip_rate=0.0).early_calls(SPEC, plan))
   with pytest.raises(ValueError, match='clip_rate'):
     dos_jax.Auto(PROFILE, clip_rate=1.5)
 
 
-def test_plan_prints_the_gain_of_early_host_chunks():
+def test_plan_prints_the_gain_of_early_host_calls():
   out = subprocess.run([sys.executable, '-m', 'dos_jax.cli', 'plan', '--model', '7b'],
                        capture_output=True, text=True, check=True).stdout
   line = next(l for l in out.splitlines() if l.startswith('AllHost as the step runs it'))

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import dos_jax
-from dos_jax.step import fused
+from dos_jax.step import kernel_calls
 from dos_jax.kernels import host_adamw_rows
 
 from tests.test_adamw import decay_mask
@@ -33,7 +33,7 @@ POLICIES = [dos_jax.AllHost(), dos_jax.Stride(2),
 
 
 def _in_place_everywhere(in_place, with_result, *args):
-  """`fused.state_in_place` choosing the GPU program's form on every platform."""
+  """`kernel_calls.state_in_place` choosing the GPU program's form on every platform."""
   del with_result
   return in_place(*args)
 
@@ -202,7 +202,7 @@ def test_mixed_gradient_dtypes_stay_on_the_xla_path(seed):
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
 def test_accelerator_form_on_cpu(policy, dtype, seed):
-  """The accelerator program (host gradients copied to host memory piece by piece, the
+  """The two-memory program (host gradients copied to host memory piece by piece, the
   native call in a host region, out rows copied back), run on the CPU backend: the same
   results as the XLA path of the CPU program (its host rows and their params bit for
   bit on jax 0.10; its streamed rows and their params within an ulp)."""
@@ -242,7 +242,7 @@ def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, monk
   argument's buffer, the region returns only the out rows), run on the CPU backend with
   the state donated, as a train step does: bit for bit the results of the same program
   returning the state from the region (what a CPU backend runs, see
-  `fused.state_in_place`), which `test_accelerator_form_on_cpu` compares with
+  `kernel_calls.state_in_place`), which `test_accelerator_form_on_cpu` compares with
   the XLA host path."""
   params = random_tree(seed, dtype)
   opt = dos_jax.adamw(SCHEDULE, weight_decay=0.05, mask=decay_mask, offload=_offload(policy),
@@ -262,7 +262,7 @@ def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, monk
 
   with_result, text = run(opt)
   assert 'dos_jax_adamw_host_leaves_state_arg' not in text
-  monkeypatch.setattr(fused, 'state_in_place', _in_place_everywhere)
+  monkeypatch.setattr(kernel_calls, 'state_in_place', _in_place_everywhere)
   in_place, text = run(opt)
   assert 'dos_jax_adamw_host_leaves_state_arg' in text
   _assert_bit_equal(in_place, with_result)
@@ -271,7 +271,7 @@ def test_accelerator_form_updates_the_donated_state_in_place(policy, dtype, monk
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.Stride(1), dos_jax.Stride(2)], ids=repr)
 def test_pallas_device_path_matches_xla(policy, dtype, seed):
-  """The accelerator program's device path: each streamed subgroup updated by the Pallas
+  """The two-memory program's device path: each streamed subgroup updated by the Pallas
   AdamW (interpret mode on the CPU backend), against the XLA path.
   Tolerance: the kernels agree with optax to rtol 1e-6 per step (kernel tests)."""
   params = random_tree(seed, dtype)
@@ -298,17 +298,17 @@ def test_adamw_scalars_cross_into_host_regions_as_one_vector(seed):
   cross as one vector, and come back out bit for bit; scalars of another dtype cross
   as they are."""
   values = np.random.default_rng(seed).random(4).astype(np.float32)
-  scalars = fused.AdamWScalars(
+  scalars = kernel_calls.AdamWScalars(
       lr=jnp.asarray(values[0]), b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
       weight_decay=1e-4, bc1=jnp.asarray(values[1]), bc2=jnp.asarray(values[2]),
       grad_scale=jnp.asarray(values[3]))
-  arrays, join = fused.split_scalars(scalars)
+  arrays, join = kernel_calls.split_scalars(scalars)
   assert [a.shape for a in arrays] == [(4,)], f'seed {seed}'
   joined = jax.jit(join)(arrays)
   for field in ('lr', 'bc1', 'bc2', 'grad_scale'):
     np.testing.assert_array_equal(getattr(joined, field), getattr(scalars, field))
   assert (joined.b1, joined.weight_decay) == (0.9, 1e-4)  # Python floats stay closed over
   mixed = dataclasses.replace(scalars, grad_scale=jnp.asarray(values[3], jnp.bfloat16))
-  arrays, join = fused.split_scalars(mixed)
+  arrays, join = kernel_calls.split_scalars(mixed)
   assert [a.dtype for a in arrays] == [jnp.float32] * 3 + [jnp.bfloat16]
   assert join(arrays).grad_scale.dtype == jnp.bfloat16

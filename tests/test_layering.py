@@ -16,8 +16,8 @@ The layers, bottom to top:
               pinned_pool, clipping, host_memory. Nothing here builds a step. The state layer knows a
               placement policy only as `policies.Policy` (and `policies.AdaptivePolicy`,
               one that re-plans as it runs), never the planner's `Auto`.
-* step     -- `dos_jax.step` (transform, tier_updates, paths, adamw_hyperparams, fused,
-              device_stream, construction, lanes, early_chunks, ...) with what acts on a
+* step     -- `dos_jax.step` (transform, tier_updates, paths, adamw_hyperparams, kernel_calls,
+              device_stream, construction, lanes, early_calls, ...) with what acts on a
               state with the step's machinery: capability, migration, state_ops,
               state_files, portable, alias. A jitted step is built from this layer and
               those below alone.
@@ -225,7 +225,7 @@ def test_the_graph_reads_both_kinds_of_import():
   graph = _graph()
   assert 'dos_jax.geometry.slots' in graph['dos_jax.step.paths']  # `from dos_jax.geometry import slots`
   assert 'dos_jax.geometry.partition' in graph['dos_jax.step.paths']
-  assert 'dos_jax.kernels.pallas_adamw' in graph['dos_jax.step.fused']  # inside a function
+  assert 'dos_jax.kernels.pallas_adamw' in graph['dos_jax.step.kernel_calls']  # inside a function
   assert 'dos_jax' not in graph['dos_jax.step.paths']
   assert 'dos_jax' in graph['dos_jax.train.step']  # `import dos_jax`
   assert 'dos_jax.kernels.host_adamw_rows' in graph['dos_jax.dataflow.compile']

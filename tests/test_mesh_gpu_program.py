@@ -1,4 +1,4 @@
-"""The sharded accelerator program (ZeRO-1 on a data x tensor mesh) for a GPU, seen
+"""The sharded two-memory program (ZeRO-1 on a data x tensor mesh) for a GPU, seen
 without one: the host tier runs the native host AdamW per data shard, inside host
 regions, and XLA's host loop is gone from the program.
 

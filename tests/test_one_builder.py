@@ -34,7 +34,7 @@ def _config(name: str, layers: int) -> config_lib.RunConfig:
 
 def _runner_state(cfg: config_lib.RunConfig) -> dos_jax.OffloadedState:
   """The state as `trainer.build` makes it on one GPU: its mesh and param placement,
-  then the one builder for the accelerator program."""
+  then the one builder for the two-memory program."""
   cfg = dataclasses.replace(
       cfg, model=dataclasses.replace(cfg.model, attention=cfg.model.attention_impl('gpu')))
   mesh = mesh_lib.make_mesh(cfg.mesh, jax.devices()[:1])
@@ -61,16 +61,16 @@ def test_compile_gpu_builds_the_runners_step(name, layers):
   runner = _runner_state(cfg)
   assert compiled.partition == runner.partition  # plan, stream order, buffers, host calls
   assert compiled.layout == runner.layout
-  assert compiled.partition.split and compiled.partition.per_subgroup
+  assert compiled.partition.two_memories
   # The host calls are the cost model's for this profile and the run's backward pass.
   chooser = timeline.EarlyChooser(PROFILE, backward_seconds=optimizer_lib.backward_seconds(
       cfg, 1))
   plan = compiled.partition.plan
-  assert compiled.partition.early == chooser.early_chunks(compiled.layout.spec(), plan)
+  assert compiled.partition.early == chooser.early_calls(compiled.layout.spec(), plan)
 
 
 def test_the_runners_steps_are_traced_told_the_options_they_are_compiled_with():
-  """The runner compiles the accelerator program with `compiler_options_for('gpu')`;
+  """The runner compiles the two-memory program with `compiler_options_for('gpu')`;
   its steps (fused and update) are traced told that options' limit on asynchronous
   calls, so both stream lanes join the host call's group (`lanes.grouped_lanes`).
   Compiled with jax's defaults, a step reads what an enclosing `compiled_with` says
@@ -119,6 +119,6 @@ def test_the_runner_builds_through_the_one_builder(monkeypatch, tmp_path):
   trainer = trainer_lib.build(cfg, devices=jax.devices()[:1])
   assert len(calls) == 1
   state = _state(trainer.opt_state)
-  assert state.partition.split  # offload.platform=gpu: the accelerator program
+  assert state.partition.two_memories  # offload.platform=gpu: the two-memory program
   assert state.partition.early == dos_jax.geometry.partition.early_host_calls(
       len(state.partition.host))  # on a CPU backend: the fixed rule

@@ -1,5 +1,5 @@
 """One construction, no knobs (issue 40): the README's optimizer, `Offload(policy=Stride(2))`
-with nothing else set, on the accelerator program (`Implementation(program='gpu')`), builds
+with nothing else set, on the two-memory program (`Implementation(program='gpu')`), builds
 its one construction: its state stored per subgroup, early host calls by the fixed rule
 (`partition.early_host_calls`), several host calls in the program lowered for 'cuda',
 and optax's numbers; and the same step lowered twice in one process is one program.
@@ -25,7 +25,7 @@ MAX_NORM = 1.0
 
 def _readme_optimizer(**offload):
   """The README's optimizer: clipping chained with dos_jax's AdamW, `Stride(2)` on the
-  accelerator program and, unless given, every other `Offload` field at its default."""
+  two-memory program and, unless given, every other `Offload` field at its default."""
   adamw = dos_jax.adamw(1e-3, weight_decay=0.1,
                         offload=dos_jax.Offload(policy=dos_jax.Stride(2), **offload),
                         implementation=dos_jax.Implementation(program='gpu'))
@@ -61,7 +61,7 @@ def test_the_readme_optimizer_is_per_subgroup_with_the_rules_early_calls():
   _, _, state = _readme_mlp_abstract()
   part = state[-1].partition
   assert state[-1].layout.num_subgroups == LAYERS
-  assert part.per_subgroup and part.split
+  assert part.two_memories
   assert all(len(ids) == 1 for t in partition_lib.TIERS for ids in part.blocks(t))
   assert len(part.host) == LAYERS // 2
   assert part.early and part.early == partition_lib.early_host_calls(len(part.host)), part
@@ -88,7 +88,7 @@ def test_the_step_lowered_for_cuda_has_several_host_calls(seed):
 @pytest.mark.xfail(strict=True, raises=(TypeError, ValueError), reason=(
     'an abstract state with early host calls does not lower: jax traces a '
     'ShapeDtypeStruct in pinned_host as a device-memory value (jax 0.10.2 and 0.11.2 '
-    "with jax-cuda13-plugin: early_chunks' switch branches differ, TypeError; 0.12.0.1: "
+    "with jax-cuda13-plugin: early_calls' switch branches differ, TypeError; 0.12.0.1: "
     "an `add` of a host and a device operand, ValueError)"))
 def test_the_readme_optimizers_abstract_step_lowers_for_cuda():
   """The default-size step above, abstract (as `gpu_program` builds it over several
@@ -124,7 +124,7 @@ def test_the_one_construction_matches_optax(seed):
   ref = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(1e-3, weight_decay=0.1))
   state, ref_state = opt.init(params), ref.init(params)
   part = state[-1].partition
-  assert part.per_subgroup and len(part.host) == LAYERS // 2
+  assert part.two_memories and len(part.host) == LAYERS // 2
   assert part.early == partition_lib.early_host_calls(LAYERS // 2) != ()
   step, ref_step = jax.jit(_step(opt), donate_argnums=(1,)), jax.jit(_step(ref))
   ref_params = params

@@ -1,4 +1,4 @@
-"""Per-subgroup storage, the accelerator program's one storage: every subgroup's state
+"""Per-subgroup storage, the two-memory program's one storage: every subgroup's state
 its own buffers, so that a plan change moves only the rows that change tier and holds no tier
 twice. The math against optax for every placement mix, exact moves that copy only the
 rows changing memory, donated steps across plan changes (the runner's way), one
@@ -46,7 +46,7 @@ def test_every_mix_matches_optax_fp32(policy, impl, seed):
   params = ref_params = random_tree(seed)
   state, ref_state = ours.init(params), ref.init(params)
   part = state.partition
-  assert part.per_subgroup
+  assert part.two_memories
   for tier in dos_jax.geometry.partition.TIERS:  # one (1, K, S) array per subgroup and dtype
     assert len(state.tier(tier)) == len(part.ids(tier)) * len(state.slots.groups)
     assert all(x.shape[0] == 1 for x in state.tier(tier))
@@ -65,10 +65,10 @@ def test_the_two_memory_program_is_per_subgroup_and_the_one_memory_program_one_a
   """No field chooses the storage: the program does."""
   params = random_tree(seed)
   gpu, _ = make_pair(policy, platform='gpu')
-  assert gpu.init(params).partition.per_subgroup
+  assert gpu.init(params).partition.two_memories
   cpu, _ = make_pair(policy, platform='cpu')
   state = cpu.init(params)
-  assert not state.partition.per_subgroup
+  assert not state.partition.two_memories
   assert all(len(state.partition.blocks(t)) == 1 for t in dos_jax.geometry.partition.TIERS)
 
 
@@ -91,7 +91,7 @@ def test_a_policy_that_re_plans_as_it_runs_is_stored_per_subgroup(seed):
                     dos_jax.AdaptivePolicy)
   assert not isinstance(dos_jax.Stride(2), dos_jax.AdaptivePolicy)
   ours, _ = make_pair(_Alternating(), platform='gpu')
-  assert ours.init(random_tree(seed)).partition.per_subgroup
+  assert ours.init(random_tree(seed)).partition.two_memories
 
 
 def test_migration_is_exact_moves_only_the_rows_that_change_memory(seed):
@@ -101,7 +101,7 @@ def test_migration_is_exact_moves_only_the_rows_that_change_memory(seed):
   state, rows = distinct_state(seed)
   groups = len(state.slots.groups)
   for plan in _plans(state.layout.spec()):
-    wanted = dos_jax.geometry.partition.for_plan(plan, split=True)
+    wanted = dos_jax.geometry.partition.for_plan(plan, two_memories=True)
     old, state = state, dos_jax.migrate(state, plan)
     assert state.partition == wanted
     before = old.by_subgroup()
@@ -138,7 +138,7 @@ def test_donated_steps_across_plan_changes_keep_optax_math_and_compile_once_per_
     params, state = step(params, state, grads, plan=plan)
     ref_params, ref_state = ref_step(ref_params, ref_state, grads)
     assert state.partition.resident == plan.resident
-    assert state.partition.per_subgroup
+    assert state.partition.two_memories
   assert step._cache_size() == len(plans)  # pylint: disable=protected-access
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -219,7 +219,7 @@ def dataset(tmp_path_factory):
 @pytest.mark.slow
 def test_the_trainer_moves_the_state_when_the_plan_changes(dataset):
   """The runner's steps (params and state donated, output shardings pinned) across
-  plan changes of the accelerator program, host <-> device included: the state is moved
+  plan changes of the two-memory program, host <-> device included: the state is moved
   before the step that needs it (timed as `migrate_s`), one program per plan and form,
   and the training is optax's."""
   cfg = config.load(None, [f'data.path={dataset}', *SMALL, 'model.compute_dtype=float32',
@@ -228,7 +228,7 @@ def test_the_trainer_moves_the_state_when_the_plan_changes(dataset):
   run = trainer.build(cfg, devices=jax.devices()[:1])
   ref = trainer.build(cfg, devices=jax.devices()[:1],
                       tx=step_lib.make_optimizer(cfg.optim, None, cfg.train.steps))
-  assert run.opt_state.partition.per_subgroup
+  assert run.opt_state.partition.two_memories
   spec = run.opt_state.layout.spec()
   assert spec.num_subgroups >= 4
   plans = [p.plan(spec) for p in (

@@ -72,7 +72,7 @@ def _no_probe(*args, **kwargs):
 @pytest.mark.usefixtures('fresh')
 def test_no_cuda_devices_reports_false(monkeypatch, caplog):
   """No CUDA backend and no compile-only registration: nothing is registered or probed,
-  the kernel is not usable in GPU programs, and nothing is warned; accelerator programs
+  the kernel is not usable in GPU programs, and nothing is warned; two-memory programs
   then run on the CPU backend, whose host regions have the kernel."""
   monkeypatch.setattr(_pjrt, 'gpu_platforms', lambda: [])
   monkeypatch.setattr(_pjrt, 'plugin_c_api', _no_probe)
@@ -81,7 +81,7 @@ def test_no_cuda_devices_reports_false(monkeypatch, caplog):
     ok, why = host_adamw_rows.host_kernel_in_gpu_programs()
     assert (ok, why) == (False, host_adamw_rows.NO_CUDA_BACKEND)
     assert why.startswith('no CUDA backend')
-    assert host_adamw_rows.host_kernel_in_accelerator_programs() == (True, '')
+    assert host_adamw_rows.host_kernel_in_two_memory_programs() == (True, '')
   assert not _warnings(caplog)
 
 
@@ -103,7 +103,7 @@ def test_found_plugin_gets_the_handlers_and_the_probe_decides(monkeypatch):
                       lambda native, targets, platform: probed.append(dict(targets)) or (True, ''))
   for _ in range(2):
     assert host_adamw_rows.host_kernel_in_gpu_programs() == (True, '')
-    assert host_adamw_rows.host_kernel_in_accelerator_programs() == (True, '')
+    assert host_adamw_rows.host_kernel_in_two_memory_programs() == (True, '')
   assert [c[0] for c in plugin.calls] == list(_handlers())  # registered once
   assert probed == [_handlers()]  # after registering, once
 
@@ -120,7 +120,7 @@ def test_registered_but_not_taken_falls_back_once(monkeypatch, caplog):
     for _ in range(3):
       ok, why = host_adamw_rows.host_kernel_in_gpu_programs()
       assert not ok and 'did not take the handlers' in why and 'NOT_FOUND' in why
-      assert host_adamw_rows.host_kernel_in_accelerator_programs() == (False, why)
+      assert host_adamw_rows.host_kernel_in_two_memory_programs() == (False, why)
     assert not host_adamw_rows.register_for_gpu_compile()[0]
   lines = _warnings(caplog)
   assert len(lines) == 1 and "XLA's host loop" in lines[0] and why in lines[0]
@@ -150,7 +150,7 @@ def test_compile_only_registration_is_what_gpu_programs_get(monkeypatch):
   assert host_adamw_rows.register_for_gpu_compile() == (True, '')
   assert host_adamw_rows.register_for_gpu_compile() == (True, '')  # once per process
   assert host_adamw_rows.host_kernel_in_gpu_programs() == (True, '')
-  assert host_adamw_rows.host_kernel_in_accelerator_programs() == (True, '')
+  assert host_adamw_rows.host_kernel_in_two_memory_programs() == (True, '')
 
 
 @pytest.mark.usefixtures('fresh')
@@ -315,7 +315,7 @@ def test_too_new_api_version_falls_back_with_one_warning(fresh, monkeypatch, cap
     ok, why = host_adamw_rows.host_kernel_in_gpu_programs()
     assert not ok and 'SIGABRT' in why
     assert 'No FFI handler registered for dos_jax_test_api_0_99' in why
-    assert host_adamw_rows.host_kernel_in_accelerator_programs() == (False, why)
+    assert host_adamw_rows.host_kernel_in_two_memory_programs() == (False, why)
     params = {'w': jnp.ones((64, 32), jnp.float32)}
     offload = dos_jax.Offload(subgroup_size=1024, policy=dos_jax.AllHost())
     opt = dos_jax.adamw(1e-3, offload=offload, implementation=dos_jax.Implementation(program='gpu'))

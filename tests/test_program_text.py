@@ -1,6 +1,6 @@
 """`update` is pure: the program depends only on the step's inputs and static arguments.
 
-The accelerator program's step, lowered for `cuda`, gives one StableHLO text: traced twice
+The two-memory program's step, lowered for `cuda`, gives one StableHLO text: traced twice
 in one process, traced after the policy object changed its mind (`Auto` re-planned,
 measured another clip rate), and traced in a fresh process. Its plan and host calls come
 from the state (`Partition`), its scheduling groups are numbered per trace.

@@ -206,7 +206,7 @@ def test_the_gpu_checks_step_part_runs_on_this_machines_backend(tmp_path):
   """`experiments/gpu_check.sh` parts 4 and 11 run `compile_gpu.py --run`, which must also
   run on a CPU (`gpu_check.sh --small`, the smoke test): the step's attention is resolved
   for this backend, not for a GPU (cuDNN is not on a CPU). Two steps of the packaged
-  tiny config (the accelerator program's one construction), timed and written as JSON."""
+  tiny config (the two-memory program's one construction), timed and written as JSON."""
   import json  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel

@@ -24,7 +24,7 @@ from tests.test_adamw import random_grads
 from tests.test_dropin import assert_close
 from tests.test_dropin import memory_kinds
 from tests.test_dropin import unpacked_master
-from tests.test_early_chunks import _with_early
+from tests.test_early_calls import _with_early
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 (virtual) devices')
 
@@ -174,7 +174,7 @@ def test_the_zero1_update_is_optaxs_and_keeps_the_params_whole(platform, seed):
 @pytest.mark.parametrize('whole', [False, True], ids=['zero3', 'zero1'])
 def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, dtype, whole,
                                                                        seed, monkeypatch):
-  """The accelerator program: where stream regions are available, each device runs
+  """The two-memory program: where stream regions are available, each device runs
   the host regions (early host calls included) and the stream lanes on its own columns
   inside `shard_map` (`lanes.sharded_two_streams`); on a jax without them
   (`device_stream.available()` False, patched here), jit partitions the step.
@@ -201,7 +201,7 @@ def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, d
 
 
 def _clipped_step(offload, params):
-  """(state, jitted step) of `dos_jax.adamw` under `offload` on the accelerator program,
+  """(state, jitted step) of `dos_jax.adamw` under `offload` on the two-memory program,
   sharded shard-major, behind a global-norm clip at 0.5."""
   tx = dos_jax.chain(dos_jax.clip_by_global_norm(0.5),
                      dos_jax.adamw(LR, offload=offload, shard_dims=DIMS,
@@ -243,7 +243,7 @@ def _all_gathers(text: str) -> list[int]:
 
 @pytest.mark.parametrize('policy', [dos_jax.Stride(2), dos_jax.AllDevice()], ids=repr)
 def test_the_zero3_update_gathers_no_row(policy, seed):
-  """The accelerator program (Pallas kernel per shard on the device tiers): the only
+  """The two-memory program (Pallas kernel per shard on the device tiers): the only
   all-gather left is the replicated leaf's (8 elements); packed leaf after leaf, the
   same step gathers whole rows of state and new params."""
   mesh = _mesh()
@@ -335,7 +335,7 @@ def test_the_sharding_table_gives_each_params_fsdp_dimension():
                                   ['mesh.data=4'], ['mesh.data=2', 'mesh.tensor=2']],
                          ids=['fsdp4', 'fsdp2xtensor2', 'data4', 'data2xtensor2'])
 def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh, tmp_path):
-  """The accelerator program's shard-major packing on mesh.fsdp=4 (and 2 x tensor=2)
+  """The two-memory program's shard-major packing on mesh.fsdp=4 (and 2 x tensor=2)
   (`offload.platform=gpu` on the CPU backend) against one device, 6
   steps (fp32 compute; tolerances as tests/test_fsdp.py: 1e-4 relative on losses, 1e-4
   absolute on params). With ZeRO-1 (mesh.data=4, and 2 x tensor=2) the params are whole
@@ -365,7 +365,7 @@ def test_the_runners_zero3_step_with_shard_major_packing_matches_one_device(mesh
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
-def test_the_zero3_early_chunks_are_the_one_call_step_bit_for_bit(dtype, seed):
+def test_the_zero3_early_calls_are_the_one_call_step_bit_for_bit(dtype, seed):
   """Early host calls on a state sharded shard-major: each device runs them inside
   `shard_map`, on its own columns (`lanes.sharded_two_streams`). Against the same step
   with one host call: bit for bit over 4 steps, with clipping that fires (a rollback)
@@ -387,6 +387,6 @@ def test_the_zero3_early_chunks_are_the_one_call_step_bit_for_bit(dtype, seed):
     text = str(jax.make_jaxpr(step)(params, state, grads[0]))
     assert ('shard_map' in text) and ('dos_jax_stream_region[' in text)
     lowered = step.lower(params, state, grads[0]).as_text()
-    assert ('_dos_jax_early_call' in lowered) is (early > 0)  # the early chunks are built
+    assert ('_dos_jax_early_call' in lowered) is (early > 0)  # the early calls are built
     results.append(_run(step, params, state, grads))
   _assert_bit_for_bit(*results, params)

@@ -12,7 +12,7 @@ import dos_jax
 from tests.test_adamw import random_grads
 
 
-# The accelerator program (stored per subgroup), run on the CPU backend; `{}`: the
+# The two-memory program (stored per subgroup), run on the CPU backend; `{}`: the
 # backend's, the one-memory program (one array).
 TWO_MEMORIES = dict(implementation=dos_jax.Implementation(program='gpu'))
 
@@ -20,7 +20,7 @@ TWO_MEMORIES = dict(implementation=dos_jax.Implementation(program='gpu'))
 @pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 (virtual) devices')
 @pytest.mark.parametrize('policy, extra', [
     (dos_jax.AllHost(), {}), (dos_jax.Stride(2), {}),
-    # The accelerator program stored per subgroup, moved to AllHost after two steps.
+    # The two-memory program stored per subgroup, moved to AllHost after two steps.
     (dos_jax.ResidentFraction(0.5, then=dos_jax.Stride(2)), TWO_MEMORIES)],
     ids=lambda v: ('two-memories' if v else 'one-memory') if isinstance(v, dict) else repr(v))
 def test_sharded_matches_unsharded(policy, extra, seed):
@@ -57,7 +57,7 @@ def test_sharded_matches_unsharded(policy, extra, seed):
   # ZeRO-1: the host state is split over the data axis, in pinned_host memory.
   leaves = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
   assert leaves
-  assert state.partition.per_subgroup == bool(extra)
+  assert state.partition.two_memories == bool(extra)
   for leaf in leaves:
     if leaf.ndim == 3:
       assert leaf.sharding.memory_kind == 'pinned_host'
@@ -75,7 +75,7 @@ def test_explicit_axes_mesh_is_accepted(extra):
   params = {'w': jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P('data', None)))}
   offload = dos_jax.Offload(subgroup_size=16, policy=dos_jax.Stride(2))
   state = dos_jax.adamw(1e-3, offload=offload, **extra).init(params)
-  assert state.partition.per_subgroup == bool(extra)
+  assert state.partition.two_memories == bool(extra)
   rows = [x for x in jax.tree.leaves(state) if x.ndim == 3 and x.size]
   assert rows and all(x.sharding.spec == P(None, None, 'data') for x in rows)
 
@@ -137,8 +137,8 @@ def test_sharded_state_runs_the_native_kernel_per_shard(policy, dtype, seed):
 @pytest.mark.skipif(jax.device_count() < 4, reason='needs 4 (virtual) devices')
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('policy', [dos_jax.AllHost(), dos_jax.Stride(2)], ids=repr)
-def test_sharded_accelerator_program_runs_the_native_kernel_per_shard(policy, dtype, seed):
-  """The accelerator program (`Implementation(program='gpu')`, run on the CPU backend) on data=2 x
+def test_sharded_two_memory_program_runs_the_native_kernel_per_shard(policy, dtype, seed):
+  """The two-memory program (`Implementation(program='gpu')`, run on the CPU backend) on data=2 x
   tensor=2: the host tier's data shards are updated by the native host AdamW, one call
   per shard inside a host region; the result is optax's, and the host tier is bit for
   bit the unsharded program's (the native kernel on one device).

@@ -54,7 +54,7 @@ def test_reset_moments_keeps_the_master_where_zeros_like_loses_it(platform, seed
                rtol=1e-6, atol=1e-7)
   if platform == 'cpu':
     # The optax idiom zeroes the master too: the next step writes near-zero params.
-    # (In the accelerator program its zeros land in device memory and the step fails.)
+    # (In the two-memory program its zeros land in device memory and the step fails.)
     zeroed = jax.jit(lambda s: jax.tree.map(jnp.zeros_like, s))(state)
     bad_params, _ = step(params, zeroed, g)
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(bad_params)) < 2 * LR

@@ -182,7 +182,7 @@ def test_a_stream_that_does_not_fit_is_named_before_xla_allocates():
   fit the device memory beside the model fails up front with one line naming
   `offload.policy`; the same plan fits with room to spare, and a stream without stream
   regions (a jax that builds none), which holds `buffers` rows, needs less. The
-  accelerator program's state, built abstractly; the device memory is given."""
+  two-memory program's state, built abstractly; the device memory is given."""
   from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   from dos_jax.train import optimizer as optimizer_lib  # pylint: disable=import-outside-toplevel
   from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
@@ -198,7 +198,7 @@ def test_a_stream_that_does_not_fit_is_named_before_xla_allocates():
   opt_state = dos_jax.abstract_state(tx, params)
   states = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
       x, dos_jax.OffloadedState)) if isinstance(x, dos_jax.OffloadedState)]
-  assert states[0].partition.per_subgroup
+  assert states[0].partition.two_memories
   plan = cfg.offload.placement.plan(states[0].layout.spec())
   assert len(plan.streamed) > plan.buffers
   budget, _ = memory.run_budget(cfg, devices, 1e12)

@@ -108,7 +108,7 @@ def _plans(layout_spec):
 
 
 def distinct_state(seed):
-  """An AllHost state of the accelerator program whose every element differs (the
+  """An AllHost state of the two-memory program whose every element differs (the
   moments start as zeros), and its rows in subgroup order."""
   ours, _ = make_pair(dos_jax.AllHost(), platform='gpu')
   state = ours.init(random_tree(seed))
@@ -129,7 +129,7 @@ def test_migration_is_exact_and_lands_in_the_right_memory(seed):
   stay put is handed over as it is (the same arrays)."""
   state, rows = distinct_state(seed)
   for plan in _plans(state.layout.spec()):
-    wanted = dos_jax.geometry.partition.for_plan(plan, split=True)
+    wanted = dos_jax.geometry.partition.for_plan(plan, two_memories=True)
     old, state = state, dos_jax.migrate(state, plan)
     assert state.partition == wanted
     for tier, arrays in state.tiers.items():
@@ -157,7 +157,7 @@ def test_migration_temporaries_stay_below_one_copy():
   state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   for policy in (dos_jax.Stride(4), dos_jax.ResidentFraction(0.25, then=dos_jax.Stride(2)),
                  dos_jax.AllDevice()):
-    wanted = dos_jax.geometry.partition.for_plan(policy.plan(spec_), split=True)
+    wanted = dos_jax.geometry.partition.for_plan(policy.plan(spec_), two_memories=True)
     fn = jax.jit(lambda s, w=wanted: migration_lib.moved_in_trace(s, w))
     got = fn.lower(state).compile().memory_analysis()
     assert got.temp_size_in_bytes < state_bytes, (policy, got.temp_size_in_bytes, state_bytes)

@@ -316,7 +316,7 @@ def test_step_compiled_with_early_windows_is_the_jitted_step(dataset):
   """The runner's step on a GPU (`make_train_step(early_windows=True)`: each plan
   compiled by `dataflow.compile_step`) gives the jitted step's numbers bit for bit,
   donates, and compiles once per plan. Here on the CPU the program has no early host
-  call, so the second compile is the compiled tests' (test_compiled_early_chunks.py)."""
+  call, so the second compile is the compiled tests' (test_compiled_early_calls.py)."""
   cfg = _cfg(dataset, 'offload.policy=stride', 'offload.subgroup_size=100000')
   runs = [trainer.build(cfg, devices=jax.devices()[:1]) for _ in range(2)]
   aot = runs[1]

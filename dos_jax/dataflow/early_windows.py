@@ -1,6 +1,6 @@
 """Early host calls issued as soon as their gradients are in host memory.
 
-An early host call (`Partition.early`, `dos_jax.step.early_chunks`) runs beside
+An early host call (`Partition.early`, `dos_jax.step.early_calls`) runs beside
 the backward work the GPU launches between its start and its done. The step's data
 dependencies put the start after the call's gradients, never *at* them: where it lands
 is XLA's latency-hiding scheduler's choice, which places a start, working back from its
@@ -97,8 +97,8 @@ def early_call_profile(names: tuple[str, ...]) -> bytes:
 
 def predicted_early_calls(lowered_text: str) -> tuple[str, ...]:
   """XLA's names for a step's early host calls, predicted from the lowered step (its
-  StableHLO text) before any compile: the early chunks (`device_stream.early_call`,
-  numbered) and the last chunk (one call per stage in the staged lowering,
+  StableHLO text) before any compile: the early calls (`device_stream.early_call`,
+  numbered) and the last call (one call per stage in the staged lowering,
   `device_stream.late_call`) make `calls` host calls, which XLA's host-call wrapper
   names `host-call.{calls}` (the last) to `host-call.{2 calls - 1}` (the first early
   one), in reverse order: the early ones are the `chunks` highest. An implementation detail of XLA, checked after the compile

@@ -103,7 +103,7 @@ def mlp_step(num_layers: int, width: int, *, dtype: str = 'bfloat16', policy: An
              clip: float | None = 1.0, batch: int = 64,
              early: tuple[int, ...] | None = None) -> tuple[Callable[..., Any], tuple, dict]:
   """A donated train step of an L x W MLP with `dos_jax.adamw` (one subgroup per layer,
-  `Stride(2)` by default, clipped), built as the accelerator program with nothing but
+  `Stride(2)` by default, clipped), built as the two-memory program with nothing but
   the policy set; `early`: other early host calls than the state's own
   (`dos_jax.migrate(..., early=early)`; `()`: one host call)."""
   import jax  # pylint: disable=import-outside-toplevel

@@ -209,7 +209,7 @@ class Schedule:
         'device_updates': len(self.update_positions),
         'device_updates_outside_host_calls': len(self.device_updates_outside_host_calls()),
         'device_updates_on_streams': self.device_updates_on_streams(),
-        # Early host chunks (docs/design.md rule 6): where the scheduler put them.
+        # Early host calls (docs/design.md rule 6): where the scheduler put them.
         'host_calls_starting_before_last_gemm': self.host_calls_started_before(
             max(self.gemm_positions, default=-1)),
         'gemms_inside_host_calls': sum(

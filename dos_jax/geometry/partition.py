@@ -1,7 +1,7 @@
 """Which subgroups are stored in which tier of the optimizer state, and where each
 leaf's elements fall inside a tier.
 
-The accelerator program keeps the state of the host-updated and of the device-streamed
+The two-memory program keeps the state of the host-updated and of the device-streamed
 subgroups in separate arrays (see `Tier`). Both paths of one step then read and write
 only their own array: no value flows from one to the other, and XLA is free to run the
 host region and the device stream at the same time. Within a tier, rows are stored in
@@ -9,7 +9,7 @@ ascending subgroup order, so the weight-decayed subgroups (the layout packs them
 are the tier's leading rows and "decayed" stays one threshold per tier.
 
 A tier is stored in *blocks*, each one `(R_b, K, S)` array per dtype (see `slots`). The
-accelerator program keeps one block per subgroup: a plan change then moves only the rows
+two-memory program keeps one block per subgroup: a plan change then moves only the rows
 that change tier, and a row that stays keeps its buffer (see `migration`). The
 one-memory program keeps its state as one array (one block).
 
@@ -65,12 +65,12 @@ TIERS = (Tier.HOST, Tier.STREAMED, Tier.RESIDENT)
 @dataclasses.dataclass(frozen=True)
 class Partition:
   """The subgroups of each tier, ascending, every subgroup in exactly one tier, and how
-  the accelerator program's step runs them: static metadata of the state (array shapes
+  the two-memory program's step runs them: static metadata of the state (array shapes
   depend on it), hashable, so that the step depends on the state alone.
 
   Attributes:
     host, streamed, resident: the subgroups of each tier (see `Tier`), ascending.
-    split: the accelerator program's partition (see `for_plan`): every subgroup is
+    two_memories: the two-memory program's partition (see `for_plan`): every subgroup is
       its own block. Otherwise the one-memory program's single array.
     stream: the streamed subgroups in the order the stream reaches them (the plan's).
     buffers: streamed rows in flight at once: the step's stream lanes.
@@ -91,7 +91,7 @@ class Partition:
   host: tuple[int, ...]
   streamed: tuple[int, ...] = ()
   resident: tuple[int, ...] = ()
-  split: bool = True
+  two_memories: bool = True
   stream: tuple[int, ...] = ()
   buffers: int = 2
   early: tuple[int, ...] = ()
@@ -101,11 +101,6 @@ class Partition:
   disk_shards: int = 1
   disk_replicas: int = 1
   disk_axis: str | None = None
-
-  @property
-  def per_subgroup(self) -> bool:
-    """Each subgroup's rows are their own arrays: the accelerator program's storage."""
-    return self.split
 
   @property
   def plan(self) -> Plan:
@@ -128,7 +123,7 @@ class Partition:
     if early is not None and sum(early) >= len(self.host):
       early = None  # chosen for more host subgroups in memory than this partition has
     early = early_host_calls(len(self.host)) if early is None else tuple(early)
-    return dataclasses.replace(self, early=early if self.split else ())
+    return dataclasses.replace(self, early=early if self.two_memories else ())
 
   def __post_init__(self):
     for tier in TIERS + (Tier.DISK,):
@@ -155,10 +150,10 @@ class Partition:
 
   def blocks(self, tier: Tier) -> tuple[tuple[int, ...], ...]:
     """The subgroups of each of `tier`'s blocks, in storage order: one block per
-    subgroup (the accelerator program), or the whole tier as one block (also when it is
+    subgroup (the two-memory program), or the whole tier as one block (also when it is
     empty: its arrays then have no row)."""
     ids = self.ids(tier)
-    if self.per_subgroup:
+    if self.two_memories:
       return tuple((g,) for g in ids)
     return (ids,)
 
@@ -213,11 +208,11 @@ def host_calls(items, early) -> list[list]:
   return parts + [items[at:]]
 
 
-def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None,
+def for_plan(plan: Plan, two_memories: bool, early: tuple[int, ...] | None = None,
              disk: 'DiskSpill | None' = None) -> Partition:
   """The partition a plan runs on.
 
-  With `split` (the accelerator program) each of the plan's three placements is its
+  With `two_memories` (the two-memory program) each of the plan's three placements is its
   own tier: resident subgroups in device memory, streamed and host subgroups in pinned
   host memory, one block per subgroup; `early` gives its early host calls (None: the
   rule, `early_host_calls`). Without it (one memory, the CPU program) every subgroup
@@ -227,10 +222,10 @@ def for_plan(plan: Plan, split: bool, early: tuple[int, ...] | None = None,
   """
   everything = tuple(range(plan.num_subgroups))
   if plan.all_resident:
-    return Partition(host=(), resident=everything, split=split)
-  if not split:
+    return Partition(host=(), resident=everything, two_memories=two_memories)
+  if not two_memories:
     host, on_disk = spill_to_disk(everything, disk)
-    return Partition(host=host, split=False, **_disk_fields(on_disk, disk))
+    return Partition(host=host, two_memories=False, **_disk_fields(on_disk, disk))
   host, on_disk = spill_to_disk(tuple(sorted(plan.host)), disk)
   part = Partition(host=host, streamed=tuple(sorted(plan.streamed)),
                    resident=tuple(sorted(plan.resident)), stream=tuple(plan.streamed),

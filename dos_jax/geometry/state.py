@@ -57,7 +57,7 @@ class OffloadedState:
   `(R, K, S)` array per dtype (see `slots`) for its R subgroups, in ascending subgroup
   order: the fp32 master (kept only for lower-precision params) and the wrapped
   transforms' moments. A tier with no subgroup holds `(0, K, S)` arrays. With
-  per-subgroup storage (`partition.per_subgroup`) a tier holds those arrays for each of
+  per-subgroup storage (`Partition.two_memories`) a tier holds those arrays for each of
   its subgroups, `(1, K, S)` each, block after block, and an empty tier holds none.
 
   As a pytree its children are `host`, `streamed`, `resident` and the scalars keyed
@@ -73,7 +73,7 @@ class OffloadedState:
     layout: how parameters map onto subgroups (static metadata).
     slots: where each state leaf is stored (static metadata).
     partition: which subgroups each tier holds, and for which program
-      (`Partition.split`) (static metadata).
+      (`Partition.two_memories`) (static metadata).
     sharded: the mesh the state is split over and the params' shardings, or None for
       a state on one device (static metadata).
     disk_gen: the disk tier's generation (an int32 scalar: which of each disk
@@ -320,7 +320,7 @@ def _children(state: OffloadedState, moments: bool = True) -> tuple:
   if not state.scalars and raw[3] is not None:
     view = raw[3]
   disk = (state.disk_gen,) if part.disk else ()
-  if part.per_subgroup:
+  if part.two_memories:
     return (state.by_subgroup(), view) + disk
   tiers = tuple(state.tier(t) if part.ids(t) else (() if r is None else r)
                 for t, r in zip(TIERS, raw))
@@ -328,7 +328,7 @@ def _children(state: OffloadedState, moments: bool = True) -> tuple:
 
 
 def _child_names(part: partition_lib.Partition) -> tuple[str, ...]:
-  names = ('subgroups', 'scalars') if part.per_subgroup else _ARRAY_FIELDS + ('scalars',)
+  names = ('subgroups', 'scalars') if part.two_memories else _ARRAY_FIELDS + ('scalars',)
   return names + (('disk_gen',) if part.disk else ())
 
 
@@ -363,7 +363,7 @@ def _unflatten(aux, children) -> OffloadedState:
   layout, slots, partition, sharded = aux
   disk_gen = children[-1] if partition.disk else None
   children = children[:-1] if partition.disk else children
-  if partition.per_subgroup:
+  if partition.two_memories:
     rows, view = children
     in_memory = [g for g in range(partition.num_subgroups) if g not in partition.disk]
     rows = dict(zip(in_memory, rows))

@@ -232,7 +232,7 @@ class Auto:
       activation_bytes: device memory the forward and backward passes need beside
         params and grads; a resident tier must leave room for it.
       backward_seconds: the backward pass's length, behind which host gradient
-        copies hide (and early host chunks run: `early_chunks`).
+        copies hide (and early host calls run: `early_calls`).
       clip_rate: the fraction of steps whose clip factor is not 1, which early host
         chunks redo; `observe_rollbacks` replaces it with the measured one.
       tolerance: relative departure of a measurement from its prediction that counts.
@@ -337,7 +337,7 @@ class Auto:
     self._confirmed = False
     return new
 
-  def early_chunks(self, spec: SubgroupSpec, plan: Plan) -> tuple[int, ...] | None:
+  def early_calls(self, spec: SubgroupSpec, plan: Plan) -> tuple[int, ...] | None:
     """The early host calls of `plan` (`Partition.early`): a `timeline.EarlyChooser`
     with this profile, `backward_seconds` and `clip_rate`; None without a backward-pass
     time to weigh them against (the state then takes the fixed rule,
@@ -347,11 +347,11 @@ class Auto:
     return timeline.EarlyChooser(
         self.profile,
         backward_seconds=self.backward_seconds, clip_rate=self.clip_rate,
-    ).early_chunks(spec, plan)
+    ).early_calls(spec, plan)
 
   def observe_rollbacks(self, rollbacks: int, steps: int) -> None:
     """Takes the clip rate measured over `steps` steps (`rollbacks` of them had a clip
-    factor other than 1) for the next choice of `early_chunks`."""
+    factor other than 1) for the next choice of `early_calls`."""
     if self.agreement is not None:
       rollbacks, steps = self.agreement.counts(rollbacks, steps)
     if steps > 0 and 0 <= rollbacks <= steps:

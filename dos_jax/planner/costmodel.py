@@ -352,7 +352,7 @@ def migration(profile: HardwareProfile, spec: SubgroupSpec, old: Plan, new: Plan
   """The one-off cost of moving the state's rows from `old`'s tiers to `new`'s.
 
   Rows that become resident cross H2D and rows that leave the resident tier cross D2H.
-  Each row is its own buffer (the accelerator program's storage), so a row moving
+  Each row is its own buffer (the two-memory program's storage), so a row moving
   between the two host tiers (host <-> streamed, both in pinned host memory) keeps its
   buffer and costs nothing, and the order within a tier does not matter.
   """

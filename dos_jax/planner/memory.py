@@ -259,7 +259,7 @@ def run_pinned_bytes(cfg, processes: int = 1, local_devices: int | None = None) 
   if cfg.optim.mu_dtype == 'bfloat16':
     state_bytes -= 2
   per_element = state_bytes + 2 * param_bytes  # + gradient in, new parameter out
-  if _may_speculate(cfg):  # early host chunks' undo: at most the state once more
+  if _may_speculate(cfg):  # early host calls' undo: at most the state once more
     per_element += state_bytes
   mesh = cfg.mesh
   replicas = mesh.tensor * mesh.pipeline / max(processes, 1)

@@ -115,7 +115,7 @@ def register(subparsers,
                  ' a100-pcie4; otherwise no iteration time)')
   p.add_argument('--clip-rate', type=_fraction, default=0.1, metavar='R',
                  help='fraction of steps whose gradients reach the clip norm (a run logs it'
-                 ' as offload/rollbacks): what early host chunks pay to redo (default: 0.1)')
+                 ' as offload/rollbacks): what early host calls pay to redo (default: 0.1)')
   p.add_argument('--pipeline', type=_positive_int, default=1, metavar='S',
                  help='pipeline stages: report the GPipe bubble and each stage\'s memory')
   p.add_argument('--microbatches', type=_positive_int, default=1, metavar='M',
@@ -377,7 +377,7 @@ def _print_memory(args, job: _Job) -> tuple[auto.Choice, list[str]]:
         f' ({job.state_bytes} B/param) in {_gib(host_mem) if host_mem else "unknown"}')
   pool = plan_table.pool_bytes(job)
   print(f'  pinned host pool: {pinned_pool.ENV_VAR}={pinned_pool.required_gib(pool)} per'
-        f' process, one process per node ({_gib(pool)} for any plan with early host chunks'
+        f' process, one process per node ({_gib(pool)} for any plan with early host calls'
         f' under clipping, + margin; XLA\'s default is {pinned_pool.DEFAULT_GIB}; dos-jax'
         f' train sets it)')
   if pred.device_bytes_beside(acts) > budget and not short:

@@ -1,5 +1,5 @@
 """The step lines of `dos-jax plan`: a plan's step as the program runs it
-(`timeline`, with early host chunks) and the step across nodes (`internode`)."""
+(`timeline`, with early host calls) and the step across nodes (`internode`)."""
 
 from __future__ import annotations
 
@@ -35,15 +35,15 @@ def across_nodes(profile, shape, nodes: int, devices: int, param_bytes: int, ite
 
 def chunk_line(profile, spec, name, plan, fwd, bwd, clip_rate: float) -> str:
   """A plan's step as the program runs it (`timeline`): its host update in one host call,
-  and in the early host chunks `choose_early_chunks` picks at `clip_rate`."""
+  and in the early host calls `choose_early_calls` picks at `clip_rate`."""
   times = dict(forward_seconds=fwd, backward_seconds=bwd)
   one = timeline.timeline(profile, spec, plan, **times).seconds
-  early, mean = timeline.choose_early_chunks(profile, spec, plan, clip_rate=clip_rate, **times)
+  early, mean = timeline.choose_early_calls(profile, spec, plan, clip_rate=clip_rate, **times)
   line = (f'{name} as the step runs it (dos_jax.planner.timeline): one host call after the'
           f' backward pass {_ms(one)}')
   if not early:
-    return line + f'; early host chunks do not help at a clip rate of {clip_rate:g}'
-  calm, fired = (timeline.early_timeline(profile, spec, plan, chunks=early, rollback=r,
+    return line + f'; early host calls do not help at a clip rate of {clip_rate:g}'
+  calm, fired = (timeline.early_timeline(profile, spec, plan, early=early, rollback=r,
                                          **times).seconds for r in (False, True))
   calls = f'{len(early)} early host call' + ('s' if len(early) > 1 else '')
   undo = sum(early) * spec.subgroup_size * spec.state_bytes_per_element

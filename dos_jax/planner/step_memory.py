@@ -178,7 +178,7 @@ def predict_step(cfg, plan: Plan | None = None, devices: int = 1) -> StepMemory:
 
   host_elements = sum(rows[i] for i in plan.host) // state_shards
   pulled = gb + (0 if pb < 4 else pb)  # fp32 params are their own master: pulled too
-  # The host update writes the state in its argument's buffer (`fused.host_region_update`):
+  # The host update writes the state in its argument's buffer (`kernel_calls.host_region_update`):
   # the host temporaries are what it reads, the gradient pieces (and fp32 params).
   host_temp = host_elements * pulled
   return StepMemory(arguments=float(arguments), backward_temp=acts,

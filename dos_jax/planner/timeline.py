@@ -1,9 +1,9 @@
 """One training step as the compiled program runs it: when the device, the two link
 directions and the host are busy, for a plan whose host tier runs in early host calls
-and a last one (`dos_jax.step.early_chunks`).
+and a last one (`dos_jax.step.early_calls`).
 
 `predict` gives the update phase as a roofline; this follows the order the step's
-construction forces (`dos_jax.step.early_chunks`, `lanes`, `tier_updates`), so that it can
+construction forces (`dos_jax.step.early_calls`, `lanes`, `tier_updates`), so that it can
 be put beside a compiled schedule's order of starts and dones (`early_timeline`):
 
 * the device runs the forward and backward passes. Host-bound gradients leave as the
@@ -73,7 +73,7 @@ class Timeline:
 
 def host_order(spec: SubgroupSpec, plan: Plan) -> list[int]:
   """The host subgroups in the order the step's host calls take them
-  (`dos_jax.step.early_chunks.host_blocks`): the last first, those past `spec.decayed_rows`
+  (`dos_jax.step.early_calls.host_blocks`): the last first, those past `spec.decayed_rows`
   (the norm scales, complete at the end of the backward pass) last."""
   order = sorted(plan.host, reverse=True)
   if spec.decayed_rows is None:
@@ -114,25 +114,25 @@ def timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
     True
   """
   return early_timeline(profile, spec, plan, forward_seconds=forward_seconds,
-                        backward_seconds=backward_seconds, chunks=1)
+                        backward_seconds=backward_seconds, early=1)
 
 
 def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
-                   forward_seconds: float, backward_seconds: float, chunks,
+                   forward_seconds: float, backward_seconds: float, early,
                    rollback: bool = False) -> Timeline:
   """The step of `plan` with its host tier in the host calls of
-  `chunks` (an int K or a tuple of early call sizes, `Partition.early`; see
-  `dos_jax.step.early_chunks`):
+  `early` (an int K or a tuple of early call sizes, `Partition.early`; see
+  `dos_jax.step.early_calls`):
 
   * early call k (all but the last) starts once its gradients are in host memory and
     call k-1 is done, during the backward pass; its done comes before the next call's
     start, so a call longer than the backward compute it overlaps stalls the device
     (the done blocks the thread that launches GPU work) and delays what follows;
-  * the last call (the last chunk, plus, on a `rollback` step, the early chunks again)
+  * the last call (the last call, plus, on a `rollback` step, the early calls again)
     starts after the backward pass, in one group with the device tiers' stream;
   * every host block's params go back over H2D after the last call.
 
-  `rollback`: this step's clip factor is not 1, so the early chunks are redone (the
+  `rollback`: this step's clip factor is not 1, so the early calls are redone (the
   early calls never wait for the clip factor).
 
   Example:
@@ -141,14 +141,14 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
     >>> spec = SubgroupSpec(num_subgroups=8, subgroup_size=10**7, num_elements=8 * 10**7)
     >>> profile = costmodel.PROFILE_PRESETS['h100-pcie5']
     >>> t = timeline.early_timeline(profile, spec, Stride(2).plan(spec), forward_seconds=0.1,
-    ...                             backward_seconds=0.2, chunks=4)
+    ...                             backward_seconds=0.2, early=4)
     >>> t.span('early call 1').start < 0.3  # during the backward pass
     True
   """
   sizes = costmodel.subgroup_sizes(spec)
   pred = costmodel.predict(profile, spec, plan, backward_seconds=backward_seconds)
   arrived, link_free = gradient_arrivals(profile, spec, plan, forward_seconds, backward_seconds)
-  parts = partition_lib.host_calls(host_order(spec, plan), chunks)
+  parts = partition_lib.host_calls(host_order(spec, plan), early)
   count = len(parts)
   u_host = profile.host_adamw_gparams() * _GB
   slowdown = profile.host_copy_slowdown
@@ -197,26 +197,26 @@ def early_timeline(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
 
 
 def expected_early_seconds(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
-                           forward_seconds: float, backward_seconds: float, chunks,
+                           forward_seconds: float, backward_seconds: float, early,
                            clip_rate: float) -> float:
-  """The mean step with the early host calls `chunks` when a fraction `clip_rate` of steps
+  """The mean step with the early host calls `early` when a fraction `clip_rate` of steps
   roll back (their clip factor is not 1)."""
   if not 0.0 <= clip_rate <= 1.0:
     raise ValueError(f'clip_rate must be in [0, 1], got {clip_rate}')
   kwargs = dict(forward_seconds=forward_seconds, backward_seconds=backward_seconds,
-                chunks=chunks)
+                early=early)
   calm = early_timeline(profile, spec, plan, rollback=False, **kwargs).seconds
-  if len(partition_lib.host_calls(plan.host, chunks)) <= 1 or clip_rate == 0.0:
+  if len(partition_lib.host_calls(plan.host, early)) <= 1 or clip_rate == 0.0:
     return calm
   fired = early_timeline(profile, spec, plan, rollback=True, **kwargs).seconds
   return (1.0 - clip_rate) * calm + clip_rate * fired
 
 
-def choose_early_chunks(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
+def choose_early_calls(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan, *,
                         forward_seconds: float, backward_seconds: float, clip_rate: float,
                         sizes: tuple[int, ...] = (1, 2, 4, 8)
                         ) -> tuple[tuple[int, ...], float]:
-  """`(early_chunks, mean step seconds)`: early calls of one size from `sizes`, as many
+  """`(early_calls, mean step seconds)`: early calls of one size from `sizes`, as many
   as make the mean step (at this clip rate) shortest, the rest in the last call. `()`
   when no early call helps (one host call after the backward pass). Ties go to fewer
   early subgroups.
@@ -227,20 +227,20 @@ def choose_early_chunks(profile: HardwareProfile, spec: SubgroupSpec, plan: Plan
   """
   kwargs = dict(forward_seconds=forward_seconds, backward_seconds=backward_seconds,
                 clip_rate=clip_rate)
-  best = ((), expected_early_seconds(profile, spec, plan, chunks=1, **kwargs))
+  best = ((), expected_early_seconds(profile, spec, plan, early=1, **kwargs))
   hosts = len(plan.host)
   for size in sizes:
     for calls in range(1, (hosts - 1) // size + 1):
       early = (size,) * calls
-      seconds = expected_early_seconds(profile, spec, plan, chunks=early, **kwargs)
+      seconds = expected_early_seconds(profile, spec, plan, early=early, **kwargs)
       if seconds < best[1] * (1 - 1e-9):
         best = (early, seconds)
   return best
 
 
 class EarlyChooser:
-  """The early host calls of any policy's plan, chosen by `choose_early_chunks`, as
-  `dos_jax.Auto.early_chunks` does for its own (the runner's, on a GPU:
+  """The early host calls of any policy's plan, chosen by `choose_early_calls`, as
+  `dos_jax.Auto.early_calls` does for its own (the runner's, on a GPU:
   `train/optimizer.choose_early_calls`).
 
   Example:
@@ -249,7 +249,7 @@ class EarlyChooser:
     >>> spec = SubgroupSpec(num_subgroups=70, subgroup_size=10**8, num_elements=7 * 10**9)
     >>> chooser = timeline.EarlyChooser(costmodel.PROFILE_PRESETS['h100-pcie5'],
     ...                                 backward_seconds=2.0)
-    >>> len(chooser.early_chunks(spec, AllHost().plan(spec))) > 0
+    >>> len(chooser.early_calls(spec, AllHost().plan(spec))) > 0
     True
   """
 
@@ -277,12 +277,12 @@ class EarlyChooser:
       self._profile = calibrate.cached_profile()
     return self._profile
 
-  def early_chunks(self, spec: SubgroupSpec, plan: Plan) -> tuple[int, ...]:
-    """The early calls of `plan`: `choose_early_chunks` with the forward pass taken as
+  def early_calls(self, spec: SubgroupSpec, plan: Plan) -> tuple[int, ...]:
+    """The early calls of `plan`: `choose_early_calls` with the forward pass taken as
     half the backward; `()` when none helps or the backward pass is not known."""
     if self.backward_seconds <= 0 or len(plan.host) < 2:
       return ()
-    early, _ = choose_early_chunks(
+    early, _ = choose_early_calls(
         self.profile, spec, plan, forward_seconds=self.backward_seconds / 2,
         backward_seconds=self.backward_seconds, clip_rate=self.clip_rate)
     return early

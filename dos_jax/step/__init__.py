@@ -11,6 +11,6 @@
 * `lanes` -- the device tiers in stream lanes beside the host tier, one call per lane
   (docs/design.md rules 1 and 3), per device for a state sharded shard-major;
 * `construction` -- whether a state's step runs its halves on two streams;
-* `early_chunks` -- the host tier in host calls that start during the backward pass and
+* `early_calls` -- the host tier in host calls that start during the backward pass and
   speculate on the clip factor (`Partition.early`, rule 6).
 """

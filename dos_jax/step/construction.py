@@ -1,5 +1,5 @@
 """How a step is built: `resolve` decides it once (`Construction`, with the reason for
-each choice), and whether the accelerator program's step runs its host and device
+each choice), and whether the two-memory program's step runs its host and device
 halves on two streams (`on_two_streams`; the runner's memory check asks
 `stream_regions`)."""
 
@@ -14,10 +14,10 @@ from dos_jax.step import device_stream
 
 def on_two_streams(part, layout, mesh) -> bool:
   """Whether the step runs the host and device halves concurrently by construction
-  (`dos_jax.step.lanes`): an accelerator-program state with host subgroups (in memory
+  (`dos_jax.step.lanes`): a two-memory-program state with host subgroups (in memory
   or on disk) and device ones, unsharded or packed shard-major (each device then runs
   the construction on its own columns; `device_stream.available`)."""
-  return bool(part.split and device_stream.available()
+  return bool(part.two_memories and device_stream.available()
               and (mesh is None or layout.shards > 1)
               and (part.ids(Tier.HOST) or part.disk)
               and (part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)))
@@ -31,7 +31,7 @@ def step_mesh(sharded):
 
 
 def stream_regions(state: OffloadedState) -> bool:
-  """Whether the accelerator program's step of `state` holds its streamed rows in
+  """Whether the two-memory program's step of `state` holds its streamed rows in
   stream regions, which XLA keeps live until they are done: what
   `planner.costmodel.streamed_elements_held` needs to count the stream's memory.
 
@@ -55,9 +55,9 @@ class Construction:
   Attributes:
     two_streams: the host and device halves concurrent by construction (`lanes`).
     lowering: how the stream regions are laid out on this jax (`device_stream.Lowering`).
-    early: the host tier in early host calls (`early_chunks`).
+    early: the host tier in early host calls (`early_calls`).
     per_block: the host tier's blocks each a host region of their own
-      (`early_chunks.host_work`): with early calls, or where the staged lowering spreads
+      (`early_calls.host_work`): with early calls, or where the staged lowering spreads
       them over its stages.
     host_native: the host tier's native kernel (else XLA's loop in a host region).
     device_native: the flag the device tiers' paths take (`StepContext.update_blocks`).
@@ -119,8 +119,8 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
                  'host tier: XLA in a host region (' +
                  ('asked for, UpdateImpl.XLA' if native else 'the native kernel cannot run it')
                  + ')')
-  host_blocks = len(part.blocks(Tier.HOST)) if part.split else 0
-  early = bool(part.split and part.early and host_native and host_blocks > 1
+  host_blocks = len(part.blocks(Tier.HOST)) if part.two_memories else 0
+  early = bool(part.two_memories and part.early and host_native and host_blocks > 1
                and (not sharded or two))
   reasons.append(f'early host calls: {len(part.early)}' if early else
                  'early host calls: none (' + ('no early calls in the partition' if not
@@ -129,8 +129,8 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
   per_block = early or (two and host_native and host_blocks > 1
                         and device_stream.lowering() is device_stream.Lowering.STAGED)
   grouped = options.grouped_lanes()
-  streamed = len(part.ids(Tier.STREAMED)) if part.split else 0
-  lanes = lanes_lib.lane_count(part.plan, streamed, limit=grouped) if part.split else 0
+  streamed = len(part.ids(Tier.STREAMED)) if part.two_memories else 0
+  lanes = lanes_lib.lane_count(part.plan, streamed, limit=grouped) if part.two_memories else 0
   lowering = device_stream.lowering()
   disk_calls = 1 if part.disk else 0
   if part.disk and two and lanes and lowering is device_stream.Lowering.STAGED:
@@ -152,7 +152,7 @@ def _why_two_streams(part, layout, mesh, two: bool) -> str:
   if two:
     return 'host and device tiers both present, ' + (
         'unsharded' if mesh is None else 'each device on its own columns (shard-major)')
-  if not part.split:
+  if not part.two_memories:
     return 'no (the one-memory program)'
   if mesh is not None and layout.shards <= 1:
     return 'no (a sharded state not packed shard-major)'

@@ -106,7 +106,7 @@ def checked(version: tuple[int, ...] | None = None) -> bool:
 
 
 def available() -> bool:
-  """Whether the accelerator program runs its device tiers in stream regions: on every
+  """Whether the two-memory program runs its device tiers in stream regions: on every
   supported jax, laid out as `lowering()` says. The one switch of the construction
   (`construction.on_two_streams`), which the tests turn off to compare it with the
   tier-by-tier step."""

@@ -9,7 +9,7 @@ leaves the generation, so the state, where it was; `optax.apply_if_finite` keepi
 state keeps the old generation, whose files the step did not touch.
 
 The disk subgroups are updated after the gradients' clip factor is known (no
-speculation), in the one-memory program as they are, in the accelerator program inside a
+speculation), in the one-memory program as they are, in the two-memory program inside a
 host region of their own: the host call the device tiers' stream lanes run beside
 (`step.program`; on a GPU the kernel is registered in the CUDA plugin,
 `kernels.plugin_kernel`). Which files a process holds, and reading and writing them
@@ -32,7 +32,7 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_disk
 from dos_jax.geometry import disk_files
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import kernel_calls
 from dos_jax import memory_spaces
 from dos_jax.step import paths
 
@@ -53,14 +53,14 @@ def spill_of(disk, slots: slots_lib.Slots, size: int, mesh=None, data_axis: str 
                                  None if mesh is None else data_axis)
 
 
-def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, split: bool,
+def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, two_memories: bool,
                  mesh=None, params=None) -> None:
   """Raises a one-line error naming `Offload.disk` when the disk tier cannot hold this
   state: it takes AdamW's fp32 state, with the native kernel built, and params on one
-  device or on a mesh with the data axis (`mesh`); the accelerator program where its
+  device or on a mesh with the data axis (`mesh`); the two-memory program where its
   host regions can call the kernel (on a GPU: the CUDA plugin took the handler,
   `kernels.plugin_kernel`)."""
-  if fused is None or fused_lib.slot_rows(slots, layout.needs_master) is None:
+  if fused is None or kernel_calls.slot_rows(slots, layout.needs_master) is None:
     raise ValueError('Offload.disk holds the state of dos_jax.adamw with fp32 moments '
                      '(mu_dtype=None); this transform has another state')
   spans = {len(s.device_set) for s in map(_sharding, jax.tree.leaves(params)) if s is not None}
@@ -71,8 +71,8 @@ def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, split
   if not host_adamw_disk.disk_kernel_available():
     raise RuntimeError('Offload.disk needs the native disk kernel: '
                        + host_adamw_disk.disk_kernel_unavailable_reason())
-  if split:
-    ok, why = host_adamw_disk.disk_kernel_in_accelerator_programs()
+  if two_memories:
+    ok, why = host_adamw_disk.disk_kernel_in_two_memory_programs()
     if not ok:
       raise ValueError(f'Offload.disk: the GPU plugin cannot run the disk kernel in its host '
                        f'regions ({why}); leave Offload.disk unset (offload.disk_dir: null)')
@@ -206,7 +206,7 @@ def update(context, base_step: paths.RowStep, gen, index=None, subgroups=None, l
   grads = partition_lib.slice_pieces(context.grad_leaves, runs)
   params = (None if context.param_leaves is None
             else partition_lib.slice_pieces(context.param_leaves, runs))
-  arrays, join = fused_lib.split_scalars(context.adam_scalars)
+  arrays, join = kernel_calls.split_scalars(context.adam_scalars)
   kernel_args = _kernel_args(context, base_step, subgroups=ids)
   if index is not None:
     kernel_args.update(shards=disk_files.file_count(part),
@@ -223,7 +223,7 @@ def update(context, base_step: paths.RowStep, gen, index=None, subgroups=None, l
                                            shard=index, **kernel_args)
 
   args = (gen, index, grads, params, arrays, link)
-  out, new_gen = _in_host_region(run, args, base_step) if part.split else run(*args)
+  out, new_gen = _in_host_region(run, args, base_step) if part.two_memories else run(*args)
   return new_gen, [(out, runs)]
 
 
@@ -249,7 +249,7 @@ def file_index(part: partition_lib.Partition, axis: str, axis_names) -> jax.Arra
 
 def _threads_per_device(context) -> int:
   """Every device of the process runs its call at once: they share the cores."""
-  return context.options.host_threads or fused_lib.threads_per_shard(context.mesh)
+  return context.options.host_threads or kernel_calls.threads_per_shard(context.mesh)
 
 
 def _as_bits(arrays):
@@ -266,7 +266,7 @@ def _kernel_args(context, base_step: paths.RowStep, subgroups=None, **more) -> d
   part = context.part
   return dict(
       directory=part.disk_dir, subgroups=part.disk if subgroups is None else subgroups,
-      slots=fused_lib.slot_rows(base_step.slots, base_step.has_master),
+      slots=kernel_calls.slot_rows(base_step.slots, base_step.has_master),
       num_slots=base_step.slots.group_sizes[0], decayed_rows=context.layout.decayed_rows,
       lowp_dtype=base_step.out_dtype, nesterov=context.fused.nesterov,
       num_threads=context.options.host_threads, direct_io=part.direct_io, **more)
@@ -276,8 +276,8 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
   """The disk tier on a mesh: each device's kernel call on its columns of the rows (the
   state split over the data axis: ZeRO-1, and ZeRO-3's shard-major packing) in its own
   files (`disk_files.live_path`: its data shard's, of its copy on the other axes); in
-  the accelerator program inside a host region, as the in-memory host tier's
-  (`fused.sharded_host_region_update`). The rows are packed on the device, where XLA
+  the two-memory program inside a host region, as the in-memory host tier's
+  (`kernel_calls.sharded_host_region_update`). The rows are packed on the device, where XLA
   can move the pieces between devices (`tier_updates.host_rows`)."""
   part, layout, mesh = context.part, context.layout, context.mesh
   axis = context.options.data_axis
@@ -292,7 +292,7 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
 
   grads = packed(context.grad_leaves, context.grad_dtype)
   params = None if context.param_leaves is None else packed(context.param_leaves, jnp.float32)
-  arrays, join = fused_lib.split_scalars(context.adam_scalars)
+  arrays, join = kernel_calls.split_scalars(context.adam_scalars)
   kernel_args = _kernel_args(context, base_step, shards=disk_files.file_count(part))
   kernel_args['num_threads'] = _threads_per_device(context)
 
@@ -303,7 +303,7 @@ def _update_sharded(context, base_step: paths.RowStep, gen):
   def per_device(gen, grads, arrays, *params):
     args = (gen, file_index(part, axis, mesh.axis_names), grads, arrays,
             params[0] if params else None)
-    return _in_host_region(kernel, args, base_step) if part.split else kernel(*args)
+    return _in_host_region(kernel, args, base_step) if part.two_memories else kernel(*args)
 
   extra = () if params is None else (params,)
   out, new_gen = jax.shard_map(

@@ -1,4 +1,4 @@
-"""The device tiers in stream lanes, beside the host tier: the accelerator program's
+"""The device tiers in stream lanes, beside the host tier: the two-memory program's
 host and device updates concurrent by construction (docs/design.md, rules 1 and 3).
 
 * `update_on_two_streams` -- the host tier in host regions and the device tiers
@@ -25,7 +25,7 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import device_stream
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import kernel_calls
 from dos_jax.step import paths
 from dos_jax.step import host_work as host_work_lib
 from dos_jax.step import stages
@@ -56,7 +56,7 @@ def lane_count(plan, streamed_rows: int, lanes: int = 0, limit: int | None = Non
 def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
                            tiers: dict[Tier, tuple], built, host_work=None,
                            barrier: bool = False, sharded_host=None, sharded_disk=None):
-  """The accelerator program's tiers, host and device halves concurrent by construction,
+  """The two-memory program's tiers, host and device halves concurrent by construction,
   as `built` (`construction.Construction`) says: the host tier in host regions and the
   device tiers (streamed, resident) in stream regions, one per lane (`stream_lanes`),
   each on a GPU stream of its own, laid out as this jax's XLA accepts (`built.lowering`):
@@ -135,7 +135,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   packed shard-major holds, on device d, exactly the rows one shard's layout packs
   (`layout_lib.local`), so each device runs the unsharded construction on its shards;
   `host(local context, step, local host tier)`, if given, makes its `host_work` maker
-  (the early chunks); `disk` (`program._ShardedDisk`), if given, runs each device's disk
+  (the early calls); `disk` (`program._ShardedDisk`), if given, runs each device's disk
   call after its other host work (`disk.compose`) and takes the new generation
   (`disk.done`).
   Jit's partitioning would split a stream region into several calls
@@ -145,13 +145,13 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
   local_layout = layout_lib.local(context.layout)
   names = [t for t in TIERS if tiers[t]]
   adam_arrays, adam_join = ((), lambda arrays: None) if context.adam_scalars is None \
-      else fused_lib.split_scalars(context.adam_scalars)
+      else kernel_calls.split_scalars(context.adam_scalars)
   pieces = []
 
   def body(grad_views, param_views, arrays, scalars, new_scalars, adam_arrays, coefficients,
            grad_scale, *gen):
     # Each host-bound gradient piece leaves for host memory as the backward pass makes
-    # it, outside the scheduling group (rule 2), as in the unsharded step; early chunks
+    # it, outside the scheduling group (rule 2), as in the unsharded step; early calls
     # send each block's pieces themselves, ungated, so that a chunk waits for its own.
     views = [v.reshape(-1) for v in grad_views]
     host_grad_pieces, grads = ({}, views) if host is not None else \

@@ -183,7 +183,7 @@ def streamed_loop(order: Sequence[int], step: RowStep, *, stacked, scalars, grad
 def host_region_update(step: RowStep, *, stacked, scalars, grad_pieces, param_pieces, runs,
                        grad_dtype, inputs_sink: list | None = None, shards: int = 1):
   """Updates every row of the host tier in a `compute_on('device_host')` region (the
-  accelerator program's XLA host path); returns (stacked, out rows in host memory).
+  two-memory program's XLA host path); returns (stacked, out rows in host memory).
 
   Args:
     step: the row update, with the tier's own `decayed_rows`.

@@ -1,7 +1,7 @@
 """The step proper: one update of a state already in its plan's partition.
 
 `run_step` builds what the state's partition says, and nothing else decides it: the
-one-memory program's single call, or the accelerator program's one construction (the
+one-memory program's single call, or the two-memory program's one construction (the
 early host calls in backward order, the last host call grouped with the device tiers'
 stream lanes: docs/design.md, "One construction"). `transform.update_fn` checks the
 inputs and calls it.
@@ -34,8 +34,8 @@ from dos_jax.implementation import Program
 from dos_jax.step import construction
 from dos_jax.step import device_stream
 from dos_jax.step import disk_tier
-from dos_jax.step import early_chunks
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import early_calls
+from dos_jax.step import kernel_calls
 from dos_jax.step import host_work as host_work_lib
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step import lanes as lanes_lib
@@ -103,7 +103,7 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
   the host-bound gradients sent to host memory where no early host call takes them, and
   how the step is built (`construction.resolve`: decided here, once)."""
   options, layout, part = kernels.options, state.layout, state.partition
-  program = Program.TWO_MEMORIES if part.split else Program.ONE_MEMORY
+  program = Program.TWO_MEMORIES if part.two_memories else Program.ONE_MEMORY
   grad_dtype = _common_dtype(grad_leaves, layout.state_dtype)
   # Shard-major (ZeRO-3): the leaves as each device's own shards (see `layout`).
   views = functools.partial(layout_lib.shard_views, layout=layout, mesh=mesh,
@@ -119,7 +119,7 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
       Kernel.NATIVE_HOST, kernels.fused, base_step, program, grad_leaves).usable
   host_grad_pieces = {}
   built = construction.resolve(part, layout, mesh, options, native)
-  if part.split and not built.per_block and not (built.two_streams and built.sharded):
+  if part.two_memories and not built.per_block and not (built.two_streams and built.sharded):
     # A sharded state's native host path takes its gradients as rows split over the
     # data axis (see `tier_updates.host_rows`).
     rows = None
@@ -130,7 +130,7 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
   # The scalar state's update (step counts) and the kernels' AdamW scalars: once per
   # step, apart from both paths.
   scalar_update = paths.scalar_update(base_step, state.scalars)
-  adam_scalars = None if kernels.fused is None else fused_lib.step_scalars(
+  adam_scalars = None if kernels.fused is None else kernel_calls.step_scalars(
       kernels.fused, base_step, scalar_update)
   context = tier_updates.StepContext(
       layout=layout, part=part, plan=part.plan, options=options, program=program,
@@ -225,7 +225,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
   host_tier = state.tier(Tier.HOST)
   if built.two_streams:
     if not built.sharded:
-      work = (functools.partial(early_chunks.host_work, context, base_step, host_tier,
+      work = (functools.partial(early_calls.host_work, context, base_step, host_tier,
                                 part.early) if built.per_block else
               functools.partial(host_work_lib.of_tier, context, base_step, host_tier,
                                 built.host_native))
@@ -235,7 +235,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
     sharded_host = sharded_disk = None
     if built.per_block:  # each device's host calls by block (early ones, stages), in shard_map
       sharded_host = lambda local, step, host: functools.partial(
-          early_chunks.host_work, local, step, host, part.early)
+          early_calls.host_work, local, step, host, part.early)
     if disk is not None:  # each device's disk call, after its other host work
       sharded_disk = _ShardedDisk(disk, built.host_native, options.data_axis, built)
     return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built,
@@ -243,7 +243,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
                                            sharded_disk=sharded_disk)
   new_tiers, outs = dict(state.tiers), []
   if built.early:
-    new_tiers[Tier.HOST], outs = early_chunks.update_host(context, base_step, host_tier,
+    new_tiers[Tier.HOST], outs = early_calls.update_host(context, base_step, host_tier,
                                                           part.early)
   for tier in TIERS:
     if not part.ids(tier) or (built.early and tier is Tier.HOST):

@@ -15,7 +15,7 @@ the step runs in stages (docs/design.md, "The staged lowering"):
   the regions) with the lane's new state of stage s: its fetch waits for stage s's
   write-back of the same lane only, so the streamed tier holds at most one row per lane
   (and one arriving) in device memory;
-* the host call of stage s+1 is linked after stage s's (`early_chunks.link_after`), so
+* the host call of stage s+1 is linked after stage s's (`early_calls.link_after`), so
   XLA keeps them apart;
 * what each region reads besides the state (gradient row, kernel coefficients, decay
   limit) is computed on the main thread and passes an optimization barrier, so XLA
@@ -39,8 +39,8 @@ from dos_jax.capability import Kernel
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import device_stream
-from dos_jax.step import early_chunks
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import early_calls
+from dos_jax.step import kernel_calls
 from dos_jax.step import paths
 from dos_jax.step.host_work import HostWork
 
@@ -124,7 +124,7 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], work: Ho
         run(rows, lane, group)
     tokens = [t for t in tokens if t is not None]
     if tokens:
-      link = early_chunks.link_after(tokens)
+      link = early_calls.link_after(tokens)
   for lane, rows in enumerate(lay.after):
     for row in rows:
       run((row,), lane, None)
@@ -181,7 +181,7 @@ class _Kernel:
     limits = jax.lax.optimization_barrier([limit for _, _, limit in inputs])
     inputs = [(grad, param, limit) for (grad, param, _), limit in zip(inputs, limits)]
     tiers = [tier for tier, _ in rows]
-    slots = fused_lib.slot_rows(step.slots, step.has_master)
+    slots = kernel_calls.slot_rows(step.slots, step.has_master)
     lowp = step.out_dtype if step.has_master else None
     nesterov = context.fused.nesterov
 

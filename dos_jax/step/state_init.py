@@ -1,7 +1,7 @@
 """A new offloaded state, built where it lives: `init_state` (the transform's `init`).
 
 The host tiers are packed from the params copied to host memory, inside host regions on
-the accelerator program, so the device never holds 12 bytes per parameter, not even
+the two-memory program, so the device never holds 12 bytes per parameter, not even
 during init. Where the state's arrays go (`Placement`) is shared with the step, which
 pins its outputs there.
 """
@@ -69,16 +69,16 @@ def place(tiers: dict[Tier, tuple], scalars, where: Placement, constrain: bool =
   return tiers, tuple(put(x, where.scalars) for x in scalars)
 
 
-def first_partition(policy, spec, split: bool,
+def first_partition(policy, spec, two_memories: bool,
                     disk: partition_lib.DiskSpill | None = None) -> partition_lib.Partition:
   """The partition a new state starts in: the policy's plan, and the early host calls
-  its cost model chooses for that plan (`early_chunks(spec, plan)`; None or a policy
+  its cost model chooses for that plan (`early_calls(spec, plan)`; None or a policy
   without one: the fixed rule, `partition.early_host_calls`); `disk` spills host
   subgroups to the disk tier."""
   plan = policy.plan(spec)
-  choose = getattr(policy, 'early_chunks', None)
-  early = choose(spec, plan) if split and choose is not None else None
-  return partition_lib.for_plan(plan, split, early=early, disk=disk)
+  choose = getattr(policy, 'early_calls', None)
+  early = choose(spec, plan) if two_memories and choose is not None else None
+  return partition_lib.for_plan(plan, two_memories, early=early, disk=disk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ class _Builder:
     tiers, scalars, host_leaves = {}, None, None
     for tier in TIERS:
       if not part.ids(tier):
-        tiers[tier] = () if part.per_subgroup else self.empty_tier()
+        tiers[tier] = () if part.two_memories else self.empty_tier()
         continue
       arrays = []
       for ids in part.blocks(tier):
@@ -144,7 +144,7 @@ class _Builder:
             # ravels every leaf anyway.
             host_leaves = memory_spaces.to_host([jnp.atleast_1d(x) for x in leaves])
           fn = functools.partial(self.block_state, ids=ids, space=memory_spaces.HOST)
-          fn = memory_spaces.host_region(fn) if part.split else fn
+          fn = memory_spaces.host_region(fn) if part.two_memories else fn
           block, scalars = fn(host_leaves)
         arrays.extend(block)
       tiers[tier] = tuple(arrays)
@@ -206,7 +206,7 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
                      mesh=mesh, where=placement(mesh, offload.data_axis))
   disk_gen = None
   if part.disk:
-    disk_tier.check_usable(fused, layout, slots, part.split, mesh, params)
+    disk_tier.check_usable(fused, layout, slots, part.two_memories, mesh, params)
     if _SHAPES_ONLY.get():  # shapes only, or a restore fills the files
       disk_gen = jnp.zeros((), jnp.int32)
     elif traced_params(params):

@@ -3,7 +3,7 @@ one place that chooses the path a tier takes, and the small function of each pat
 
 `program.run_step` builds one `StepContext` per traced step and asks it for each
 tier's new arrays and output rows (`update_tier`). The path of a tier is chosen once,
-by `choose_path`, from the program (`Program`: one memory, or the accelerator program
+by `choose_path`, from the program (`Program`: one memory, or the two-memory program
 with its host and device memories), the tier and the implementation asked for; each
 `Path` has one method here, which calls the loops of `paths` or the kernels of `fused`.
 The step's AdamW scalars are computed once (`StepContext.adam_scalars`) and handed to
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dos_jax import capability as capability_lib
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import kernel_calls
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax import memory_spaces
@@ -46,16 +46,16 @@ class Path(enum.Enum):
   ONE_MEMORY_NATIVE = 'one_memory_native'
   # One-memory program, XLA: the rows packed and updated where they are.
   ONE_MEMORY_XLA = 'one_memory_xla'
-  # Accelerator program, host tier: the native kernel in a host region, on gradient
+  # Two-memory program, host tier: the native kernel in a host region, on gradient
   # pieces sent to host memory as the backward pass makes them.
   HOST_NATIVE = 'host_native'
   # ... the same per data shard (a state sharded over the data axis).
   HOST_NATIVE_SHARDED = 'host_native_sharded'
   # ... XLA's row loop in a host region.
   HOST_XLA = 'host_xla'
-  # Accelerator program, streamed tier: rows through the device, prefetched.
+  # Two-memory program, streamed tier: rows through the device, prefetched.
   STREAMED = 'streamed'
-  # Accelerator program, resident tier: rows updated in device memory.
+  # Two-memory program, resident tier: rows updated in device memory.
   RESIDENT = 'resident'
 
 
@@ -88,27 +88,27 @@ class StepContext:
   new_scalars: tuple[jax.Array, ...]  # after the step (`paths.scalar_update`)
   adam_scalars: AdamWScalars | None  # the AdamW kernels' scalars, once per step
   mesh: Any  # the mesh the state is sharded over (ZeRO-1), or None
-  # Accelerator program: each host block's gradient pieces, already sent to host memory
+  # Two-memory program: each host block's gradient pieces, already sent to host memory
   # (see `gate_device_update`), by the block's subgroups.
   # The Pallas kernel's packed AdamW coefficients (`pallas_adamw.packed_scalars`), made
   # once per step outside every stream region (None: not AdamW).
   coefficients: Any = None
   host_grad_pieces: dict[tuple[int, ...], list[Any]] = dataclasses.field(default_factory=dict)
-  # Accelerator program: the host regions' inputs other than the state, appended as the
+  # Two-memory program: the host regions' inputs other than the state, appended as the
   # host tier is built (see `gate`).
   host_inputs: list[Any] = dataclasses.field(default_factory=list)
-  # Accelerator program: what every host region of the step reads, sent to host memory
+  # Two-memory program: what every host region of the step reads, sent to host memory
   # once (`host_scalars`, `host_row_indices`).
   host_shared: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
   @property
-  def split(self) -> bool:
-    """The accelerator program: host and device memories apart."""
+  def two_memories(self) -> bool:
+    """The two-memory program: host and device memories apart."""
     return self.program is Program.TWO_MEMORIES
 
   def host_scalars(self, speculate: bool = False):
     """`(arrays in host memory, join)`: the step's AdamW scalars as host regions read
-    them (`fused.split_scalars`; with a clip factor of 1 where `speculate`), sent to
+    them (`kernel_calls.split_scalars`; with a clip factor of 1 where `speculate`), sent to
     host memory once per step for all of them: XLA's host offloader walks the whole
     program for each array sent there (experiments/RESULTS.md, `construction-compile-g-once`)."""
     key = ('scalars', speculate)
@@ -116,7 +116,7 @@ class StepContext:
       adam_scalars = self.adam_scalars
       if speculate:
         adam_scalars = dataclasses.replace(adam_scalars, grad_scale=1.0)
-      arrays, join = fused_lib.split_scalars(adam_scalars)
+      arrays, join = kernel_calls.split_scalars(adam_scalars)
       self.host_shared[key] = (memory_spaces.to_host(arrays), join)
     return self.host_shared[key]
 
@@ -138,7 +138,7 @@ class StepContext:
     the device update (see `gate_device_update`, which gates on the gradient pieces
     alone and let small scalar copies slip behind the device loop in some programs).
     """
-    if not self.split or not self.host_inputs:
+    if not self.two_memories or not self.host_inputs:
       return self
     _, leaves = lax.optimization_barrier((self.host_inputs, list(self.grad_leaves)))
     return dataclasses.replace(self, grad_leaves=list(leaves), host_inputs=[])
@@ -228,21 +228,21 @@ class StepContext:
       params = None
       if self.param_leaves is not None:
         params = packed(self.param_leaves, step.state_dtype)
-      return fused_lib.sharded_update(
+      return kernel_calls.sharded_update(
           step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
           grads=packed(self.grad_leaves, self.grad_dtype), params=params, mesh=self.mesh,
           data_axis=self.options.data_axis, resident=resident,
           num_threads=self.options.host_threads)
     if self.part.disk:  # the array holds some subgroups only: their pieces, at local offsets
-      leaves = fused_lib.Leaves(
+      leaves = kernel_calls.Leaves(
           grads=partition_lib.slice_pieces(self.grad_leaves, runs),
           offsets=tuple(run.offset for run in runs),
           params=None if self.param_leaves is None
           else partition_lib.slice_pieces(self.param_leaves, runs))
     else:
-      leaves = fused_lib.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
+      leaves = kernel_calls.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
                                 params=self.param_leaves)
-    return fused_lib.host_update(step, self.fused, stacked=arrays,
+    return kernel_calls.host_update(step, self.fused, stacked=arrays,
                                  adam_scalars=self.adam_scalars, leaves=leaves,
                                  resident=resident, num_threads=self.options.host_threads)
 
@@ -261,7 +261,7 @@ class StepContext:
 
   def _host_native(self, step, arrays, ids, runs):
     grad_pieces, param_pieces = self._host_pieces(ids, runs)
-    arrays, out, _ = fused_lib.host_region_update(
+    arrays, out, _ = kernel_calls.host_region_update(
         step, self.fused, stacked=arrays, scalars_h=self.host_scalars(),
         rows_h=self.host_row_indices(arrays[0].shape[0]),
         grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs,
@@ -269,7 +269,7 @@ class StepContext:
     return memory_spaces.put(arrays, memory_spaces.HOST), out
 
   def _host_native_sharded(self, step, arrays, ids, runs):
-    """The native kernel per data shard (`fused.sharded_host_region_update`), on
+    """The native kernel per data shard (`kernel_calls.sharded_host_region_update`), on
     gradient rows sent to host memory one subgroup at a time (see `host_rows`)."""
     del runs
     sharding = NamedSharding(self.mesh, P(None, self.options.data_axis))
@@ -279,7 +279,7 @@ class StepContext:
     param_rows = None
     if self.param_leaves is not None:
       param_rows = host_rows(self.layout, ids, self.param_leaves, step.state_dtype, sharding)
-    arrays, out = fused_lib.sharded_host_region_update(
+    arrays, out = kernel_calls.sharded_host_region_update(
         step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
         grad_rows=grad_rows, param_rows=param_rows, mesh=self.mesh,
         data_axis=self.options.data_axis, num_threads=self.options.host_threads,
@@ -356,7 +356,7 @@ class StepContext:
         and capability_lib.capability(Kernel.PALLAS, self.fused, step, self.program).usable):
       # Shard-major, every device updates its own columns of the row (no gather).
       sharded = self.mesh is not None and self.layout.shards > 1
-      return fused_lib.device_step(self.fused, step, self.coefficients, self.new_scalars,
+      return kernel_calls.device_step(self.fused, step, self.coefficients, self.new_scalars,
                                    mesh=self.mesh if sharded else None,
                                    axis=self.options.data_axis if sharded else None)
     return step
@@ -387,7 +387,7 @@ def gate_device_update(layout: layout_lib.Layout, part: partition_lib.Partition,
   """Host blocks' gradient pieces sent to host memory, and the gradient leaves for the
   device tiers, through one optimization barrier: `(pieces by block, device leaves)`.
 
-  In the accelerator program the host update (an asynchronous host call) and the device
+  In the two-memory program the host update (an asynchronous host call) and the device
   update (the streamed and resident tiers) share no value, so XLA's scheduler may place
   them anywhere; it tends to run the device update during the backward pass and the host
   call after it, one after the other. The barrier lets neither start before every

@@ -4,7 +4,7 @@
 backward, global norm, the dos_jax update with the clip factor as `grad_scale`, apply)
 from a `RunConfig` as `trainer.build` does: the same mesh, param placement and
 shardings, and the optimizer, state and early host calls from the one builder
-(`optimizer.build_optimizer`), with the accelerator program (`Program.TWO_MEMORIES`)
+(`optimizer.build_optimizer`), with the two-memory program (`Program.TWO_MEMORIES`)
 chosen as on a GPU (without one, its early host calls chosen for an H100 node,
 `COMPILED_FOR`). No dataset is read (the batch is a token array of the configured
 shape). Over several devices, or with `abstract`, the arguments are abstract

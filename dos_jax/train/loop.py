@@ -303,7 +303,7 @@ class _Run:
     self.loss, self.eval_loss, self.bad = math.nan, None, None
     self.timing = _Timing()
     # Steps whose clip factor was not 1: early host calls redo their speculated update on
-    # those (dos_jax.step.early_chunks); every `optimizer.REPLAN_EVERY` steps the measured
+    # those (dos_jax.step.early_calls); every `optimizer.REPLAN_EVERY` steps the measured
     # rate chooses the early calls again (a retrace when they change).
     self.clip_norm = cfg.optim.clip_norm
     self.speculating = (self.clip_norm is not None

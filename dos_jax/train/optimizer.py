@@ -7,7 +7,7 @@ what is compiled and timed is what the runner runs.
 
 What it decides for the user (nothing here is a config key):
 * `Auto`'s device-memory budget and backward-pass estimate (`budget_auto`);
-* the accelerator program's early host calls (`Partition.early`): `Auto` chooses its
+* the two-memory program's early host calls (`Partition.early`): `Auto` chooses its
   own at `init`; for a fixed policy, on a GPU target, the cost model chooses them for the
   plan (`timeline.EarlyChooser` with process 0's profile: every process the same),
   elsewhere the state keeps the fixed rule its `init` took;
@@ -100,10 +100,10 @@ def choose_early_calls(cfg: RunConfig, opt_state: Any, num_devices: int,
       profile if profile is not None else agree.shared_profile(),
       backward_seconds=backward_seconds(cfg, num_devices))
   for state in _states(opt_state):
-    if state.partition.split:
+    if state.partition.two_memories:
       plan = state.partition.plan
       opt_state = dos_jax.migrate(opt_state, plan,
-                                  early=chooser.early_chunks(state.layout.spec(), plan))
+                                  early=chooser.early_calls(state.layout.spec(), plan))
   return opt_state
 
 
@@ -114,7 +114,7 @@ REPLAN_EVERY = 200
 
 def speculates(opt_state: Any) -> bool:
   """Whether a step of `opt_state` has early host calls, which speculate on the clip
-  factor (the accelerator program, with two host subgroups or more)."""
+  factor (the two-memory program, with two host subgroups or more)."""
   return any(state.partition.early for state in _states(opt_state))
 
 
@@ -126,7 +126,7 @@ def early_for(cfg: RunConfig, opt_state: Any, plan: dos_jax.Plan) -> tuple[int, 
     return None
   if states[0].partition.plan == plan:
     return None
-  return placement.early_chunks(states[0].layout.spec(), plan)
+  return placement.early_calls(states[0].layout.spec(), plan)
 
 
 def replan_early(cfg: RunConfig, opt_state: Any, num_devices: int, rollbacks: int,
@@ -140,13 +140,13 @@ def replan_early(cfg: RunConfig, opt_state: Any, num_devices: int, rollbacks: in
   placement = cfg.offload.placement
   if isinstance(placement, dos_jax.Auto):
     placement.observe_rollbacks(rollbacks, steps)
-    choose = placement.early_chunks
+    choose = placement.early_calls
   else:
     choose = timeline.EarlyChooser(
         profile if profile is not None else agree.shared_profile(),
-        backward_seconds=backward_seconds(cfg, num_devices), clip_rate=rate).early_chunks
+        backward_seconds=backward_seconds(cfg, num_devices), clip_rate=rate).early_calls
   for state in _states(opt_state):
-    if state.partition.split:
+    if state.partition.two_memories:
       plan = state.partition.plan
       early = choose(state.layout.spec(), plan)
       if early is not None:

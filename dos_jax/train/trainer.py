@@ -208,7 +208,7 @@ def _check_disk_processes(cfg: RunConfig, mesh: jax.sharding.Mesh) -> None:
   """A disk tier's first generation is written by each process from its own shards of
   the params (`dos_jax.Disk`): in a run of several processes, the `tensor` shards of
   each device's params must be on devices of its own process, and a ZeRO-3 state
-  packed by the params' shards (the accelerator program's). One line naming the key."""
+  packed by the params' shards (the two-memory program's). One line naming the key."""
   processes = agree.processes()
   if cfg.offload.disk_dir is None or processes == 1:
     return
@@ -216,7 +216,7 @@ def _check_disk_processes(cfg: RunConfig, mesh: jax.sharding.Mesh) -> None:
       cfg.offload).target() is not dos_jax.Program.TWO_MEMORIES:
     raise ConfigError(f'offload.disk_dir: a ZeRO-3 run (mesh.fsdp={cfg.mesh.fsdp}) of '
                       f'{processes} processes keeps its optimizer state on disk only in the '
-                      'accelerator program, which packs each device\'s state from its own '
+                      'two-memory program, which packs each device\'s state from its own '
                       'shards of the params; set offload.platform=gpu or unset '
                       'offload.disk_dir')
   if TENSOR not in mesh.shape:

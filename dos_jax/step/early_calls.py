@@ -1,34 +1,35 @@
 """The host tier in K host calls that start during the backward pass.
 
-The accelerator program splits the host subgroups into calls in backward order (the last
+The two-memory program splits the host subgroups into calls in backward order (the last
 subgroups first: the backward pass makes their gradients first; those without weight
 decay last, `host_blocks`): early calls of the sizes in `Partition.early` (what
-`dos_jax.planner.timeline.choose_early_chunks` or the fixed rule
-`partition.early_host_calls` gives) and a last one with the rest (`split`). All chunks but the last are *early*: each is its own host call whose inputs are
-its gradient pieces in host memory, the step's AdamW scalars and the link of the chunk
-before it, so it can start once its gradients have crossed, while the backward pass
-still runs (where the start lands is the latency-hiding scheduler's choice:
-docs/design.md, rule 6). Chunk K, the last (its gradients come last), runs after the backward
-pass in one scheduling group with the device tiers' stream calls, as the unchunked step
-does (`dos_jax.step.device_stream`: its stream lanes).
+`dos_jax.planner.timeline.choose_early_calls` or the fixed rule
+`partition.early_host_calls` gives) and a last one with the rest
+(`partition.host_calls`). All calls but the last are *early*: each is its own host call
+whose inputs are its gradient pieces in host memory, the step's AdamW scalars and the
+link of the call before it, so it can start once its gradients have crossed, while the
+backward pass still runs (where the start lands is the latency-hiding scheduler's
+choice: docs/design.md, rule 6). Call K, the last (its gradients come last), runs after
+the backward pass in one scheduling group with the device tiers' stream calls, as the
+step with one host call does (`dos_jax.step.device_stream`: its stream lanes).
 
-The link keeps the calls apart: early chunk k's kernel reads a `(1,)` zero computed on
-the device from a token of chunk k-1's out rows (see below why a device op is needed).
+The link keeps the calls apart: early call k's kernel reads a `(1,)` zero computed on
+the device from a token of call k-1's out rows (see below why a device op is needed).
 
 **Speculation.** Under `dos_jax.clip_by_global_norm` the clip factor needs every
-gradient, so an early chunk cannot know it. It updates with a factor of 1, and its
+gradient, so an early call cannot know it. It updates with a factor of 1, and its
 kernel keeps a copy of every state element it overwrites (`keep_undo`). After the
-backward pass, in the last chunk's host call, a redo kernel runs per early block: when
+backward pass, in the last call's host call, a redo kernel runs per early block: when
 the step's factor is not exactly 1 (the norm reached the clip, or is not finite), it
 puts the copy back and updates again with the true factor; otherwise it touches nothing.
 A factor of exactly 1 multiplies each gradient by 1, so the speculated update is the
 unspeculated one bit for bit, and a redone update is the unspeculated update itself.
 The new params of early blocks go back to the device after the redo call. Without
-clipping there is nothing to speculate on: early chunks use the step's scalars and
+clipping there is nothing to speculate on: early calls use the step's scalars and
 their params leave at once.
 
-The cost: a host copy of the early chunks' state (their undo), alive from the early
-call to the redo call, and, on a rollback step, the early chunks' host work twice
+The cost: a host copy of the early calls' state (their undo), alive from the early
+call to the redo call, and, on a rollback step, the early calls' host work twice
 (`dos_jax.planner.timeline`). On a GPU the kernel library keeps that copy, found by the
 state buffer both calls update in place, and reuses its pages from step to step: as a
 result of the early call, XLA:GPU would place it in device memory (a host call's result
@@ -52,7 +53,7 @@ from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.step import device_stream
-from dos_jax.step import fused as fused_lib
+from dos_jax.step import kernel_calls
 from dos_jax import memory_spaces
 from dos_jax.memory_spaces import DEVICE
 from dos_jax.memory_spaces import HOST
@@ -71,7 +72,7 @@ def host_blocks(part: partition_lib.Partition, decayed_rows: int | None = None) 
   >>> import dos_jax
   >>> from dos_jax.geometry import partition
   >>> part = partition.for_plan(dos_jax.Plan(streamed=(0, 2, 4), host=(1, 3, 5)),
-  ...                           split=True)
+  ...                           two_memories=True)
   >>> [part.blocks(partition.Tier.HOST)[b] for b in host_blocks(part, decayed_rows=5)]
   [(3,), (1,), (5,)]
   """
@@ -89,12 +90,8 @@ def zero_of(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), x, 0) * 0
 
 
-# The name tests/compiled.py reads the host calls' split by.
-split = partition_lib.host_calls
-
-
 def redo_flag(adam_scalars) -> jax.Array | None:
-  """Whether the early chunks must be redone: the clip factor is not exactly 1 (None
+  """Whether the early calls must be redone: the clip factor is not exactly 1 (None
   when the step has no clip factor, and nothing speculates)."""
   factor = adam_scalars.grad_scale
   if not isinstance(factor, jax.Array):
@@ -117,17 +114,17 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
                      param_pieces, runs, num_threads=None, link=None):
   """An early block's host call with a clip factor of 1, keeping its undo; returns
   `(state, out rows in device memory, undo, token in device memory)` for `redo_region`.
-  `scalars_h` and `rows_h` as `fused.host_region_update` takes them (the scalars with a
+  `scalars_h` and `rows_h` as `kernel_calls.host_region_update` takes them (the scalars with a
   clip factor of 1: `StepContext.host_scalars(speculate=True)`).
 
-  On a GPU the state is updated in its (donated) buffer, as `fused.host_region_update`
+  On a GPU the state is updated in its (donated) buffer, as `kernel_calls.host_region_update`
   does, and is read by the redo call; the kernel keeps the undo itself, found by that
   buffer (`keep_undo`: as a result of the host call it would be device memory), and
-  `undo` is the state. On a CPU backend (`fused.state_in_place`) the state is a result
+  `undo` is the state. On a CPU backend (`kernel_calls.state_in_place`) the state is a result
   and the undo is the old state itself.
   """
   arrays_h, join = scalars_h  # with a clip factor of 1
-  kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
+  kernel_args = kernel_calls.region_kernel_args(step, fused, runs, num_threads)
 
   def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, in_place):
     if link is not None:
@@ -152,7 +149,7 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
         out_spaces=(HOST, HOST, DEVICE))(*args)
     return new_state, memory_spaces.put(out_h, DEVICE), args[0], token
 
-  return fused_lib.state_in_place(in_place, with_result, *args)
+  return kernel_calls.state_in_place(in_place, with_result, *args)
 
 
 def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h, rows_h,
@@ -171,7 +168,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
   copy them back to the host only for the conditional to fetch them again.
   """
   arrays_h, join = scalars_h
-  kernel_args = fused_lib.region_kernel_args(step, fused, runs, num_threads)
+  kernel_args = kernel_calls.region_kernel_args(step, fused, runs, num_threads)
   redo_h = redo_on_host(redo) if redo_h is None else redo_h
 
   def in_place(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
@@ -200,24 +197,24 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
         undo, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jnp.where(redo_h[0] != 0, again_state, state), again
 
-  state, again = fused_lib.state_in_place(
+  state, again = kernel_calls.state_in_place(
       in_place, with_result, state, undo, redo_h, grad_pieces, param_pieces, rows_h,
       arrays_h, link)
   return (state,), lambda: jax.lax.cond(redo, lambda: memory_spaces.put(again, DEVICE),
                                         lambda: out)
 
 
-def host_work(context, base_step: paths.RowStep, host_tier: tuple, chunks) -> HostWork:
+def host_work(context, base_step: paths.RowStep, host_tier: tuple, early) -> HostWork:
   """The host tier of a per-subgroup state in host calls as
-  `partition.host_calls(..., chunks)` gives them (see the module docstring): the early calls traced now, what runs after the
-  backward pass (the last chunk's blocks, then each early block's redo) as the items of
+  `partition.host_calls(..., early)` gives them (see the module docstring): the early calls traced now, what runs after the
+  backward pass (the last call's blocks, then each early block's redo) as the items of
   the returned `HostWork`, whose `finish()` gives (the tier's new arrays, `(out rows on
   the device, pieces)` per block).
   """
   part, layout = context.part, context.layout
   blocks = part.blocks(Tier.HOST)
   new = list(partition_lib.blocks_of(host_tier, len(blocks)))
-  parts = partition_lib.host_calls(host_blocks(part, layout.decayed_rows), chunks)
+  parts = partition_lib.host_calls(host_blocks(part, layout.decayed_rows), early)
   redo = redo_flag(context.adam_scalars)
   # What every region reads, sent to host memory once, outside the calls' contexts
   # (the redo flag and the speculated scalars only where early calls speculate).
@@ -238,7 +235,7 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, chunks) -> Ho
 
   def host_call(b, link, sink=None):
     step, piece_args = block_args(b)
-    arrays, out, token = fused_lib.host_region_update(
+    arrays, out, token = kernel_calls.host_region_update(
         step, context.fused, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
         scalars_h=scalars_h, **threads)
     new[b] = memory_spaces.put(arrays, HOST)
@@ -256,10 +253,10 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, chunks) -> Ho
     return item
 
   pending = []
-  for index, chunk in enumerate(parts[:-1]):
+  for index, call_blocks in enumerate(parts[:-1]):
     with device_stream.early_call(index):
       tokens = []
-      for b in chunk:
+      for b in call_blocks:
         if redo is None:
           tokens.append(host_call(b, link))
           continue
@@ -286,7 +283,7 @@ def link_after(tokens) -> jax.Array:
   return paths.to_host(sum(zero_of(t() if callable(t) else t) for t in tokens))
 
 
-def update_host(context, base_step: paths.RowStep, host_tier: tuple, chunks, group=None):
+def update_host(context, base_step: paths.RowStep, host_tier: tuple, early, group=None):
   """`host_work(...)` traced with its items in one host call in scheduling group
   `group` (None: in none): (new arrays, `(out rows, pieces)` per block)."""
-  return host_work(context, base_step, host_tier, chunks).run_grouped(group)
+  return host_work(context, base_step, host_tier, early).run_grouped(group)

@@ -1,5 +1,5 @@
-"""The host tier in early host calls (`Partition.early`, `dos_jax.step.early_chunks`) on
-the CPU backend (the accelerator program's numbers; Pallas in interpret mode), stored per
+"""The host tier in early host calls (`Partition.early`, `dos_jax.step.early_calls`) on
+the CPU backend (the two-memory program's numbers; Pallas in interpret mode), stored per
 subgroup, fp32 and bf16 params. A test picks the early calls of a state with
 `dos_jax.migrate(state, plan, early=...)` (`_with_early`).
 
@@ -25,8 +25,8 @@ import pytest
 import dos_jax
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
-from dos_jax.step import early_chunks
-from dos_jax.step import fused
+from dos_jax.step import early_calls
+from dos_jax.step import kernel_calls
 from tests.test_adamw import SCHEDULE
 from tests.test_adamw import decay_mask
 from tests.test_adamw import random_grads
@@ -37,7 +37,7 @@ FIRES = (1, 2, 5)  # steps whose gradients are scaled past MAX_NORM (norm ~17 vs
 
 
 def _in_place_everywhere(in_place, with_result, *args):
-  """`fused.state_in_place` choosing the GPU program's form on every platform."""
+  """`kernel_calls.state_in_place` choosing the GPU program's form on every platform."""
   del with_result
   return in_place(*args)
 
@@ -135,7 +135,7 @@ def test_the_accelerator_form_speculates_in_place_and_redoes(dtype, seed, monkey
   bit for bit the unspeculated step, clip firing or not."""
   params = random_tree(seed, jnp.dtype(dtype))
   want = _run(_opt(), params, seed, steps=7, early=0)
-  monkeypatch.setattr(fused, 'state_in_place', _in_place_everywhere)
+  monkeypatch.setattr(kernel_calls, 'state_in_place', _in_place_everywhere)
   texts = []
   got = _run(_opt(), params, seed, steps=7, lowered=texts, early=3)
   assert 'dos_jax_adamw_host_leaves_state_arg_undo' in texts[0]
@@ -212,21 +212,21 @@ def test_early_calls_under_clipping_match_optax(seed):
 
 def test_host_call_order_follows_the_backward_pass():
   plan = dos_jax.Plan(streamed=(0, 2, 4, 6), host=(1, 3, 5, 7))
-  part = partition_lib.for_plan(plan, split=True)
+  part = partition_lib.for_plan(plan, two_memories=True)
   blocks = part.blocks(Tier.HOST)
-  assert [blocks[b] for b in early_chunks.host_blocks(part)] == [(7,), (5,), (3,), (1,)]
+  assert [blocks[b] for b in early_calls.host_blocks(part)] == [(7,), (5,), (3,), (1,)]
   # The blocks without weight decay (the norm scales, complete at the end of the
   # backward pass) come last.
-  assert [blocks[b] for b in early_chunks.host_blocks(part, decayed_rows=6)] == [
+  assert [blocks[b] for b in early_calls.host_blocks(part, decayed_rows=6)] == [
       (5,), (3,), (1,), (7,)]
 
 
 def test_the_redo_flag_is_the_clip_factor_not_one():
   scalars = dos_jax.kernels.AdamWScalars(
       lr=1.0, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=0.0, bc1=0.1, bc2=0.1)
-  assert early_chunks.redo_flag(scalars) is None  # no clip: nothing speculates
+  assert early_calls.redo_flag(scalars) is None  # no clip: nothing speculates
   for factor, want in ((1.0, False), (0.5, True), (0.0, True), (np.nan, True)):
-    flag = early_chunks.redo_flag(
+    flag = early_calls.redo_flag(
         scalars.__class__(**{**scalars.__dict__, 'grad_scale': jnp.float32(factor)}))
     assert bool(flag) is want, factor
 
@@ -236,7 +236,7 @@ def test_the_redo_flag_is_the_clip_factor_not_one():
 class _Chooses(dos_jax.Stride):
   """Stride(2) that asks for early calls of 1 and 2 subgroups, as `dos_jax.Auto` would."""
 
-  def early_chunks(self, spec, plan):
+  def early_calls(self, spec, plan):
     del spec
     return (1, 2) if len(plan.host) > 3 else ()
 
@@ -244,7 +244,7 @@ class _Chooses(dos_jax.Stride):
 def test_init_takes_the_policys_early_calls(seed, monkeypatch):
   params = random_tree(seed)
   want = _run(_opt(), params, seed, steps=3, early=0)
-  monkeypatch.setattr(fused, 'state_in_place', _in_place_everywhere)
+  monkeypatch.setattr(kernel_calls, 'state_in_place', _in_place_everywhere)
   texts = []
   opt = _opt(policy=_Chooses(2))
   assert _offloaded(opt.init(jax.device_put(params, jax.devices()[0]))).partition.early == (1, 2)

@@ -168,7 +168,7 @@ def state_in_place(in_place, with_result, *args):
   `in_place(*args)` (the kernel writes the donated state in its buffer, which leaves
   through an optimization barrier) where the program is lowered for a GPU, and
   `with_result(*args)` (the state a result of the host region, a copy per step) on a
-  CPU backend, where the accelerator program runs only as a test of its numbers.
+  CPU backend, where the two-memory program runs only as a test of its numbers.
 
   A CPU backend's compiler drops the optimization barrier before scheduling, so
   without donation the copy of the state into the program's output could run before
@@ -182,7 +182,7 @@ def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
                        rows_h, grad_pieces, param_pieces, runs,
                        num_threads: int | None = None, inputs_sink: list | None = None,
                        link=None):
-  """The host tier in one native call inside a host region (the accelerator program);
+  """The host tier in one native call inside a host region (the two-memory program);
   returns (stacked, out rows in device memory, link token in device memory).
 
   `scalars_h` (`(arrays in host memory, join)`: `split_scalars`'s, sent to host
@@ -191,7 +191,7 @@ def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
 
   `link` (a `(1,)` float32 zero in host memory, or None): the previous chunk's link,
   read by the kernel call through its row indices, so that XLA keeps this region its
-  own host call (see `dos_jax.step.early_chunks`). The token returned is computed from the out
+  own host call (see `dos_jax.step.early_calls`). The token returned is computed from the out
   rows, in device memory.
 
   `grad_pieces` (and `param_pieces` for fp32 params) are the tier's `partition.Piece`
@@ -309,7 +309,7 @@ class DeviceKernelStep:
 
   The kernel is opaque to XLA, so no fusion can re-read the old block after the write:
   the barrier `RowStep` needs is not needed here. On a CPU backend the same program runs
-  the kernel in Pallas' interpreter (how CI checks the accelerator program's numbers).
+  the kernel in Pallas' interpreter (how CI checks the two-memory program's numbers).
   """
 
   step: paths.RowStep
