@@ -23,3 +23,13 @@ def test_every_hf_marked_file_runs_in_stage_1b():
   assert marked <= listed, f'hf-marked files missing from .ci/run stage 1b: {sorted(marked - listed)}'
   missing = {f for f in listed if not (ROOT / f).exists()}
   assert not missing, f'.ci/run stage 1b names files that do not exist: {sorted(missing)}'
+
+
+def test_every_test_file_ci_names_exists():
+  """A renamed or deleted test file named in `.ci/run` would make pytest exit 4 there."""
+  run = (ROOT / '.ci' / 'run').read_text(encoding='utf-8')
+  code = '\n'.join(l for l in run.splitlines() if not l.lstrip().startswith('#'))
+  named = set(re.findall(r'tests/[\w/]+\.(?:py|txt)', code))
+  assert named, 'no test file named in .ci/run: the pattern above no longer matches'
+  missing = sorted(f for f in named if not (ROOT / f).exists())
+  assert not missing, f'.ci/run names files that do not exist: {missing}'
