@@ -53,7 +53,7 @@ _CACHE = {}
 
 def _early(layers, call_count) -> tuple[int, ...]:
   """The early calls of `call_count` near-equal host calls over Stride(2)'s `layers // 2`
-  host subgroups (`partition.host_calls`, as `Offload(early_chunks=K)` did)."""
+  host subgroups (`partition.host_calls`)."""
   return tuple(len(p) for p in partition.host_calls(range(layers // 2), call_count)[:-1])
 
 
