@@ -204,3 +204,21 @@ def warn_where_serial(version: str, checked: bool) -> None:
         f'dos_jax: jax {version} is newer than the versions whose compiled GPU schedule of '
         f'the step was checked (0.10-0.12): the step is built as for 0.12, and that the '
         f'device updates run inside a host call\'s window is not known', stacklevel=4)
+
+
+def warn_rows_beside_no_host_work(rows: int, host_regions: int, per_lane: int) -> None:
+  """Once per process, one line: the staged lowering (jax 0.12) has `rows` streamed
+  rows left after its last stage, beside no host work, because the step has
+  `host_regions` host regions for `per_lane` streamed rows per lane (one row per lane and
+  a host region per stage: `dos_jax.step.stages`)."""
+  import warnings  # pylint: disable=import-outside-toplevel
+  if 'surplus rows' in _warned:
+    return
+  _warned.add('surplus rows')
+  warnings.warn(
+      f'dos_jax: {rows} streamed rows run after the last host call, beside no host work: '
+      f'the step has {host_regions} host regions (after its early calls) for {per_lane} '
+      f'streamed rows per lane, and on this jax each stage runs one row per lane beside a '
+      f'host region of its own; fewer streamed subgroups (a larger Stride k, a smaller '
+      f'DeviceFraction) or more host subgroups (a smaller offload.subgroup_size) put every '
+      f'row beside host work', stacklevel=4)

@@ -1,6 +1,7 @@
 """The one-line warnings of a step traced for a GPU whose schedule would be serial, or
 whose jax's schedule of the construction the compiled tests have not read
-(`compiler_options.warn_where_serial`)."""
+(`compiler_options.warn_where_serial`), or whose staged lowering leaves streamed rows
+beside no host work (`compiler_options.warn_rows_beside_no_host_work`)."""
 
 import warnings
 
@@ -22,7 +23,9 @@ def _trace(jitter=jax.jit):
     warnings.simplefilter('always')
     for _ in range(2):  # traced twice: warned once
       jitter(opt.update).trace(params, state, params)
-  return [str(w.message) for w in caught if str(w.message).startswith('dos_jax:')]
+  # The staged lowering's line on streamed rows beside no host work has its own test.
+  return [str(w.message) for w in caught if str(w.message).startswith('dos_jax:')
+          and 'beside no host work' not in str(w.message)]
 
 
 @pytest.fixture(name='on_gpu')
@@ -64,3 +67,29 @@ def test_nothing_is_said_on_a_cpu(monkeypatch):
   monkeypatch.setenv('XLA_FLAGS', '')
   assert jax.default_backend() == 'cpu'
   assert _trace() == []
+
+
+def test_streamed_rows_beside_no_host_work_are_named_once(on_gpu, monkeypatch):
+  """The staged lowering (jax 0.12) runs one streamed row per lane beside each host
+  region: with 6 streamed subgroups on one lane (a plain jit: XLA's limit of 2) and 2
+  host subgroups, rows are left after the last stage, and the step says how many, once."""
+  del on_gpu
+  monkeypatch.setattr(device_stream, 'lowering', lambda: device_stream.Lowering.STAGED)
+  monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_enable_latency_hiding_scheduler=true')
+  params = jax.device_put({f'w{i}': jnp.ones(8) for i in range(8)}, jax.devices()[0])
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=8,
+                                                    policy=dos_jax.DeviceFraction(0.75)),
+                      implementation=dos_jax.Implementation(program='gpu'))
+  state = opt.init(params)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    for _ in range(2):
+      jax.jit(opt.update).trace(params, state, params)
+  messages = [str(w.message) for w in caught if 'beside no host work' in str(w.message)]
+  assert len(messages) == 1, [str(w.message) for w in caught]
+  import re  # pylint: disable=import-outside-toplevel
+  rows, regions, per_lane = map(int, re.match(
+      r'dos_jax: (\d+) streamed rows run after .* has (\d+) host regions .* for (\d+) '
+      r'streamed rows per lane', messages[0]).groups())
+  # One lane holds every streamed row; each stage takes one beside a host region.
+  assert per_lane == 6 and 1 <= regions < per_lane and rows == per_lane - regions, messages

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dos_jax import capability as capability_lib
+from dos_jax import compiler_options
 from dos_jax.capability import Kernel
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
@@ -96,6 +97,10 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], work: Ho
            for t in (Tier.STREAMED, Tier.RESIDENT) if part.ids(t)}
   items = work.every_item()
   lay = layout(lanes, len(items))
+  surplus = sum(len(rows) for rows in lay.after)
+  if surplus and jax.default_backend() == 'gpu':
+    compiler_options.warn_rows_beside_no_host_work(
+        surplus, len(items), len(lay.grouped) + max(len(rows) for rows in lay.after))
   kernel = _Kernel.of(context, base_step) if pallas else None
   new_blocks = {t: [None] * len(blocks) for t, blocks in given.items()}
   rows_out, last_state, link = [], {}, work.link
