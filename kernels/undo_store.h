@@ -3,7 +3,7 @@
 // found by the state buffer's address: the donated state both calls update in place.
 // Not a result of the call: XLA:GPU gives a host call's result that another host call
 // reads a buffer in device memory, so a state-sized undo would cross to the device and
-// back (dos_jax.step.early_chunks). A redo hands its copy back for the next speculated
+// back (dos_jax.step.early_calls). A redo hands its copy back for the next speculated
 // call of the same size to reuse: the pages stay mapped from step to step.
 //
 // Included by host_adamw_rows.cc; internal to it.
