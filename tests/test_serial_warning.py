@@ -3,6 +3,7 @@ whose jax's schedule of the construction the compiled tests have not read
 (`compiler_options.warn_where_serial`), or whose staged lowering leaves streamed rows
 beside no host work (`compiler_options.warn_rows_beside_no_host_work`)."""
 
+import re
 import warnings
 
 import jax
@@ -87,7 +88,6 @@ def test_streamed_rows_beside_no_host_work_are_named_once(on_gpu, monkeypatch):
       jax.jit(opt.update).trace(params, state, params)
   messages = [str(w.message) for w in caught if 'beside no host work' in str(w.message)]
   assert len(messages) == 1, [str(w.message) for w in caught]
-  import re  # pylint: disable=import-outside-toplevel
   rows, regions, per_lane = map(int, re.match(
       r'dos_jax: (\d+) streamed rows run after .* has (\d+) host regions .* for (\d+) '
       r'streamed rows per lane', messages[0]).groups())
