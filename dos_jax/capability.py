@@ -49,13 +49,13 @@ class Capability(NamedTuple):
 USABLE = Capability(True, '')
 
 
-def capability(kernel: Kernel, fused: AdamWHyperparams | None, step: paths.RowStep,
+def capability(kernel: Kernel, adamw: AdamWHyperparams | None, step: paths.RowStep,
                program: Program, grad_leaves: Sequence[Any] = ()) -> Capability:
   """Whether `kernel` can update the rows of `step` in `program`.
 
   Args:
     kernel: which kernel.
-    fused: AdamW's hyperparameters when the transform is `dos_jax.adamw`, else None.
+    adamw: AdamW's hyperparameters when the transform is `dos_jax.adamw`, else None.
     step: the step's row update (its slots, master, dtypes).
     program: the program the state was built for (`Partition.two_memories`).
     grad_leaves: the step's gradient leaves (read by `Kernel.NATIVE_HOST` only).
@@ -63,12 +63,12 @@ def capability(kernel: Kernel, fused: AdamWHyperparams | None, step: paths.RowSt
   Returns:
     `Capability(True, '')`, or `Capability(False, why)`.
   """
-  if fused is None:
+  if adamw is None:
     return Capability(False, 'the transform is not dos_jax.adamw (the kernels compute AdamW '
                       'only)')
   if kernel is Kernel.PALLAS:
     return _pallas(step, program)
-  return _native_host(fused, step, program, grad_leaves)
+  return _native_host(adamw, step, program, grad_leaves)
 
 
 def _adamw_layout(step: paths.RowStep) -> Capability:
@@ -84,9 +84,9 @@ def _pallas(step: paths.RowStep, program: Program) -> Capability:
   return _adamw_layout(step)
 
 
-def _native_host(fused: AdamWHyperparams, step: paths.RowStep, program: Program,
+def _native_host(adamw: AdamWHyperparams, step: paths.RowStep, program: Program,
                  grad_leaves: Sequence[Any]) -> Capability:
-  if fused.nesterov:
+  if adamw.nesterov:
     # The kernel rounds Nesterov's sum an ulp apart from XLA's program in a few
     # elements; the native path promises bit-identical results, so XLA keeps it.
     return Capability(False, 'Nesterov momentum (the kernel is not bit-identical to XLA there)')

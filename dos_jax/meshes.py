@@ -69,3 +69,17 @@ def is_explicit(mesh) -> bool:
   """Whether `mesh` (concrete or abstract) has an Explicit axis."""
   explicit = getattr(jax.sharding.AxisType, 'Explicit', None)
   return any(t == explicit for t in getattr(mesh, 'axis_types', ()))
+
+
+def as_traced(mesh):
+  """`mesh` as the current trace sees its devices, for a `shard_map` over it.
+
+  Where the trace runs under an abstract mesh that names a device kind
+  (`jax.sharding.get_abstract_mesh().abstract_device`: a program lowered for a GPU
+  target that is not on this machine), the same axes with that device, so that a
+  kernel inside the `shard_map` lowers for it; else `mesh` unchanged.
+  """
+  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
+  if device is None:
+    return mesh
+  return getattr(mesh, 'abstract_mesh', mesh).update(abstract_device=device)

@@ -56,6 +56,8 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tooling
+
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # XLA's stack-frame warnings
 
 POLICIES = ('all_host', 'stride', 'device_fraction', 'all_device', 'auto')
@@ -129,7 +131,7 @@ def _compile_step(args, cfg, target, options, devices=None):
   with one host call under `--early none`."""
   import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax import dataflow
-  from dos_jax.train import gpu_program
+  from tests.tooling import gpu_program
   if args.early == 'default':
     return gpu_program.compile_step(cfg, target, compiler_options=options, devices=devices)
   native = dataflow.compile.prepare(target)
@@ -221,7 +223,7 @@ def _run_here(args, cfg) -> dict:
   import numpy as np
   from dos_jax.dataflow import early_windows
   from dos_jax.dataflow.schedule import Schedule
-  from dos_jax.train import gpu_program
+  from tests.tooling import gpu_program
   from dos_jax.train import step as step_lib
   backend = jax.default_backend()
   options = None if args.default_schedule else step_lib.compiler_options_for(backend)

@@ -20,22 +20,24 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dos_jax
 import glob
+import jax
+import jax.numpy as jnp
 import json
+import numpy as np
+import optax
 import os
 import re
+import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tooling
 
-import dos_jax
 from dos_jax import dataflow
 from dos_jax.dataflow import compile as compile_lib
-from dos_jax.dataflow import probes
+from tests.tooling import probes
 
 
 def _timed(step, args, target, early_windows):

@@ -24,6 +24,8 @@ import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tooling
+
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
@@ -59,7 +61,7 @@ def _runner_program(cfg, calls: int | None, profiled: bool):
   calls of near-equal size moved in (None: the builder's)."""
   import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  from tests.tooling import gpu_program  # pylint: disable=import-outside-toplevel
   from dos_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
   if calls is None:
     return gpu_program.compile_step(cfg, early_windows=profiled)
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
 
   from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
-  from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
+  from tests.tooling import probes  # pylint: disable=import-outside-toplevel
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
 
   if args.mlp:

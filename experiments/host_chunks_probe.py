@@ -3,7 +3,7 @@
 The first thing to rerun when JAX (or its CUDA plugin) is upgraded: an early, chunked
 host update relies on what this shows. It builds a bf16 MLP whose weight gradients go to
 host memory per layer and are consumed by K `compute_on('device_host')` regions, one
-chunk of layers each, in backward order (`dos_jax.dataflow.probes.host_chunks_program`),
+chunk of layers each, in backward order (`tests.tooling.probes.host_chunks_program`),
 compiles it for an H100 with no GPU (the runner's scheduler options) and reports how many
 host calls the compiled program has and where they start relative to the backward
 pass's last gemm. `--link`:
@@ -25,6 +25,8 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tooling
+
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
@@ -32,7 +34,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 def probe(chunks: int, link: str, layers: int = 6, width: int = 1024) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
-  from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
+  from tests.tooling import probes  # pylint: disable=import-outside-toplevel
   fn, args, jit_kwargs = probes.host_chunks_program(chunks, probes.Link(link), layers, width)
   program = dataflow.compile_for_gpu(fn, *args, **jit_kwargs)
   schedule = program.schedule

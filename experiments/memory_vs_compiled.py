@@ -1,7 +1,7 @@
 """The planner's per-step memory and overlap assumptions against the compiled H100 program.
 
 For each small config of the runner's presets, compiles the runner's real one-program
-step for an H100 with no GPU (`dos_jax.train.gpu_program.compile_step`), and compares:
+step for an H100 with no GPU (`tests.tooling.gpu_program.compile_step`), and compares:
 
 * device bytes: `dos_jax.planner.step_memory.predict_step` against the compiled program's
   `MemoryStats.device_peak_bytes` (arguments + temp + outputs - aliased outputs);
@@ -35,6 +35,8 @@ import json
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tooling
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
@@ -90,7 +92,7 @@ def runs(full: bool):
 
 def compile_one(preset, extra, policy, dtype) -> dict:
   from dos_jax.train import config as config_lib
-  from dos_jax.train import gpu_program
+  from tests.tooling import gpu_program
   cfg = config_lib.load(None, overrides(preset, extra, policy, dtype))
   start = time.perf_counter()
   program = gpu_program.compile_step(cfg, 'h100_sxm')
@@ -118,7 +120,7 @@ def fsdp_cfg(fsdp: int, extra):
 
 def compile_fsdp(fsdp: int, extra) -> dict:
   import jax
-  from dos_jax.train import gpu_program
+  from tests.tooling import gpu_program
   start = time.perf_counter()
   program = gpu_program.compile_step(fsdp_cfg(fsdp, extra), 'h100_sxm',
                                     devices=jax.devices()[:fsdp])
@@ -157,7 +159,7 @@ def compile_with_calls(cfg, calls: int):
   import dos_jax
   from dos_jax import dataflow
   from dos_jax.geometry import partition as partition_lib
-  from dos_jax.train import gpu_program
+  from tests.tooling import gpu_program
   from dos_jax.train import step as step_lib
   native = dataflow.compile.prepare()
   program = gpu_program.build_step(cfg)

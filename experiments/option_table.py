@@ -20,6 +20,8 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tooling
+
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +51,7 @@ def main() -> int:
   import warnings  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
-  from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
+  from tests.tooling import probes  # pylint: disable=import-outside-toplevel
   from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   import schedule_family  # pylint: disable=import-outside-toplevel
   warnings.filterwarnings('ignore', message='dos_jax:')

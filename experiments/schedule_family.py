@@ -1,6 +1,6 @@
 """The schedule facts of library steps over a family of shapes, compiled for an H100.
 
-For every program of the family (`dos_jax.dataflow.probes.mlp_step`: an L x W MLP,
+For every program of the family (`tests.tooling.probes.mlp_step`: an L x W MLP,
 one subgroup per layer, Stride(2), clipping, bf16 and fp32, with no `Offload` field
 beyond the policy: the one construction, its early host calls by the rule) it prints
 one JSON line: the early host calls, the host calls and their windows, how many start
@@ -23,6 +23,8 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tooling
+
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
@@ -42,7 +44,7 @@ def facts(num_layers: int, width: int, dtype: str,
   import jax  # pylint: disable=import-outside-toplevel
   import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
-  from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
+  from tests.tooling import probes  # pylint: disable=import-outside-toplevel
   dataflow.compile.prepare()
   fn, args, jit_kwargs = probes.mlp_step(num_layers, width, dtype=dtype, early=early)
   is_state = lambda x: isinstance(x, dos_jax.OffloadedState)

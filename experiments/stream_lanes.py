@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tooling
+
 from dos_jax import dataflow
-from dos_jax.dataflow import probes
+from tests.tooling import probes
 
 FAMILY = ('2x4096xbfloat16', '5x512xfloat32', '8x1024xbfloat16', '16x256xbfloat16',
           '16x1024xfloat32', '4x2048xfloat32')
@@ -56,7 +60,7 @@ def summary(name: str, program, start: float) -> dict:
 def runner(preset: str) -> dict:
   """The runner's step of `configs/<preset>.yaml` at batch 1, as its one builder makes it."""
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  from tests.tooling import gpu_program  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(str(pathlib.Path(__file__).parents[1] / 'configs' / f'{preset}.yaml'),
                         ['data.batch_size=1'])
   start = time.perf_counter()

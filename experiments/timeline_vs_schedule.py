@@ -18,6 +18,8 @@ import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.tooling
+
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
   import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax.planner import costmodel, timeline  # pylint: disable=import-outside-toplevel
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  from tests.tooling import gpu_program  # pylint: disable=import-outside-toplevel
 
   profile = costmodel.PROFILE_PRESETS['h100-pcie5']
   for path in args.config:

@@ -69,7 +69,7 @@ def compile_step(cfg, target: str = 'h100_sxm', *, devices=None, **kwargs):
   takes 10-60 s on the 2-core machine. The program is kept (pickled) in the run's cache
   folder (tests/conftest.py), which the xdist workers share; a lock per program lets
   one worker compile it while another waiting for the same program reads it after."""
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  from tests.tooling import gpu_program  # pylint: disable=import-outside-toplevel
   key = repr((cfg, target, len(devices) if devices else 1, sorted(kwargs.items(), key=str),
               jax.__version__))
   return _once(key, lambda: gpu_program.compile_step(cfg, target, devices=devices, **kwargs))
@@ -101,7 +101,7 @@ def compile_runner_step(cfg, devices=None, early=None):
   builder chose."""
   import dos_jax  # pylint: disable=import-outside-toplevel
   from dos_jax.dataflow import compile as compile_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  from tests.tooling import gpu_program  # pylint: disable=import-outside-toplevel
   from dos_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
   from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
   if early is None:

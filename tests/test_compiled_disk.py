@@ -17,7 +17,7 @@ import pytest
 import dos_jax
 from dos_jax import dataflow
 from dos_jax.dataflow import hlo
-from dos_jax.dataflow import probes
+from tests.tooling import probes
 from dos_jax.kernels import host_adamw_disk
 from dos_jax.step import device_stream
 from tests import compiled

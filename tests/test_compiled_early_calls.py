@@ -1,5 +1,5 @@
 """Early host calls (`Partition.early`, `dos_jax.step.early_calls`) compiled for an H100,
-over a family of MLP shapes (`dos_jax.dataflow.probes.mlp_step`: one subgroup per layer,
+over a family of MLP shapes (`tests.tooling.probes.mlp_step`: one subgroup per layer,
 Stride(2), `dos_jax.clip_by_global_norm(1.0)`, native host kernel, the one construction),
 with K host calls of near-equal size set through `dos_jax.migrate(..., early=...)` (the
 rule's own K is `min(H, 4)`; tests/test_compiled_family.py checks the default).
@@ -34,7 +34,7 @@ from dos_jax import dataflow
 from dos_jax.dataflow import early_windows
 from dos_jax.step import device_stream
 from dos_jax.geometry import partition
-from dos_jax.dataflow import probes
+from tests.tooling import probes
 from tests import compiled
 
 pytestmark = pytest.mark.compiled_gpu

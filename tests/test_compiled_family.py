@@ -1,7 +1,7 @@
 """Library steps over a family of shapes beyond the runner's presets, compiled for an
 H100: what holds by construction, and what is still the scheduler's choice.
 
-`dos_jax.dataflow.probes.mlp_step`: an L x W MLP, one subgroup per layer, Stride(2),
+`tests.tooling.probes.mlp_step`: an L x W MLP, one subgroup per layer, Stride(2),
 `dos_jax.clip_by_global_norm(1.0)`, the native host kernel, with no `Offload` field
 beyond the policy: the one construction every user gets (experiments/schedule_family.py
 prints the whole family, RESULTS.md has the table). Held for every program
@@ -32,7 +32,7 @@ import dos_jax
 from dos_jax import dataflow
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.step import device_stream
-from dos_jax.dataflow import probes
+from tests.tooling import probes
 from tests import compiled
 
 pytestmark = pytest.mark.compiled_gpu
@@ -209,7 +209,7 @@ def test_the_runner_125m_step_holds_the_construction():
   host->host copy of the state."""
   _needs_stream_regions()
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
-  from dos_jax.train import gpu_program  # pylint: disable=import-outside-toplevel
+  from tests.tooling import gpu_program  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(str(pathlib.Path(__file__).parents[1] / 'configs' / '125m.yaml'),
                         ['data.batch_size=1'])
   state = gpu_program.build_step(cfg).offloaded_state

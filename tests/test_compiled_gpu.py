@@ -28,9 +28,9 @@ import pytest
 import dos_jax
 from dos_jax import dataflow
 from dos_jax.step import device_stream
-from dos_jax.dataflow import probes
+from tests.tooling import probes
 from dos_jax.train import config as config_lib
-from dos_jax.train import gpu_program
+from tests.tooling import gpu_program
 from tests import compiled
 
 pytestmark = pytest.mark.compiled_gpu

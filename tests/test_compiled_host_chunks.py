@@ -22,7 +22,7 @@ Compiled with the CUDA plugin's compile-only client; skipped where it is not ins
 import pytest
 
 from dos_jax import dataflow
-from dos_jax.dataflow import probes
+from tests.tooling import probes
 from tests import compiled
 
 pytestmark = pytest.mark.compiled_gpu

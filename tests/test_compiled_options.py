@@ -52,7 +52,7 @@ def _mlp_step(layers: int, width: int, dtype: str, policy):
   import numpy as np  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
   import dos_jax  # pylint: disable=import-outside-toplevel
-  from dos_jax.dataflow import probes  # pylint: disable=import-outside-toplevel
+  from tests.tooling import probes  # pylint: disable=import-outside-toplevel
 
   params = jax.device_put(probes.mlp_params(layers, width, jnp.dtype(dtype)),
                           jax.devices()[0])

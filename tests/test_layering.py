@@ -44,6 +44,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import pathlib
+import re
 
 import dos_jax
 
@@ -229,3 +230,44 @@ def test_the_graph_reads_both_kinds_of_import():
   assert 'dos_jax' not in graph['dos_jax.step.paths']
   assert 'dos_jax' in graph['dos_jax.train.step']  # `import dos_jax`
   assert 'dos_jax.kernels.host_adamw_rows' in graph['dos_jax.dataflow.compile']
+
+
+
+def _programs_named(path: pathlib.Path, modules) -> set[str]:
+  """The package's modules a source runs as a program of their own, named in a string
+  (`kernels._pjrt` runs `from dos_jax.dataflow import kernel_probe; kernel_probe.main(...)`
+  in a child process, `python -m dos_jax.X`)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+      for base, name in re.findall(r'from (dos_jax[\w.]*) import (\w+)', node.value):
+        found.add(_target(f'{base}.{name}', modules))
+      found.update(_target(m, modules) for m in re.findall(r'-m (dos_jax[\w.]*)', node.value))
+  return found - {None}
+
+
+def _documented(modules) -> set[str]:
+  """The modules docs/ names as public API (`dos_jax.kernels.host_adamw8.adamw8_host`)."""
+  docs = pathlib.Path(__file__).resolve().parents[1] / 'docs'
+  names = re.findall(r'`(dos_jax(?:\.\w+)+)', ' '.join(p.read_text() for p in docs.glob('*.md')))
+  return {_target(n, modules) for n in names} - {None}
+
+
+def test_every_module_is_the_products():
+  """Only the product is installed: every module is reached from the public API
+  (`dos_jax`, the modules docs/ names) or the `dos-jax` command (`dos_jax.cli`), by an
+  import or run as a program, with the packages above it. Verification tooling lives
+  in tests/tooling, outside the package."""
+  modules = _sources()
+  graph = _graph()
+  edges = {name: graph[name] | _programs_named(path, modules) for name, path in modules.items()}
+  reached, todo = set(), ['dos_jax', 'dos_jax.cli'] + sorted(_documented(modules))
+  while todo:
+    name = todo.pop()
+    if name not in reached:
+      reached.add(name)
+      todo.extend(edges.get(name, ()))
+      todo.extend(name.rsplit('.', k)[0] for k in range(1, name.count('.') + 1))
+  unused = sorted(set(modules) - reached)
+  assert not unused, (f'modules no product code reaches (move tooling to tests/tooling, or '
+                      f'import it from the product): {unused}')

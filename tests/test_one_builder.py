@@ -18,7 +18,7 @@ import dos_jax
 from dos_jax.planner import costmodel
 from dos_jax.planner import timeline
 from dos_jax.train import config as config_lib
-from dos_jax.train import gpu_program
+from tests.tooling import gpu_program
 from dos_jax.train import mesh as mesh_lib
 from dos_jax.train import model as model_lib
 from dos_jax.train import optimizer as optimizer_lib

@@ -17,7 +17,7 @@ from dos_jax.step import device_stream
 
 _BUILD = textwrap.dedent('''
     import hashlib, jax, jax.numpy as jnp, optax, dos_jax
-    from dos_jax.dataflow import probes
+    from tests.tooling import probes
     from dos_jax.planner import costmodel
 
     def build(layers=6, width=64):

@@ -5,7 +5,7 @@
 * `tier_updates` -- one tier's update, block by block, on its path (`Path`, a `match`);
 * `paths` -- the loops: the device-streamed rows, the host regions, the resident rows;
 * `adamw_hyperparams` -- AdamW written once: its chain and the scalars the kernels read;
-* `fused` -- the native host AdamW and the Pallas AdamW as the paths call them;
+* `kernel_calls` -- the native host AdamW and the Pallas AdamW as the paths call them;
 * `device_stream` -- a function as a call on a GPU stream of its own, in a scheduling
   group with host regions;
 * `lanes` -- the device tiers in stream lanes beside the host tier, one call per lane

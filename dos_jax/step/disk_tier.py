@@ -53,14 +53,14 @@ def spill_of(disk, slots: slots_lib.Slots, size: int, mesh=None, data_axis: str 
                                  None if mesh is None else data_axis)
 
 
-def check_usable(fused, layout: layout_lib.Layout, slots: slots_lib.Slots, two_memories: bool,
+def check_usable(adamw, layout: layout_lib.Layout, slots: slots_lib.Slots, two_memories: bool,
                  mesh=None, params=None) -> None:
   """Raises a one-line error naming `Offload.disk` when the disk tier cannot hold this
   state: it takes AdamW's fp32 state, with the native kernel built, and params on one
   device or on a mesh with the data axis (`mesh`); the two-memory program where its
   host regions can call the kernel (on a GPU: the CUDA plugin took the handler,
   `kernels.plugin_kernel`)."""
-  if fused is None or kernel_calls.slot_rows(slots, layout.needs_master) is None:
+  if adamw is None or kernel_calls.slot_rows(slots, layout.needs_master) is None:
     raise ValueError('Offload.disk holds the state of dos_jax.adamw with fp32 moments '
                      '(mu_dtype=None); this transform has another state')
   spans = {len(s.device_set) for s in map(_sharding, jax.tree.leaves(params)) if s is not None}
@@ -268,7 +268,7 @@ def _kernel_args(context, base_step: paths.RowStep, subgroups=None, **more) -> d
       directory=part.disk_dir, subgroups=part.disk if subgroups is None else subgroups,
       slots=kernel_calls.slot_rows(base_step.slots, base_step.has_master),
       num_slots=base_step.slots.group_sizes[0], decayed_rows=context.layout.decayed_rows,
-      lowp_dtype=base_step.out_dtype, nesterov=context.fused.nesterov,
+      lowp_dtype=base_step.out_dtype, nesterov=context.adamw.nesterov,
       num_threads=context.options.host_threads, direct_io=part.direct_io, **more)
 
 

@@ -110,7 +110,7 @@ def _rows_after(rows_h, link):
   return rows_h + link[0].astype(rows_h.dtype)  # exactly zero: the indices do not change
 
 
-def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, grad_pieces,
+def speculate_region(step: paths.RowStep, adamw, *, stacked, scalars_h, rows_h, grad_pieces,
                      param_pieces, runs, num_threads=None, link=None):
   """An early block's host call with a clip factor of 1, keeping its undo; returns
   `(state, out rows in device memory, undo, token in device memory)` for `redo_region`.
@@ -124,7 +124,7 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
   and the undo is the old state itself.
   """
   arrays_h, join = scalars_h  # with a clip factor of 1
-  kernel_args = kernel_calls.region_kernel_args(step, fused, runs, num_threads)
+  kernel_args = kernel_calls.region_kernel_args(step, adamw, runs, num_threads)
 
   def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, in_place):
     if link is not None:
@@ -152,7 +152,7 @@ def speculate_region(step: paths.RowStep, fused, *, stacked, scalars_h, rows_h, 
   return kernel_calls.state_in_place(in_place, with_result, *args)
 
 
-def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h, rows_h,
+def redo_region(step: paths.RowStep, adamw, *, state, out, undo, redo, scalars_h, rows_h,
                 grad_pieces, param_pieces, runs, num_threads=None, link=None,
                 redo_h=None):
   """After the backward pass: an early block's update redone with the true scalars when
@@ -168,7 +168,7 @@ def redo_region(step: paths.RowStep, fused, *, state, out, undo, redo, scalars_h
   copy them back to the host only for the conditional to fetch them again.
   """
   arrays_h, join = scalars_h
-  kernel_args = kernel_calls.region_kernel_args(step, fused, runs, num_threads)
+  kernel_args = kernel_calls.region_kernel_args(step, adamw, runs, num_threads)
   redo_h = redo_on_host(redo) if redo_h is None else redo_h
 
   def in_place(state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link):
@@ -236,7 +236,7 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, early) -> Hos
   def host_call(b, link, sink=None):
     step, piece_args = block_args(b)
     arrays, out, token = kernel_calls.host_region_update(
-        step, context.fused, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
+        step, context.adamw, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
         scalars_h=scalars_h, **threads)
     new[b] = memory_spaces.put(arrays, HOST)
     outs.append((out, piece_args['runs']))
@@ -245,7 +245,7 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, early) -> Hos
   def redo_item(b, step, state, out, undo, piece_args):
     def item(link):
       arrays, again = redo_region(
-          step, context.fused, state=state, out=out, undo=undo, redo=redo, redo_h=redo_h,
+          step, context.adamw, state=state, out=out, undo=undo, redo=redo, redo_h=redo_h,
           link=link, **piece_args, scalars_h=scalars_h, **threads)
       new[b] = paths.put(arrays, paths.HOST)
       redone.append((again, piece_args['runs']))
@@ -262,7 +262,7 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, early) -> Hos
           continue
         step, piece_args = block_args(b)
         state, out, undo, token = speculate_region(
-            step, context.fused, stacked=new[b], link=link, **piece_args,
+            step, context.adamw, stacked=new[b], link=link, **piece_args,
             scalars_h=speculated_h, **threads)
         pending.append(redo_item(b, step, state, out, undo, piece_args))
         tokens.append(token)

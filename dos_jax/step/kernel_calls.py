@@ -21,6 +21,7 @@ from dos_jax.geometry import slots as slots_lib
 from dos_jax.kernels import host_adamw_rows
 from dos_jax.kernels.adamw_scalars import AdamWScalars
 from dos_jax import memory_spaces
+from dos_jax import meshes
 from dos_jax.memory_spaces import DEVICE
 from dos_jax.memory_spaces import HOST
 from dos_jax.step import paths
@@ -43,12 +44,12 @@ def slot_rows(slots: slots_lib.Slots, has_master: bool) -> tuple[int, int, int] 
   return (master[1] if has_master else -1, mu[1], nu[1])
 
 
-def step_scalars(fused: AdamWHyperparams, step: paths.RowStep,
+def step_scalars(adamw: AdamWHyperparams, step: paths.RowStep,
                  scalar_update: tuple[Any, Any, tuple]) -> AdamWScalars:
   """The step's `AdamWScalars`, from the scalar state before the step (the first of
   `paths.scalar_update`'s results), with the step's gradient scale (the clip factor)
   folded in. Computed once per step; every kernel call of the step takes it."""
-  adam_scalars = fused.scalars(scalar_update[0])
+  adam_scalars = adamw.scalars(scalar_update[0])
   if step.grad_scale is not None:
     adam_scalars = dataclasses.replace(adam_scalars, grad_scale=step.grad_scale)
   return adam_scalars
@@ -85,7 +86,7 @@ class Leaves:
   offsets: tuple[int, ...]
 
 
-def host_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
+def host_update(step: paths.RowStep, adamw: AdamWHyperparams, *, stacked,
                 adam_scalars: AdamWScalars, leaves: Leaves, resident: bool,
                 num_threads: int | None = None):
   """Every row of a one-memory (CPU program) state in one native call; returns
@@ -101,7 +102,7 @@ def host_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
       stacked[0], leaves.grads, None if step.has_master else leaves.params,
       jnp.arange(num_rows, dtype=jnp.int32), adam_scalars, offsets=leaves.offsets,
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
-      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
+      lowp_dtype=step.out_dtype, nesterov=adamw.nesterov, num_threads=num_threads)
   # A custom call's results are typed as device memory; the state keeps its memory
   # kind (on CPU both are one memory, and this is no copy: see the memory test).
   space = DEVICE if resident else HOST
@@ -118,7 +119,7 @@ def threads_per_shard(mesh=None) -> int:
   return max(1, (os.cpu_count() or 1) // max(1, local))
 
 
-def sharded_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
+def sharded_update(step: paths.RowStep, adamw: AdamWHyperparams, *, stacked,
                    adam_scalars: AdamWScalars, grads, params, mesh, data_axis: str,
                    resident: bool, num_threads: int | None = None):
   """One-memory (CPU program) state sharded over `data_axis` (ZeRO-1): the native call
@@ -134,7 +135,7 @@ def sharded_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
     num_threads = threads_per_shard(mesh)
   kernel_args = dict(
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
-      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads,
+      lowp_dtype=step.out_dtype, nesterov=adamw.nesterov, num_threads=num_threads,
       indexed=True)
   rows_spec, state_spec = P(None, data_axis), P(None, None, data_axis)
 
@@ -154,13 +155,13 @@ def sharded_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
   return (jax.device_put(new_state, space),), out
 
 
-def region_kernel_args(step: paths.RowStep, fused: AdamWHyperparams, runs,
+def region_kernel_args(step: paths.RowStep, adamw: AdamWHyperparams, runs,
                        num_threads: int | None) -> dict:
   """The native host AdamW's arguments for a block's host region: its pieces' offsets in
   the block's rows, the slots, its decayed rows, nesterov and the thread count."""
   return dict(offsets=tuple(run.offset for run in runs),
               slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
-              nesterov=fused.nesterov, num_threads=num_threads)
+              nesterov=adamw.nesterov, num_threads=num_threads)
 
 
 def state_in_place(in_place, with_result, *args):
@@ -178,7 +179,7 @@ def state_in_place(in_place, with_result, *args):
   return jax.lax.platform_dependent(*args, cpu=with_result, default=in_place)
 
 
-def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked, scalars_h,
+def host_region_update(step: paths.RowStep, adamw: AdamWHyperparams, *, stacked, scalars_h,
                        rows_h, grad_pieces, param_pieces, runs,
                        num_threads: int | None = None, inputs_sink: list | None = None,
                        link=None):
@@ -213,7 +214,7 @@ def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
   region returns the state (`state_in_place`).
   """
   arrays_h, join = scalars_h
-  kernel_args = dict(region_kernel_args(step, fused, runs, num_threads),
+  kernel_args = dict(region_kernel_args(step, adamw, runs, num_threads),
                      lowp_dtype=step.out_dtype)
 
   def run(state, grad_pieces, param_pieces, rows_h, arrays_h, link, state_in_arg=False):
@@ -249,7 +250,7 @@ def host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
   return (new_state,), out, token
 
 
-def sharded_host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, stacked,
+def sharded_host_region_update(step: paths.RowStep, adamw: AdamWHyperparams, *, stacked,
                                adam_scalars: AdamWScalars, grad_rows, param_rows, mesh,
                                data_axis: str, num_threads: int | None = None,
                                inputs_sink: list | None = None):
@@ -275,7 +276,7 @@ def sharded_host_region_update(step: paths.RowStep, fused: AdamWHyperparams, *, 
   kernel_args = dict(
       offsets=tuple(r * local_size for r in range(num_rows)),
       slots=slot_rows(step.slots, step.has_master), decayed_rows=step.decayed_rows,
-      lowp_dtype=step.out_dtype, nesterov=fused.nesterov, num_threads=num_threads)
+      lowp_dtype=step.out_dtype, nesterov=adamw.nesterov, num_threads=num_threads)
 
   def run(state, grad_rows, param_rows, rows_h, arrays_h):
     return host_adamw_rows.adamw_host_leaves(
@@ -313,7 +314,7 @@ class DeviceKernelStep:
   """
 
   step: paths.RowStep
-  fused: AdamWHyperparams
+  adamw: AdamWHyperparams
   # The step's AdamW coefficients as the kernel reads them (`pallas_adamw.packed_scalars`),
   # made once per step outside every stream region (`StepContext.coefficients`).
   coefficients: jax.Array
@@ -334,12 +335,7 @@ class DeviceKernelStep:
                                               index, coefficients)
       return new_block, out_row
 
-    mesh = self.mesh
-    device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
-    if device is not None:
-      # Lowered for a GPU where there is none (`dataflow.lower_for_gpu`): the kernel
-      # lowers inside the shard_map's mesh, which must name the abstract GPU too.
-      mesh = getattr(mesh, 'abstract_mesh', mesh).update(abstract_device=device)
+    mesh = meshes.as_traced(self.mesh)
     rows, row = P(None, self.axis), P(self.axis)
     extra = () if param is None else (param,)
     # The Pallas call has no replication rule for the checker; every output is sharded.
@@ -362,7 +358,7 @@ class DeviceKernelStep:
     def kernel(interpret):
       return lambda block, grad, param: pallas_adamw.adamw_pallas_rows_packed(
           coefficients, limit, block, grad, param, slots=slots, lowp_dtype=lowp_dtype,
-          nesterov=self.fused.nesterov, interpret=interpret)
+          nesterov=self.adamw.nesterov, interpret=interpret)
 
     # Triton where the program is lowered for a GPU, the Pallas interpreter where it
     # runs on a CPU backend: each platform lowers only its own branch. The block is
@@ -378,10 +374,10 @@ class DeviceKernelStep:
     return (new_block,), self.new_scalars, out_row
 
 
-def device_step(fused: AdamWHyperparams, step: paths.RowStep, coefficients: jax.Array,
+def device_step(adamw: AdamWHyperparams, step: paths.RowStep, coefficients: jax.Array,
                 new_scalars: tuple, mesh: Any = None,
                 axis: str | None = None) -> DeviceKernelStep:
   """The Pallas row update with the step's packed `coefficients`; per shard of
   `mesh`'s `axis` when given (see `DeviceKernelStep`)."""
-  return DeviceKernelStep(step=step, fused=fused, coefficients=coefficients,
+  return DeviceKernelStep(step=step, adamw=adamw, coefficients=coefficients,
                           new_scalars=new_scalars, mesh=mesh, axis=axis)

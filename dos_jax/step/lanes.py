@@ -20,6 +20,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from dos_jax import compiler_options
+from dos_jax import meshes
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import TIERS
@@ -184,11 +185,7 @@ def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowS
           adam_arrays, context.coefficients, grad_scale) + (() if disk is None else (disk.gen,))
   in_specs = (view_spec, None if param_views is None else view_spec, rows_spec, whole,
               whole, whole, whole, whole) + (() if disk is None else (whole,))
-  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
-  if device is not None:
-    # Lowered for a GPU where there is none (`dataflow.lower_for_gpu`): the kernels
-    # lower inside the shard_map's mesh, which must name the abstract GPU too.
-    mesh = getattr(mesh, 'abstract_mesh', mesh).update(abstract_device=device)
+  mesh = meshes.as_traced(mesh)
   # The kernels and regions have no replication rule for the checker.
   new, outs, *gen = jax.shard_map(
       body, mesh=mesh, in_specs=in_specs,

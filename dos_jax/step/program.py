@@ -51,7 +51,7 @@ class StepKernels:
   kernels (None: not AdamW, XLA's ops only) and the step options."""
 
   row_update: Callable[..., Any]
-  fused: AdamWHyperparams | None
+  adamw: AdamWHyperparams | None
   options: StepOptions
 
 
@@ -116,7 +116,7 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
       out_dtype=layout.lowp_dtype if layout.needs_master else state_dtype,
       grad_scale=grad_scale)
   native = capability_lib.capability(
-      Kernel.NATIVE_HOST, kernels.fused, base_step, program, grad_leaves).usable
+      Kernel.NATIVE_HOST, kernels.adamw, base_step, program, grad_leaves).usable
   host_grad_pieces = {}
   built = construction.resolve(part, layout, mesh, options, native)
   if part.two_memories and not built.per_block and not (built.two_streams and built.sharded):
@@ -130,19 +130,19 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
   # The scalar state's update (step counts) and the kernels' AdamW scalars: once per
   # step, apart from both paths.
   scalar_update = paths.scalar_update(base_step, state.scalars)
-  adam_scalars = None if kernels.fused is None else kernel_calls.step_scalars(
-      kernels.fused, base_step, scalar_update)
+  adam_scalars = None if kernels.adamw is None else kernel_calls.step_scalars(
+      kernels.adamw, base_step, scalar_update)
   context = tier_updates.StepContext(
       layout=layout, part=part, plan=part.plan, options=options, program=program,
-      fused=kernels.fused, grad_leaves=grad_leaves,
+      adamw=kernels.adamw, grad_leaves=grad_leaves,
       param_leaves=None if layout.needs_master or param_leaves is None else views(param_leaves),
       grad_dtype=grad_dtype, scalars=state.scalars, new_scalars=scalar_update[2],
-      adam_scalars=adam_scalars, coefficients=_coefficients(kernels.fused, adam_scalars),
+      adam_scalars=adam_scalars, coefficients=_coefficients(kernels.adamw, adam_scalars),
       mesh=mesh, host_grad_pieces=host_grad_pieces)
   return context, base_step, built
 
 
-def _coefficients(fused, adam_scalars):
+def _coefficients(adamw, adam_scalars):
   """The Pallas kernel's packed AdamW coefficients of the step, once, behind an
   optimization barrier: every device row reads the same opaque values wherever its
   kernel runs (a stream region, a loop, XLA:CPU's interpreter fusing it), so the
@@ -150,7 +150,7 @@ def _coefficients(fused, adam_scalars):
   if adam_scalars is None:
     return None
   return jax.lax.optimization_barrier(
-      pallas_adamw.packed_scalars(adam_scalars, nesterov=fused.nesterov))
+      pallas_adamw.packed_scalars(adam_scalars, nesterov=adamw.nesterov))
 
 
 class _DiskUpdate:

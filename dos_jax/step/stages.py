@@ -170,7 +170,7 @@ class _Kernel:
 
   @classmethod
   def of(cls, context, base_step) -> '_Kernel | None':
-    usable = capability_lib.capability(Kernel.PALLAS, context.fused, base_step,
+    usable = capability_lib.capability(Kernel.PALLAS, context.adamw, base_step,
                                        context.program).usable
     return cls(context, base_step) if usable and context.coefficients is not None else None
 
@@ -188,7 +188,7 @@ class _Kernel:
     tiers = [tier for tier, _ in rows]
     slots = kernel_calls.slot_rows(step.slots, step.has_master)
     lowp = step.out_dtype if step.has_master else None
-    nesterov = context.fused.nesterov
+    nesterov = context.adamw.nesterov
 
     def region(packed, inputs, blocks_in):
       new, outs = [], []

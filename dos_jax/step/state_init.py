@@ -172,7 +172,7 @@ class _Builder:
 
 def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
                implementation: Implementation | None = None, mask: Any = None,
-               shard_dims: Any = None, fused: Any = None) -> OffloadedState:
+               shard_dims: Any = None, adamw: Any = None) -> OffloadedState:
   """The packed state of `inner` for `params` (see `transform.offloaded`), for the
   program `implementation` names (None: `Implementation()`, the backend's)."""
   implementation = Implementation() if implementation is None else implementation
@@ -206,7 +206,7 @@ def init_state(inner: optax.GradientTransformation, offload: Offload, params, *,
                      mesh=mesh, where=placement(mesh, offload.data_axis))
   disk_gen = None
   if part.disk:
-    disk_tier.check_usable(fused, layout, slots, part.two_memories, mesh, params)
+    disk_tier.check_usable(adamw, layout, slots, part.two_memories, mesh, params)
     if _SHAPES_ONLY.get():  # shapes only, or a restore fills the files
       disk_gen = jnp.zeros((), jnp.int32)
     elif traced_params(params):

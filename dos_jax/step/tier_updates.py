@@ -5,7 +5,7 @@ one place that chooses the path a tier takes, and the small function of each pat
 tier's new arrays and output rows (`update_tier`). The path of a tier is chosen once,
 by `choose_path`, from the program (`Program`: one memory, or the two-memory program
 with its host and device memories), the tier and the implementation asked for; each
-`Path` has one method here, which calls the loops of `paths` or the kernels of `fused`.
+`Path` has one method here, which calls the loops of `paths` or the kernels of `kernel_calls`.
 The step's AdamW scalars are computed once (`StepContext.adam_scalars`) and handed to
 every kernel call.
 """
@@ -80,7 +80,7 @@ class StepContext:
   plan: Plan
   options: StepOptions  # what the step needs of `Offload`
   program: Program
-  fused: AdamWHyperparams | None
+  adamw: AdamWHyperparams | None
   grad_leaves: list[Any]
   param_leaves: list[Any] | None  # only for fp32 params (no master)
   grad_dtype: Any
@@ -229,7 +229,7 @@ class StepContext:
       if self.param_leaves is not None:
         params = packed(self.param_leaves, step.state_dtype)
       return kernel_calls.sharded_update(
-          step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
+          step, self.adamw, stacked=arrays, adam_scalars=self.adam_scalars,
           grads=packed(self.grad_leaves, self.grad_dtype), params=params, mesh=self.mesh,
           data_axis=self.options.data_axis, resident=resident,
           num_threads=self.options.host_threads)
@@ -242,7 +242,7 @@ class StepContext:
     else:
       leaves = kernel_calls.Leaves(grads=self.grad_leaves, offsets=self.layout.offsets,
                                 params=self.param_leaves)
-    return kernel_calls.host_update(step, self.fused, stacked=arrays,
+    return kernel_calls.host_update(step, self.adamw, stacked=arrays,
                                  adam_scalars=self.adam_scalars, leaves=leaves,
                                  resident=resident, num_threads=self.options.host_threads)
 
@@ -262,7 +262,7 @@ class StepContext:
   def _host_native(self, step, arrays, ids, runs):
     grad_pieces, param_pieces = self._host_pieces(ids, runs)
     arrays, out, _ = kernel_calls.host_region_update(
-        step, self.fused, stacked=arrays, scalars_h=self.host_scalars(),
+        step, self.adamw, stacked=arrays, scalars_h=self.host_scalars(),
         rows_h=self.host_row_indices(arrays[0].shape[0]),
         grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs,
         num_threads=self.options.host_threads, inputs_sink=self.host_inputs)
@@ -280,7 +280,7 @@ class StepContext:
     if self.param_leaves is not None:
       param_rows = host_rows(self.layout, ids, self.param_leaves, step.state_dtype, sharding)
     arrays, out = kernel_calls.sharded_host_region_update(
-        step, self.fused, stacked=arrays, adam_scalars=self.adam_scalars,
+        step, self.adamw, stacked=arrays, adam_scalars=self.adam_scalars,
         grad_rows=grad_rows, param_rows=param_rows, mesh=self.mesh,
         data_axis=self.options.data_axis, num_threads=self.options.host_threads,
         inputs_sink=self.host_inputs)
@@ -353,10 +353,10 @@ class StepContext:
     """The row update of a device tier: the Pallas AdamW where it is asked for
     (`Implementation.device`) and usable (`capability`), else XLA's."""
     if (self.options.device is UpdateImpl.KERNEL
-        and capability_lib.capability(Kernel.PALLAS, self.fused, step, self.program).usable):
+        and capability_lib.capability(Kernel.PALLAS, self.adamw, step, self.program).usable):
       # Shard-major, every device updates its own columns of the row (no gather).
       sharded = self.mesh is not None and self.layout.shards > 1
-      return kernel_calls.device_step(self.fused, step, self.coefficients, self.new_scalars,
+      return kernel_calls.device_step(self.adamw, step, self.coefficients, self.new_scalars,
                                    mesh=self.mesh if sharded else None,
                                    axis=self.options.data_axis if sharded else None)
     return step

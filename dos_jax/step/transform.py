@@ -98,7 +98,7 @@ def offloaded(
   implementation = Implementation() if implementation is None else implementation
   adamw = inner if isinstance(inner, AdamWHyperparams) else None
   inner = inner if adamw is None else adamw.chain()
-  kernels = program_lib.StepKernels(row_update=ChainRows(inner, adamw), fused=adamw,
+  kernels = program_lib.StepKernels(row_update=ChainRows(inner, adamw), adamw=adamw,
                                     options=StepOptions.of(offload, implementation))
 
   def init_fn(params):
@@ -111,7 +111,7 @@ def offloaded(
     if validate is not None:
       validate(params)
     return state_init.init_state(inner, offload, params, implementation=implementation,
-                                 mask=mask, shard_dims=shard_dims, fused=adamw)
+                                 mask=mask, shard_dims=shard_dims, adamw=adamw)
 
   def update_fn(updates, state: OffloadedState, params=None, *, plan: Plan | None = None,
                 grad_scale: jax.Array | float | None = None, **extra_args):

@@ -1,6 +1,6 @@
 """The run's optimizer and its state, built one way for every caller.
 
-`build_optimizer` is the one builder: `trainer.build` (the run), `gpu_program` (the step
+`build_optimizer` is the one builder: `trainer.build` (the run), `tests/tooling/gpu_program` (the step
 compiled for a GPU target without one: `experiments/compile_gpu.py`, `gpu_check.sh` and
 the compiled tests) all take their optimizer, state and early host calls from it, so
 what is compiled and timed is what the runner runs.
