@@ -67,6 +67,10 @@ class Implementation:
       ops, the reference).
     host: implementation of the host-path update (`UpdateImpl.XLA`: optax's own ops in
       one host region, the reference).
+    two_streams: the two-memory program's host and device tiers concurrent by
+      construction (`dos_jax.step.lanes`: stream regions beside the host calls); False:
+      the tiers' updates one after the other in one program, left to XLA's scheduler
+      (the reference the construction is compared with, bit for bit).
 
   Example:
     The two-memory program on any backend, with XLA's ops on the device path:
@@ -80,6 +84,7 @@ class Implementation:
   program: Program | None = None
   device: UpdateImpl = UpdateImpl.KERNEL
   host: UpdateImpl = UpdateImpl.KERNEL
+  two_streams: bool = True
 
   def __post_init__(self):
     if self.program is not None and not isinstance(self.program, Program):
@@ -93,6 +98,8 @@ class Implementation:
       if not isinstance(getattr(self, name), UpdateImpl):
         raise TypeError(f'Implementation.{name} must be a dos_jax.UpdateImpl, got '
                         f'{getattr(self, name)!r}')
+    if not isinstance(self.two_streams, bool):
+      raise TypeError(f'Implementation.two_streams must be a bool, got {self.two_streams!r}')
 
   def target(self) -> Program:
     """The program a state built now is for: `program`, or the default backend's.

@@ -52,11 +52,11 @@ def main() -> int:
   import jax  # pylint: disable=import-outside-toplevel
   from dos_jax import dataflow  # pylint: disable=import-outside-toplevel
   from tests.tooling import probes  # pylint: disable=import-outside-toplevel
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
+  from dos_jax import lowering as lowering_lib  # pylint: disable=import-outside-toplevel
   import schedule_family  # pylint: disable=import-outside-toplevel
   warnings.filterwarnings('ignore', message='dos_jax:')
   dataflow.compile.prepare()
-  print(json.dumps({'jax': jax.__version__, 'lowering': device_stream.lowering().value}),
+  print(json.dumps({'jax': jax.__version__, 'lowering': lowering_lib.of_version().value}),
         flush=True)
   family = [(l, w, d) for l, w in schedule_family.QUICK for d in ('bfloat16', 'float32')]
   for name, options in OPTION_SETS.items():

@@ -11,6 +11,7 @@ import tempfile
 import jax
 import pytest
 
+from dos_jax import lowering as lowering_lib
 from dos_jax import dataflow
 
 
@@ -203,19 +204,19 @@ KNOWN_REGRESSIONS_ALL_VERSIONS = {
 
 def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
   """`(host calls, stream calls updating device rows)` the two-memory-program step of
-  `state` compiles to under the lowering this jax gets (`device_stream.lowering`), traced
+  `state` compiles to under the lowering this jax gets (`lowering.of_version`), traced
   for `limit` asynchronous calls in flight: one host call per early call and the last
   (`IN_REGION`), or per early call and per stage (`STAGED`, `step.stages.layout`), and one
   stream call per lane (per lane and stage, and per row run after the stages)."""
   from dos_jax.geometry.partition import Tier  # pylint: disable=import-outside-toplevel
   from dos_jax.geometry import partition  # pylint: disable=import-outside-toplevel
-  from dos_jax.step import device_stream, early_calls, lanes as lanes_lib, stages  # pylint: disable=import-outside-toplevel
+  from dos_jax.step import early_calls, lanes as lanes_lib, stages  # pylint: disable=import-outside-toplevel
   part = state.partition
   streamed = len(part.ids(Tier.STREAMED))
   lanes = lanes_lib.stream_lanes(part.plan, part, count=lanes_lib.lane_count(
       part.plan, streamed, limit=max(0, limit - 1)))
   early = len(part.early)
-  if device_stream.lowering() is device_stream.Lowering.IN_REGION:
+  if lowering_lib.of_version() is lowering_lib.Lowering.IN_REGION:
     return early + 1, len(lanes)
   parts = partition.host_calls(early_calls.host_blocks(part), part.early)
   items = (len(parts[-1]) + (sum(len(p) for p in parts[:-1]) if clip and early else 0)

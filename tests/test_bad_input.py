@@ -115,7 +115,7 @@ def test_offload_holds_only_what_a_user_decides():
   assert [f.name for f in dataclasses.fields(dos_jax.Offload)] == [
       'subgroup_size', 'policy', 'mesh', 'data_axis', 'host_threads', 'disk']
   assert [f.name for f in dataclasses.fields(dos_jax.Implementation)] == [
-      'program', 'device', 'host']
+      'program', 'device', 'host', 'two_streams']
 
 
 def test_implementation_names_a_bad_field_in_one_line():
@@ -135,6 +135,10 @@ def test_implementation_names_a_bad_field_in_one_line():
                        r"dos_jax\.UpdateImpl, got 'xla'") as err:
       dos_jax.Implementation(**{field: 'xla'})
     one_line(err)
+  with pytest.raises(TypeError, match=r"Implementation\.two_streams must be a bool, got 'no'"
+                     ) as err:
+    dos_jax.Implementation(two_streams='no')
+  one_line(err)
 
 
 def test_a_bad_limit_in_xla_flags_is_named_at_init(monkeypatch):

@@ -14,12 +14,12 @@ import numpy as np
 import optax
 import pytest
 
+from dos_jax import lowering as lowering_lib
 import dos_jax
 from dos_jax import dataflow
 from dos_jax.dataflow import hlo
 from tests.tooling import probes
 from dos_jax.kernels import host_adamw_disk
-from dos_jax.step import device_stream
 from tests import compiled
 from tests.test_compiled_options import OPTIONS
 
@@ -27,9 +27,6 @@ pytestmark = pytest.mark.compiled_gpu
 
 compiled.skip_without_gpu_compiler()
 
-if not device_stream.available():
-  pytest.skip('this jax builds no stream region (device_stream.available())',
-              allow_module_level=True)
 if not host_adamw_disk.disk_kernel_available():
   pytest.skip('the native disk kernel is not built', allow_module_level=True)
 
@@ -74,7 +71,7 @@ def _assert_lanes_beside(schedule, disks) -> None:
   (`dos_jax.step.stages`) the disk update split into as many calls as the stages need
   (`Construction.disk_calls`), the last host calls, each overlapping its stage's lanes."""
   lanes = [s for s in schedule.stream_calls if s.updates]
-  if device_stream.lowering() is device_stream.Lowering.IN_REGION:
+  if lowering_lib.of_version() is lowering_lib.Lowering.IN_REGION:
     (disk,) = disks
     assert all(s.overlaps(disk) for s in lanes), (disk, lanes)
   else:

@@ -30,9 +30,9 @@ Compiled with the CUDA plugin's compile-only client; skipped where it is not ins
 
 import pytest
 
+from dos_jax import lowering as lowering_lib
 from dos_jax import dataflow
 from dos_jax.dataflow import early_windows
-from dos_jax.step import device_stream
 from dos_jax.geometry import partition
 from tests.tooling import probes
 from tests import compiled
@@ -72,15 +72,14 @@ def test_early_host_calls_hold_their_construction(layers, width, dtype, call_cou
   host calls after them, full duplex, no host->host copy."""
   schedule = _schedule(layers, width, dtype, call_count).schedule
   calls = schedule.host_calls
-  staged = device_stream.lowering() is device_stream.Lowering.STAGED
+  staged = lowering_lib.of_version() is lowering_lib.Lowering.STAGED
   # The early calls and the last; staged, the last is one call per stage.
   assert len(calls) >= call_count if staged else len(calls) == call_count, calls
   assert all(a.done < b.start for a, b in zip(calls, calls[1:])), calls
-  if device_stream.available():
-    streams = schedule.stream_calls  # one per lane (and stage) of the device tiers
-    late = calls[call_count - 1:]  # the calls after the early ones
-    assert streams and all(s.updates and any(s.overlaps(c) for c in late)
-                           for s in streams), (streams, late)
+  streams = schedule.stream_calls  # one per lane (and stage) of the device tiers
+  late = calls[call_count - 1:]  # the calls after the early ones
+  assert streams and all(s.updates and any(s.overlaps(c) for c in late)
+                         for s in streams), (streams, late)
     assert not schedule.device_updates_outside_host_calls(), (calls, streams)
   assert schedule.stream_full_duplex(), schedule.streamed_rows
   assert not schedule.large_host_copies(), schedule.host_copies

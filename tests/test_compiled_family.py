@@ -46,11 +46,6 @@ SHAPES = ((2, 4096, 'bfloat16'), (4, 4096, 'bfloat16'), (5, 512, 'float32'),
 _CACHE = {}
 
 
-def _needs_stream_regions():
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region (device_stream.available())')
-
-
 def _offloaded(opt_state) -> dos_jax.OffloadedState:
   is_state = lambda x: isinstance(x, dos_jax.OffloadedState)
   (state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
@@ -69,7 +64,6 @@ def _program(layers, width, dtype):
 
 @pytest.mark.parametrize('layers, width, dtype', SHAPES, ids=lambda v: str(v))
 def test_family_step_holds_what_its_construction_guarantees(layers, width, dtype):
-  _needs_stream_regions()
   program, state = _program(layers, width, dtype)
   schedule = program.schedule
   calls = schedule.host_calls
@@ -131,7 +125,6 @@ def test_one_stream_region_runs_its_transfers_one_after_another():
   one stream, although the schedule's dependencies allow both at once. If a jax
   upgrade makes these copies asynchronous, this fails: docs/design.md, rule 3, must
   then be revisited."""
-  _needs_stream_regions()
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   def rows_through_one_region(rows):
@@ -159,7 +152,6 @@ def _group_probe(grouped: bool, chain: int = 6):
   import contextlib  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   from dos_jax.step import paths  # pylint: disable=import-outside-toplevel
 
   group = device_stream.next_group() if grouped else None
@@ -207,7 +199,6 @@ def test_the_runner_125m_step_holds_the_construction():
   early call), any early one starting during the backward pass, the device tiers in two
   lanes, each on its stream, beside the last host call, a full-duplex stream, no
   host->host copy of the state."""
-  _needs_stream_regions()
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
   from tests.tooling import gpu_program  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(str(pathlib.Path(__file__).parents[1] / 'configs' / '125m.yaml'),

@@ -27,7 +27,6 @@ import pytest
 
 import dos_jax
 from dos_jax import dataflow
-from dos_jax.step import device_stream
 from tests.tooling import probes
 from dos_jax.train import config as config_lib
 from tests.tooling import gpu_program
@@ -118,8 +117,6 @@ def test_a_row_count_the_lanes_do_not_divide_streams_full_duplex_beside_the_host
   """2 layers: 5 streamed rows over 2 stream lanes (3 and 2 rows, round-robin in
   stream order): one stream call per lane (per lane and stage, staged), every device
   update beside a host call, full duplex."""
-  if not device_stream.available():
-    pytest.skip(f'jax {jax.__version__} builds no stream region (device_stream.available())')
   overrides = ['model.n_layers=2']
   schedule = _runner_step('stride', 'bfloat16', overrides=overrides).schedule
   assert len(schedule.streamed_rows) == 5, schedule.streamed_rows
@@ -137,8 +134,6 @@ def test_runner_steps_run_the_device_tiers_beside_the_host_call(policy, dtype):
   """The one construction: the device tiers are calls on GPU streams of their own
   (`dos_jax.step.lanes`), whose windows overlap a host call's, and the host-bound
   gradients still leave during the backward pass."""
-  if not device_stream.available():
-    pytest.skip(f'jax {jax.__version__} builds no stream region (device_stream.available())')
   program = _runner_step(policy, dtype)
   schedule = program.schedule
   host_calls, stream_calls = _calls(policy, dtype)  # per lane (and stage, staged)

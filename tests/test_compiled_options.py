@@ -23,16 +23,12 @@ import pytest
 
 from dos_jax import dataflow
 from dos_jax.compiler_options import GPU_COMPILER_OPTIONS
-from dos_jax.step import device_stream
 from tests import compiled
 
 pytestmark = pytest.mark.compiled_gpu
 
 compiled.skip_without_gpu_compiler()
 
-if not device_stream.available():
-  pytest.skip('this jax builds no stream region (device_stream.available())',
-              allow_module_level=True)
 
 
 def offload_for(policy, subgroup_size: int):

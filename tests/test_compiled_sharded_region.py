@@ -28,6 +28,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dos_jax import lowering as lowering_lib
 from dos_jax import dataflow
 from dos_jax.step import device_stream
 from tests import compiled
@@ -38,8 +39,6 @@ compiled.skip_without_gpu_compiler()
 
 
 def _stream_calls(in_shard_map: bool):
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region (device_stream.available())')
   if jax.device_count() < 4:
     pytest.skip('needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)')
   dataflow.compile.prepare()
@@ -116,8 +115,6 @@ def _runners_zero3_step(*overrides, zero='zero3', early=None):
   clipping, with the early host calls `early` (None: the builder's), compiled for 4
   H100s (skips where this jax builds no stream region or there are not 4 CPU
   devices)."""
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region (device_stream.available())')
   if jax.device_count() < 4:
     pytest.skip('needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)')
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -137,7 +134,7 @@ def test_the_runners_zero3_step_runs_host_and_device_updates_in_one_group(zero):
   pass (pieces of under 64 KiB here: each device sends its own shard of each leaf)."""
   schedule = _runners_zero3_step(zero=zero, early=()).schedule
   calls, lanes = _updates_beside_host_calls(schedule)
-  if device_stream.lowering() is device_stream.Lowering.IN_REGION:
+  if lowering_lib.of_version() is lowering_lib.Lowering.IN_REGION:
     assert len(calls) == 1 and len(lanes) == 2, (calls, lanes)
   else:  # a host call per stage, each with its own lanes' regions
     _assert_stages(schedule, early=0)
@@ -158,7 +155,7 @@ def test_the_runners_zero3_step_starts_its_early_host_calls_during_the_backward_
   program = _runners_zero3_step('model.n_layers=4', zero=zero, early=3)
   schedule = program.schedule
   calls, lanes = _updates_beside_host_calls(schedule)
-  if device_stream.lowering() is device_stream.Lowering.IN_REGION:
+  if lowering_lib.of_version() is lowering_lib.Lowering.IN_REGION:
     assert len(calls) == 3 and all(c.overlaps(calls[-1]) for c in lanes), (lanes, calls)
   else:
     _assert_stages(schedule, early=2)
@@ -175,15 +172,13 @@ def test_the_runners_step_on_one_device_builds_the_unsharded_construction():
   lanes beside the host calls (jax 0.11: grouped with the last call; staged: a host call
   per stage), none outside a host call (the sharded path would have put every device
   update outside its one host call)."""
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region (device_stream.available())')
   from dos_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(None, [
       'model.param_dtype=bfloat16', 'model.attention=xla', 'model.n_layers=4',
       'offload.subgroup_size=65536', 'optim.clip_norm=1.0', 'offload.policy=stride'])
   schedule = compiled.compile_runner_step(cfg, jax.devices()[:1], early=2).schedule
   calls, lanes = _updates_beside_host_calls(schedule)
-  if device_stream.lowering() is device_stream.Lowering.IN_REGION:
+  if lowering_lib.of_version() is lowering_lib.Lowering.IN_REGION:
     assert len(calls) == 2 and all(c.overlaps(calls[-1]) for c in lanes), (lanes, calls)
   else:
     _assert_stages(schedule, early=1)

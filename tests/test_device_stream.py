@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from dos_jax import lowering as lowering_lib
 import dos_jax
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import device_stream
@@ -77,7 +78,6 @@ def _lower_for_cuda(opt, params, state, grads) -> str:
       lowering_platforms=('cuda',)).as_text()
 
 
-@pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
 def test_group_ids_are_numbered_per_traced_program(seed):
   """The same step traced and lowered twice in one process is the same program text:
   scheduling-group ids count from the same start in every trace (`next_group`), so a
@@ -95,7 +95,7 @@ def test_group_ids_are_numbered_per_traced_program(seed):
   assert '_scheduling_group_id' in first
   # XLA's device update runs in stream regions in the lowering that groups one host call
   # (the staged one keeps it out of regions: it holds constants).
-  staged = device_stream.lowering() is device_stream.Lowering.STAGED
+  staged = lowering_lib.of_version() is lowering_lib.Lowering.STAGED
   assert ('dos_jax_stream_region' in first) is not staged
   assert _lower_for_cuda(opt, params, state, grads) == first
 
@@ -107,7 +107,7 @@ def test_group_ids_are_numbered_per_traced_program(seed):
   assert len(set(re.findall(r'_scheduling_group_id = "(\d+)"', text))) == 2, text
 
 
-@pytest.mark.skipif(device_stream.lowering() is not device_stream.Lowering.IN_REGION,
+@pytest.mark.skipif(lowering_lib.of_version() is not lowering_lib.Lowering.IN_REGION,
                     reason="the staged lowering keeps XLA's update out of stream regions; "
                     'its lanes are read in the compiled program (tests/test_compiled_*)')
 @pytest.mark.parametrize('traced_with, flags, jitted_with, expected', [
@@ -147,19 +147,18 @@ def test_the_group_holds_one_lane_fewer_than_the_async_limit(traced_with, flags,
   assert all(device_stream.LANES_ATTRIBUTE in op for op in streams), streams
 
 
-def _pair(policy=None):
+def _pair(policy=None, two_streams: bool = True):
+  """The two-memory program's clipped AdamW; `two_streams` False: without stream
+  regions (the device tiers left to XLA's scheduler)."""
   offload = dos_jax.Offload(subgroup_size=23, policy=policy or dos_jax.Stride(2))
   return dos_jax.chain(dos_jax.clip_by_global_norm(0.5), dos_jax.adamw(
       3e-2, weight_decay=0.05, mask=decay_mask, offload=offload,
-      implementation=dos_jax.Implementation(program='gpu')))
+      implementation=dos_jax.Implementation(program='gpu', two_streams=two_streams)))
 
 
 def _lanes(monkeypatch, count: int) -> None:
-  """Every step traced from now on runs `count` stream lanes (0: the library's choice);
-  -1: no stream region at all (the device tiers left to XLA's scheduler)."""
-  if count < 0:
-    monkeypatch.setattr(device_stream, 'available', lambda: False)
-  elif count:
+  """Every step traced from now on runs `count` stream lanes (0: the library's choice)."""
+  if count:
     monkeypatch.setattr(lanes_lib, 'lane_count',
                         lambda plan, rows, lanes=0, limit=None: max(1, min(lanes or count, rows)))
 
@@ -195,11 +194,12 @@ def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, lanes, 
                                                                  monkeypatch):
   """The two-memory program (run on the CPU backend), clipping that fires: 4 steps with
   the device tiers on their streams in the library's lanes (2), against the same step
-  without stream regions, in one region, or in 3 lanes."""
+  without stream regions (`Implementation(two_streams=False)`, lanes -1), in one
+  region, or in 3 lanes."""
   params = jax.device_put(random_tree(seed), jax.devices()[0])
 
-  def run():
-    opt = _pair(policy=policy)
+  def run(two_streams=True):
+    opt = _pair(policy=policy, two_streams=two_streams)
     p, s = params, opt.init(params)
     regions = _regions(opt, p, s, random_grads(p, 0, seed))
     step = jax.jit(_step(opt))
@@ -208,17 +208,15 @@ def test_the_step_on_two_streams_is_the_step_without_bit_for_bit(policy, lanes, 
     return regions, (p, s)
 
   regions, ours = run()
-  assert (regions > 0) is device_stream.available()
+  assert regions > 0
   with monkeypatch.context() as patch:
-    _lanes(patch, lanes)
-    other_regions, theirs = run()
-  if lanes < 0:
-    assert other_regions == 0
+    _lanes(patch, max(lanes, 0))
+    other_regions, theirs = run(two_streams=lanes >= 0)
+  assert (other_regions > 0) is (lanes >= 0), other_regions
   for a, b in zip(jax.tree.leaves(theirs), jax.tree.leaves(ours)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
 @pytest.mark.parametrize('lanes, regions', [(0, 1), (1, 1), (2, 2), (3, 3), (50, 0)])
 def test_streamed_rows_go_round_robin_over_the_lanes(lanes, regions, seed, monkeypatch):
   """One GPU stream per lane (0: the library's, one where the step is traced for
@@ -242,7 +240,6 @@ def test_streamed_rows_go_round_robin_over_the_lanes(lanes, regions, seed, monke
   assert all(position[b] % len(lane_rows) == k for k, ids in enumerate(lane_rows) for b in ids)
 
 
-@pytest.mark.skipif(not device_stream.available(), reason='this jax builds no stream region')
 def test_it_applies_with_host_and_device_tiers(seed):
   params = jax.device_put(random_tree(seed), jax.devices()[0])
   grads = random_grads(params, 0, seed)
@@ -254,3 +251,22 @@ def test_it_applies_with_host_and_device_tiers(seed):
   assert uses()
   assert not uses(policy=dos_jax.AllHost())  # nothing to run beside the host call
   assert not uses(policy=dos_jax.AllDevice())
+
+
+def test_the_step_without_stream_regions_says_why(seed):
+  """`Implementation(two_streams=False)`: the construction's reason names the choice,
+  and the step traces no stream region."""
+  from dos_jax.step import construction  # pylint: disable=import-outside-toplevel
+  from dos_jax.step.options import StepOptions  # pylint: disable=import-outside-toplevel
+  params = jax.device_put(random_tree(seed), jax.devices()[0])
+  opt = _pair(two_streams=False)
+  state = opt.init(params)
+  part, layout = state[1].partition, state[1].layout
+  off = dos_jax.Offload(subgroup_size=23, policy=dos_jax.Stride(2))
+  for two_streams in (True, False):
+    options = StepOptions.of(off, dos_jax.Implementation(two_streams=two_streams))
+    built = construction.resolve(part, layout, None, options, native=True)
+    assert built.two_streams is two_streams
+  assert built.explain().splitlines()[0] == (
+      'two streams: no (asked for, Implementation(two_streams=False))')
+  assert _regions(opt, params, state, random_grads(params, 0, seed)) == 0

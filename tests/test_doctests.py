@@ -15,6 +15,7 @@ import pytest
 from dos_jax import alias
 from dos_jax import clipping
 from dos_jax import implementation
+from dos_jax import lowering
 from dos_jax import memory_spaces
 from dos_jax import migration
 from dos_jax import state_files
@@ -36,7 +37,7 @@ from dos_jax.train import trackers
                                     construction, migration, partition, early_calls,
                                     compile_cache, state_files, rundir, trackers, step_trace,
                                     adamw_hyperparams, memory_spaces, implementation,
-                                    options],
+                                    options, lowering],
                          ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

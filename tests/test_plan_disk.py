@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 
+from dos_jax import lowering as lowering_lib
 from dos_jax import cli
 from dos_jax.planner import auto
 from dos_jax.planner import calibrate
@@ -20,13 +21,12 @@ from dos_jax.planner.hardware import HardwareProfile
 from dos_jax.policies import AllHost
 from dos_jax.policies import Resident
 from dos_jax.policies import SubgroupSpec
-from dos_jax.step import device_stream
 
 # The plan's device memory follows the construction this jax builds: with regions that
 # hold a lane's rows (jax 0.10-0.11, the GPU machines') every streamed row is held until
 # the lanes are done; staged (jax 0.12) one row per lane; the 70B figures are the former's.
 _REGIONS = pytest.mark.skipif(
-    not device_stream.regions_hold_every_row(),
+    not lowering_lib.regions_hold_every_row(),
     reason="the staged lowering (jax 0.12) holds one streamed row per lane: the device "
            "holds fewer streamed rows (the doc's figures are jax 0.10-0.11's)")
 

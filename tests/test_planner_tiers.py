@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import pytest
 
+from dos_jax import lowering as lowering_lib
 import dos_jax
 from dos_jax import model_shapes
 from dos_jax.planner import auto
 from dos_jax.planner import costmodel
-from dos_jax.step import device_stream
 from dos_jax.planner import memory
 from dos_jax.planner.costmodel import HardwareProfile
 from dos_jax.policies import SubgroupSpec
@@ -72,7 +72,7 @@ def test_resident_rows_cost_no_transfers_and_count_as_device_memory():
   assert pred.resident_bytes == 6 * ROW
   assert pred.bytes_h2d == pytest.approx(stride.bytes_h2d)  # the resident rows add none
   # Per subgroup in stream regions: every streamed row (9 of the 18 left) at once.
-  streamed = len(plan.streamed) * ROW if device_stream.regions_hold_every_row() else 2 * ROW
+  streamed = len(plan.streamed) * ROW if lowering_lib.regions_hold_every_row() else 2 * ROW
   assert pred.buffer_bytes == streamed and pred.device_peak_bytes == streamed + 6 * ROW
   assert pred.device_bytes_beside(5 * ROW) == 6 * ROW + max(5 * ROW, streamed)
 

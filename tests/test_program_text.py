@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 
-from dos_jax.step import device_stream
 
 _BUILD = textwrap.dedent('''
     import hashlib, jax, jax.numpy as jnp, optax, dos_jax
@@ -53,8 +52,7 @@ def _digest(text: str) -> str:
 def test_two_traces_and_a_changed_policy_give_one_program():
   auto, text = namespace['build']()
   first = text()
-  if device_stream.available():  # the grouped construction, whose group ids are numbered
-    assert '_scheduling_group_id' in first
+  assert '_scheduling_group_id' in first  # the grouped construction: numbered group ids
   assert text() == first, 'a second trace in the same process changed the program'
   # The policy object learns and re-plans between steps; the state keeps the plan the
   # step runs until the runner moves it (`dos_jax.migrate`).

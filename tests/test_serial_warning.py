@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dos_jax import lowering as lowering_lib
 import dos_jax
 from dos_jax import compiler_options
-from dos_jax.step import device_stream
 
 
 def _trace(jitter=jax.jit):
@@ -57,7 +57,7 @@ def test_no_warning_where_the_scheduler_is_said_to_be_on(on_gpu, where, monkeypa
 
 def test_an_unchecked_jax_is_named_once(on_gpu, monkeypatch):
   del on_gpu
-  monkeypatch.setattr(device_stream, 'checked', lambda version=None: False)
+  monkeypatch.setattr(lowering_lib, 'checked', lambda version=None: False)
   messages = _trace(dos_jax.jit)
   assert len(messages) == 1 and f'jax {jax.__version__}' in messages[0], messages
   assert "inside a host call's window" in messages[0]
@@ -75,7 +75,7 @@ def test_streamed_rows_beside_no_host_work_are_named_once(on_gpu, monkeypatch):
   region: with 6 streamed subgroups on one lane (a plain jit: XLA's limit of 2) and 2
   host subgroups, rows are left after the last stage, and the step says how many, once."""
   del on_gpu
-  monkeypatch.setattr(device_stream, 'lowering', lambda: device_stream.Lowering.STAGED)
+  monkeypatch.setattr(lowering_lib, 'of_version', lambda: lowering_lib.Lowering.STAGED)
   monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_enable_latency_hiding_scheduler=true')
   params = jax.device_put({f'w{i}': jnp.ones(8) for i in range(8)}, jax.devices()[0])
   opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=8,

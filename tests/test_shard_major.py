@@ -173,39 +173,37 @@ def test_the_zero1_update_is_optaxs_and_keeps_the_params_whole(platform, seed):
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['fp32', 'bf16'])
 @pytest.mark.parametrize('whole', [False, True], ids=['zero3', 'zero1'])
 def test_the_zero3_step_on_two_streams_is_the_step_without_bit_for_bit(policy, dtype, whole,
-                                                                       seed, monkeypatch):
-  """The two-memory program: where stream regions are available, each device runs
-  the host regions (early host calls included) and the stream lanes on its own columns
-  inside `shard_map` (`lanes.sharded_two_streams`); on a jax without them
-  (`device_stream.available()` False, patched here), jit partitions the step.
+                                                                       seed):
+  """The two-memory program: each device runs the host regions (early host calls
+  included) and the stream lanes on its own columns inside `shard_map`
+  (`lanes.sharded_two_streams`); without stream regions
+  (`Implementation(two_streams=False)`), jit partitions the step.
   Clipping that fires, 3 steps: the same numbers, bit for bit, and every split kept.
   ZeRO-1 (the params whole on every device, the state split shard-major) alike."""
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   mesh = _mesh()
   params = _params(seed, dtype, mesh, whole=whole)
   shardings = jax.tree.map(lambda x: x.sharding, params)
   results = []
-  available = device_stream.available()
   for stream in (True, False):
-    if not stream:
-      monkeypatch.setattr(device_stream, 'available', lambda: False)
     offload = dos_jax.Offload(subgroup_size=40, policy=policy)
-    state, step = _clipped_step(offload, params)
+    state, step = _clipped_step(offload, params, two_streams=stream)
     grads = [jax.device_put(jax.tree.map(lambda x: 3 * x, random_grads(params, i, seed)),
                             shardings) for i in range(3)]
     regions = str(jax.make_jaxpr(step)(params, state, grads[0])).count(
         'dos_jax_stream_region[')
-    assert (regions > 0) is (stream and available), regions
+    assert (regions > 0) is stream, regions
     results.append(_run(step, params, state, grads))
   _assert_bit_for_bit(*results, params)
 
 
-def _clipped_step(offload, params):
+def _clipped_step(offload, params, two_streams: bool = True):
   """(state, jitted step) of `dos_jax.adamw` under `offload` on the two-memory program,
-  sharded shard-major, behind a global-norm clip at 0.5."""
+  sharded shard-major, behind a global-norm clip at 0.5 (`two_streams`:
+  `Implementation.two_streams`)."""
+  implementation = dos_jax.Implementation(program='gpu', two_streams=two_streams)
   tx = dos_jax.chain(dos_jax.clip_by_global_norm(0.5),
                      dos_jax.adamw(LR, offload=offload, shard_dims=DIMS,
-                                   implementation=dos_jax.Implementation(program='gpu')))
+                                   implementation=implementation))
 
   @jax.jit
   def step(p, s, g):
@@ -370,9 +368,6 @@ def test_the_zero3_early_calls_are_the_one_call_step_bit_for_bit(dtype, seed):
   `shard_map`, on its own columns (`lanes.sharded_two_streams`). Against the same step
   with one host call: bit for bit over 4 steps, with clipping that fires (a rollback)
   on steps 0 and 2 and not on 1 and 3, and every split kept."""
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region: no sharded construction')
   mesh = _mesh()
   params = _params(seed, dtype, mesh)
   shardings = jax.tree.map(lambda x: x.sharding, params)

@@ -7,6 +7,7 @@ an H100."""
 import jax
 import pytest
 
+from dos_jax import lowering as lowering_lib
 import dos_jax
 from dos_jax import dataflow
 from dos_jax.geometry import layout
@@ -79,10 +80,9 @@ def test_host_temp_and_update_phase_by_hand():
   # per subgroup in stream regions, every streamed row's state and the params it packs;
   # on a jax without stream regions, `buffers` rows of state) and every subgroup's new
   # params. The update phase holds the larger.
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   n = 918656
   packing = n * 2 + 2 * 8 * s * 2 + 7 * s * 2
-  stream = 8 * s * (12 + 2) if device_stream.regions_hold_every_row() else 2 * s * 12
+  stream = 8 * s * (12 + 2) if lowering_lib.regions_hold_every_row() else 2 * s * 12
   assert got.update_temp == max(packing, 8 * s * 2 + stream + 15 * s * 2)
   assert got.arguments == n * 2 + 4 * 32 * 129
   assert got.device_bytes == got.arguments + got.backward_temp  # activations dominate
@@ -154,9 +154,6 @@ def _update_bound_cfg(*overrides):
     pytest.skip(f'no GPU compiler here: {why}')
   if jax.default_backend() != 'cpu':
     pytest.skip('deviceless compiles run with JAX_PLATFORMS=cpu')
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
-  if not device_stream.available():
-    pytest.skip('this jax builds no stream region')
   return _cfg('offload.policy=stride', 'model.param_dtype=bfloat16', 'model.n_layers=4',
               'optim.clip_norm=1.0', 'data.seq_len=32', 'data.batch_size=2', *overrides)
 
@@ -183,10 +180,9 @@ def test_a_stream_that_does_not_fit_is_named_before_xla_allocates():
   `offload.policy`; the same plan fits with room to spare, and a stream without stream
   regions (a jax that builds none), which holds `buffers` rows, needs less. The
   two-memory program's state, built abstractly; the device memory is given."""
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
   from dos_jax.train import optimizer as optimizer_lib  # pylint: disable=import-outside-toplevel
   from dos_jax.train.config import ConfigError  # pylint: disable=import-outside-toplevel
-  if not device_stream.regions_hold_every_row():
+  if not lowering_lib.regions_hold_every_row():
     pytest.skip('the stream holds one row per lane here (staged lowering), as a loop '
                 'holds `buffers` rows: no stream of every row to fall short')
   cfg = _cfg('offload.policy=stride', 'model.n_layers=4', 'offload.subgroup_size=16384',

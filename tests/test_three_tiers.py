@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dos_jax import lowering as lowering_lib
 import dos_jax
 from dos_jax import migration as migration_lib
 from dos_jax.step import transform
@@ -171,8 +172,7 @@ def test_auto_reports_migration_in_the_step_record():
   # the stream holds every streamed row, as a resident tier would, but only in the
   # update phase: streaming then needs activations to share with
   # (`costmodel.streamed_elements_held`); staged (jax 0.12), one row per lane.
-  from dos_jax.step import device_stream  # pylint: disable=import-outside-toplevel
-  rows, activations = (10, 4) if device_stream.regions_hold_every_row() else (8, 0)
+  rows, activations = (10, 4) if lowering_lib.regions_hold_every_row() else (8, 0)
   policy = dos_jax.Auto(profile, budget_bytes=rows * 1.2e9,
                         activation_bytes=activations * 1.2e9, tolerance=0.1, patience=1,
                         warmup=0)

@@ -3,8 +3,8 @@ at once (`streamed_elements_held`), re-exported by `costmodel`."""
 
 from __future__ import annotations
 
+from dos_jax import lowering as lowering_lib
 from dos_jax.policies import Plan
-from dos_jax.step import device_stream
 
 MAX_LANES = 2  # `dos_jax.step.lanes.MAX_LANES`: one row in flight per lane
 
@@ -12,7 +12,7 @@ MAX_LANES = 2  # `dos_jax.step.lanes.MAX_LANES`: one row in flight per lane
 def regions_by_default(plan: Plan) -> bool:
   """Whether an unsharded state's step runs the streamed rows of `plan` in stream
   regions: beside host subgroups (the state is stored per subgroup)."""
-  return device_stream.available() and bool(plan.host)
+  return bool(plan.host)
 
 
 def streamed_elements_held(plan: Plan, dev_sizes: list[int], *,
@@ -20,7 +20,7 @@ def streamed_elements_held(plan: Plan, dev_sizes: list[int], *,
   """Elements of streamed state in device memory at once during the update. XLA keeps
   each value of an asynchronous computation live until its done (`HloLiveRange`): where
   the step runs the device tiers in stream regions holding a lane's rows together
-  (`device_stream.Lowering.IN_REGION`, jax 0.10-0.11) that is every streamed row; where
+  (`lowering_lib.Lowering.IN_REGION`, jax 0.10-0.11) that is every streamed row; where
   each region holds one row (`STAGED`, jax 0.12), one row per lane; without regions,
   the stream's `buffers` rows. `regions`: whether the step runs the rows in stream
   regions (`dos_jax.stream_regions` says for a built state); None: where the plan has
@@ -29,7 +29,7 @@ def streamed_elements_held(plan: Plan, dev_sizes: list[int], *,
     return 0
   if regions is None:
     regions = regions_by_default(plan)
-  if regions and device_stream.regions_hold_every_row():
+  if regions and lowering_lib.regions_hold_every_row():
     return int(sum(dev_sizes))
   if regions:
     return min(plan.buffers, MAX_LANES, len(dev_sizes)) * max(dev_sizes)

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 
+from dos_jax import lowering as lowering_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.state import OffloadedState
-from dos_jax.step import device_stream
 
 
-def on_two_streams(part, layout, mesh) -> bool:
+def on_two_streams(part, layout, mesh, asked: bool = True) -> bool:
   """Whether the step runs the host and device halves concurrently by construction
   (`dos_jax.step.lanes`): a two-memory-program state with host subgroups (in memory
   or on disk) and device ones, unsharded or packed shard-major (each device then runs
-  the construction on its own columns; `device_stream.available`)."""
-  return bool(part.two_memories and device_stream.available()
+  the construction on its own columns), unless not `asked`
+  (`Implementation.two_streams`)."""
+  return bool(asked and part.two_memories
               and (mesh is None or layout.shards > 1)
               and (part.ids(Tier.HOST) or part.disk)
               and (part.ids(Tier.STREAMED) or part.ids(Tier.RESIDENT)))
@@ -39,7 +40,7 @@ def stream_regions(state: OffloadedState) -> bool:
   >>> off = dos_jax.Offload(policy=dos_jax.Stride(2), subgroup_size=4)
   >>> opt = dos_jax.adamw(1e-3, offload=off, implementation=dos_jax.Implementation(program='gpu'))
   >>> state = dos_jax.abstract_state(opt, {'w': jnp.zeros(16)})
-  >>> dos_jax.stream_regions(state) == dos_jax.step.device_stream.available()
+  >>> dos_jax.stream_regions(state)
   True
   """
   regions = on_two_streams(state.partition, state.layout, step_mesh(state.sharded))
@@ -54,7 +55,7 @@ class Construction:
 
   Attributes:
     two_streams: the host and device halves concurrent by construction (`lanes`).
-    lowering: how the stream regions are laid out on this jax (`device_stream.Lowering`).
+    lowering: how the stream regions are laid out on this jax (`lowering_lib.Lowering`).
     early: the host tier in early host calls (`early_calls`).
     per_block: the host tier's blocks each a host region of their own
       (`early_calls.host_work`): with early calls, or where the staged lowering spreads
@@ -74,7 +75,7 @@ class Construction:
   """
 
   two_streams: bool
-  lowering: device_stream.Lowering
+  lowering: lowering_lib.Lowering
   early: bool
   per_block: bool
   host_native: bool
@@ -111,9 +112,9 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
   from dos_jax.implementation import UpdateImpl  # pylint: disable=import-outside-toplevel
   from dos_jax.step import lanes as lanes_lib  # pylint: disable=import-outside-toplevel
   reasons = []
-  two = on_two_streams(part, layout, mesh)
+  two = on_two_streams(part, layout, mesh, options.two_streams)
   sharded = mesh is not None
-  reasons.append(f'two streams: {_why_two_streams(part, layout, mesh, two)}')
+  reasons.append(f'two streams: {_why_two_streams(part, layout, mesh, two, options)}')
   host_native = native and options.host is UpdateImpl.KERNEL
   reasons.append('host tier: the native kernel' if host_native else
                  'host tier: XLA in a host region (' +
@@ -127,13 +128,13 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
                  part.early else 'needs the native kernel and two host subgroups or more')
                  + ')')
   per_block = early or (two and host_native and host_blocks > 1
-                        and device_stream.lowering() is device_stream.Lowering.STAGED)
+                        and lowering_lib.of_version() is lowering_lib.Lowering.STAGED)
   grouped = options.grouped_lanes()
   streamed = len(part.ids(Tier.STREAMED)) if part.two_memories else 0
   lanes = lanes_lib.lane_count(part.plan, streamed, limit=grouped) if part.two_memories else 0
-  lowering = device_stream.lowering()
+  lowering = lowering_lib.of_version()
   disk_calls = 1 if part.disk else 0
-  if part.disk and two and lanes and lowering is device_stream.Lowering.STAGED:
+  if part.disk and two and lanes and lowering is lowering_lib.Lowering.STAGED:
     disk_calls = max(1, min(len(part.disk), -(-streamed // lanes)))
   if two:
     reasons.append(f'stream lanes: {lanes} (the group holds {grouped} beside the host call '
@@ -148,10 +149,12 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
       disk_calls=disk_calls, reasons=tuple(reasons))
 
 
-def _why_two_streams(part, layout, mesh, two: bool) -> str:
+def _why_two_streams(part, layout, mesh, two: bool, options) -> str:
   if two:
     return 'host and device tiers both present, ' + (
         'unsharded' if mesh is None else 'each device on its own columns (shard-major)')
+  if not options.two_streams:
+    return 'no (asked for, Implementation(two_streams=False))'
   if not part.two_memories:
     return 'no (the one-memory program)'
   if mesh is not None and layout.shards <= 1:

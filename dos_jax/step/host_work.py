@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 from typing import Any, Callable
 
+from dos_jax import lowering as lowering_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import device_stream
 
@@ -25,7 +26,7 @@ class HostWork:
     finish: `() -> (new host tier arrays, [(out rows, pieces)])`, once every item ran.
     link: the link the first items take (the last early call's), or None.
     ungrouped: regions traced before `items`, outside the device tiers' group, in the
-      lowering that groups one host call (`device_stream.Lowering.IN_REGION`).
+      lowering that groups one host call (`lowering_lib.Lowering.IN_REGION`).
   """
 
   items: list[HostItem]

@@ -19,6 +19,7 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec as P
 
+from dos_jax import lowering as lowering_lib
 from dos_jax import compiler_options
 from dos_jax import meshes
 from dos_jax.geometry import layout as layout_lib
@@ -70,7 +71,7 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   device's `host_work` and `sharded_disk` its disk call; `barrier`: each region's results
   through an optimization barrier, which that needs)."""
   if jax.default_backend() == 'gpu':
-    compiler_options.warn_where_serial(jax.__version__, device_stream.checked())
+    compiler_options.warn_where_serial(jax.__version__, lowering_lib.checked())
   if context.mesh is not None:
     return sharded_two_streams(context, base_step, tiers, built, sharded_host, sharded_disk)
   if host_work is None:
@@ -78,7 +79,7 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
                                               built.host_native)
   part = context.part
   lanes = stream_lanes(context.plan, part, count=built.lanes)
-  if built.lowering is device_stream.Lowering.STAGED:
+  if built.lowering is lowering_lib.Lowering.STAGED:
     return stages.update(context, base_step, tiers, host_work(), lanes,
                          native=built.device_native, pallas=built.pallas, barrier=barrier)
   group = device_stream.next_group()

@@ -30,6 +30,7 @@ class StepOptions:
 
   host: UpdateImpl = UpdateImpl.KERNEL
   device: UpdateImpl = UpdateImpl.KERNEL
+  two_streams: bool = True
   data_axis: str = 'data'
   host_threads: int | None = None
 
@@ -40,7 +41,8 @@ class StepOptions:
     `Implementation()`)."""
     implementation = Implementation() if implementation is None else implementation
     return cls(host=implementation.host, device=implementation.device,
-               data_axis=offload.data_axis, host_threads=offload.host_threads)
+               two_streams=implementation.two_streams, data_axis=offload.data_axis,
+               host_threads=offload.host_threads)
 
   @staticmethod
   def grouped_lanes() -> int:

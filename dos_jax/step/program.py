@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dos_jax import lowering as lowering_lib
 from dos_jax import capability as capability_lib
 from dos_jax import meshes
 from dos_jax import validate as validate_lib
@@ -32,7 +33,6 @@ from dos_jax.geometry.state import OffloadedState
 from dos_jax.geometry.state import ShardedOver
 from dos_jax.implementation import Program
 from dos_jax.step import construction
-from dos_jax.step import device_stream
 from dos_jax.step import disk_tier
 from dos_jax.step import early_calls
 from dos_jax.step import kernel_calls
@@ -211,7 +211,7 @@ class _ShardedDisk:
 def _then_disk(work, disk: _DiskUpdate, built: construction.Construction):
   """`work` (a `HostWork` maker) with the disk update after it in `built.disk_calls`
   host calls: the longest host work, what the device tiers' lanes run beside."""
-  staged = built.lowering is device_stream.Lowering.STAGED
+  staged = built.lowering is lowering_lib.Lowering.STAGED
   return lambda: work().then(*disk.calls(built.disk_calls, linked=staged))
 
 

@@ -1,4 +1,4 @@
-"""The device tiers' stream lanes stage by stage (`device_stream.Lowering.STAGED`).
+"""The device tiers' stream lanes stage by stage (`lowering_lib.Lowering.STAGED`).
 
 On jax 0.12 XLA runs a stream region on its parallel execution thread, where an
 optimization barrier is not lowered and constants are not emitted, and it keeps a
@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dos_jax import lowering as lowering_lib
 from dos_jax import capability as capability_lib
 from dos_jax import compiler_options
 from dos_jax.capability import Kernel
