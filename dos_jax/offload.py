@@ -61,9 +61,9 @@ class Offload:
   What the library decides, not the user: on the two-memory program the state is
   stored per subgroup, the device tiers run on stream lanes (`Plan.buffers` of them)
   grouped with the last host call, and the host tier runs in host calls in backward
-  order that start as soon as their gradients reach host memory (`dos_jax.Schedule`,
-  chosen at `init` by the policy's cost model or a fixed rule, and carried in the
-  state). docs/design.md describes that one construction. The program follows the
+  order that start as soon as their gradients reach host memory (the early host calls,
+  `Partition.early`, chosen at `init` by the policy's cost model or a fixed rule, and
+  carried in the state). docs/design.md describes that one construction. The program follows the
   backend `init` runs on and the updates take the kernels where they are available
   (`dos_jax.Implementation` says otherwise, for tests and benchmarks); the limit on
   asynchronous calls in flight that groups the stream lanes is that of the options

@@ -83,7 +83,7 @@ class CompiledGpuProgram:
   compiler_options: Mapping[str, Any]
   native_host_kernel: bool  # the native host AdamW was registered for host regions
   thunks: ThunkProgram | None = None  # what the GPU runs (compiled with `thunks=True`)
-  # The early host calls given a profiled latency (`dos_jax.early_windows`).
+  # The early host calls given a profiled latency (`dos_jax.dataflow.early_windows`).
   early_calls_profiled: tuple[str, ...] = ()
   # How many compiles it took: 2 where XLA did not name the early calls as predicted.
   compiles: int = 1
