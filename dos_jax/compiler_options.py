@@ -219,6 +219,7 @@ def warn_rows_beside_no_host_work(rows: int, host_regions: int, per_lane: int) -
       f'dos_jax: {rows} streamed rows run after the last host call, beside no host work: '
       f'the step has {host_regions} host regions (after its early calls) for {per_lane} '
       f'streamed rows per lane, and on this jax each stage runs one row per lane beside a '
-      f'host region of its own; fewer streamed subgroups (a larger Stride k, a smaller '
-      f'DeviceFraction) or more host subgroups (a smaller offload.subgroup_size) put every '
-      f'row beside host work', stacklevel=4)
+      f'host region of its own; the native host kernel (Implementation(host=KERNEL)), '
+      f'fewer streamed subgroups (a larger Stride k, a smaller DeviceFraction) or more '
+      f'host subgroups (a smaller offload.subgroup_size) put every row beside host work',
+      stacklevel=4)

@@ -162,8 +162,8 @@ _STAGED_PROBE = ('a probe of the 0.11 layout: rows through one stream region gat
                  'latency_hiding_scheduler.cc:2619) - the reason for the staged lowering')
 _FSDP4_125M_MEMORY = ('fsdp 4, 125m L2 shard-major: the compiled step now holds less than '
                       'predicted, 244.9 MB (jax 0.11.2) and 238.7 MB (0.12.0.1) against '
-                      '300.9 MB (over by 23-26%, on the safe side), since this session\'s '
-                      'step changes (one packed coefficient vector per step, the lanes read '
+                      '300.9 MB (over by 23-26%, on the safe side), since the step\'s changes of '
+                      '2026-12-01 (one packed coefficient vector per step, the lanes read '
                       'from the Construction); which of them freed the 56 MB was not '
                       'bisected, and the predictor was not updated')
 # Per jax minor version: each entry's reason was measured on that version's CUDA plugin.
@@ -218,8 +218,15 @@ def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
   early = len(part.early)
   if lowering_lib.of_version() is lowering_lib.Lowering.IN_REGION:
     return early + 1, len(lanes)
+  from dos_jax.step import construction  # pylint: disable=import-outside-toplevel
   parts = partition.host_calls(early_calls.host_blocks(part), part.early)
-  items = (len(parts[-1]) + (sum(len(p) for p in parts[:-1]) if clip and early else 0)
+  blocks = part.blocks(Tier.HOST)
+  longest = max((sum(len(b) for t, b in lane if t is Tier.STREAMED) for lane in lanes),
+                default=0)
+  columns = construction.host_columns(part, state.layout, longest, bool(early),
+                                      1 if part.disk else 0, clip) if blocks else 1
+  last = sum(len(early_calls.column_runs(state.layout, blocks[b], columns)) for b in parts[-1])
+  items = (last + (sum(len(p) for p in parts[:-1]) if clip and early else 0)
            + (1 if part.disk else 0))
   layout = stages.layout(lanes, items)
   regions = sum(1 for stage in layout.grouped for rows in stage if rows)

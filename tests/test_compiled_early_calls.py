@@ -80,7 +80,7 @@ def test_early_host_calls_hold_their_construction(layers, width, dtype, call_cou
   late = calls[call_count - 1:]  # the calls after the early ones
   assert streams and all(s.updates and any(s.overlaps(c) for c in late)
                          for s in streams), (streams, late)
-    assert not schedule.device_updates_outside_host_calls(), (calls, streams)
+  assert not schedule.device_updates_outside_host_calls(), (calls, streams)
   assert schedule.stream_full_duplex(), schedule.streamed_rows
   assert not schedule.large_host_copies(), schedule.host_copies
 

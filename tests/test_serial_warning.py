@@ -70,23 +70,30 @@ def test_nothing_is_said_on_a_cpu(monkeypatch):
   assert _trace() == []
 
 
-def test_streamed_rows_beside_no_host_work_are_named_once(on_gpu, monkeypatch):
+@pytest.mark.parametrize('host', [dos_jax.UpdateImpl.XLA, dos_jax.UpdateImpl.KERNEL])
+def test_streamed_rows_beside_no_host_work_are_named_once(on_gpu, monkeypatch, host):
   """The staged lowering (jax 0.12) runs one streamed row per lane beside each host
   region: with 6 streamed subgroups on one lane (a plain jit: XLA's limit of 2) and 2
-  host subgroups, rows are left after the last stage, and the step says how many, once."""
+  host subgroups in XLA's one host region, rows are left after the last stage, and the
+  step says how many, once. The native kernel splits its subgroups by columns into a
+  host region per row (`Construction.host_columns`): nothing is said."""
   del on_gpu
-  monkeypatch.setattr(lowering_lib, 'of_version', lambda: lowering_lib.Lowering.STAGED)
+  monkeypatch.setattr(lowering_lib, 'of_version',
+                      lambda version=None: lowering_lib.Lowering.STAGED)
   monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_enable_latency_hiding_scheduler=true')
-  params = jax.device_put({f'w{i}': jnp.ones(8) for i in range(8)}, jax.devices()[0])
-  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=8,
+  params = jax.device_put({f'w{i}': jnp.ones(2048) for i in range(8)}, jax.devices()[0])
+  opt = dos_jax.adamw(1e-3, offload=dos_jax.Offload(subgroup_size=2048,
                                                     policy=dos_jax.DeviceFraction(0.75)),
-                      implementation=dos_jax.Implementation(program='gpu'))
+                      implementation=dos_jax.Implementation(program='gpu', host=host))
   state = opt.init(params)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     for _ in range(2):
       jax.jit(opt.update).trace(params, state, params)
   messages = [str(w.message) for w in caught if 'beside no host work' in str(w.message)]
+  if host is dos_jax.UpdateImpl.KERNEL:
+    assert not messages, messages
+    return
   assert len(messages) == 1, [str(w.message) for w in caught]
   rows, regions, per_lane = map(int, re.match(
       r'dos_jax: (\d+) streamed rows run after .* has (\d+) host regions .* for (\d+) '

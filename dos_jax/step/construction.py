@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from dos_jax import lowering as lowering_lib
+from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.state import OffloadedState
 
@@ -71,6 +72,11 @@ class Construction:
       of its subgroups, the same kernel on each): under the staged lowering as many as
       the longest lane has streamed rows (at most one per disk subgroup), so that the
       stages have host work beside each of their rows; else one.
+    host_columns: the host regions each host subgroup of the last host call is split
+      into, by columns (`partition.split_pieces`: the kernel updates each part's
+      elements of the same donated row in place): under the staged lowering as many as
+      make a host region beside each streamed row of the longest lane (at most one per
+      `COLUMN_ALIGN` elements of a row); else one.
     reasons: one line per choice, why (`explain`).
   """
 
@@ -86,6 +92,7 @@ class Construction:
   sharded: bool
   disk: bool
   disk_calls: int = 0
+  host_columns: int = 1
   reasons: tuple[str, ...] = ()
 
   def explain(self) -> str:
@@ -93,10 +100,11 @@ class Construction:
     return '\n'.join(self.reasons)
 
 
-def resolve(part, layout, mesh, options, native: bool) -> Construction:
+def resolve(part, layout, mesh, options, native: bool, clipped: bool = False) -> Construction:
   """The construction of a step on a state of partition `part` and `layout` (sharded
   over `mesh`, or None), with `options` (`StepOptions`); `native`: the native host
-  kernel can run it (`capability`).
+  kernel can run it (`capability`); `clipped`: the step has a clip factor (its early
+  calls speculate, and each early block is redone after the backward pass).
 
   >>> import jax.numpy as jnp, dos_jax
   >>> from dos_jax.step.options import StepOptions
@@ -127,26 +135,51 @@ def resolve(part, layout, mesh, options, native: bool) -> Construction:
                  'early host calls: none (' + ('no early calls in the partition' if not
                  part.early else 'needs the native kernel and two host subgroups or more')
                  + ')')
-  per_block = early or (two and host_native and host_blocks > 1
-                        and lowering_lib.of_version() is lowering_lib.Lowering.STAGED)
   grouped = options.grouped_lanes()
   streamed = len(part.ids(Tier.STREAMED)) if part.two_memories else 0
   lanes = lanes_lib.lane_count(part.plan, streamed, limit=grouped) if part.two_memories else 0
   lowering = lowering_lib.of_version()
+  staged = two and lanes and lowering is lowering_lib.Lowering.STAGED
+  longest = -(-streamed // lanes) if lanes else 0
   disk_calls = 1 if part.disk else 0
-  if part.disk and two and lanes and lowering is lowering_lib.Lowering.STAGED:
-    disk_calls = max(1, min(len(part.disk), -(-streamed // lanes)))
+  if part.disk and staged:
+    disk_calls = max(1, min(len(part.disk), longest))
+  columns = host_columns(part, layout, longest, early, disk_calls, clipped) if (
+      staged and host_native and host_blocks) else 1
+  per_block = early or (two and host_native and lowering is lowering_lib.Lowering.STAGED
+                        and (host_blocks > 1 or columns > 1))
   if two:
     reasons.append(f'stream lanes: {lanes} (the group holds {grouped} beside the host call '
                    'under the limit the step is compiled with)')
     reasons.append(f'lowering: {lowering.value} (jax {".".join(map(str, _version()))})')
+  if columns > 1:
+    reasons.append(f'host columns: {columns} host regions per host subgroup of the last '
+                   f'call, a host region beside each of the {longest} streamed rows of the '
+                   'longest lane')
   return Construction(
       two_streams=two, lowering=lowering, early=early, per_block=per_block,
       host_native=host_native,
       device_native=native and options.device is UpdateImpl.KERNEL,
       pallas=options.device is UpdateImpl.KERNEL, lanes=lanes,
       grouped_lanes=min(lanes, grouped), sharded=sharded, disk=bool(part.disk),
-      disk_calls=disk_calls, reasons=tuple(reasons))
+      disk_calls=disk_calls, host_columns=columns, reasons=tuple(reasons))
+
+
+def host_columns(part, layout, longest: int, early: bool, disk_calls: int,
+                 clipped: bool) -> int:
+  """The column regions per host subgroup of the last host call that make a host region
+  beside each of a lane's `longest` streamed rows, the other regions after the backward
+  pass counted (the early blocks' redo calls where `clipped`, the disk tier's
+  `disk_calls`) (`Construction.host_columns`; at most one per `partition.COLUMN_ALIGN`
+  elements). With the regions in column-major order (`early_calls.host_work`) a stage
+  then holds at most one region of each host subgroup: XLA cannot keep a chain of host
+  calls in one scheduling group (a group "with gaps"), and a subgroup's column regions
+  run one after another, each reading the state the one before wrote."""
+  blocks = len(part.blocks(Tier.HOST))
+  calls = partition_lib.host_calls(range(blocks), part.early if early else ())
+  redone = sum(len(c) for c in calls[:-1]) if clipped and len(calls) > 1 else 0
+  most = max(1, layout.shard_size // partition_lib.COLUMN_ALIGN)
+  return max(1, min(most, -(-(longest - disk_calls - redone) // len(calls[-1]))))
 
 
 def _why_two_streams(part, layout, mesh, two: bool, options) -> str:

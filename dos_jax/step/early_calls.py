@@ -204,12 +204,14 @@ def redo_region(step: paths.RowStep, adamw, *, state, out, undo, redo, scalars_h
                                         lambda: out)
 
 
-def host_work(context, base_step: paths.RowStep, host_tier: tuple, early) -> HostWork:
+def host_work(context, base_step: paths.RowStep, host_tier: tuple, early,
+              columns: int = 1) -> HostWork:
   """The host tier of a per-subgroup state in host calls as
-  `partition.host_calls(..., early)` gives them (see the module docstring): the early calls traced now, what runs after the
-  backward pass (the last call's blocks, then each early block's redo) as the items of
-  the returned `HostWork`, whose `finish()` gives (the tier's new arrays, `(out rows on
-  the device, pieces)` per block).
+  `partition.host_calls(..., early)` gives them (see the module docstring): the early
+  calls traced now, what runs after the backward pass (the last call's blocks, each in
+  up to `columns` regions by columns, `Construction.host_columns`; then each early
+  block's redo) as the items of the returned `HostWork`, whose `finish()` gives (the
+  tier's new arrays, `(out rows on the device, pieces)` per region).
   """
   part, layout = context.part, context.layout
   blocks = part.blocks(Tier.HOST)
@@ -226,15 +228,16 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, early) -> Hos
   rows_h = [context.host_row_indices(block[0].shape[0]) for block in new]
   outs, redone, link = [], [], None
 
-  def block_args(b):
-    """The block's step and its gradient (and param) pieces, sent to host memory."""
-    runs = partition_lib.pieces_of(layout, blocks[b])
+  def block_args(b, runs=None):
+    """The block's step and its gradient (and param) pieces (`runs`, default all of
+    the block's), sent to host memory."""
+    runs = partition_lib.pieces_of(layout, blocks[b]) if runs is None else runs
     grad_pieces, param_pieces = context.host_pieces(runs)
     return context.block_step(base_step, blocks[b]), dict(
         grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs, rows_h=rows_h[b])
 
-  def host_call(b, link, sink=None):
-    step, piece_args = block_args(b)
+  def host_call(b, link, sink=None, runs=None):
+    step, piece_args = block_args(b, runs)
     arrays, out, token = kernel_calls.host_region_update(
         step, context.adamw, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
         scalars_h=scalars_h, **threads)
@@ -272,9 +275,20 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, early) -> Hos
     return (tuple(x for block in new for x in block),
             outs + [(out(), runs) for out, runs in redone])
 
-  items = [lambda link, b=b: host_call(b, link, sink=context.host_inputs)
-           for b in parts[-1]]
+  # Column-major: consecutive regions are other subgroups' (a stage holds one of each).
+  columns_of = {b: column_runs(layout, blocks[b], columns) for b in parts[-1]}
+  items = [lambda link, b=b, runs=runs: host_call(b, link, sink=context.host_inputs, runs=runs)
+           for k in range(max(map(len, columns_of.values()), default=0))
+           for b in parts[-1] for runs in columns_of[b][k:k + 1]]
   return HostWork(items=items + pending, finish=finish, link=link)
+
+
+def column_runs(layout, ids, columns: int) -> tuple:
+  """The runs of each host region of a block of subgroups `ids`: None (the whole
+  block) for one region, else `partition.split_pieces`'s column parts."""
+  if columns <= 1:
+    return (None,)
+  return partition_lib.split_pieces(partition_lib.pieces_of(layout, ids), columns)
 
 
 def link_after(tokens) -> jax.Array:

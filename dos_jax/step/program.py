@@ -118,7 +118,8 @@ def _context(kernels: StepKernels, grad_leaves, param_leaves, state, grad_scale,
   native = capability_lib.capability(
       Kernel.NATIVE_HOST, kernels.adamw, base_step, program, grad_leaves).usable
   host_grad_pieces = {}
-  built = construction.resolve(part, layout, mesh, options, native)
+  built = construction.resolve(part, layout, mesh, options, native,
+                               clipped=grad_scale is not None)
   if part.two_memories and not built.per_block and not (built.two_streams and built.sharded):
     # A sharded state's native host path takes its gradients as rows split over the
     # data axis (see `tier_updates.host_rows`).
@@ -226,7 +227,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
   if built.two_streams:
     if not built.sharded:
       work = (functools.partial(early_calls.host_work, context, base_step, host_tier,
-                                part.early) if built.per_block else
+                                part.early, built.host_columns) if built.per_block else
               functools.partial(host_work_lib.of_tier, context, base_step, host_tier,
                                 built.host_native))
       if disk is not None:
@@ -235,7 +236,7 @@ def _update_tiers(context, base_step, state: OffloadedState,
     sharded_host = sharded_disk = None
     if built.per_block:  # each device's host calls by block (early ones, stages), in shard_map
       sharded_host = lambda local, step, host: functools.partial(
-          early_calls.host_work, local, step, host, part.early)
+          early_calls.host_work, local, step, host, part.early, built.host_columns)
     if disk is not None:  # each device's disk call, after its other host work
       sharded_disk = _ShardedDisk(disk, built.host_native, options.data_axis, built)
     return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built,

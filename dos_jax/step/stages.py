@@ -21,9 +21,11 @@ the step runs in stages (docs/design.md, "The staged lowering"):
   limit) is computed on the main thread and passes an optimization barrier, so XLA
   cannot fold a constant into the region.
 
-Rows beyond the host regions (more streamed rows per lane than host regions left) run
-in regions of their own after the last stage, outside every host call: there is no host
-work left to run beside them. The resident tier joins the last stage's last lane.
+The host regions are as many as the longest lane has rows where the native kernel runs
+the host tier (`Construction.host_columns` splits its subgroups by columns). Rows
+beyond the host regions even so run in regions of their own after the last stage,
+outside every host call: there is no host work left to run beside them. The resident
+tier joins the last stage's last lane.
 """
 
 from __future__ import annotations
