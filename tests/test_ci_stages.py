@@ -33,3 +33,20 @@ def test_every_test_file_ci_names_exists():
   assert named, 'no test file named in .ci/run: the pattern above no longer matches'
   missing = sorted(f for f in named if not (ROOT / f).exists())
   assert not missing, f'.ci/run names files that do not exist: {missing}'
+
+
+def test_every_slow_tier_line_names_a_test_that_exists():
+  """A renamed test left in tests/slow_tier.txt would silently run in the default tier:
+  each line's file exists and defines the test function it names."""
+  lines = [l.strip() for l in (ROOT / 'tests' / 'slow_tier.txt').read_text().splitlines()
+           if l.strip() and not l.startswith('#')]
+  assert lines
+  missing = []
+  for line in lines:
+    path, _, test = line.partition('::')
+    name = test.split('[')[0]
+    source = ROOT / path
+    if not source.exists() or not re.search(rf'^def {re.escape(name)}\(',
+                                            source.read_text(encoding='utf-8'), re.M):
+      missing.append(line)
+  assert not missing, f'tests/slow_tier.txt names tests that do not exist: {missing}'
