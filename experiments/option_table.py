@@ -1,7 +1,7 @@
 """The construction's schedule facts under each option set a user may pass, on the CUDA
 plugin installed: the README's step and a held-out family, compiled for an H100.
 
-For the README's step (`dataflow.probes.mlp_step(8, 1024)`: 8 x 1024 bf16 MLP,
+For the README's step (`tests.tooling.probes.mlp_step(8, 1024)`: 8 x 1024 bf16 MLP,
 Stride(2), clipped, nothing but the policy set) and the family
 `schedule_family.QUICK` x (bf16, fp32), under `GPU_COMPILER_OPTIONS` (what `dos_jax.jit`
 and the runner compile with), the latency-hiding scheduler alone (a plain `jax.jit` with

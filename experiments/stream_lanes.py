@@ -8,7 +8,7 @@ row's fetch could start: the link would carry one direction at a time. The step 
 the device tiers in stream lanes (`dos_jax.step.lanes`: one region per lane,
 consecutive rows on different streams), so the next row's fetch runs on another stream.
 
-For each MLP of the family (`dataflow.probes.mlp_step`: Stride(2), clipping, the one
+For each MLP of the family (`tests.tooling.probes.mlp_step`: Stride(2), clipping, the one
 construction with no `Offload` field beyond the policy) compiled for an H100 with the
 CUDA plugin, this prints one JSON line: the stream regions and their streams, the
 streamed rows, the pairs (write-back, next fetch) that run on one stream, whether the

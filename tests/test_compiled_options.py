@@ -42,7 +42,7 @@ def offload_for(policy, subgroup_size: int):
 
 def _mlp_step(layers: int, width: int, dtype: str, policy):
   """A donated train step of an L x W MLP, one subgroup per layer, clipped (as
-  `dataflow.probes.mlp_step`), its optimizer built with `offload_for`."""
+  `tests.tooling.probes.mlp_step`), its optimizer built with `offload_for`."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel

@@ -1,6 +1,6 @@
 """The thunk reader (`dataflow.thunks`) and the reading of stream lanes
 (`dataflow.streamed_rows`), on texts written as XLA:GPU 0.11 prints them (excerpts of
-the 5 x 512 fp32 MLP step of `dataflow.probes.mlp_step`, compiled for an H100 with
+the 5 x 512 fp32 MLP step of `tests.tooling.probes.mlp_step`, compiled for an H100 with
 `xla_dump_to`). No plugin needed."""
 
 import pytest
