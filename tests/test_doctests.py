@@ -21,6 +21,7 @@ from dos_jax import migration
 from dos_jax import state_files
 from dos_jax.dataflow import early_windows
 from dos_jax.dataflow import thunks
+from dos_jax.geometry import columns
 from dos_jax.geometry import partition
 from dos_jax.step import adamw_hyperparams
 from dos_jax.step import construction
@@ -34,7 +35,7 @@ from dos_jax.train import trackers
 
 
 @pytest.mark.parametrize('module', [alias, clipping, device_stream, thunks, early_windows,
-                                    construction, migration, partition, early_calls,
+                                    construction, migration, partition, columns, early_calls,
                                     compile_cache, state_files, rundir, trackers, step_trace,
                                     adamw_hyperparams, memory_spaces, implementation,
                                     options, lowering],

@@ -1,4 +1,4 @@
-"""Host regions by columns (`Construction.host_columns`, `partition.split_pieces`): under
+"""Host regions by columns (`Construction.host_columns`, `columns.split_pieces`): under
 the staged lowering (jax 0.12) a host subgroup of the last host call is split into as
 many host regions as make one beside each streamed row of the longest lane, the kernel
 updating each part's elements of the same donated row in place.
@@ -18,6 +18,7 @@ import pytest
 
 import dos_jax
 from dos_jax import lowering as lowering_lib
+from dos_jax.geometry import columns
 from dos_jax.geometry import partition
 from dos_jax.geometry.partition import Piece
 from dos_jax.geometry.partition import Tier
@@ -44,11 +45,11 @@ def test_column_parts_hold_each_element_once_at_the_kernels_alignment(seed):
       runs.append(Piece(leaf=leaf, start=rng.randint(0, 40), size=size, offset=offset))
       offset += size + rng.randint(0, 3)
     parts = rng.randint(1, 9)
-    split = partition.split_pieces(runs, parts)
+    split = columns.split_pieces(runs, parts)
     assert 1 <= len(split) <= parts and all(split), (runs, parts, split)
     assert _elements([p for part in split for p in part]) == _elements(runs)
     first = {r.leaf: r.start for r in runs}
-    assert all((p.start - first[p.leaf]) % partition.COLUMN_ALIGN == 0
+    assert all((p.start - first[p.leaf]) % columns.COLUMN_ALIGN == 0
                for part in split for p in part), split
     # In row order, and near-equal: no part over its share by more than the alignment.
     offsets = [p.offset for part in split for p in part]
@@ -56,7 +57,7 @@ def test_column_parts_hold_each_element_once_at_the_kernels_alignment(seed):
     total = sum(r.size for r in runs)
     if len(split) == parts:
       assert max(sum(p.size for p in part) for part in split) <= (
-          -(-total // parts) + partition.COLUMN_ALIGN * len(runs)), split
+          -(-total // parts) + columns.COLUMN_ALIGN * len(runs)), split
 
 
 def _params(seed):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from dos_jax import lowering as lowering_lib
+from dos_jax.geometry import columns as columns_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.geometry.state import OffloadedState
@@ -73,7 +74,7 @@ class Construction:
       the longest lane has streamed rows (at most one per disk subgroup), so that the
       stages have host work beside each of their rows; else one.
     host_columns: the host regions each host subgroup of the last host call is split
-      into, by columns (`partition.split_pieces`: the kernel updates each part's
+      into, by columns (`columns.split_pieces`: the kernel updates each part's
       elements of the same donated row in place): under the staged lowering as many as
       make a host region beside each streamed row of the longest lane (at most one per
       `COLUMN_ALIGN` elements of a row); else one.
@@ -170,7 +171,7 @@ def host_columns(part, layout, longest: int, early: bool, disk_calls: int,
   """The column regions per host subgroup of the last host call that make a host region
   beside each of a lane's `longest` streamed rows, the other regions after the backward
   pass counted (the early blocks' redo calls where `clipped`, the disk tier's
-  `disk_calls`) (`Construction.host_columns`; at most one per `partition.COLUMN_ALIGN`
+  `disk_calls`) (`Construction.host_columns`; at most one per `columns.COLUMN_ALIGN`
   elements). With the regions in column-major order (`early_calls.host_work`) a stage
   then holds at most one region of each host subgroup: XLA cannot keep a chain of host
   calls in one scheduling group (a group "with gaps"), and a subgroup's column regions
@@ -178,7 +179,7 @@ def host_columns(part, layout, longest: int, early: bool, disk_calls: int,
   blocks = len(part.blocks(Tier.HOST))
   calls = partition_lib.host_calls(range(blocks), part.early if early else ())
   redone = sum(len(c) for c in calls[:-1]) if clipped and len(calls) > 1 else 0
-  most = max(1, layout.shard_size // partition_lib.COLUMN_ALIGN)
+  most = max(1, layout.shard_size // columns_lib.COLUMN_ALIGN)
   return max(1, min(most, -(-(longest - disk_calls - redone) // len(calls[-1]))))
 
 

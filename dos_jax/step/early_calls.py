@@ -49,6 +49,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dos_jax.geometry import columns as columns_lib
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.kernels import host_adamw_rows
@@ -285,10 +286,10 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, early,
 
 def column_runs(layout, ids, columns: int) -> tuple:
   """The runs of each host region of a block of subgroups `ids`: None (the whole
-  block) for one region, else `partition.split_pieces`'s column parts."""
+  block) for one region, else `columns.split_pieces`'s column parts."""
   if columns <= 1:
     return (None,)
-  return partition_lib.split_pieces(partition_lib.pieces_of(layout, ids), columns)
+  return columns_lib.split_pieces(partition_lib.pieces_of(layout, ids), columns)
 
 
 def link_after(tokens) -> jax.Array:
