@@ -20,7 +20,7 @@ def streamed_elements_held(plan: Plan, dev_sizes: list[int], *,
   """Elements of streamed state in device memory at once during the update. XLA keeps
   each value of an asynchronous computation live until its done (`HloLiveRange`): where
   the step runs the device tiers in stream regions holding a lane's rows together
-  (`lowering_lib.Lowering.IN_REGION`, jax 0.10-0.11) that is every streamed row; where
+  (`dos_jax.lowering.Lowering.IN_REGION`, jax 0.10-0.11) that is every streamed row; where
   each region holds one row (`STAGED`, jax 0.12), one row per lane; without regions,
   the stream's `buffers` rows. `regions`: whether the step runs the rows in stream
   regions (`dos_jax.stream_regions` says for a built state); None: where the plan has

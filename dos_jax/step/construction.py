@@ -57,7 +57,7 @@ class Construction:
 
   Attributes:
     two_streams: the host and device halves concurrent by construction (`lanes`).
-    lowering: how the stream regions are laid out on this jax (`lowering_lib.Lowering`).
+    lowering: how the stream regions are laid out on this jax (`dos_jax.lowering.Lowering`).
     early: the host tier in early host calls (`early_calls`).
     per_block: the host tier's blocks each a host region of their own
       (`early_calls.host_work`): with early calls, or where the staged lowering spreads

@@ -26,7 +26,7 @@ class HostWork:
     finish: `() -> (new host tier arrays, [(out rows, pieces)])`, once every item ran.
     link: the link the first items take (the last early call's), or None.
     ungrouped: regions traced before `items`, outside the device tiers' group, in the
-      lowering that groups one host call (`lowering_lib.Lowering.IN_REGION`).
+      lowering that groups one host call (`dos_jax.lowering.Lowering.IN_REGION`).
   """
 
   items: list[HostItem]

@@ -19,8 +19,8 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec as P
 
-from dos_jax import lowering as lowering_lib
 from dos_jax import compiler_options
+from dos_jax import lowering as lowering_lib
 from dos_jax import meshes
 from dos_jax.geometry import layout as layout_lib
 from dos_jax.geometry import partition as partition_lib

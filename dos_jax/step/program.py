@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dos_jax import lowering as lowering_lib
 from dos_jax import capability as capability_lib
+from dos_jax import lowering as lowering_lib
 from dos_jax import meshes
 from dos_jax import validate as validate_lib
 from dos_jax.capability import Kernel

@@ -1,4 +1,4 @@
-"""The device tiers' stream lanes stage by stage (`lowering_lib.Lowering.STAGED`).
+"""The device tiers' stream lanes stage by stage (`dos_jax.lowering.Lowering.STAGED`).
 
 On jax 0.12 XLA runs a stream region on its parallel execution thread, where an
 optimization barrier is not lowered and constants are not emitted, and it keeps a
@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dos_jax import lowering as lowering_lib
 from dos_jax import capability as capability_lib
 from dos_jax import compiler_options
+from dos_jax import lowering as lowering_lib
 from dos_jax.capability import Kernel
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
