@@ -135,8 +135,12 @@ def test_a_checkpoint_saved_under_fsdp4_resumes_under_data2_and_on_one_device(da
 
 @pytest.mark.slow
 def test_bad_fsdp_meshes_exit_2_with_one_line(tmp_path):
+  """Each bad mesh is one line and exit 2, before anything is written: not the run
+  folder, and not the default corpus, which a first run prepares into an empty cache
+  (given here, so the line is checked as on a fresh machine)."""
+  cache = tmp_path / 'cache'
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4',
-             JAX_PLATFORMS='cpu')
+             JAX_PLATFORMS='cpu', DOS_JAX_CACHE_DIR=str(cache))
   cases = [(['mesh.fsdp=2', 'mesh.pipeline=2'], 'mesh.fsdp'),
            (['mesh.fsdp=3'], 'does not divide the 4 available device(s)'),
            (['mesh.fsdp=4', 'mesh.data=1', 'data.batch_size=6'], 'data.batch_size')]
@@ -149,3 +153,4 @@ def test_bad_fsdp_meshes_exit_2_with_one_line(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and culprit in lines[0], out.stderr
     assert not (tmp_path / 'run').exists()
+    assert not (cache / 'data').exists(), sorted(cache.rglob('*'))

@@ -190,8 +190,11 @@ def train(
 def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device] | None,
            stream: TextIO | None) -> Summary:
   stream = stream if stream is not None else sys.stderr
-  # The checkpoint to resume is known before the run is built: a disk tier's state is
-  # then built without a first generation of files, which the restore writes or links.
+  # A mesh the devices or the batch cannot hold is named before the default corpus is
+  # prepared (its first use writes it into the cache). The checkpoint to resume is known
+  # before the run is built: a disk tier's state is then built without a first
+  # generation of files, which the restore writes or links.
+  trainer_lib.check_mesh(cfg, devices)
   dataset_dir = trainer_lib.dataset_dir_for(cfg.data)
   run_id = resume_lib.identity(cfg, dataset_dir, data_lib.load_meta(dataset_dir))
   latest, verified, skipped = resume_lib.resume_point(cfg, run_id)

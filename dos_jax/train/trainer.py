@@ -229,6 +229,19 @@ def _check_disk_processes(cfg: RunConfig, mesh: jax.sharding.Mesh) -> None:
                       'a process or unset offload.disk_dir')
 
 
+def check_mesh(cfg: RunConfig, devices: Sequence[jax.Device] | None = None):
+  """The run's mesh over `devices` (default: all), checked against the batch and the disk
+  tier's processes before anything is prepared or built.
+
+  Raises:
+    ConfigError: the mesh does not fit the devices or the batch (names the key).
+  """
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+  mesh_lib.check_divisible(mesh, cfg.data.batch_size)
+  _check_disk_processes(cfg, mesh)
+  return mesh
+
+
 def build(
     cfg: RunConfig,
     *,
@@ -252,9 +265,7 @@ def build(
   Raises:
     ConfigError: the config does not fit the machine or the files (names the key).
   """
-  mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-  mesh_lib.check_divisible(mesh, cfg.data.batch_size)
-  _check_disk_processes(cfg, mesh)
+  mesh = check_mesh(cfg, devices)
   dataset_dir = dataset_dir_for(cfg.data)
   check_dataset(cfg, dataset_dir)
   if cfg.mesh.pipeline > 1:
