@@ -148,11 +148,13 @@ _STAGED_MEMORY = ('staged lowering (jax 0.12): each stream region holds one stre
                   'the compiled update-bound step peaks at 5.03 MB (16384) against 6.49 MB '
                   'predicted: the prediction\'s update phase packs every device row with '
                   'its params at once, 29% over, on the safe side (65536: within 10%)')
-_STAGED_RUNNER_MEMORY = ('staged lowering (jax 0.12.0.1), the runner\'s tiny bf16 Stride(2) step: '
-                         'the compiled step peaks at 62.6 MB against 54.6 MB predicted (13% '
-                         'under; measured 2026-12-02, the same on the tree before that day\'s '
-                         'sharded and disk stages, passing on 0.11.2); the cause is not '
-                         'bisected')
+_STAGED_RUNNER_MEMORY = ('jax 0.12.0.1, the runner\'s tiny bf16 Stride(2) step: the compiled step '
+                         'peaks at 62.6 MB against 54.6 MB predicted (13% under). Not the staged '
+                         'construction: the peak is the start of the backward pass on both '
+                         'plugins, with the same live values there (64.95 MB counted by XLA\'s '
+                         'live-range dump on 0.11.2, 64.97 MB on 0.12.0.1), which 0.12\'s buffer '
+                         'assignment packs into 7.7 MB more temporaries (61.6 MB against 53.9); '
+                         'RESULTS.md "staged-runner-memory"')
 _STAGED_EARLY_WINDOW = ('jax 0.12.0.1, fp32, one early call: the scheduler gives the early '
                         'call a window of 5 instructions (start 67, done 72) holding a '
                         'reduce fusion but no backward gemm; it still starts during the '
@@ -231,5 +233,15 @@ def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
   layout = stages.layout(lanes, items)
   regions = sum(1 for stage in layout.grouped for rows in stage if rows)
   return early + len(layout.grouped), regions + sum(len(rows) for rows in layout.after)
-KNOWN_REGRESSIONS = {**KNOWN_REGRESSIONS_ALL_VERSIONS,
-                     **_KNOWN_BY_VERSION.get(tuple(jax.__version_info__[:2]), {})}
+# The known regressions of every version are strict xfails on the GPU machines' jax
+# (0.11) and skipped on newer ones (each an H100 compile of 6-25 s on the 2-core machine,
+# with the same reason on every plugin): CI's stage 2a checks that they still fail.
+ALL_VERSIONS_CHECKED_ON = (0, 11)
+_THIS_VERSION = tuple(jax.__version_info__[:2])
+KNOWN_REGRESSIONS = {**(KNOWN_REGRESSIONS_ALL_VERSIONS
+                        if _THIS_VERSION <= ALL_VERSIONS_CHECKED_ON else {}),
+                     **_KNOWN_BY_VERSION.get(_THIS_VERSION, {})}
+SKIPPED_HERE = ({} if _THIS_VERSION <= ALL_VERSIONS_CHECKED_ON
+                else dict.fromkeys(KNOWN_REGRESSIONS_ALL_VERSIONS, (
+                    'a known regression of every jax version: a strict xfail on jax 0.11 '
+                    '(CI stage 2a), not compiled again here')))
