@@ -233,15 +233,5 @@ def expected_calls(state, clip: bool = True, limit: int = 3) -> tuple[int, int]:
   layout = stages.layout(lanes, items)
   regions = sum(1 for stage in layout.grouped for rows in stage if rows)
   return early + len(layout.grouped), regions + sum(len(rows) for rows in layout.after)
-# The known regressions of every version are strict xfails on the GPU machines' jax
-# (0.11) and skipped on newer ones (each an H100 compile of 6-25 s on the 2-core machine,
-# with the same reason on every plugin): CI's stage 2a checks that they still fail.
-ALL_VERSIONS_CHECKED_ON = (0, 11)
-_THIS_VERSION = tuple(jax.__version_info__[:2])
-KNOWN_REGRESSIONS = {**(KNOWN_REGRESSIONS_ALL_VERSIONS
-                        if _THIS_VERSION <= ALL_VERSIONS_CHECKED_ON else {}),
-                     **_KNOWN_BY_VERSION.get(_THIS_VERSION, {})}
-SKIPPED_HERE = ({} if _THIS_VERSION <= ALL_VERSIONS_CHECKED_ON
-                else dict.fromkeys(KNOWN_REGRESSIONS_ALL_VERSIONS, (
-                    'a known regression of every jax version: a strict xfail on jax 0.11 '
-                    '(CI stage 2a), not compiled again here')))
+KNOWN_REGRESSIONS = {**KNOWN_REGRESSIONS_ALL_VERSIONS,
+                     **_KNOWN_BY_VERSION.get(tuple(jax.__version_info__[:2]), {})}
