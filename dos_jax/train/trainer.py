@@ -229,7 +229,8 @@ def _check_disk_processes(cfg: RunConfig, mesh: jax.sharding.Mesh) -> None:
                       'a process or unset offload.disk_dir')
 
 
-def check_mesh(cfg: RunConfig, devices: Sequence[jax.Device] | None = None):
+def check_mesh(cfg: RunConfig,
+               devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
   """The run's mesh over `devices` (default: all), checked against the batch and the disk
   tier's processes before anything is prepared or built.
 
