@@ -190,9 +190,8 @@ def train(
 def _train(cfg: RunConfig, birth: rundir.Birth, *, devices: Sequence[jax.Device] | None,
            stream: TextIO | None) -> Summary:
   stream = stream if stream is not None else sys.stderr
-  # A mesh the devices or the batch cannot hold is named before the default corpus is
-  # prepared (its first use writes it into the cache). The checkpoint to resume is known
-  # before the run is built: a disk tier's state is then built without a first
+  # A bad mesh is named before the default corpus is prepared. The checkpoint to resume
+  # is known before the run is built: a disk tier's state is then built without a first
   # generation of files, which the restore writes or links.
   trainer_lib.check_mesh(cfg, devices)
   dataset_dir = trainer_lib.dataset_dir_for(cfg.data)
