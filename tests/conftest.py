@@ -16,24 +16,61 @@ cache of their own (or none) sets these variables itself.
 """
 
 import atexit
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import tempfile
 import zlib
 
+_CACHE_ENV = 'DOS_JAX_TEST_COMPILATION_CACHE'
+_SEED_ENV = 'DOS_JAX_TEST_SEED'
+
+
+def _compilation_cache() -> str:
+  """The run's cache folder: made by the first process (pytest's controller) and
+  inherited by its workers through the environment; removed when its maker exits."""
+  path = os.environ.get(_CACHE_ENV)
+  if not path:
+    path = tempfile.mkdtemp(prefix='dos_jax-tests-jax-cache-')
+    os.environ[_CACHE_ENV] = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+  return path
+
+
+def _add_xla_flag(flag: str) -> None:
+  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
 # Must happen before JAX starts a backend. Tests that do not shard use device 0 only.
 # Flags given in XLA_FLAGS (.ci/run's stage 2 passes some) are kept beside it.
 if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
-                             + ' --xla_force_host_platform_device_count=8').strip()
+  _add_xla_flag('--xla_force_host_platform_device_count=8')
+# With the CUDA plugin, the compiled-program tests' H100 compiles keep the GPU kernels
+# they generate (LLVM and ptxas: about 40% of a compile) in a file per process and
+# jaxlib version, in the run's cache folder: a later compile generating a kernel of the
+# same fused computation loads it (XLA's `--xla_gpu_kernel_cache_file`; the program is
+# scheduled and its buffers assigned before kernels are generated, so nothing a test
+# checks changes). A file per xdist worker (its flag replaces the one its controller
+# set): XLA rewrites the file whole after each compile. A cache file the user names is
+# kept.
+def _gpu_kernel_cache() -> None:
+  ours = '--xla_gpu_kernel_cache_file=' + os.path.join(_compilation_cache(), 'xla-gpu-kernels-')
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith(ours)]
+  if any(f.startswith('--xla_gpu_kernel_cache_file=') for f in flags):
+    return
+  worker = os.environ.get('PYTEST_XDIST_WORKER', 'main')
+  os.environ['XLA_FLAGS'] = ' '.join(
+      [*flags, f"{ours}{importlib.metadata.version('jaxlib')}-{worker}.bin"])
+
+
+if importlib.util.find_spec('jax_cuda13_plugin') or importlib.util.find_spec('jax_cuda12_plugin'):
+  _gpu_kernel_cache()
 
 import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
 from dos_jax.train import compile_cache  # pylint: disable=wrong-import-position
-
-_CACHE_ENV = 'DOS_JAX_TEST_COMPILATION_CACHE'
-_SEED_ENV = 'DOS_JAX_TEST_SEED'
 
 
 def _gpu_visible() -> bool:
@@ -50,17 +87,6 @@ def pytest_xdist_auto_num_workers(config):
   if _gpu_visible():
     return 0
   return max(1, min(8, len(os.sched_getaffinity(0))))
-
-
-def _compilation_cache() -> str:
-  """The run's cache folder: made by the first process (pytest's controller) and
-  inherited by its workers through the environment; removed when its maker exits."""
-  path = os.environ.get(_CACHE_ENV)
-  if not path:
-    path = tempfile.mkdtemp(prefix='dos_jax-tests-jax-cache-')
-    os.environ[_CACHE_ENV] = path
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-  return path
 
 
 if not jax.config.jax_compilation_cache_dir:  # a cache the user set is kept
