@@ -47,25 +47,18 @@ def _add_xla_flag(flag: str) -> None:
 if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
   _add_xla_flag('--xla_force_host_platform_device_count=8')
 # With the CUDA plugin, the compiled-program tests' H100 compiles keep the GPU kernels
-# they generate (LLVM and ptxas: about 40% of a compile) in a file per process and
-# jaxlib version, in the run's cache folder: a later compile generating a kernel of the
-# same fused computation loads it (XLA's `--xla_gpu_kernel_cache_file`; the program is
-# scheduled and its buffers assigned before kernels are generated, so nothing a test
-# checks changes). A file per xdist worker (its flag replaces the one its controller
-# set): XLA rewrites the file whole after each compile. A cache file the user names is
-# kept.
-def _gpu_kernel_cache() -> None:
-  ours = '--xla_gpu_kernel_cache_file=' + os.path.join(_compilation_cache(), 'xla-gpu-kernels-')
-  flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith(ours)]
-  if any(f.startswith('--xla_gpu_kernel_cache_file=') for f in flags):
-    return
-  worker = os.environ.get('PYTEST_XDIST_WORKER', 'main')
-  os.environ['XLA_FLAGS'] = ' '.join(
-      [*flags, f"{ours}{importlib.metadata.version('jaxlib')}-{worker}.bin"])
-
-
-if importlib.util.find_spec('jax_cuda13_plugin') or importlib.util.find_spec('jax_cuda12_plugin'):
-  _gpu_kernel_cache()
+# they generate (LLVM and ptxas: about 40% of a compile) in a file per jaxlib version in
+# the run's cache folder, which the workers share: a later compile generating a kernel
+# of the same fused computation loads it (XLA's `--xla_gpu_kernel_cache_file`; the
+# program is scheduled and its buffers assigned before kernels are generated, so
+# nothing a test checks changes). XLA writes the file whole, to a temporary file it then
+# renames: a worker reads a whole file, and of two writing at once one's kernels stay.
+# One flag for every worker (inherited from the controller): JAX's compilation cache
+# keys its entries by XLA_FLAGS. A cache file the user names is kept.
+if (importlib.util.find_spec('jax_cuda13_plugin') or importlib.util.find_spec('jax_cuda12_plugin')) \
+    and 'xla_gpu_kernel_cache_file' not in os.environ.get('XLA_FLAGS', ''):
+  _add_xla_flag('--xla_gpu_kernel_cache_file=' + os.path.join(
+      _compilation_cache(), f"xla-gpu-kernels-{importlib.metadata.version('jaxlib')}.bin"))
 
 import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
