@@ -1,6 +1,7 @@
 """Test set-up: 8 virtual CPU devices for the sharding tests, the `gpu` marker, one
-pytest-xdist worker per core, one compilation cache for the whole run, and the `seed`
-fixture that every test drawing random inputs takes its seed from.
+pytest-xdist worker per core, one compilation cache for the whole run (and, with a CUDA
+plugin, one XLA GPU kernel cache), and the `seed` fixture that every test drawing random
+inputs takes its seed from.
 
 Most of the suite's time is XLA compiling (on the 2-core CPU machine, about two
 thirds of a typical test file), and many tests compile the same program from fresh
