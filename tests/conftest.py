@@ -18,7 +18,6 @@ cache of their own (or none) sets these variables itself.
 
 import atexit
 import importlib.metadata
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -56,8 +55,11 @@ if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
 # renames: a worker reads a whole file, and of two writing at once one's kernels stay.
 # One flag for every worker (inherited from the controller): JAX's compilation cache
 # keys its entries by XLA_FLAGS. A cache file the user names is kept.
-if (importlib.util.find_spec('jax_cuda13_plugin') or importlib.util.find_spec('jax_cuda12_plugin')) \
-    and 'xla_gpu_kernel_cache_file' not in os.environ.get('XLA_FLAGS', ''):
+# (Importing dos_jax imports jax but starts no backend: XLA reads its flags when one starts.)
+from dos_jax.dataflow import compile as _gpu_compile  # pylint: disable=wrong-import-position
+
+if _gpu_compile._cuda_plugin_present() \
+    and 'xla_gpu_kernel_cache_file' not in os.environ.get('XLA_FLAGS', ''):  # pylint: disable=protected-access
   _add_xla_flag('--xla_gpu_kernel_cache_file=' + os.path.join(
       _compilation_cache(), f"xla-gpu-kernels-{importlib.metadata.version('jaxlib')}.bin"))
 
