@@ -93,12 +93,17 @@ if not jax.config.jax_compilation_cache_dir:  # a cache the user set is kept
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 
+def _node_ids(path: str) -> frozenset[str]:
+  """The node ids a list file names: one a line; blank lines and `#` comments skipped."""
+  with open(path, encoding='utf-8') as f:
+    return frozenset(line.strip() for line in f
+                     if line.strip() and not line.lstrip().startswith('#'))
+
+
 def _slow_tier() -> frozenset[str]:
   """The node ids tests/slow_tier.txt puts in the `slow` tier (beside the tests marked
   `@pytest.mark.slow` in their files)."""
-  path = os.path.join(os.path.dirname(__file__), 'slow_tier.txt')
-  with open(path, encoding='utf-8') as f:
-    return frozenset(line.strip() for line in f if line.strip() and not line.startswith('#'))
+  return _node_ids(os.path.join(os.path.dirname(__file__), 'slow_tier.txt'))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -123,6 +128,66 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if 'gpu' in item.keywords:
       item.add_marker(skip_gpu)
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      '--leave-out', metavar='FILE', default=None,
+      help='deselect the pytest node ids FILE lists, one a line (# starts a comment); '
+      'CI stage 2c passes tests/stage_2c_leaves_out.txt')
+  parser.addoption(
+      '--first-parameter-set', action='store_true',
+      help='run each test function once: the first of its parameter sets that the other '
+      'options select (and every known regression of this JAX, a strict xfail). CI runs '
+      'every parameter set on jax 0.10 and each function once on the newest jax.')
+
+
+class _FirstParameterSet:
+  """`--first-parameter-set`: deselects all but the first item of each test function,
+  after `-m`, `-k` and `--deselect` chose (trylast), so a function whose first
+  parameter set is deselected runs with its next one. An item skipped by a marker
+  gives way to the next one; a known regression always stays."""
+
+  @pytest.hookimpl(trylast=True)
+  def pytest_collection_modifyitems(self, config, items):
+    def function(item):
+      return item.nodeid.split('[', 1)[0]
+    first = {}
+    for item in items:  # the first item not skipped by a marker, else the first
+      name = function(item)
+      if name not in first or (first[name].get_closest_marker('skip') is not None
+                               and item.get_closest_marker('skip') is None):
+        first[name] = item
+    chosen = {id(item) for item in first.values()}
+    kept = [item for item in items
+            if id(item) in chosen or item.get_closest_marker('xfail') is not None]
+    if len(kept) < len(items):
+      kept_ids = {id(item) for item in kept}
+      config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
+      items[:] = kept
+
+
+class _LeaveOut:
+  """`--leave-out FILE`: deselects the node ids FILE lists."""
+
+  def __init__(self, path: str):
+    self.ids = _node_ids(path)
+
+  def pytest_collection_modifyitems(self, config, items):
+    left_out = [item for item in items if item.nodeid in self.ids]
+    if left_out:
+      config.hook.pytest_deselected(items=left_out)
+      items[:] = [item for item in items if item.nodeid not in self.ids]
+
+
+def pytest_configure(config):
+  path = config.getoption('--leave-out')
+  if path:
+    if not os.path.isfile(path):
+      raise pytest.UsageError(f'--leave-out {path}: no such file')
+    config.pluginmanager.register(_LeaveOut(path), 'dos_jax_leave_out')
+  if config.getoption('--first-parameter-set'):
+    config.pluginmanager.register(_FirstParameterSet(), 'dos_jax_first_parameter_set')
 
 
 @pytest.fixture(autouse=True, scope='session')
