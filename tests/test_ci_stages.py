@@ -4,6 +4,8 @@ because the compiled-program modules skip at import where no CUDA plugin is inst
 
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -76,3 +78,24 @@ def test_stage_2c_passes_its_list():
   run = (ROOT / '.ci' / 'run').read_text(encoding='utf-8').replace('\\\n', ' ')
   command = next(l for l in run.splitlines() if l.startswith('tier "stage 2c'))
   assert '--leave-out tests/stage_2c_leaves_out.txt' in command, command
+
+
+def _collected(*args: str) -> list[str]:
+  """The node ids pytest collects from this file with `args` (`--collect-only`)."""
+  out = subprocess.run(
+      [sys.executable, '-m', 'pytest', '--collect-only', '-q', '-n', '0', '-p',
+       'no:cacheprovider', 'tests/test_ci_stages.py', *args],
+      cwd=ROOT, capture_output=True, text=True, check=True, timeout=600).stdout
+  return [l for l in out.splitlines() if l.startswith('tests/test_ci_stages.py::')]
+
+
+def test_the_stage_options_select_what_they_say(tmp_path):
+  """`--first-parameter-set` (stage 2b) keeps the first item of each function, and
+  every unparametrized one; `--leave-out FILE` (stage 2c) drops exactly FILE's ids."""
+  every = _collected()
+  listed = [n for n in every if n.split('::')[1].startswith('test_every_listed_node_id')]
+  assert len(listed) == 2, every
+  assert _collected('--first-parameter-set') == [n for n in every if n != listed[1]]
+  left_out = tmp_path / 'left_out.txt'
+  left_out.write_text(f'# a comment\n\n{listed[0]}\n', encoding='utf-8')
+  assert _collected('--leave-out', str(left_out)) == [n for n in every if n != listed[0]]
