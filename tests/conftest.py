@@ -138,7 +138,7 @@ def pytest_addoption(parser):
   parser.addoption(
       '--first-parameter-set', action='store_true',
       help='run each test function once: the first of its parameter sets that the other '
-      'options select (and every known regression of this JAX, a strict xfail). CI runs '
+      'options select (and every xfail: the known regressions stay strict). CI runs '
       'every parameter set on jax 0.10 and each function once on the newest jax.')
 
 
@@ -146,7 +146,7 @@ class _FirstParameterSet:
   """`--first-parameter-set`: deselects all but the first item of each test function,
   after `-m`, `-k` and `--deselect` chose (trylast), so a function whose first
   parameter set is deselected runs with its next one. An item skipped by a marker
-  gives way to the next one; a known regression always stays."""
+  gives way to the next one; every xfail stays (the known regressions among them)."""
 
   @pytest.hookimpl(trylast=True)
   def pytest_collection_modifyitems(self, config, items):
