@@ -93,7 +93,7 @@ if not jax.config.jax_compilation_cache_dir:  # a cache the user set is kept
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 
 
-def _node_ids(path: str) -> frozenset[str]:
+def node_ids(path: str) -> frozenset[str]:
   """The node ids a list file names: one a line; blank lines and `#` comments skipped."""
   with open(path, encoding='utf-8') as f:
     return frozenset(line.strip() for line in f
@@ -103,7 +103,7 @@ def _node_ids(path: str) -> frozenset[str]:
 def _slow_tier() -> frozenset[str]:
   """The node ids tests/slow_tier.txt puts in the `slow` tier (beside the tests marked
   `@pytest.mark.slow` in their files)."""
-  return _node_ids(os.path.join(os.path.dirname(__file__), 'slow_tier.txt'))
+  return node_ids(os.path.join(os.path.dirname(__file__), 'slow_tier.txt'))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -150,28 +150,26 @@ class _FirstParameterSet:
 
   @pytest.hookimpl(trylast=True)
   def pytest_collection_modifyitems(self, config, items):
-    def function(item):
-      return item.nodeid.split('[', 1)[0]
     first = {}
     for item in items:  # the first item not skipped by a marker, else the first
-      name = function(item)
+      name = item.nodeid.split('[', 1)[0]
       if name not in first or (first[name].get_closest_marker('skip') is not None
                                and item.get_closest_marker('skip') is None):
         first[name] = item
     chosen = {id(item) for item in first.values()}
-    kept = [item for item in items
-            if id(item) in chosen or item.get_closest_marker('xfail') is not None]
-    if len(kept) < len(items):
-      kept_ids = {id(item) for item in kept}
-      config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
-      items[:] = kept
+    dropped = [item for item in items
+               if id(item) not in chosen and item.get_closest_marker('xfail') is None]
+    if dropped:
+      config.hook.pytest_deselected(items=dropped)
+      gone = {id(item) for item in dropped}
+      items[:] = [item for item in items if id(item) not in gone]
 
 
 class _LeaveOut:
   """`--leave-out FILE`: deselects the node ids FILE lists."""
 
   def __init__(self, path: str):
-    self.ids = _node_ids(path)
+    self.ids = node_ids(path)
 
   def pytest_collection_modifyitems(self, config, items):
     left_out = [item for item in items if item.nodeid in self.ids]

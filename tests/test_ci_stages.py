@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests import compiled
+from tests import conftest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,8 +43,7 @@ def test_every_test_file_ci_names_exists():
 
 
 def _listed(name: str) -> list[str]:
-  return [l.strip() for l in (ROOT / 'tests' / name).read_text(encoding='utf-8').splitlines()
-          if l.strip() and not l.lstrip().startswith('#')]
+  return sorted(conftest.node_ids(str(ROOT / 'tests' / name)))
 
 
 @pytest.mark.parametrize('name', ['slow_tier.txt', 'stage_2c_leaves_out.txt'])
