@@ -33,7 +33,7 @@ def main(argv=None) -> int:
   import numpy as np
   from jax import lax
   from dos_jax import dataflow
-  from dos_jax.step import paths
+  from dos_jax import memory_spaces
 
   chunks, num_layers, width = args.chunks, args.layers, 1024
   rng = np.random.default_rng(0)
@@ -54,10 +54,10 @@ def main(argv=None) -> int:
 
   def step(p, host_state, streamed_state, x):
     g = jax.grad(loss)(p, x)
-    g_host = [paths.to_host(g[f'l{i}'].reshape(-1)) for i in host_layers]
+    g_host = [memory_spaces.to_host(g[f'l{i}'].reshape(-1)) for i in host_layers]
     g_dev = [g[f'l{i}'].reshape(-1) for i in device_layers]
     runtime = x[0, 0].astype(jnp.float32)
-    token = paths.to_host(jnp.zeros((1,), jnp.float32))
+    token = memory_spaces.to_host(jnp.zeros((1,), jnp.float32))
     new_host, new_dev = {}, {}
     for hc, dc in zip(np.array_split(np.arange(len(host_layers))[::-1], chunks),
                       np.array_split(np.arange(len(device_layers)), chunks)):
@@ -69,17 +69,17 @@ def main(argv=None) -> int:
                     for s, gr in zip(state, grads))
         return sum(o[0, :1] for o in out) * 0 + tok, out
 
-      host_token, host_out = paths.host_region(
-          update, out_spaces=(paths.DEVICE, paths.HOST))(*inputs)
+      host_token, host_out = memory_spaces.host_region(
+          update, out_spaces=(memory_spaces.DEVICE, memory_spaces.HOST))(*inputs)
       dev_out = []
       for r, gr in zip(dc, grads):
-        block = jax.device_put(streamed_state[int(r)], paths.DEVICE)
+        block = jax.device_put(streamed_state[int(r)], memory_spaces.DEVICE)
         block = lax.optimization_barrier(block * 0.9 + gr.astype(jnp.float32)[None] * jnp.tanh(block))
-        dev_out.append(paths.to_host(block))
+        dev_out.append(memory_spaces.to_host(block))
       new_host.update({int(r): o for r, o in zip(hc, host_out)})
       new_dev.update({int(r): o for r, o in zip(dc, dev_out)})
-      dev_token = sum(jax.device_put(o[0, :1], paths.DEVICE) for o in dev_out) * 0
-      token = paths.to_host(host_token * runtime + dev_token)
+      dev_token = sum(jax.device_put(o[0, :1], memory_spaces.DEVICE) for o in dev_out) * 0
+      token = memory_spaces.to_host(host_token * runtime + dev_token)
     return ([new_host[i] for i in range(len(host_layers))],
             [new_dev[i] for i in range(len(device_layers))])
 

@@ -152,7 +152,7 @@ def _group_probe(grouped: bool, chain: int = 6):
   import contextlib  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from dos_jax.step import paths  # pylint: disable=import-outside-toplevel
+  from dos_jax import memory_spaces  # pylint: disable=import-outside-toplevel
 
   group = device_stream.next_group() if grouped else None
 
@@ -162,7 +162,7 @@ def _group_probe(grouped: bool, chain: int = 6):
     for _ in range(chain):
       y = jnp.tanh(y @ x)
     with device_stream.in_group(group) if grouped else contextlib.nullcontext():
-      h = paths.host_region(lambda h, g: h * 0.9 + g)(h, g)
+      h = memory_spaces.host_region(lambda h, g: h * 0.9 + g)(h, g)
     return h, w + y
 
   dataflow.compile.prepare()

@@ -8,7 +8,6 @@ import numpy as np
 from jax.experimental import compute_on as compute_on_module
 
 from dos_jax import memory_spaces
-from dos_jax.step import paths
 
 
 def _install(monkeypatch, module):
@@ -52,15 +51,15 @@ def test_jax_0_11_signature_gets_the_function_form_with_out_memory_spaces(monkey
   _install(monkeypatch, _new_module(calls))
   fn = memory_spaces.host_region(lambda x: x + 1)
   assert fn(1) == 2
-  assert calls == [('compute_on', 'device_host', paths.HOST, None)]
+  assert calls == [('compute_on', 'device_host', memory_spaces.HOST, None)]
 
 
 def test_jax_0_10_signature_gets_compute_on2_not_the_context_manager(monkeypatch):
   calls = []
   _install(monkeypatch, _old_module(calls))
-  fn = memory_spaces.host_region(lambda x: x * 3, out_spaces=(paths.HOST,))
+  fn = memory_spaces.host_region(lambda x: x * 3, out_spaces=(memory_spaces.HOST,))
   assert fn(2) == 6
-  assert calls == [('compute_on2', 'device_host', (paths.HOST,), None)]
+  assert calls == [('compute_on2', 'device_host', (memory_spaces.HOST,), None)]
 
 
 def test_context_manager_only_module_still_works(monkeypatch):
@@ -79,7 +78,7 @@ def test_installed_jax_host_region_runs_and_returns_host_memory():
 
   @jax.jit
   def f(x):
-    return paths.host_region(lambda y: y * 2 + 1)(x)
+    return memory_spaces.host_region(lambda y: y * 2 + 1)(x)
 
   out = f(x)
   np.testing.assert_array_equal(np.asarray(out), np.arange(8.0) * 2 + 1)

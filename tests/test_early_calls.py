@@ -36,10 +36,10 @@ MAX_NORM = 1.0
 FIRES = (1, 2, 5)  # steps whose gradients are scaled past MAX_NORM (norm ~17 vs ~0.2)
 
 
-def _in_place_everywhere(in_place, with_result, *args):
+def _in_place_everywhere(in_place, with_result):
   """`kernel_calls.state_in_place` choosing the GPU program's form on every platform."""
   del with_result
-  return in_place(*args)
+  return in_place
 
 
 def _opt(clip: bool = True, policy=dos_jax.Stride(2)):

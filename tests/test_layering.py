@@ -225,7 +225,9 @@ def test_the_graph_reads_both_kinds_of_import():
   as module `P.m` (else every `from dos_jax import x` would look like the api)."""
   graph = _graph()
   assert 'dos_jax.geometry.slots' in graph['dos_jax.step.paths']  # `from dos_jax.geometry import slots`
-  assert 'dos_jax.geometry.partition' in graph['dos_jax.step.paths']
+  assert 'dos_jax.geometry.layout' in graph['dos_jax.step.tier_updates']
+  # `from dos_jax.geometry.partition import Piece`: the module, not a module named Piece
+  assert 'dos_jax.geometry.partition' in graph['dos_jax.geometry.columns']
   assert 'dos_jax.kernels.pallas_adamw' in graph['dos_jax.step.kernel_calls']  # inside a function
   assert 'dos_jax' not in graph['dos_jax.step.paths']
   assert 'dos_jax' in graph['dos_jax.train.step']  # `import dos_jax`

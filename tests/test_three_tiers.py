@@ -117,7 +117,7 @@ def distinct_state(seed):
   rows = tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype)
                for x in state.rows())
   tiers = dos_jax.geometry.partition.split_tiers(rows, state.partition)
-  host = lambda t: jax.device_put(tiers[t], dos_jax.step.paths.HOST)
+  host = lambda t: jax.device_put(tiers[t], dos_jax.memory_spaces.HOST)
   state = transform.OffloadedState(
       host=host(Tier.HOST), streamed=host(Tier.STREAMED), resident=tiers[Tier.RESIDENT],
       scalars=state.scalars, layout=state.layout, slots=state.slots, partition=state.partition)

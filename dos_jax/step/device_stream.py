@@ -134,25 +134,37 @@ def on_stream(fn: Callable[..., Any], group: int | None,
   host and device memory included (they are not asynchronous there): two regions on
   two streams are what lets one's copies run while the other's do
   (docs/design.md, rule 3)."""
-  if stream < 1:
-    raise ValueError(f'dos_jax: a stream region needs a stream of its own (1 or more), '
-                     f'got stream={stream}')
+  _check_stream(stream)
 
   def wrapped(*args):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    if closed.effects:
-      raise ValueError(f'dos_jax: a stream region cannot have effects: {closed.effects}')
-    consts, jaxpr = _without_consts(closed)
-    attributes = ((jax_internals.STREAM_ANNOTATION, str(stream)), ('inlineable', 'false'))
-    if group is not None:
-      attributes += ((jax_internals.SCHEDULING_GROUP, str(group)),)
-    if lanes is not None:
-      attributes += ((LANES_ATTRIBUTE, str(lanes)),)
-    outs = stream_region_p.bind(*consts, *jax.tree.leaves(args), jaxpr=jaxpr,
-                                attributes=attributes)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    return bind(closed, out_shape, args, group, stream=stream, lanes=lanes)
 
   return wrapped
+
+
+def bind(closed, out_shape, args: tuple, group: int | None, stream: int = STREAM,
+         lanes: int | None = None) -> Any:
+  """`on_stream` of a function already traced on `args`: `closed, out_shape =
+  jax.make_jaxpr(fn, return_shape=True)(*args)`."""
+  _check_stream(stream)
+  if closed.effects:
+    raise ValueError(f'dos_jax: a stream region cannot have effects: {closed.effects}')
+  consts, jaxpr = _without_consts(closed)
+  attributes = ((jax_internals.STREAM_ANNOTATION, str(stream)), ('inlineable', 'false'))
+  if group is not None:
+    attributes += ((jax_internals.SCHEDULING_GROUP, str(group)),)
+  if lanes is not None:
+    attributes += ((LANES_ATTRIBUTE, str(lanes)),)
+  outs = stream_region_p.bind(*consts, *jax.tree.leaves(args), jaxpr=jaxpr,
+                              attributes=attributes)
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _check_stream(stream: int) -> None:
+  if stream < 1:
+    raise ValueError(f'dos_jax: a stream region needs a stream of its own (1 or more), '
+                     f'got stream={stream}')
 
 
 def _without_consts(closed) -> tuple[list[Any], Any]:

@@ -45,6 +45,7 @@ those of one host call bit for bit.
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,7 @@ from dos_jax.step import kernel_calls
 from dos_jax import memory_spaces
 from dos_jax.memory_spaces import DEVICE
 from dos_jax.memory_spaces import HOST
+from dos_jax.step.host_work import HostItem
 from dos_jax.step.host_work import HostWork
 from dos_jax.step import paths
 
@@ -141,16 +143,15 @@ def speculate_region(step: paths.RowStep, adamw, *, stacked, scalars_h, rows_h, 
 
   def in_place(*args):
     out_h, token = memory_spaces.host_region(
-        lambda *a: run(*a, in_place=True), out_spaces=(HOST, DEVICE))(*args)
+        functools.partial(run, in_place=True), out_spaces=(HOST, DEVICE))(*args)
     return args[0], memory_spaces.put(out_h, DEVICE), args[0], token
 
   def with_result(*args):
     new_state, out_h, token = memory_spaces.host_region(
-        lambda *a: run(*a, in_place=False),
-        out_spaces=(HOST, HOST, DEVICE))(*args)
+        functools.partial(run, in_place=False), out_spaces=(HOST, HOST, DEVICE))(*args)
     return new_state, memory_spaces.put(out_h, DEVICE), args[0], token
 
-  return kernel_calls.state_in_place(in_place, with_result, *args)
+  return kernel_calls.state_in_place(in_place, with_result)(*args)
 
 
 def redo_region(step: paths.RowStep, adamw, *, state, out, undo, redo, scalars_h, rows_h,
@@ -198,9 +199,8 @@ def redo_region(step: paths.RowStep, adamw, *, state, out, undo, redo, scalars_h
         undo, grad_pieces, param_pieces, rows_h, arrays_h, link)
     return jnp.where(redo_h[0] != 0, again_state, state), again
 
-  state, again = kernel_calls.state_in_place(
-      in_place, with_result, state, undo, redo_h, grad_pieces, param_pieces, rows_h,
-      arrays_h, link)
+  state, again = kernel_calls.state_in_place(in_place, with_result)(
+      state, undo, redo_h, grad_pieces, param_pieces, rows_h, arrays_h, link)
   return (state,), lambda: jax.lax.cond(redo, lambda: memory_spaces.put(again, DEVICE),
                                         lambda: out)
 
@@ -237,38 +237,41 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, early,
     return context.block_step(base_step, blocks[b]), dict(
         grad_pieces=grad_pieces, param_pieces=param_pieces, runs=runs, rows_h=rows_h[b])
 
-  def host_call(b, link, sink=None, runs=None):
+  def call_inputs(b, runs):  # traced where the call is, inside its group
     step, piece_args = block_args(b, runs)
-    arrays, out, token = kernel_calls.host_region_update(
-        step, context.adamw, stacked=new[b], link=link, inputs_sink=sink, **piece_args,
-        scalars_h=scalars_h, **threads)
+    return dict(piece_args, step=step, stacked=new[b])
+
+  def record_call(b, runs, result):
+    arrays, out, token = result
     new[b] = memory_spaces.put(arrays, HOST)
-    outs.append((out, piece_args['runs']))
+    outs.append((out, runs))
     return token
 
-  def redo_item(b, step, state, out, undo, piece_args):
-    def item(link):
-      arrays, again = redo_region(
-          step, context.adamw, state=state, out=out, undo=undo, redo=redo, redo_h=redo_h,
-          link=link, **piece_args, scalars_h=scalars_h, **threads)
-      new[b] = paths.put(arrays, paths.HOST)
-      redone.append((again, piece_args['runs']))
-      return again
-    return item
+  def record_redo(b, runs, result):
+    arrays, again = result
+    new[b] = memory_spaces.put(arrays, HOST)
+    redone.append((again, runs))
+    return again
 
+  region_args = dict(adamw=context.adamw, scalars_h=scalars_h, **threads)
   pending = []
   for index, call_blocks in enumerate(parts[:-1]):
     with device_stream.early_call(index):
       tokens = []
       for b in call_blocks:
-        if redo is None:
-          tokens.append(host_call(b, link))
-          continue
         step, piece_args = block_args(b)
+        if redo is None:
+          tokens.append(record_call(b, piece_args['runs'], kernel_calls.host_region_update(
+              step, stacked=new[b], link=link, **piece_args, **region_args)))
+          continue
         state, out, undo, token = speculate_region(
             step, context.adamw, stacked=new[b], link=link, **piece_args,
             scalars_h=speculated_h, **threads)
-        pending.append(redo_item(b, step, state, out, undo, piece_args))
+        pending.append(HostItem(
+            region=functools.partial(redo_region, step, context.adamw, state=state, out=out,
+                                     undo=undo, redo=redo, redo_h=redo_h, **piece_args,
+                                     scalars_h=scalars_h, **threads),
+            record=functools.partial(record_redo, b, piece_args['runs'])))
         tokens.append(token)
       link = link_after(tokens)
 
@@ -278,24 +281,26 @@ def host_work(context, base_step: paths.RowStep, host_tier: tuple, early,
 
   # Column-major: consecutive regions are other subgroups' (a stage holds one of each).
   columns_of = {b: column_runs(layout, blocks[b], columns) for b in parts[-1]}
-  items = [lambda link, b=b, runs=runs: host_call(b, link, sink=context.host_inputs, runs=runs)
+  items = [HostItem(region=functools.partial(kernel_calls.host_region_update,
+                                            inputs_sink=context.host_inputs, **region_args),
+                    inputs=functools.partial(call_inputs, b, runs),
+                    record=functools.partial(record_call, b, runs))
            for k in range(max(map(len, columns_of.values()), default=0))
            for b in parts[-1] for runs in columns_of[b][k:k + 1]]
   return HostWork(items=items + pending, finish=finish, link=link)
 
 
 def column_runs(layout, ids, columns: int) -> tuple:
-  """The runs of each host region of a block of subgroups `ids`: None (the whole
-  block) for one region, else `columns.split_pieces`'s column parts."""
-  if columns <= 1:
-    return (None,)
-  return columns_lib.split_pieces(partition_lib.pieces_of(layout, ids), columns)
+  """The runs of each host region of a block of subgroups `ids`: the block's pieces for
+  one region, else `columns.split_pieces`'s column parts."""
+  pieces = partition_lib.pieces_of(layout, ids)
+  return (pieces,) if columns <= 1 else columns_lib.split_pieces(pieces, columns)
 
 
 def link_after(tokens) -> jax.Array:
   """The link of the host calls after those whose `tokens` are given: an exact zero in
   host memory computed on the device from every token (a redo's: its out-rows thunk)."""
-  return paths.to_host(sum(zero_of(t() if callable(t) else t) for t in tokens))
+  return memory_spaces.to_host(sum(zero_of(t() if callable(t) else t) for t in tokens))
 
 
 def update_host(context, base_step: paths.RowStep, host_tier: tuple, early, group=None):

@@ -4,17 +4,46 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable
 
-from dos_jax import lowering as lowering_lib
 from dos_jax.geometry.partition import Tier
 from dos_jax.step import device_stream
 
-# item(link) -> token: one host region, traced when called. `link` is a (1,) zero in host
-# memory made on the device from the tokens of the call before (None: no call before);
-# the token is a device array computed from the region's results (None: none), from
-# which the next call's link is made.
-HostItem = Callable[[Any], Any]
+
+def _no_inputs() -> dict:
+  return {}
+
+
+def _no_token(result) -> None:
+  del result
+
+
+@dataclasses.dataclass(frozen=True)
+class HostItem:
+  """One host region of the step, traced by whoever runs it in three calls, so that the
+  kernel call sits right below the construction:
+
+      item.record(item.region(link=link, **item.inputs()))
+
+  Attributes:
+    region: the region (a kernel call site); `link` is a `(1,)` zero in host memory made
+      on the device from the tokens of the call before (None: no call before).
+    inputs: `() -> keyword arguments of region`: what it reads, sent to host memory at
+      the point the region is traced (inside its call's context).
+    record: `(region's result) -> token`: keeps the new arrays and out rows; the token
+      (a device array computed from the region's results, or None) is what the next
+      call's link is made from.
+  """
+
+  region: Callable[..., Any]
+  inputs: Callable[[], dict] = _no_inputs
+  record: Callable[[Any], Any] = _no_token
+
+
+def run(item: HostItem, link) -> Any:
+  """Traces `item` with `link`; returns its token."""
+  return item.record(item.region(link=link, **item.inputs()))
 
 
 @dataclasses.dataclass
@@ -38,10 +67,10 @@ class HostWork:
     """Traces every region, `items` in scheduling group `group` (one host call), and
     returns `finish()`."""
     for item in self.ungrouped:
-      item(self.link)
+      run(item, self.link)
     with device_stream.in_group(group) if group is not None else contextlib.nullcontext():
       for item in self.items:
-        item(self.link)
+        run(item, self.link)
     return self.finish()
 
   def every_item(self) -> list[HostItem]:
@@ -54,13 +83,15 @@ class HostWork:
     return dataclasses.replace(self, items=list(items), ungrouped=self.every_item())
 
 
+def _tier_region(context, base_step, host_tier: tuple, native: bool, link):
+  del link  # the tier's one host call has no call before it to wait for
+  return context.update_tier(Tier.HOST, base_step, host_tier, native=native)
+
+
 def of_tier(context, base_step, host_tier: tuple, native: bool) -> HostWork:
   """The host tier in one item (`StepContext.update_tier`); no item where it is empty."""
   done = {}
-
-  def item(link):
-    del link  # the tier's one host call has no call before it to wait for
-    done['result'] = context.update_tier(Tier.HOST, base_step, host_tier, native=native)
-
+  item = HostItem(region=functools.partial(_tier_region, context, base_step, host_tier, native),
+                  record=functools.partial(done.__setitem__, 'result'))
   return HostWork(items=[item] if context.part.ids(Tier.HOST) else [],
                   finish=lambda: done.get('result', (host_tier, [])))

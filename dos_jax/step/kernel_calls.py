@@ -10,6 +10,7 @@ XLA path, which runs `AdamWHyperparams.chain()` row by row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -164,19 +165,15 @@ def region_kernel_args(step: paths.RowStep, adamw: AdamWHyperparams, runs,
               nesterov=adamw.nesterov, num_threads=num_threads)
 
 
-def state_in_place(in_place, with_result, *args):
-  """The host tier's state update in the form the platform keeps in order:
-  `in_place(*args)` (the kernel writes the donated state in its buffer, which leaves
-  through an optimization barrier) where the program is lowered for a GPU, and
-  `with_result(*args)` (the state a result of the host region, a copy per step) on a
-  CPU backend, where the two-memory program runs only as a test of its numbers.
-
-  A CPU backend's compiler drops the optimization barrier before scheduling, so
-  without donation the copy of the state into the program's output could run before
-  the host call writes it; XLA:GPU drops the barrier only after scheduling, so the
-  order holds there donated or not. Each platform lowers only its own branch.
+def state_in_place(in_place, with_result):
+  """The host tier's state update in the form the platform keeps in order, as a function
+  of the update's arguments: `in_place` (the kernel writes the donated state in its
+  buffer, which leaves through an optimization barrier) where the program is lowered
+  for a GPU, and `with_result` (the state a result of the host region, a copy per step)
+  on a CPU backend, where the two-memory program runs only as a test of its numbers.
+  Each platform lowers only its own branch (docs/design.md, "The host state in place").
   """
-  return jax.lax.platform_dependent(*args, cpu=with_result, default=in_place)
+  return functools.partial(jax.lax.platform_dependent, cpu=with_result, default=in_place)
 
 
 def host_region_update(step: paths.RowStep, adamw: AdamWHyperparams, *, stacked, scalars_h,
@@ -236,8 +233,8 @@ def host_region_update(step: paths.RowStep, adamw: AdamWHyperparams, *, stacked,
   spaces = (HOST, DEVICE)
 
   def in_place(*args):
-    out_h, token = memory_spaces.host_region(lambda *a: run(*a, state_in_arg=True),
-                                     out_spaces=spaces)(*args)
+    out_h, token = memory_spaces.host_region(functools.partial(run, state_in_arg=True),
+                                             out_spaces=spaces)(*args)
     out = memory_spaces.put(out_h, DEVICE)
     new_state, out = jax.lax.optimization_barrier((args[0], out))
     return new_state, out, token
@@ -246,7 +243,7 @@ def host_region_update(step: paths.RowStep, adamw: AdamWHyperparams, *, stacked,
     new_state, out_h, token = memory_spaces.host_region(run, out_spaces=(HOST,) + spaces)(*args)
     return new_state, memory_spaces.put(out_h, DEVICE), token
 
-  new_state, out, token = state_in_place(in_place, with_result, *args)
+  new_state, out, token = state_in_place(in_place, with_result)(*args)
   return (new_state,), out, token
 
 
@@ -327,12 +324,36 @@ class DeviceKernelStep:
 
   def __call__(self, blocks, scalars, grad, param, index):
     del scalars  # every row reads the pre-step scalars, folded into `coefficients`
-    if self.mesh is None:
-      return self._update(blocks[0], grad, param, index, self.coefficients)
+    if self.mesh is not None:
+      return self._per_shard(blocks[0], grad, param, index)
+    from dos_jax.kernels import pallas_adamw  # pylint: disable=import-outside-toplevel
+    block, step = blocks[0], self.step
+    size = block.shape[-1]
+    limit = jnp.reshape(jnp.where(index < step.decayed_rows, size, 0).astype(jnp.int32), (1,))
+    kernel = functools.partial(
+        pallas_adamw.adamw_pallas_rows_packed, self.coefficients, limit,
+        slots=slot_rows(step.slots, step.has_master),
+        lowp_dtype=step.out_dtype if step.has_master else None, nesterov=self.adamw.nesterov)
+    # Triton where the program is lowered for a GPU, the Pallas interpreter where it
+    # runs on a CPU backend: each platform lowers only its own branch. The block is
+    # updated where it is, in one buffer (no row slices, no stacking).
+    new_block, new_master, lowp = jax.lax.platform_dependent(
+        block, grad, None if step.has_master else param,
+        cpu=functools.partial(kernel, interpret=True),
+        default=functools.partial(kernel, interpret=False))
+    if step.has_master:
+      out_row = lowp
+    else:
+      # fp32 params are their own master: the out row is the update.
+      out_row = (new_master - param).astype(step.out_dtype)
+    return (new_block,), self.new_scalars, out_row
 
+  def _per_shard(self, block, grad, param, index):
+    """The kernel on each device's columns of the row, under `shard_map`."""
     def per_shard(block, grad, index, coefficients, *param):
-      (new_block,), _, out_row = self._update(block, grad, param[0] if param else None,
-                                              index, coefficients)
+      unsharded = dataclasses.replace(self, coefficients=coefficients, mesh=None, axis=None)
+      (new_block,), _, out_row = unsharded((block,), None, grad, param[0] if param else None,
+                                           index)
       return new_block, out_row
 
     mesh = meshes.as_traced(self.mesh)
@@ -343,34 +364,7 @@ class DeviceKernelStep:
         per_shard, mesh=mesh,
         in_specs=(rows, row, P(), P()) + (row,) * len(extra),
         out_specs=(rows, row), check_vma=False,
-    )(blocks[0], grad, jnp.asarray(index), self.coefficients, *extra)
-    return (new_block,), self.new_scalars, out_row
-
-  def _update(self, block, grad, param, index, coefficients):
-    from dos_jax.kernels import pallas_adamw  # pylint: disable=import-outside-toplevel
-    slots = slot_rows(self.step.slots, self.step.has_master)
-    size = block.shape[-1]
-    decay_limit = jnp.where(index < self.step.decayed_rows, size, 0).astype(jnp.int32)
-    lowp_dtype = self.step.out_dtype if self.step.has_master else None
-
-    limit = jnp.reshape(decay_limit, (1,))
-
-    def kernel(interpret):
-      return lambda block, grad, param: pallas_adamw.adamw_pallas_rows_packed(
-          coefficients, limit, block, grad, param, slots=slots, lowp_dtype=lowp_dtype,
-          nesterov=self.adamw.nesterov, interpret=interpret)
-
-    # Triton where the program is lowered for a GPU, the Pallas interpreter where it
-    # runs on a CPU backend: each platform lowers only its own branch. The block is
-    # updated where it is, in one buffer (no row slices, no stacking).
-    new_block, new_master, lowp = jax.lax.platform_dependent(
-        block, grad, None if self.step.has_master else param,
-        cpu=kernel(True), default=kernel(False))
-    if self.step.has_master:
-      out_row = lowp
-    else:
-      # fp32 params are their own master: the out row is the update.
-      out_row = (new_master - param).astype(self.step.out_dtype)
+    )(block, grad, jnp.asarray(index), self.coefficients, *extra)
     return (new_block,), self.new_scalars, out_row
 
 

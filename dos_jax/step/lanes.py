@@ -15,11 +15,11 @@ host and device updates concurrent by construction (docs/design.md, rules 1 and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from dos_jax import compiler_options
 from dos_jax import lowering as lowering_lib
 from dos_jax import meshes
 from dos_jax.geometry import layout as layout_lib
@@ -56,7 +56,8 @@ def lane_count(plan, streamed_rows: int, lanes: int = 0, limit: int | None = Non
 
 
 def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,
-                           tiers: dict[Tier, tuple], built, host_work=None,
+                           tiers: dict[Tier, tuple], built,
+                           host_work: host_work_lib.HostWork | None = None,
                            barrier: bool = False, sharded_host=None, sharded_disk=None):
   """The two-memory program's tiers, host and device halves concurrent by construction,
   as `built` (`construction.Construction`) says: the host tier in host regions and the
@@ -65,70 +66,56 @@ def update_on_two_streams(context: tier_updates.StepContext, base_step: paths.Ro
   in one scheduling group with the last host call (`IN_REGION`), or stage by stage, each
   stage's regions with a host call of their own (`STAGED`, `dos_jax.step.stages`).
   Returns (new tiers, `(out rows, their pieces)` per block), as the tier-by-tier loop
-  does. `host_work()`, if given, makes the host tier's `HostWork` (early calls, a disk
-  call); by default the host tier in one call. A state sharded shard-major runs the
-  same on each device's columns (`sharded_two_streams`, `sharded_host` making each
-  device's `host_work` and `sharded_disk` its disk call; `barrier`: each region's results
-  through an optimization barrier, which that needs)."""
-  if jax.default_backend() == 'gpu':
-    compiler_options.warn_where_serial(jax.__version__, lowering_lib.checked())
+  does. `host_work`, if given, is the host tier's `HostWork` (early calls, a disk call);
+  by default the host tier in one call. A state sharded shard-major runs the same on
+  each device's columns (`sharded_two_streams`, `sharded_host` making each device's
+  `host_work` and `sharded_disk` its disk call; `barrier`: each region's results
+  through an optimization barrier, which that needs).
+
+  Each lane's rows are one stream region whose first `built.grouped_lanes` lanes join
+  the host call's scheduling group, all named as its lanes. A row's state enters a
+  lane only once the lane's previous row is back in host memory: the region runs its
+  copies one after another anyway, and XLA then counts one copy in flight for it (one
+  lane holding two rows in flight does not compile under the scheduler alone).
+  `barrier`: each region's results through an optimization barrier (inside
+  `shard_map`, read piecewise, they would each become a stream call of their own)."""
   if context.mesh is not None:
     return sharded_two_streams(context, base_step, tiers, built, sharded_host, sharded_disk)
   if host_work is None:
-    host_work = lambda: host_work_lib.of_tier(context, base_step, tiers[Tier.HOST],
-                                              built.host_native)
+    host_work = host_work_lib.of_tier(context, base_step, tiers[Tier.HOST], built.host_native)
   part = context.part
   lanes = stream_lanes(context.plan, part, count=built.lanes)
   if built.lowering is lowering_lib.Lowering.STAGED:
-    return stages.update(context, base_step, tiers, host_work(), lanes,
+    return stages.update(context, base_step, tiers, host_work, lanes,
                          native=built.device_native, pallas=built.pallas, barrier=barrier)
   group = device_stream.next_group()
-  host, outs = host_work().run_grouped(group)
+  # The host regions: the ungrouped ones, then the last host call's, in the group (as
+  # `HostWork.run_grouped`, traced here so that each kernel call sits right below).
+  for item in host_work.ungrouped:
+    item.record(item.region(link=host_work.link, **item.inputs()))
+  with device_stream.in_group(group):
+    for item in host_work.items:
+      item.record(item.region(link=host_work.link, **item.inputs()))
+  host, outs = host_work.finish()
   given = {t: partition_lib.blocks_of(tiers[t], len(part.blocks(t)))
            for t in (Tier.STREAMED, Tier.RESIDENT) if part.ids(t)}
-  new_blocks, rows = device_lanes(context, given, base_step=base_step,
-                                  native=built.device_native, lanes=lanes, group=group,
-                                  grouped=built.grouped_lanes, barrier=barrier)
-  return stages.joined(context, tiers, host, outs, new_blocks, rows)
-
-
-def device_lanes(context: tier_updates.StepContext, given: dict[Tier, list[tuple]],
-                  base_step: paths.RowStep, native: bool, lanes, group: int,
-                  grouped: int, barrier: bool = False):
-  """The device tiers' blocks `given`, lane by lane, each lane one stream region, the
-  first `grouped` of them in scheduling group `group` and all of them named as
-  its lanes. Returns ({tier: new blocks}, [((tier, block), out rows)]). A row's state
-  enters a lane only once the lane's previous row is back in host memory: the region runs its copies one after another anyway, and XLA then
-  counts one copy in flight for it (`grouped_lanes`; one lane holding two rows in
-  flight does not compile under the scheduler alone). `barrier`: each region's
-  results through an optimization barrier (inside `shard_map`, read piecewise, they
-  would each become a stream call of their own)."""
   new_blocks = {t: [None] * len(blocks) for t, blocks in given.items()}
   rows_out = []
   for lane, work in enumerate(lanes):
-
-    def lane_update(grad_leaves, blocks_in, work=work):
-      local = dataclasses.replace(context, grad_leaves=list(grad_leaves))
-      new, rows = [], []
-      for (tier, indices), arrays in zip(work, blocks_in):
-        tier_new, tier_outs = local.update_blocks(
-            tier, base_step, dict(zip(indices, arrays)), native,
-            in_flight=1)
-        new.append([tier_new[b] for b in indices])
-        rows.append([tier_outs[b][0] for b in indices])
-      return new, rows
-
-    blocks_in = [[given[tier][b] for b in indices] for tier, indices in work]
-    new, rows = device_stream.on_stream(
-        lane_update, group if lane < grouped else None,
-        stream=device_stream.STREAM + lane, lanes=group)(context.grad_leaves, blocks_in)
+    args = (context.grad_leaves, [[given[tier][b] for b in indices] for tier, indices in work])
+    lane_update = functools.partial(context.update_lane, base_step=base_step, work=work,
+                                    native=built.device_native)
+    closed, out_shape = jax.make_jaxpr(lane_update, return_shape=True)(*args)
+    new, rows = device_stream.bind(
+        closed, out_shape, args, group if lane < built.grouped_lanes else None,
+        stream=device_stream.STREAM + lane, lanes=group)
     if barrier:
       new, rows = jax.lax.optimization_barrier((new, rows))
     for (tier, indices), tier_new, tier_rows in zip(work, new, rows):
       for b, arrays, out in zip(indices, tier_new, tier_rows):
         new_blocks[tier][b] = tuple(arrays)
         rows_out.append(((tier, b), out))
-  return new_blocks, rows_out
+  return stages.joined(context, tiers, host, outs, new_blocks, rows_out)
 
 
 def sharded_two_streams(context: tier_updates.StepContext, base_step: paths.RowStep,

@@ -20,7 +20,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dos_jax import capability as capability_lib
+from dos_jax import compiler_options
 from dos_jax import lowering as lowering_lib
+from dos_jax import memory_spaces
 from dos_jax import meshes
 from dos_jax import validate as validate_lib
 from dos_jax.capability import Kernel
@@ -40,6 +42,7 @@ from dos_jax.step import host_work as host_work_lib
 from dos_jax.step.adamw_hyperparams import AdamWHyperparams
 from dos_jax.step import lanes as lanes_lib
 from dos_jax.step import paths
+from dos_jax.step import stages
 from dos_jax.step import state_init
 from dos_jax.step import tier_updates
 from dos_jax.step.options import StepOptions
@@ -74,15 +77,34 @@ def run_step(kernels: StepKernels, grad_leaves, param_leaves, state: OffloadedSt
   mesh = construction.step_mesh(sharded)  # a one-device mesh: built as unsharded
   context, base_step, built = _context(kernels, grad_leaves, param_leaves, state,
                                        grad_scale, mesh)
+  if built.two_streams and jax.default_backend() == 'gpu':
+    compiler_options.warn_where_serial(jax.__version__, lowering_lib.checked())
   disk = _DiskUpdate(context, base_step, state.disk_gen) if state.partition.disk else None
-  new_tiers, outs = _update_tiers(context, base_step, state, built, disk)
+  if built.two_streams and not built.sharded:
+    # The one construction (`lanes`), given the host tier's work: its early host calls
+    # traced here, the regions after them by the construction; the disk tier's calls last.
+    host_tier = state.tier(Tier.HOST)
+    work = early_calls.host_work(context, base_step, host_tier, state.partition.early,
+                                 built.host_columns) if built.per_block else \
+        host_work_lib.of_tier(context, base_step, host_tier, built.host_native)
+    if disk is not None:
+      work = _then_disk(work, disk, built)
+    if built.lowering is lowering_lib.Lowering.STAGED:
+      lanes = lanes_lib.stream_lanes(context.plan, context.part, count=built.lanes)
+      new_tiers, outs = stages.update(context, base_step, state.tiers, work, lanes,
+                                      native=built.device_native, pallas=built.pallas)
+    else:
+      new_tiers, outs = lanes_lib.update_on_two_streams(context, base_step, state.tiers,
+                                                        built, work)
+  else:
+    new_tiers, outs = _update_tiers(context, base_step, state, built, disk)
   disk_gen = None
   if disk is not None:
     if disk.gen is None:  # not run inside the construction
       disk()
     disk_gen, outs = disk.gen, list(outs) + disk.outs
   layout = state.layout
-  scalars = tuple(jax.device_put(x, paths.DEVICE) for x in context.new_scalars)
+  scalars = tuple(jax.device_put(x, memory_spaces.DEVICE) for x in context.new_scalars)
   new_leaves = _updates_from_leaves(
       partition_lib.leaves_from_blocks(outs, layout), layout, param_leaves,
       validate_lib.update_dtypes(layout, grad_leaves))
@@ -165,24 +187,25 @@ class _DiskUpdate:
   def __call__(self) -> None:
     self.gen, self.outs = disk_tier.update(*self._args, self.gen_in, index=self._index)
 
-  def calls(self, count: int, linked: bool) -> list:
-    """The update as `count` host items (`HostWork`), each on a consecutive run of the
-    disk subgroups, each after the call before it where `linked` (the staged lowering's
+  def calls(self, count: int, linked: bool) -> list[host_work_lib.HostItem]:
+    """The update as `count` host items, each on a consecutive run of the disk
+    subgroups, each after the call before it where `linked` (the staged lowering's
     host calls are chained; else the disk call waits for no earlier call); the next
     generation is the last call's (every call's is the same)."""
     runs = np.array_split(np.asarray(self._args[0].part.disk), max(1, count))
     self.outs = []
+    return [host_work_lib.HostItem(
+        region=functools.partial(self._region, tuple(int(i) for i in ids), linked),
+        record=self._record) for ids in runs if len(ids)]
 
-    def call(ids):
-      def item(link):
-        self.gen, outs = disk_tier.update(*self._args, self.gen_in, index=self._index,
-                                          subgroups=tuple(int(i) for i in ids),
-                                          link=link if linked else None)
-        self.outs.extend(outs)
-        return outs[0][0]  # the token the next call's link is made from
-      return item
+  def _region(self, subgroups: tuple[int, ...], linked: bool, link):
+    return disk_tier.update(*self._args, self.gen_in, index=self._index, subgroups=subgroups,
+                            link=link if linked else None)
 
-    return [call(ids) for ids in runs if len(ids)]
+  def _record(self, result):
+    self.gen, outs = result
+    self.outs.extend(outs)
+    return outs[0][0]  # the token the next call's link is made from
 
 
 class _ShardedDisk:
@@ -201,42 +224,36 @@ class _ShardedDisk:
     device's local context; `host_work` the early calls' (or None)."""
     disk = _DiskUpdate(local, step, gen, disk_tier.file_index(local.part, self.axis,
                                                               axis_names))
-    work = host_work if host_work is not None else (
-        lambda: host_work_lib.of_tier(local, step, host_tier, self.native))
+    work = host_work if host_work is not None else host_work_lib.of_tier(
+        local, step, host_tier, self.native)
     return _then_disk(work, disk, self.built), disk
 
   def done(self, new_gen) -> None:
     self.outer.gen, self.outer.outs = new_gen, []
 
 
-def _then_disk(work, disk: _DiskUpdate, built: construction.Construction):
-  """`work` (a `HostWork` maker) with the disk update after it in `built.disk_calls`
-  host calls: the longest host work, what the device tiers' lanes run beside."""
+def _then_disk(work: host_work_lib.HostWork, disk: _DiskUpdate,
+               built: construction.Construction) -> host_work_lib.HostWork:
+  """`work` with the disk update after it in `built.disk_calls` host calls: the longest
+  host work, what the device tiers' lanes run beside."""
   staged = built.lowering is lowering_lib.Lowering.STAGED
-  return lambda: work().then(*disk.calls(built.disk_calls, linked=staged))
+  return work.then(*disk.calls(built.disk_calls, linked=staged))
 
 
 def _update_tiers(context, base_step, state: OffloadedState,
                   built: construction.Construction, disk: _DiskUpdate | None = None):
-  """`(new tiers, out rows per block)`: the one construction, or tier after tier where
-  it does not apply (the one-memory program; see `construction.on_two_streams`), as
-  `built` says. The construction runs `disk` (the disk tier's call) as the host call its
-  device tiers run beside; elsewhere the caller runs it after the others."""
+  """`(new tiers, out rows per block)`: the sharded construction, or tier after tier where
+  the construction does not apply (the one-memory program; see
+  `construction.on_two_streams`), as `built` says. The sharded construction runs `disk`
+  (the disk tier's call) as the host call its device tiers run beside; tier after tier,
+  the caller runs it after the others."""
   part, options = context.part, context.options
   host_tier = state.tier(Tier.HOST)
   if built.two_streams:
-    if not built.sharded:
-      work = (functools.partial(early_calls.host_work, context, base_step, host_tier,
-                                part.early, built.host_columns) if built.per_block else
-              functools.partial(host_work_lib.of_tier, context, base_step, host_tier,
-                                built.host_native))
-      if disk is not None:
-        work = _then_disk(work, disk, built)
-      return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built, work)
     sharded_host = sharded_disk = None
     if built.per_block:  # each device's host calls by block (early ones, stages), in shard_map
-      sharded_host = lambda local, step, host: functools.partial(
-          early_calls.host_work, local, step, host, part.early, built.host_columns)
+      sharded_host = lambda local, step, host: early_calls.host_work(
+          local, step, host, part.early, built.host_columns)
     if disk is not None:  # each device's disk call, after its other host work
       sharded_disk = _ShardedDisk(disk, built.host_native, options.data_axis, built)
     return lanes_lib.update_on_two_streams(context, base_step, state.tiers, built,

@@ -31,6 +31,7 @@ tier joins the last stage's last lane.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ import numpy as np
 
 from dos_jax import capability as capability_lib
 from dos_jax import compiler_options
-from dos_jax import lowering as lowering_lib
+from dos_jax import memory_spaces
 from dos_jax.capability import Kernel
 from dos_jax.geometry import partition as partition_lib
 from dos_jax.geometry.partition import Tier
@@ -126,7 +127,10 @@ def update(context, base_step: paths.RowStep, tiers: dict[Tier, tuple], work: Ho
   for index, (stage, indices) in enumerate(zip(lay.grouped, lay.items)):
     group = device_stream.next_group()
     with device_stream.in_group(group), device_stream.late_call(index):
-      tokens = [items[i](link) for i in indices]
+      # Each item as `host_work.run` traces it, here so that each kernel call sits
+      # right below.
+      tokens = [items[i].record(items[i].region(link=link, **items[i].inputs()))
+                for i in indices]
     for lane, rows in enumerate(stage):
       if rows:
         run(rows, lane, group)
@@ -198,24 +202,24 @@ class _Kernel:
       for tier, (grad, param, limit), arrays in zip(tiers, inputs, blocks_in):
         block = arrays[0][0]
         if tier is Tier.STREAMED:
-          block = paths.put(block, paths.DEVICE)
+          block = memory_spaces.put(block, memory_spaces.DEVICE)
 
-        def kernel(interpret):
-          return lambda block, grad, param: pallas_adamw.adamw_pallas_rows_packed(
-              packed, limit, block, grad, param, slots=slots, lowp_dtype=lowp,
-              nesterov=nesterov, interpret=interpret)
-
+        kernel = functools.partial(pallas_adamw.adamw_pallas_rows_packed, packed, limit,
+                                   slots=slots, lowp_dtype=lowp, nesterov=nesterov)
         new_block, new_master, lowp_row = jax.lax.platform_dependent(
-            block, grad, param, cpu=kernel(True), default=kernel(False))
+            block, grad, param, cpu=functools.partial(kernel, interpret=True),
+            default=functools.partial(kernel, interpret=False))
         out = lowp_row if step.has_master else (new_master - param).astype(step.out_dtype)
         if tier is Tier.STREAMED:
-          new_block = paths.put(new_block, paths.HOST)
+          new_block = memory_spaces.put(new_block, memory_spaces.HOST)
         new.append((new_block[None],))
         outs.append(out[None])
       return new, outs
 
-    return device_stream.on_stream(region, group, stream=device_stream.STREAM + lane,
-                                   lanes=group)(packed, inputs, blocks_in)
+    args = (packed, inputs, blocks_in)
+    closed, out_shape = jax.make_jaxpr(region, return_shape=True)(*args)
+    return device_stream.bind(closed, out_shape, args, group,
+                              stream=device_stream.STREAM + lane, lanes=group)
 
   def _row_inputs(self, tier: Tier, b: int, arrays):
     """A one-row block's gradient row, param row (None: the state has a master) and

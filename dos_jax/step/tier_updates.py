@@ -5,7 +5,9 @@ one place that chooses the path a tier takes, and the small function of each pat
 tier's new arrays and output rows (`update_tier`). The path of a tier is chosen once,
 by `choose_path`, from the program (`Program`: one memory, or the two-memory program
 with its host and device memories), the tier and the implementation asked for; each
-`Path` has one method here, which calls the loops of `paths` or the kernels of `kernel_calls`.
+`Path` has one method here, which runs the row loop (`row_loop`, one `paths.RowStep`
+per row) or the kernels of `kernel_calls`. A stream lane's blocks are one call
+(`update_lane`), traced inside the lane's stream region.
 The step's AdamW scalars are computed once (`StepContext.adam_scalars`) and handed to
 every kernel call.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -167,30 +169,48 @@ class StepContext:
     among `given` is back in host memory.
     """
     in_flight = self.plan.buffers if in_flight is None else in_flight
-    update = self._path_update(choose_path(self.program, tier, native, self.mesh is not None))
-    blocks = self.part.blocks(tier)
     order = sorted(given)
     if tier is Tier.STREAMED and len(order) > 1:
       order = [b for b in partition_lib.stream_order(self.part, self.plan.streamed)
                if b in given]
-    new, outs, done = {}, {}, []
-    for b in order:
-      ids, block = blocks[b], given[b]
-      if tier is Tier.STREAMED and len(done) >= in_flight:
-        block, _ = lax.optimization_barrier((block, new[done[-in_flight]]))
-      step = self.block_step(base_step, ids)
-      runs = partition_lib.pieces_of(self.layout, ids)
-      new[b], out = update(step, block, ids, runs)
-      outs[b] = (out, runs)
-      done.append(b)
-    return new, outs
+    (new,), (outs,) = self.update_lane(self.grad_leaves, [[given[b] for b in order]],
+                                       base_step=base_step, work=[(tier, order)],
+                                       native=native, in_flight=in_flight)
+    blocks = self.part.blocks(tier)
+    return dict(zip(order, new)), {
+        b: (out, partition_lib.pieces_of(self.layout, blocks[b])) for b, out in zip(order, outs)}
+
+  def update_lane(self, grad_leaves, blocks_in, *, base_step: paths.RowStep, work,
+                  native: bool, in_flight: int = 1):
+    """The blocks of one stream lane (`lanes.stream_lanes`): `work` its `[(tier, block
+    indices)]`, `blocks_in` their arrays (a list per entry), `grad_leaves` the step's
+    gradient leaves (passed in, as a stream region's inputs are). Returns (new arrays,
+    out rows on the device), a list per entry of `work`. Each streamed block's state
+    enters only once the block `in_flight` before it is back in host memory."""
+    local = dataclasses.replace(self, grad_leaves=list(grad_leaves))
+    new, rows = [], []
+    for (tier, indices), arrays in zip(work, blocks_in):
+      update = local.path_update(choose_path(self.program, tier, native, self.mesh is not None))
+      blocks = self.part.blocks(tier)
+      tier_new, tier_rows = [], []
+      for b, block in zip(indices, arrays):
+        if tier is Tier.STREAMED and len(tier_new) >= in_flight:
+          block, _ = lax.optimization_barrier((block, tier_new[-in_flight]))
+        ids = blocks[b]
+        block, out = update(local.block_step(base_step, ids), block, ids,
+                            partition_lib.pieces_of(self.layout, ids))
+        tier_new.append(block)
+        tier_rows.append(out)
+      new.append(tier_new)
+      rows.append(tier_rows)
+    return new, rows
 
   def block_step(self, base_step: paths.RowStep, ids) -> paths.RowStep:
     """The row update of the block holding subgroups `ids` (its weight-decayed rows)."""
     return dataclasses.replace(
         base_step, decayed_rows=sum(1 for g in ids if g < self.layout.decayed_rows))
 
-  def _path_update(self, path: Path):
+  def path_update(self, path: Path):
     """The method that updates a block on `path`."""
     match path:
       case Path.ONE_MEMORY_NATIVE:
@@ -254,9 +274,8 @@ class StepContext:
     on_host = self.part.tier_of(ids[0]) is Tier.HOST
     if on_host:
       grads, params, out = memory_spaces.to_host((grads, params, out))
-    arrays, out = paths.resident_loop(range(arrays[0].shape[0]), step, stacked=arrays,
-                                      scalars=self.scalars, grads=grads, params=params,
-                                      out=out)
+    arrays, out = row_loop(range(arrays[0].shape[0]), step, stacked=arrays,
+                           scalars=self.scalars, grads=grads, params=params, out=out)
     return arrays, jax.device_put(out, memory_spaces.DEVICE) if on_host else out
 
   def _host_native(self, step, arrays, ids, runs):
@@ -287,11 +306,33 @@ class StepContext:
     return memory_spaces.put(arrays, memory_spaces.HOST), jax.device_put(out, memory_spaces.DEVICE)
 
   def _host_xla(self, step, arrays, ids, runs):
+    """Every row of the host tier in a host region (XLA's loop there), on gradient
+    pieces in host memory, assembled into rows there; only the new low-precision
+    parameter rows go back to the device."""
     grad_pieces, param_pieces = self._host_pieces(ids, runs)
-    arrays, out = paths.host_region_update(
-        step, stacked=arrays, scalars=self.scalars, grad_pieces=grad_pieces,
-        param_pieces=param_pieces, runs=runs, grad_dtype=self.grad_dtype,
-        inputs_sink=self.host_inputs, shards=self.layout.shards)
+    num_rows, _, size = arrays[0].shape
+    shards, grad_dtype = self.layout.shards, self.grad_dtype
+    # Every input of a host region must already be in host memory.
+    scale = step.grad_scale
+    scalars, scale = memory_spaces.to_host(self.scalars), (
+        None if scale is None else memory_spaces.to_host(scale))
+
+    def update(stacked, scalars, grad_pieces, param_pieces, scale):
+      grads = partition_lib.assemble(grad_pieces, runs, num_rows, size, grad_dtype, shards)
+      params = None
+      if param_pieces is not None:
+        params = partition_lib.assemble(param_pieces, runs, num_rows, size, step.state_dtype,
+                                        shards)
+      # The out buffer is made from a host array (a zeros constant would be device
+      # memory); every row of it is overwritten.
+      out = grads.astype(step.out_dtype)
+      return row_loop(tuple(range(num_rows)), dataclasses.replace(step, grad_scale=scale),
+                      stacked=stacked, scalars=scalars, grads=grads, params=params, out=out)
+
+    # Everything the region reads but the state (see `gate`).
+    self.host_inputs.extend(jax.tree.leaves((scalars, grad_pieces, param_pieces, scale)))
+    arrays, out = memory_spaces.host_region(update)(arrays, scalars, grad_pieces, param_pieces,
+                                                    scale)
     return memory_spaces.put(arrays, memory_spaces.HOST), jax.device_put(out, memory_spaces.DEVICE)
 
   def streamed(self, step, arrays, ids, runs):
@@ -301,16 +342,15 @@ class StepContext:
     local = {g: i for i, g in enumerate(ids)}
     order = tuple(local[g] for g in self.plan.streamed if g in local)
     out = jnp.zeros(grads.shape, step.out_dtype)
-    return paths.streamed_loop(order, self._device_step(step), stacked=arrays,
-                               scalars=self.scalars, grads=grads, params=params, out=out)
+    return row_loop(order, self._device_step(step), stacked=arrays, scalars=self.scalars,
+                    grads=grads, params=params, out=out, fetch=True)
 
   def _resident(self, step, arrays, ids, runs):
     del ids
     grads, params = self.device_rows(step, arrays, runs)
     out = jnp.zeros(grads.shape, step.out_dtype)
-    return paths.resident_loop(range(arrays[0].shape[0]), self._device_step(step),
-                               stacked=arrays, scalars=self.scalars, grads=grads,
-                               params=params, out=out)
+    return row_loop(range(arrays[0].shape[0]), self._device_step(step), stacked=arrays,
+                    scalars=self.scalars, grads=grads, params=params, out=out)
 
   # What the paths share.
 
@@ -360,6 +400,50 @@ class StepContext:
                                    mesh=self.mesh if sharded else None,
                                    axis=self.options.data_axis if sharded else None)
     return step
+
+
+def _row(x: jax.Array, i) -> jax.Array:
+  return lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _set_row(x: jax.Array, row: jax.Array, i) -> jax.Array:
+  return lax.dynamic_update_index_in_dim(x, row.astype(x.dtype), i, 0)
+
+
+def _row_index(order: tuple[int, ...], j):
+  """The row updated at loop position `j` (a Python int or a traced one)."""
+  if isinstance(j, int):
+    return order[j]
+  if order == tuple(range(len(order))):
+    return j
+  return jnp.asarray(order, jnp.int32)[j]
+
+
+def row_loop(order: Sequence[int], step, *, stacked, scalars, grads, params, out,
+             fetch: bool = False):
+  """Updates the rows `order` of a block with `step` (a `paths.RowStep` or the device
+  kernel's), each row written back in place; returns (stacked, out). `grads`, `params`
+  and `out` are the block's `(R, S)` rows. `fetch`: the state stays in host memory
+  (a streamed block): each row is copied host -> device, updated and copied back, one
+  after the other; else it is updated where it is (resident in device memory, in a
+  host region, or any tier of a CPU program). A `fori_loop` keeps the compile time
+  independent of the number of rows."""
+  order = tuple(order)
+
+  def body(j, carry):
+    stacked, out = carry
+    i = _row_index(order, j)
+    blocks = tuple(_row(x, i) for x in stacked)
+    if fetch:
+      blocks = memory_spaces.put(blocks, memory_spaces.DEVICE)
+    param = None if params is None else _row(params, i)
+    new_blocks, _, out_row = step(blocks, scalars, _row(grads, i), param, i)
+    if fetch:
+      new_blocks = memory_spaces.put(new_blocks, memory_spaces.HOST)
+    stacked = tuple(_set_row(x, b, i) for x, b in zip(stacked, new_blocks))
+    return stacked, _set_row(out, out_row, i)
+
+  return lax.fori_loop(0, len(order), body, (stacked, out))
 
 
 def host_rows(layout: layout_lib.Layout, ids, leaves: list[Any], dtype,

@@ -127,9 +127,14 @@ def offloaded(
     where = state_init.placement(None if sharded is None else sharded.mesh, offload.data_axis)
     if grad_scale is not None:
       grad_scale = jnp.asarray(grad_scale, layout.state_dtype)
-    body = functools.partial(program_lib.run_step, kernels, sharded=sharded, where=where)
-    new_leaves, new_state = _run(body, grad_leaves, param_leaves, state, grad_scale,
-                                 offload.data_axis)
+    explicit = meshes.explicit_mesh(grad_leaves + (param_leaves or []))
+    if explicit is None:
+      new_leaves, new_state = program_lib.run_step(
+          kernels, grad_leaves, param_leaves, state, grad_scale, sharded=sharded, where=where)
+    else:
+      body = functools.partial(program_lib.run_step, kernels, sharded=sharded, where=where)
+      new_leaves, new_state = _in_auto_axes(explicit, body, grad_leaves, param_leaves, state,
+                                            grad_scale, offload.data_axis)
     # The updates take the structure of the updates given (optax's convention), not
     # the init-time one: node types may differ (nnx.Param at init, arrays here).
     return jax.tree.structure(updates).unflatten(new_leaves), new_state
@@ -137,14 +142,12 @@ def offloaded(
   return clipping.mark_offloaded(optax.GradientTransformationExtraArgs(init_fn, update_fn))
 
 
-def _run(body, grad_leaves, param_leaves, state: OffloadedState, grad_scale, data_axis: str):
-  """`body(grad_leaves, param_leaves, state, grad_scale)`; under a mesh with Explicit
-  axes (sharding in types), inside `auto_axes`: the packing concatenates leaves sharded
-  unlike each other, which Explicit axes refuse; there XLA chooses, as with Auto axes."""
-  explicit = meshes.explicit_mesh(grad_leaves + (param_leaves or []))
-  if explicit is None:
-    return body(grad_leaves, param_leaves, state, grad_scale)
-
+def _in_auto_axes(explicit, body, grad_leaves, param_leaves, state: OffloadedState,
+                  grad_scale, data_axis: str):
+  """`body(grad_leaves, param_leaves, state, grad_scale)` under a mesh with Explicit axes
+  (sharding in types, `explicit`), inside `auto_axes`: the packing concatenates leaves
+  sharded unlike each other, which Explicit axes refuse; there XLA chooses, as with
+  Auto axes."""
   def spec(leaf):
     return getattr(getattr(jax.typeof(leaf), 'sharding', None), 'spec', P())
 
