@@ -17,11 +17,10 @@ import pytest
 
 from dos_jax import model_shapes
 from dos_jax.train import hf, model
+from tests import hf_imports
 
 pytestmark = pytest.mark.hf
-torch = pytest.importorskip('torch', reason='the hf tests need the `hf` extra (torch CPU)')
-transformers = pytest.importorskip(
-    'transformers', reason='the hf tests need the `hf` extra (transformers)')
+torch, transformers = hf_imports.import_transformers()
 
 VOCAB = 300
 LLAMA3_SCALING = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,

@@ -19,11 +19,10 @@ import pytest
 from dos_jax import cli
 from dos_jax.train import config, data, hf, hf_export, trainer
 from dos_jax.train.progress import read_metrics
+from tests import hf_imports
 
 pytestmark = pytest.mark.hf
-torch = pytest.importorskip('torch', reason='the hf tests need the `hf` extra (torch CPU)')
-transformers = pytest.importorskip(
-    'transformers', reason='the hf tests need the `hf` extra (transformers)')
+torch, transformers = hf_imports.import_transformers()
 tokenizers = pytest.importorskip('tokenizers', reason='the hf tests need tokenizers')
 
 from tests.test_hf import make_reference  # pylint: disable=wrong-import-position
