@@ -71,9 +71,19 @@ def compile_step(cfg, target: str = 'h100_sxm', *, devices=None, **kwargs):
   folder (tests/conftest.py), which the xdist workers share; a lock per program lets
   one worker compile it while another waiting for the same program reads it after."""
   from tests.tooling import gpu_program  # pylint: disable=import-outside-toplevel
+  skip_without_cudnn(cfg)
   key = repr((cfg, target, len(devices) if devices else 1, sorted(kwargs.items(), key=str),
               jax.__version__))
   return _once(key, lambda: gpu_program.compile_step(cfg, target, devices=devices, **kwargs))
+
+
+def skip_without_cudnn(cfg) -> None:
+  """Skips the test where `cfg` asks for cuDNN's attention and this machine's CUDA
+  plugin cannot compile it without a GPU (`model.attention: auto` takes XLA's there,
+  `gpu_program.attention_for`)."""
+  compiles, why = dataflow.compile.cudnn_compiles_here()
+  if cfg.model.attention == 'cudnn' and not compiles and jax.default_backend() != 'gpu':
+    pytest.skip(why)
 
 
 def _once(key: str, build):

@@ -8,6 +8,7 @@ every kernel is held to.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -188,17 +189,36 @@ def _reference_trajectory(hyper, master, grads, decay_limit):
   return out
 
 
+def _divides_by_a_product(hlo: str) -> bool:
+  """Whether a compiled program divides by a product: XLA's algebraic simplifier turned
+  (m / bc1) / (sqrt(.) + eps) into m / (bc1 * (sqrt(.) + eps))."""
+  products = set(re.findall(r'(%[\w.-]+) = \S+ multiply\(', hlo))
+  return any(d in products for d in re.findall(r'= \S+ divide\(%[\w.-]+, (%[\w.-]+)\)', hlo))
+
+
 @pytest.mark.parametrize('decay', [True, False])
 def test_reference_matches_optax_bit_for_bit(decay, seed):
-  # On one flat leaf the jitted reference is the same XLA program as optax's.
+  # On one flat leaf the jitted reference is the same XLA program as optax's, where XLA
+  # keeps optax's order of divisions (jax 0.10 to 0.12.0); jax 0.12.1's XLA also rewrites
+  # the one-leaf program's divisions (as it does two leaves',
+  # test_reference_vs_optax_with_a_decay_boundary): there, the rewrite is read from
+  # optax's compiled program and the tolerance is that test's.
   hyper, size = Hyper(), 1003
   rng = np.random.default_rng(seed)
   master = random_state(rng, size)[0]
   grads = [random_grad(rng, size) for _ in range(3)]
   limit = size if decay else 0
   expected = optax_trajectory(hyper, master, grads, limit)
+  opt = optax.adamw(hyper.lr, hyper.b1, hyper.b2, hyper.eps, hyper.eps_root,
+                    weight_decay=hyper.weight_decay if decay else 0.0)
+  optax_hlo = jax.jit(lambda p, s, g: opt.update(g, s, p)).lower(
+      master, opt.init(master), grads[0]).compile().as_text()
+  rewritten = _divides_by_a_product(optax_hlo)
   for got, want in zip(_reference_trajectory(hyper, master, grads, limit), expected):
-    assert_trees_equal(got, want)
+    if rewritten:
+      assert_close_to_optax(got, want, hyper.lr)
+    else:
+      assert_trees_equal(got, want)
 
 
 def test_reference_vs_optax_with_a_decay_boundary(seed):

@@ -22,6 +22,7 @@ XLA's host loop, as it would on a GPU where the kernel cannot be registered.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import tempfile
@@ -110,6 +111,22 @@ def gpu_compiler_available() -> tuple[bool, str]:
     _topology(GpuTarget.H100_SXM)
   except GpuCompilerUnavailable as e:
     return False, str(e)
+  return True, ''
+
+
+def cudnn_compiles_here() -> tuple[bool, str]:
+  """(whether the CUDA plugin compiles cuDNN fusions, such as cuDNN's attention, on this
+  machine without a GPU; why not). The jax 0.12.1 plugin compiles them with cuDNN's
+  runtime-compiled engines, which load only where a GPU driver (libcuda.so.1) does;
+  0.11.2 and 0.12.0.1 compile them without one."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if tuple(jax.__version_info__[:3]) < (0, 12, 1):
+    return True, ''
+  try:
+    ctypes.CDLL('libcuda.so.1')
+  except OSError:
+    return False, (f'the jax {jax.__version__} CUDA plugin compiles cuDNN fusions (cuDNN '
+                   'attention) only where a GPU driver (libcuda.so.1) loads')
   return True, ''
 
 

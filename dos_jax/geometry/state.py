@@ -162,7 +162,7 @@ def to_memory(x: jax.Array, tier: Tier) -> jax.Array:
   resident = tier is Tier.RESIDENT
   if isinstance(x, jax.core.Tracer):
     return jax.device_put(x, memory_spaces.DEVICE if resident else memory_spaces.HOST)
-  return jax.device_put(x, x.sharding.with_memory_kind(tier.memory_kind))
+  return memory_spaces.copy_to(x, x.sharding.with_memory_kind(tier.memory_kind))
 
 
 def _key_name(key: Any) -> str:

@@ -65,6 +65,18 @@ def _flatten_states(opt_state: Any):
   return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
 
 
+def attention_for(cfg: RunConfig, platform: str = 'gpu') -> str:
+  """`cfg.model.attention` resolved for a program built for `platform`: 'auto' as on
+  that platform, but XLA's attention for a GPU program compiled here with no GPU where
+  the plugin cannot compile cuDNN's (`compile.cudnn_compiles_here`). An explicit 'cudnn'
+  is kept (its compile then fails with the plugin's reason)."""
+  attention = cfg.model.attention_impl(platform)
+  if (cfg.model.attention == 'auto' and attention == 'cudnn' and platform == 'gpu'
+      and jax.default_backend() != 'gpu' and not compile_lib.cudnn_compiles_here()[0]):
+    return 'xla'
+  return attention
+
+
 def build_step(cfg: RunConfig, devices=None, compiler_options: Any = None,
                platform: str = 'gpu', *, abstract: bool | None = None,
                profile: HardwareProfile | None = None) -> StepProgram:
@@ -77,8 +89,8 @@ def build_step(cfg: RunConfig, devices=None, compiler_options: Any = None,
   and traced told them (`step.told_options`); None: lower it inside
   `dos_jax.compiled_with(options)` of the options it is compiled with (`compile_step`
   does), else it is traced for XLA's default limit on asynchronous calls."""
-  cfg = dataclasses.replace(
-      cfg, model=dataclasses.replace(cfg.model, attention=cfg.model.attention_impl(platform)))
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+      cfg.model, attention=attention_for(cfg, platform)))
   devices = list(jax.devices()[:1] if devices is None else devices)
   mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   mesh_lib.check_divisible(mesh, cfg.data.batch_size)
