@@ -21,6 +21,10 @@ from typing import Any
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+# Imported now, not on first use: Pallas's interpret mode imports it at a kernel's first
+# run, and the option it registers is part of jit's trace context on jax 0.12, so a jitted
+# step traced before that run would compile again at its next call.
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401  pylint: disable=unused-import
 import jax.numpy as jnp
 
 from dos_jax.kernels import adamw_scalars

@@ -144,6 +144,30 @@ def test_donated_steps_across_plan_changes_keep_optax_math_and_compile_once_per_
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_first_step_compiles_once_with_the_pallas_kernel(seed):
+  """The streamed rows' Pallas AdamW (interpret mode here) runs for the first time inside
+  the first step: nothing that first run loads may change jit's trace context (on jax
+  0.12 Pallas's fuser registers an option there), or the second step compiles again."""
+  ours, ref = make_pair(dos_jax.Stride(2), platform='gpu')
+  params = jax.device_put(random_tree(seed), jax.devices()[0])
+  ref_params = jax.tree.map(jnp.copy, params)
+  state, ref_state = ours.init(params), ref.init(ref_params)
+
+  def step(p, s, g):
+    u, s = ours.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  ref_step = jit_step(ref)
+  for i in range(3):
+    grads = random_grads(params, i, seed)
+    params, state = step(params, state, grads)
+    ref_params, ref_state = ref_step(ref_params, ref_state, grads)
+  assert step._cache_size() == 1  # pylint: disable=protected-access
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_traced_step_refuses_a_state_laid_out_for_another_plan(seed):
   ours, _ = make_pair(dos_jax.AllHost(), platform='gpu')
   params = random_tree(seed)
