@@ -1,6 +1,6 @@
 """The two memories of a step and the host-compute region: `HOST` and `DEVICE`, copies
-between them (`put`, `to_host`) and `host_region`, a computation XLA runs on the host
-(`compute_on('device_host')`), on jax 0.10 and 0.11+ alike.
+between them (`put`, `to_host`; `copy_to` outside jit) and `host_region`, a computation
+XLA runs on the host (`compute_on('device_host')`), on jax 0.10 and 0.11+ alike.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -80,7 +80,7 @@ def to_host(tree: Any) -> Any:
 def copy_to(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
   """`x` (a concrete array) copied to `sharding`, its memory kind included.
 
-  On the CPU backend by a jitted identity: jax 0.12.1's CPU runtime refuses the direct
+  On the CPU backend by a jitted `device_put`: jax 0.12.1's CPU runtime refuses the direct
   copy of a buffer that a jitted program wrote to host memory ("Unsupported layout used
   for PjRt CPU buffers").
 
