@@ -92,12 +92,12 @@ def copy_to(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
   """
   if jax.default_backend() != 'cpu':
     return jax.device_put(x, sharding)
-  return _identity_to(sharding)(x)
+  return _jitted_copy_to(sharding)(x)
 
 
 @functools.cache
-def _identity_to(sharding: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
-  # The copy by memory space inside: an identity alone keeps the input's memory space
+def _jitted_copy_to(sharding: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
+  # The copy by memory space inside: a jitted identity keeps the input's memory space
   # in the result's type on jax 0.12.1.
   space = DEVICE if sharding.memory_kind in (None, 'device') else HOST
   return jax.jit(lambda x: jax.device_put(x, space), out_shardings=sharding)
